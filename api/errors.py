@@ -1,0 +1,171 @@
+"""The REST API's exception tree, and the one place that turns any error into HTTP.
+
+Handlers raise; they never build error bodies. The server catches everything at its edge
+and asks :func:`error_response_parts` for the status and JSON body, so the spec's two body
+shapes (and the rule that tracebacks never reach a client) live in exactly one module::
+
+    InclavateError
+    └── ApiError                  a request that cannot be served; carries its status
+        ├── BadRequest            400  {"error": "..."}
+        ├── Forbidden             403
+        ├── NotFound              404
+        ├── Conflict              409
+        ├── UnknownModel          422
+        ├── PayloadTooLarge       413
+        ├── ServiceUnavailable    503
+        └── MediaError            400 or 413, the media envelope (see MediaCode)
+
+Errors from other packages are not ApiErrors; :func:`register` maps their types to a status
+(``ModelNotFound`` -> 422 and ``ConfigError`` -> 400 are registered here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from inclavate.errors import ConfigError, InclavateError, ModelNotFound
+
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "Conflict",
+    "Forbidden",
+    "MediaCode",
+    "MediaError",
+    "NotFound",
+    "PayloadTooLarge",
+    "ServiceUnavailable",
+    "UnknownModel",
+    "error_response_parts",
+    "register",
+]
+
+
+class ApiError(InclavateError):
+    """A request the API refuses; subclasses fix the status, the message is for the client."""
+
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> dict[str, Any]:
+        """The spec's general error shape ("Error Format")."""
+        return {"error": self.message}
+
+
+class BadRequest(ApiError):
+    status = 400
+
+
+class Forbidden(ApiError):
+    status = 403
+
+
+class NotFound(ApiError):
+    status = 404
+
+
+class Conflict(ApiError):
+    status = 409
+
+
+class UnknownModel(ApiError):
+    status = 422
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+
+
+class ServiceUnavailable(ApiError):
+    status = 503
+
+
+class MediaCode(StrEnum):
+    """The stable ``type``/``code`` values of the media envelope; clients may switch on them.
+
+    Add a value only for a failure a client would handle differently; reword messages freely.
+    """
+
+    UNSUPPORTED_MODALITY = "unsupported_modality"
+    """The model (or this server, for whole video files) cannot take this kind of input."""
+    UNSUPPORTED_MEDIA_SOURCE = "unsupported_media_source"
+    """A remote http(s) URL, file URL or local path where a base64 data URL is required."""
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    """A MIME type or audio format outside the accepted list."""
+    INVALID_MEDIA = "invalid_media"
+    """A malformed part, data URL or base64, a header that cannot be read, a declared type
+    that the magic bytes contradict, or frames out of order."""
+    TOO_MANY_PARTS = "too_many_parts"
+    """More content parts per request, or frames per video part, than the limits allow."""
+    TOO_MANY_MEDIA = "too_many_media"
+    """More media items (images, audio clips, videos) per request than the limits allow."""
+    MEDIA_TOO_LARGE = "media_too_large"
+    """Encoded bytes, megapixels or audio duration over a limit; the only 413."""
+
+    @property
+    def status(self) -> int:
+        return 413 if self is MediaCode.MEDIA_TOO_LARGE else 400
+
+
+class MediaError(ApiError):
+    """Media validation and capability failures, in the spec's envelope shape."""
+
+    def __init__(self, code: MediaCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+    @property
+    def status(self) -> int:  # type: ignore[override]  # per instance: depends on the code
+        return self.code.status
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.code.value,
+                "param": self.param,
+                "code": self.code.value,
+            }
+        }
+
+
+_Render = Callable[[BaseException], str]
+_registry: dict[type[BaseException], tuple[int, _Render]] = {}
+
+
+def register(exc_type: type[BaseException], status: int, *, message: _Render = str) -> None:
+    """Map a foreign (non-ApiError) exception type to a status and a client message.
+
+    Lookup follows the raised type's MRO, so the most specific registration wins. Pass a
+    ``message`` that hides detail for errors whose text may carry internals (peer addresses,
+    file paths); the default shows ``str(exc)``.
+    """
+    if issubclass(exc_type, ApiError):
+        raise TypeError(f"{exc_type.__name__} is an ApiError; it already carries its status")
+    _registry[exc_type] = (status, message)
+
+
+register(ModelNotFound, UnknownModel.status)
+register(ConfigError, BadRequest.status)
+
+
+def error_response_parts(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and JSON body for any exception a handler let escape."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.body()
+    for cls in type(exc).__mro__:
+        entry = _registry.get(cls)
+        if entry is not None:
+            status, render = entry
+            return status, {"error": render(exc)}
+    if isinstance(exc, InclavateError):
+        # Ours but unmapped: name the class so a bug report is actionable, keep the text
+        # (which may hold paths or peer addresses) out of the response.
+        return 500, {"error": f"internal error ({type(exc).__name__})"}
+    return 500, {"error": "internal error"}

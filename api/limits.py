@@ -1,0 +1,56 @@
+"""Request size limits of the chat endpoints, with the spec's numbers ("Limits") as defaults.
+
+One frozen value so the HTTP and /ws/chat paths (and tests) share the same numbers and a
+deployment can tighten them in one place. Megapixels are decimal (10**6 pixels), as cameras
+and the spec mean them; byte sizes are binary MiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from api.errors import PayloadTooLarge
+from inclavate.errors import ConfigError
+
+__all__ = ["MIB", "RequestLimits"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Every limit is inclusive: a value equal to the limit is accepted."""
+
+    max_body_bytes: int = 24 * MIB
+    """Raw request body; the server checks it before decoding JSON."""
+    max_content_parts: int = 64
+    """Content-array elements over all messages (string content counts none)."""
+    max_media_items: int = 16
+    """Images, audio clips and videos over all messages; a video counts once, frames or file."""
+    max_frames_per_video: int = 16
+    max_decoded_frames_per_file: int = 240
+    """A cap for the server-side video decoder, not a reason to refuse a request."""
+    max_item_bytes: int = 8 * MIB
+    """Decoded (not base64) bytes of one image, frame, audio clip or video file."""
+    max_total_media_bytes: int = 16 * MIB
+    max_image_pixels: int = 16_000_000
+    """Per image, video frames included."""
+    max_total_pixels: int = 32_000_000
+    """Over all images and video frames of a request: it bounds the vision encoder's work."""
+    max_audio_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(
+                    f"request limit {f.name} must be a positive number, got {value!r}"
+                )
+
+    def check_body_size(self, nbytes: int) -> None:
+        """Refuse a body before reading it into JSON, so a huge upload costs no parsing."""
+        if nbytes > self.max_body_bytes:
+            raise PayloadTooLarge(
+                f"request body is {nbytes} bytes; the limit is {self.max_body_bytes} "
+                f"({self.max_body_bytes // MIB} MiB)"
+            )

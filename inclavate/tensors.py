@@ -1,0 +1,87 @@
+"""How hidden states are packed to cross a process boundary.
+
+Engines compute in float32; between stages the residual stream travels as float16 by
+default, which halves prefill bandwidth and, on the models measured (shared/NOTES.md),
+changes first-step logits by ~1e-3..1e-2 while greedy tokens still agree. float32 is
+bit-exact and costs little for a decode step (one row of ``d_model`` floats), so the
+precision is a per-link setting. A value that does not fit float16 (|x| > 65504) would
+arrive as infinity and poison every later layer, so such a tensor falls back to a wider
+type instead: bfloat16 keeps float32's range at float16's size, float32 keeps everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+WireDType = Literal["f16", "bf16", "f32"]
+WIRE_DTYPES: tuple[WireDType, ...] = ("f16", "bf16", "f32")
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+_ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4}
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    dtype: WireDType
+    shape: tuple[int, ...]
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+class TensorDecodeError(ValueError):
+    """The bytes do not describe a tensor of the declared dtype and shape."""
+
+
+def choose_wire_dtype(x: np.ndarray, preferred: WireDType, fallback: WireDType = "f32") -> WireDType:
+    """Keep ``preferred`` unless it would overflow; ``fallback`` must hold float32's range."""
+    if preferred == "f16" and x.size and float(np.abs(x).max()) > FLOAT16_MAX:
+        return fallback
+    return preferred
+
+
+def encode(x: np.ndarray, preferred: WireDType = "f16", fallback: WireDType = "f32") -> EncodedTensor:
+    """Pack a float32 array, widening the dtype if ``preferred`` cannot hold its values."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    dtype = choose_wire_dtype(x, preferred, fallback)
+    if dtype == "f32":
+        data = x.tobytes()
+    elif dtype == "f16":
+        data = x.astype(np.float16).tobytes()
+    else:
+        data = _to_bfloat16(x).tobytes()
+    return EncodedTensor(dtype, tuple(int(d) for d in x.shape), data)
+
+
+def decode(t: EncodedTensor) -> np.ndarray:
+    """Unpack to a float32 array of the declared shape."""
+    if t.dtype not in _ITEMSIZE:
+        raise TensorDecodeError(f"unknown tensor dtype {t.dtype!r}")
+    count = int(np.prod(t.shape)) if t.shape else 1
+    if count * _ITEMSIZE[t.dtype] != len(t.data):
+        raise TensorDecodeError(
+            f"{len(t.data)} bytes cannot hold a {t.dtype} tensor of shape {list(t.shape)}"
+        )
+    if t.dtype == "f32":
+        out = np.frombuffer(t.data, dtype=np.float32).copy()
+    elif t.dtype == "f16":
+        out = np.frombuffer(t.data, dtype=np.float16).astype(np.float32)
+    else:
+        raw = np.frombuffer(t.data, dtype=np.uint16).astype(np.uint32) << 16
+        out = raw.view(np.float32)
+    return out.reshape(t.shape)
+
+
+def _to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounding to nearest even (plain truncation biases toward 0)."""
+    bits = x.view(np.uint32)
+    rounding = 0x7FFF + ((bits >> 16) & 1)
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # rounding could carry a NaN's payload into infinity
+        out[nan] = 0x7FC0
+    return out

@@ -1,0 +1,147 @@
+"""The contract every layer engine (llama.cpp, later MLX) implements.
+
+An engine holds layers ``[start, end)`` of one model and runs *batches*: one or more
+sessions' items decoded together, which is how a stage serves many conversations with one
+pass over its weights. Engines are synchronous and not thread-safe; the stage worker that
+owns one calls it from a single ``trio.to_thread.run_sync`` at a time.
+
+Positions are explicit so the engine can check the caller's view of a session against its
+own KV cache: an item must start where the session's cache ends, or earlier to rewind (the
+cache beyond ``start_pos`` is discarded first; failover replays a session this way).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from inclavate.types import LayerRange, ModelId, SessionId
+
+
+def default_threads() -> int:
+    """Physical-ish core count: llama.cpp's CPU kernels do not gain from hyperthreads."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, count or 1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Per-engine resources. Every stage of a chain must use the same ``context_length``:
+    some architectures (phi3 longrope) choose rope factors from it."""
+
+    n_threads: int = field(default_factory=default_threads)
+    context_length: int = 2048
+    """Most positions one session may hold."""
+    max_sessions: int = 8
+    """Sequence slots; the KV cache is sized ``context_length * max_sessions``."""
+    n_batch: int = 512
+    """Most tokens per llama.cpp decode call; longer batches are split."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_threads", "context_length", "max_sessions", "n_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+@dataclass(frozen=True, eq=False)
+class BatchItem:
+    """One session's slice of a batch: token ids on the first range, hidden states after it."""
+
+    session_id: SessionId
+    start_pos: int
+    tokens: np.ndarray | None = None
+    """int32, shape (n,)."""
+    hidden: np.ndarray | None = None
+    """float32, shape (n, d_model)."""
+
+    @property
+    def n_tokens(self) -> int:
+        if self.tokens is not None:
+            return int(self.tokens.shape[0])
+        assert self.hidden is not None
+        return int(self.hidden.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class StageOutput:
+    """What one item produced: hidden states for the next range, or the last token's logits."""
+
+    session_id: SessionId
+    hidden: np.ndarray | None = None
+    """float32 (n, d_model) when this range is not the last."""
+    logits: np.ndarray | None = None
+    """float32 (n_vocab,) of the item's last position when this range is the last."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_id: ModelId
+    layers: LayerRange
+    n_layers: int
+    d_model: int
+    n_vocab: int
+    arch: str
+
+    @property
+    def is_first(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layers.end == self.n_layers
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    weights_bytes: int
+    """Bytes of the weights this range computes with (its blocks, plus embeddings/head if used)."""
+    kv_cache_bytes: int
+    """Bytes reserved for the KV cache of every session slot."""
+    sessions: int
+    """Live sessions holding a sequence slot."""
+
+    @property
+    def total_mb(self) -> int:
+        return (self.weights_bytes + self.kv_cache_bytes) // (1024 * 1024)
+
+
+class LayerEngine(abc.ABC):
+    """Runs one contiguous layer range; see the module docstring for the contract."""
+
+    info: EngineInfo
+    config: EngineConfig
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    @abc.abstractmethod
+    def forward(self, items: list[BatchItem]) -> list[StageOutput]:
+        """Run every item through this range in as few backend calls as possible.
+
+        Items must belong to distinct sessions; outputs come back in the same order.
+        """
+
+    @abc.abstractmethod
+    def close_session(self, session_id: SessionId) -> bool:
+        """Free the session's KV cache and slot; False if it held none."""
+
+    @abc.abstractmethod
+    def session_length(self, session_id: SessionId) -> int:
+        """Positions cached for the session (0 for an unknown session)."""
+
+    @abc.abstractmethod
+    def memory(self) -> MemoryReport: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free every session and the model; the engine is unusable afterwards."""
+
+    def __enter__(self) -> LayerEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,438 @@
+"""A layer range on llama.cpp, through llama-cpp-python's low-level C API, unpatched.
+
+How a range runs (measured in shared/NOTES.md):
+
+* the model file is a GGUF *slice* holding only this range's blocks (``node.gguf_slice``);
+* the first range takes token ids; later ranges take hidden states through ``batch.embd``;
+* a range that is not the last reads the residual stream after its last block through the
+  context's eval callback (tensor ``l_out-<n-1>``) and then *aborts* the rest of the graph:
+  the output norm and vocabulary projection would otherwise cost ~30% of the step;
+* the last range reads ordinary logits.
+
+Every token of a non-last batch is marked as an output, or llama.cpp drops the rows of
+non-output tokens in the last block. The KV cache is unified (``kv_unified``) so llama.cpp
+splits batches in order (``split_simple``) and the captured rows stay in batch order; each
+session owns one sequence id, which is what lets sessions share a decode call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from inclavate.gguf_meta import read_metadata
+from inclavate.types import LayerRange, ModelId, SessionId
+from node import llamacpp_lib
+from node.arch import rules_for
+from node.engine import BatchItem, EngineConfig, EngineInfo, LayerEngine, MemoryReport, StageOutput
+from node.errors import (
+    ContextFull,
+    DecodeFailed,
+    EngineLoadError,
+    InvalidBatch,
+    SessionLimitReached,
+)
+from node.gguf_slice import cached_slice
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    seq_id: int
+    length: int = 0
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Tokens ``[offset, offset + count)`` of item ``index`` placed in one decode call."""
+
+    index: int
+    offset: int
+    count: int
+
+
+class LlamaCppEngine(LayerEngine):
+    def __init__(
+        self,
+        *,
+        model_id: ModelId,
+        model_path: Path,
+        layers: LayerRange,
+        config: EngineConfig = EngineConfig(),
+        model_sha256: str = "",
+        slice_cache: Path | None = None,
+    ) -> None:
+        llamacpp_lib.ensure_initialised()
+        self.config = config
+        self._lock = threading.Lock()
+        meta = read_metadata(model_path)
+        arch, n_layers = meta.arch, meta.n_layers
+        whole = layers.start == 0 and layers.end == n_layers
+        self._rules = rules_for(arch, n_layers, whole_model=whole)
+        path = cached_slice(
+            model_path, model_sha256, layers, slice_cache or model_path.parent / "slices"
+        )
+        self._model = self._load_model(path)
+        self._ctx = None
+        self._batch = None
+        try:
+            d_model = int(llama_cpp.llama_model_n_embd(self._model))
+            self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+            self.info = EngineInfo(
+                model_id=model_id,
+                layers=layers,
+                n_layers=n_layers,
+                d_model=d_model,
+                n_vocab=int(llama_cpp.llama_vocab_n_tokens(self._vocab)),
+                arch=arch,
+            )
+            self._slice_layers = len(layers)
+            self._input_scale = (
+                1.0
+                if self.info.is_first or self._rules.embd_input_scale is None
+                else self._rules.embd_input_scale(_HParams(arch, self._model))
+            )
+            self._capture_name = f"l_out-{self._slice_layers - 1}".encode()
+            self._captured: np.ndarray | None = None
+            self._capture_rows = 0
+            # Keep a reference: ctypes frees the trampoline when the Python object dies.
+            self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+            self._ctx = self._new_context()
+            self._memory = llama_cpp.llama_get_memory(self._ctx)
+            embd = 0 if self.info.is_first else d_model
+            self._batch = llama_cpp.llama_batch_init(config.n_batch, embd, 1)
+            self._batch_views()
+        except BaseException:
+            self.close()
+            raise
+        self._slots: dict[SessionId, _Slot] = {}
+        self._free_seq_ids = list(range(config.max_sessions - 1, -1, -1))
+        self._weights_bytes = int(llama_cpp.llama_model_size(self._model))
+        log.info(
+            "loaded %s layers %s of %d (%s, d_model %d) from %s",
+            model_id, layers, n_layers, arch, d_model, path.name,
+        )
+
+    # ----------------------------------------------------------------- set-up
+
+    def _load_model(self, path: Path) -> llama_cpp.llama_model_p:
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP  # pages of unused tensors stay on disk
+        # Repacked "extra" weight buffers (AMX on recent Xeons) crash in
+        # ggml_backend_amx_mul_mat in the llama.cpp pinned here; plain CPU buffers are exact.
+        params.use_extra_bufts = False
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise EngineLoadError(f"llama.cpp could not load {path} (see the log for its reason)")
+        return model
+
+    def _new_context(self) -> llama_cpp.llama_context_p:
+        cfg = self.config
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = cfg.context_length * cfg.max_sessions
+        params.n_batch = cfg.n_batch
+        params.n_ubatch = cfg.n_batch  # one graph per decode call, so one capture per call
+        params.n_seq_max = cfg.max_sessions
+        params.n_outputs_max_per_seq = 0  # default 1 would keep one row per session, we need all
+        params.n_threads = cfg.n_threads
+        params.n_threads_batch = cfg.n_threads
+        params.kv_unified = True  # in-order ubatch splits: captured rows match batch order
+        # Flash attention makes a session's numbers independent of what other sessions hold
+        # in the shared cache (measured: without it, another session's cached prompt moved
+        # this one's logits by ~1), so concurrent users never change each other's output.
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        if not self.info.is_last:
+            params.cb_eval = self._eval_cb
+            params.cb_eval_user_data = None
+        ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise EngineLoadError(
+                f"llama.cpp could not create a context of {params.n_ctx} positions "
+                f"for {self.info.model_id} {self.info.layers}"
+            )
+        return ctx
+
+    def _batch_views(self) -> None:
+        """numpy views over the native batch arrays, so filling a batch is vector work."""
+        n = self.config.n_batch
+        b = self._batch
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n,))
+        self._n_seq_id = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))
+        self._outputs = np.ctypeslib.as_array(b.logits, shape=(n,))
+        self._seq_ptrs = [b.seq_id[i] for i in range(n)]
+        if self.info.is_first:
+            self._tokens = np.ctypeslib.as_array(b.token, shape=(n,))
+        else:
+            self._embd = np.ctypeslib.as_array(b.embd, shape=(n, self.info.d_model))
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, items: list[BatchItem]) -> list[StageOutput]:
+        with self._lock:
+            self._check_open()
+            self._validate(items)
+            saved = self._admit(items)
+            try:
+                return self._run(items)
+            except BaseException:
+                self._restore(saved)
+                raise
+
+    def _validate(self, items: list[BatchItem]) -> None:
+        seen: set[SessionId] = set()
+        d = self.info.d_model
+        for item in items:
+            if item.session_id in seen:
+                raise InvalidBatch(f"session {item.session_id} appears twice in one batch")
+            seen.add(item.session_id)
+            if self.info.is_first:
+                if item.tokens is None or item.tokens.ndim != 1:
+                    raise InvalidBatch("the first layer range takes a 1-D array of token ids")
+                if item.tokens.size and (
+                    item.tokens.min() < 0 or item.tokens.max() >= self.info.n_vocab
+                ):
+                    raise InvalidBatch(f"token ids must lie in [0, {self.info.n_vocab})")
+            elif item.hidden is None or item.hidden.ndim != 2 or item.hidden.shape[1] != d:
+                raise InvalidBatch(f"layer range {self.info.layers} takes hidden states (n, {d})")
+            n = item.n_tokens
+            if n == 0:
+                raise InvalidBatch("an item must carry at least one position")
+            length = self.session_length(item.session_id)
+            if item.start_pos < 0 or item.start_pos > length:
+                raise InvalidBatch(
+                    f"session {item.session_id} holds {length} positions; "
+                    f"cannot continue at {item.start_pos}"
+                )
+            if item.start_pos + n > self.config.context_length:
+                raise ContextFull(
+                    f"session {item.session_id} would reach {item.start_pos + n} positions; "
+                    f"the context holds {self.config.context_length}"
+                )
+        new = sum(1 for item in items if item.session_id not in self._slots)
+        if new > len(self._free_seq_ids):
+            raise SessionLimitReached(
+                f"all {self.config.max_sessions} session slots of {self.info.model_id} "
+                f"{self.info.layers} are in use"
+            )
+
+    def _admit(self, items: list[BatchItem]) -> dict[SessionId, int | None]:
+        """Give new sessions a slot and rewind continuing ones; return what to restore."""
+        saved: dict[SessionId, int | None] = {}
+        for item in items:
+            slot = self._slots.get(item.session_id)
+            if slot is None:
+                saved[item.session_id] = None
+                self._slots[item.session_id] = _Slot(self._free_seq_ids.pop())
+                continue
+            saved[item.session_id] = slot.length
+            if item.start_pos < slot.length:
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, item.start_pos, -1)
+                slot.length = item.start_pos
+        return saved
+
+    def _restore(self, saved: dict[SessionId, int | None]) -> None:
+        """Undo a failed forward: a request must not leave half a batch in the KV cache."""
+        for session_id, length in saved.items():
+            slot = self._slots.get(session_id)
+            if slot is None:
+                continue
+            if length is None:
+                self._release(session_id)
+            else:
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, length, -1)
+                slot.length = length
+
+    def _run(self, items: list[BatchItem]) -> list[StageOutput]:
+        hidden_parts: list[list[np.ndarray]] = [[] for _ in items]
+        logits: list[np.ndarray | None] = [None] * len(items)
+        for call in self._plan_calls(items):
+            rows = self._decode(items, call)
+            if self.info.is_last:
+                for seg, row in zip(call, rows):
+                    if row is not None:
+                        logits[seg.index] = row
+            else:
+                offset = 0
+                for seg in call:
+                    hidden_parts[seg.index].append(rows[offset : offset + seg.count])
+                    offset += seg.count
+        outputs = []
+        for i, item in enumerate(items):
+            self._slots[item.session_id].length = item.start_pos + item.n_tokens
+            if self.info.is_last:
+                outputs.append(StageOutput(item.session_id, logits=logits[i]))
+            else:
+                parts = hidden_parts[i]
+                hidden = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                outputs.append(StageOutput(item.session_id, hidden=hidden))
+        return outputs
+
+    def _plan_calls(self, items: list[BatchItem]) -> list[list[_Segment]]:
+        """Pack items into decode calls of at most ``n_batch`` tokens, in order.
+
+        A call holds at most one multi-token segment. Measured on llama.cpp 0.3.36: two
+        sessions' prefills in one ubatch compute different logits (up to ~0.8) than each
+        alone, while any number of single-token steps, alone or beside one prefill, match
+        bit for bit. Batching stays exact where it pays most: decode steps of many sessions.
+        """
+        calls: list[list[_Segment]] = [[]]
+        room, has_multi = self.config.n_batch, False
+        for index, item in enumerate(items):
+            offset = 0
+            while offset < item.n_tokens:
+                count = min(self.config.n_batch, item.n_tokens - offset)
+                multi = count > 1
+                if room == 0 or (multi and (has_multi or count > room)):
+                    calls.append([])
+                    room, has_multi = self.config.n_batch, False
+                count = min(room, count)
+                calls[-1].append(_Segment(index, offset, count))
+                has_multi = has_multi or count > 1
+                offset += count
+                room -= count
+        return calls
+
+    def _decode(self, items: list[BatchItem], call: list[_Segment]) -> list:
+        n = 0
+        for seg in call:
+            item = items[seg.index]
+            end = n + seg.count
+            lo, hi = seg.offset, seg.offset + seg.count
+            if self.info.is_first:
+                self._tokens[n:end] = item.tokens[lo:hi]
+            else:
+                block = item.hidden[lo:hi]
+                self._embd[n:end] = block if self._input_scale == 1.0 else block / self._input_scale
+            self._pos[n:end] = np.arange(item.start_pos + lo, item.start_pos + hi, dtype=np.int32)
+            seq_id = self._slots[item.session_id].seq_id
+            for k in range(n, end):
+                self._seq_ptrs[k][0] = seq_id
+            if self.info.is_last:
+                # Logits only where an item ends: that is the one row the sampler needs.
+                self._outputs[n:end] = 0
+                if hi == item.n_tokens:
+                    self._outputs[end - 1] = 1
+            else:
+                self._outputs[n:end] = 1
+            n = end
+        self._n_seq_id[:n] = 1
+        self._batch.n_tokens = n
+
+        self._captured = None
+        self._capture_rows = n
+        code = llama_cpp.llama_decode(self._ctx, self._batch)
+        if code == 1:
+            raise ContextFull(
+                f"the KV cache of {self.info.model_id} {self.info.layers} has no room for "
+                f"{n} more positions"
+            )
+        if code != 0:
+            raise DecodeFailed(f"llama_decode returned {code}")
+
+        if not self.info.is_last:
+            if self._captured is None:
+                raise DecodeFailed(f"the graph produced no {self._capture_name.decode()} tensor")
+            return self._captured
+        rows: list[np.ndarray | None] = []
+        n = 0
+        for seg in call:
+            n += seg.count
+            if seg.offset + seg.count == items[seg.index].n_tokens:
+                ptr = llama_cpp.llama_get_logits_ith(self._ctx, n - 1)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy())
+            else:
+                rows.append(None)
+        return rows
+
+    def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
+        """ggml's scheduler callback: ask=True "do you want this node?", then the node itself.
+
+        Returning False after the copy aborts the rest of the graph; llama_decode still
+        returns 0 and the KV cache of every block in this range has been written.
+        """
+        lib = llamacpp_lib.ggml()
+        if ask:
+            return lib.ggml_get_name(tensor) == self._capture_name
+        if lib.ggml_get_name(tensor) != self._capture_name:
+            return True
+        header = llamacpp_lib.TensorHeader.from_address(tensor)
+        rows, width = int(header.ne[1]), int(header.ne[0])
+        if header.type != llamacpp_lib.GGML_TYPE_F32 or width != self.info.d_model or rows != self._capture_rows:
+            log.error(
+                "unexpected %s: type %d shape (%d, %d), wanted f32 (%d, %d)",
+                self._capture_name.decode(), header.type, rows, width,
+                self._capture_rows, self.info.d_model,
+            )
+            return False
+        out = np.empty((rows, width), dtype=np.float32)
+        lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+        self._captured = out
+        return False
+
+    # ---------------------------------------------------------------- sessions
+
+    def session_length(self, session_id: SessionId) -> int:
+        slot = self._slots.get(session_id)
+        return slot.length if slot else 0
+
+    def sessions(self) -> list[SessionId]:
+        return list(self._slots)
+
+    def close_session(self, session_id: SessionId) -> bool:
+        with self._lock:
+            if self._ctx is None or session_id not in self._slots:
+                return False
+            self._release(session_id)
+            return True
+
+    def _release(self, session_id: SessionId) -> None:
+        slot = self._slots.pop(session_id)
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+        self._free_seq_ids.append(slot.seq_id)
+
+    def cached_positions(self, session_id: SessionId) -> int:
+        """What llama.cpp itself holds for the session (tests check this reaches 0)."""
+        slot = self._slots.get(session_id)
+        if slot is None:
+            return 0
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, slot.seq_id)) + 1
+
+    def memory(self) -> MemoryReport:
+        kv = int(llama_cpp.llama_state_get_size(self._ctx)) if self._ctx else 0
+        return MemoryReport(self._weights_bytes, kv, len(self._slots))
+
+    # --------------------------------------------------------------- lifetime
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise DecodeFailed("the engine is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if getattr(self, "_batch", None) is not None:
+                llama_cpp.llama_batch_free(self._batch)
+                self._batch = None
+            if getattr(self, "_ctx", None) is not None:
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None
+            if getattr(self, "_model", None) is not None:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+            if hasattr(self, "_slots"):
+                self._slots.clear()
+
+
+class _HParams(dict):
+    """The metadata values ``ArchRules.embd_input_scale`` reads, taken from the loaded model."""
+
+    def __init__(self, arch: str, model: llama_cpp.llama_model_p) -> None:
+        super().__init__(embedding_length=int(llama_cpp.llama_model_n_embd(model)), arch=arch)

@@ -1,0 +1,62 @@
+"""Fixtures shared by the whole suite.
+
+Tests that claim inference works use the real default model, pulled once through the real
+model store into a persistent test home (``INCLAVATE_TEST_HOME``, default
+``~/.cache/inclavate/test-home``) so later runs reuse it; a clean CI machine pulls it once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from inclavate.catalog import Catalog, ModelSpec
+from inclavate.store import ModelStore
+
+DEFAULT_MODEL = "smollm2:135m"
+TEST_HOME = Path(
+    os.environ.get("INCLAVATE_TEST_HOME", Path.home() / ".cache" / "inclavate" / "test-home")
+)
+
+
+@dataclass(frozen=True)
+class PulledModel:
+    spec: ModelSpec
+    path: Path
+    home: Path
+
+
+def pull_default_model() -> PulledModel:
+    TEST_HOME.mkdir(parents=True, exist_ok=True)
+    spec = Catalog.load(TEST_HOME).get(DEFAULT_MODEL)
+    result = ModelStore(TEST_HOME).pull(spec)
+    return PulledModel(spec, result.path, TEST_HOME)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> PulledModel:
+    """The real SmolLM2-135M GGUF, pulled and verified by the model store."""
+    model = pull_default_model()
+    # tests/gguf_factory.py reads its tokenizer from here.
+    os.environ["INCLAVATE_TEST_SMOLLM2"] = str(model.path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("slices")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # llama_cpp._utils opens two /dev/null handles at import and never closes them, which
+    # CPython reports as ResourceWarnings at exit. Not ours, but it buries real warnings.
+    import sys
+
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        handle = getattr(utils, name, None)
+        if handle is not None:
+            handle.close()

@@ -1,0 +1,254 @@
+"""The llama.cpp layer-range engine on the real SmolLM2 model: a 3-range chain must compute
+what the whole model computes in one context."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inclavate import tensors
+from inclavate.types import LayerRange, ModelId, SessionId
+from node.engine import BatchItem, EngineConfig, LayerEngine
+from node.errors import ContextFull, InvalidBatch, SessionLimitReached
+from node.llamacpp_engine import LlamaCppEngine
+from node.tokenizer import Tokenizer
+
+MODEL = ModelId("smollm2:135m")
+SPLIT = [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
+CONFIG = EngineConfig(n_threads=1, context_length=512, max_sessions=4)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "List three prime numbers.",
+]
+
+
+def chatml(question: str) -> str:
+    return (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2) -> Tokenizer:
+    with Tokenizer(smollm2.path) as tok:
+        yield tok
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.tokenize(chatml(q)) for q in QUESTIONS]
+
+
+def _engine(model, layers: LayerRange, cache: Path, config: EngineConfig = CONFIG) -> LlamaCppEngine:
+    return LlamaCppEngine(
+        model_id=MODEL,
+        model_path=model.path,
+        model_sha256=model.spec.gguf_sha256,
+        layers=layers,
+        config=config,
+        slice_cache=cache,
+    )
+
+
+@pytest.fixture(scope="module")
+def whole(smollm2, slice_cache) -> LayerEngine:
+    with _engine(smollm2, LayerRange(0, 30), slice_cache) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def chain(smollm2, slice_cache) -> list[LayerEngine]:
+    engines = [_engine(smollm2, r, slice_cache) for r in SPLIT]
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def step(engines: list[LayerEngine], items: list[BatchItem], wire: tensors.WireDType) -> list[np.ndarray]:
+    """One pass through the chain; hidden states cross each boundary through the wire codec."""
+    for engine in engines:
+        outputs = engine.forward(items)
+        if engine.info.is_last:
+            return [o.logits for o in outputs]
+        items = [
+            BatchItem(i.session_id, i.start_pos, hidden=tensors.decode(tensors.encode(o.hidden, wire)))
+            for i, o in zip(items, outputs)
+        ]
+    raise AssertionError("the chain has no last range")
+
+
+def generate(
+    engines: list[LayerEngine],
+    prompt: list[int],
+    n: int,
+    *,
+    wire: tensors.WireDType = "f32",
+    session: str = "s",
+    forced: list[int] | None = None,
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and per-step logits. With ``forced``, feed those tokens instead (teacher
+    forcing), so two runs are compared step by step on the same inputs."""
+    sid = SessionId(session)
+    tokens, all_logits, pos = np.array(prompt, np.int32), [], 0
+    try:
+        for i in range(n):
+            (logits,) = step(engines, [BatchItem(sid, pos, tokens=tokens)], wire)
+            pos += len(tokens)
+            all_logits.append(logits)
+            nxt = int(np.argmax(logits)) if forced is None else forced[i]
+            tokens = np.array([nxt], np.int32)
+        return [int(np.argmax(lg)) for lg in all_logits], all_logits
+    finally:
+        for engine in engines:
+            engine.close_session(sid)
+
+
+@pytest.mark.slow
+def test_split_with_float32_wire_is_bit_exact(whole, chain, prompts) -> None:
+    for prompt in prompts[:3]:
+        expected, expected_logits = generate([whole], prompt, 64)
+        got, got_logits = generate(chain, prompt, 64, wire="f32")
+        assert got == expected
+        assert all(np.array_equal(a, b) for a, b in zip(expected_logits, got_logits))
+
+
+@pytest.mark.slow
+def test_split_with_float16_wire_agrees_except_at_near_ties(whole, chain, prompts) -> None:
+    """Any perturbation of the residual stream, even 1e-6 relative, moves SmolLM2's logits by
+    up to ~1: llama.cpp re-quantizes activations to 8 bits per block for Q4_1 matmuls and a
+    nudged value can round to the other step. float16 (~5e-4 relative) sits at that noise
+    floor, so a greedy pick can flip where the whole model's top two logits are close.
+    Teacher forcing compares every step on identical inputs: any disagreement must be such
+    a near tie, never a real difference. (Exactness is the float32 test above.)"""
+    agreeing = 0
+    for prompt in prompts:
+        expected, expected_logits = generate([whole], prompt, 64)
+        got, got_logits = generate(chain, prompt, 64, wire="f16", forced=expected)
+        for i, (a, b) in enumerate(zip(expected_logits, got_logits)):
+            assert np.max(np.abs(a - b)) < 2.0, f"step {i}: logits moved beyond the noise floor"
+            if expected[i] != got[i]:
+                top2 = np.sort(a)[-2:]
+                assert top2[1] - top2[0] < 1.0, f"step {i}: a clear choice flipped"
+        agreeing += sum(x == y for x, y in zip(expected, got))
+    assert agreeing / (64 * len(prompts)) > 0.9
+
+
+@pytest.mark.slow
+def test_interleaved_sessions_in_one_batch_match_running_alone(chain, prompts) -> None:
+    a_prompt, b_prompt = prompts[0], prompts[1]
+    alone_a, _ = generate(chain, a_prompt, 24, session="a")
+    alone_b, _ = generate(chain, b_prompt, 24, session="b")
+
+    ids = [SessionId("a"), SessionId("b")]
+    tokens = [np.array(a_prompt, np.int32), np.array(b_prompt, np.int32)]
+    pos = [0, 0]
+    got: list[list[int]] = [[], []]
+    # A third conversation sits in the shared cache throughout: others' state must not
+    # change a session's numbers.
+    bystander = SessionId("c")
+    step(chain, [BatchItem(bystander, 0, tokens=np.array(prompts[2] * 4, np.int32))], "f32")
+    try:
+        for _ in range(24):
+            items = [BatchItem(ids[k], pos[k], tokens=tokens[k]) for k in range(2)]
+            logits = step(chain, items, "f32")
+            for k in range(2):
+                pos[k] += len(tokens[k])
+                got[k].append(int(np.argmax(logits[k])))
+                tokens[k] = np.array([got[k][-1]], np.int32)
+    finally:
+        for engine in chain:
+            for sid in [*ids, bystander]:
+                engine.close_session(sid)
+    assert got == [alone_a, alone_b]
+
+
+@pytest.mark.slow
+def test_closing_sessions_frees_kv_cache(chain, prompts) -> None:
+    first, last = chain[0], chain[-1]
+    sid = SessionId("reuse")
+    baseline, _ = generate(chain, prompts[0], 4, session="reuse")
+    # After close the slot is empty: a new session starting at position 0 is accepted and
+    # computes exactly what a fresh one does.
+    assert first.session_length(sid) == 0 and first.cached_positions(sid) == 0
+    again, _ = generate(chain, prompts[0], 4, session="reuse")
+    assert again == baseline
+
+    def rss_kb() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    prompt = np.array(prompts[2], np.int32)
+    for i in range(20):  # warm up allocator pools before measuring
+        _one_session(chain, f"warm{i}", prompt)
+    before = rss_kb()
+    for i in range(200):
+        _one_session(chain, f"s{i}", prompt)
+        assert last.memory().sessions == 0
+    assert rss_kb() - before < 32 * 1024, "memory grew while sessions were opened and closed"
+
+
+def _one_session(chain: list[LayerEngine], name: str, prompt: np.ndarray) -> None:
+    sid = SessionId(name)
+    step(chain, [BatchItem(sid, 0, tokens=prompt)], "f16")
+    for engine in chain:
+        assert engine.close_session(sid)
+        assert engine.session_length(sid) == 0
+
+
+def test_rewinding_a_session_recomputes_from_that_position(chain, prompts) -> None:
+    sid = SessionId("rewind")
+    prompt = np.array(prompts[0], np.int32)
+    try:
+        (first,) = step(chain, [BatchItem(sid, 0, tokens=prompt)], "f32")
+        step(chain, [BatchItem(sid, len(prompt), tokens=np.array([5, 6, 7], np.int32))], "f32")
+        # Going back to the last prompt position replays it: same logits as the first time.
+        (again,) = step(chain, [BatchItem(sid, len(prompt) - 1, tokens=prompt[-1:])], "f32")
+        assert np.array_equal(first, again)
+    finally:
+        for engine in chain:
+            engine.close_session(sid)
+
+
+def test_bad_batches_are_refused_before_any_work(chain, smollm2, slice_cache) -> None:
+    first, middle = chain[0], chain[1]
+    with pytest.raises(InvalidBatch, match="token ids"):
+        first.forward([BatchItem(SessionId("x"), 0, hidden=np.zeros((1, 576), np.float32))])
+    with pytest.raises(InvalidBatch, match="hidden states"):
+        middle.forward([BatchItem(SessionId("x"), 0, hidden=np.zeros((1, 100), np.float32))])
+    with pytest.raises(InvalidBatch, match="cannot continue"):
+        first.forward([BatchItem(SessionId("x"), 5, tokens=np.array([1], np.int32))])
+    with pytest.raises(InvalidBatch, match="twice"):
+        item = BatchItem(SessionId("x"), 0, tokens=np.array([1], np.int32))
+        first.forward([item, item])
+    with pytest.raises(ContextFull):
+        first.forward([BatchItem(SessionId("x"), 0, tokens=np.ones(CONFIG.context_length + 1, np.int32))])
+    assert first.memory().sessions == 0
+
+    small = _engine(smollm2, LayerRange(0, 10), slice_cache, EngineConfig(n_threads=1, context_length=64, max_sessions=1))
+    with small:
+        small.forward([BatchItem(SessionId("a"), 0, tokens=np.array([1], np.int32))])
+        with pytest.raises(SessionLimitReached):
+            small.forward([BatchItem(SessionId("b"), 0, tokens=np.array([1], np.int32))])
+
+
+def test_long_prefill_is_split_across_decode_calls(smollm2, slice_cache, prompts) -> None:
+    """A batch longer than n_batch runs as several llama.cpp calls with identical results."""
+    config = EngineConfig(n_threads=1, context_length=512, max_sessions=2, n_batch=16)
+    engines = [_engine(smollm2, r, slice_cache, config) for r in SPLIT]
+    try:
+        small_batches, _ = generate(engines, prompts[0], 4)
+    finally:
+        for engine in engines:
+            engine.close()
+    engines = [_engine(smollm2, r, slice_cache) for r in SPLIT]
+    try:
+        one_batch, _ = generate(engines, prompts[0], 4)
+    finally:
+        for engine in engines:
+            engine.close()
+    assert small_batches == one_batch
