@@ -1,0 +1,285 @@
+"""Length-prefixed frames over a byte stream, with deadlines that never leave a peer hanging.
+
+Wire format: each frame is a ``u32`` big-endian length followed by that many payload
+bytes. Nothing else: no version byte, no checksum (Noise already authenticates every
+byte). The read loop is our own because libp2p's helpers (``read_varint_prefixed_bytes``,
+``read_exactly``) fail on messages above a few MiB, and a prefill's hidden states are
+tens of MiB.
+
+Failure rule, the point of this module: **a frame that was interrupted kills the
+stream, on both ends.** A send or receive that misses its deadline, meets a transport
+error, or is cancelled mid-frame resets the stream explicitly. This matters on yamux,
+where a writer stalled on a full window gets an error but the reader is never told and
+would wait forever; after our reset the reader's next ``receive`` raises
+:class:`~p2p.errors.StreamClosed` instead. After any :class:`~p2p.errors.StreamError`
+the stream is unusable and every later call raises ``StreamClosed``; the one exception
+is a clean end of stream at a frame boundary, after which sending is still allowed
+(the peer half-closed: it may still be waiting for our reply).
+
+yamux caveat: a write blocked on a zero window for 5 s fails inside the library
+whatever deadline we give, so a reader must keep reading; the ``timeout`` of
+:meth:`FramedStream.send` is effectively capped at ~5 s of no progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from types import TracebackType
+from typing import Protocol
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.stream.exceptions import StreamEOF
+
+from inclavate.types import PeerId
+from p2p.errors import FrameTooLarge, ProtocolError, StreamClosed, StreamError, StreamTimeout
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_SIZE = 256 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+# Reads are capped so a socket-backed stream never allocates a 32 MiB receive buffer
+# for what arrives in 64 KiB pieces anyway.
+_READ_CHUNK = 1024 * 1024
+# Below this, header and payload go out in one write: one yamux/Noise frame instead of
+# two, which is what a decode step (a few KiB, latency-bound) wants. Above it, two
+# writes avoid copying a large payload just to prepend four bytes.
+_COALESCE_LIMIT = 64 * 1024
+# How long a best-effort FIN or RST may take before we give up on telling the peer.
+_CLOSE_TIMEOUT = 1.0
+
+
+class ByteStream(Protocol):
+    """What :class:`FramedStream` needs from a transport.
+
+    ``read`` returns at most ``max_bytes`` and ``b""`` only at a clean end of stream;
+    transport failures (reset, broken connection) raise :class:`~p2p.errors.StreamClosed`.
+    ``close`` is a graceful end of our sending side; ``reset`` aborts both directions.
+    """
+
+    async def read(self, max_bytes: int) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def close(self) -> None: ...
+    async def reset(self) -> None: ...
+
+
+class Libp2pByteStream:
+    """A libp2p stream, its errors translated into ours at this one edge."""
+
+    def __init__(self, stream: INetStream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int) -> bytes:
+        try:
+            return await self._stream.read(max_bytes)
+        except StreamEOF:
+            return b""
+        except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
+            raise StreamClosed(f"stream broken while reading: {exc!r}") from exc
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._stream.write(data)
+        except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
+            raise StreamClosed(f"stream broken while writing: {exc!r}") from exc
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+    async def reset(self) -> None:
+        await self._stream.reset()
+
+
+class TrioByteStream:
+    """A trio stream (socket, ``trio.testing`` pair) as a :class:`ByteStream`, for tests
+    and for any non-libp2p link."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int) -> bytes:
+        try:
+            return bytes(await self._stream.receive_some(max_bytes))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StreamClosed(f"stream broken while reading: {exc!r}") from exc
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StreamClosed(f"stream broken while writing: {exc!r}") from exc
+
+    async def close(self) -> None:
+        if isinstance(self._stream, trio.abc.HalfCloseableStream):
+            await self._stream.send_eof()
+        else:
+            await self._stream.aclose()
+
+    async def reset(self) -> None:
+        await trio.aclose_forcefully(self._stream)
+
+
+class FramedStream:
+    """Frames over one stream: at most one sender and one receiver on the wire at a time.
+
+    Concurrent ``send`` calls queue on a lock (frames never interleave); so do concurrent
+    ``receive`` calls. ``timeout`` is in seconds and covers the whole call, including the
+    wait for the lock; ``math.inf`` waits forever (a server idle between requests).
+    """
+
+    def __init__(
+        self,
+        raw: ByteStream,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        remote_peer: PeerId | None = None,
+    ) -> None:
+        if not 0 < max_frame_size <= 0xFFFFFFFF:
+            raise ValueError(f"max_frame_size must be in 1..2**32-1, got {max_frame_size}")
+        self._raw = raw
+        self.max_frame_size = max_frame_size
+        self.remote_peer = remote_peer
+        self._send_lock = trio.Lock()
+        self._recv_lock = trio.Lock()
+        self._broken: StreamError | None = None
+        self._peer_finished = False  # clean EOF seen at a frame boundary
+        self._local_finished = False  # we closed our sending side
+
+    @classmethod
+    def over_libp2p(cls, stream: INetStream, **kwargs: object) -> FramedStream:
+        return cls(Libp2pByteStream(stream), **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def over_trio(cls, stream: trio.abc.Stream, **kwargs: object) -> FramedStream:
+        return cls(TrioByteStream(stream), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def is_broken(self) -> bool:
+        return self._broken is not None
+
+    async def send(self, payload: bytes, timeout: float) -> None:
+        """Send one frame. Raises StreamTimeout, StreamClosed, or FrameTooLarge.
+
+        An oversized payload is refused before anything is written, so unlike the other
+        errors :class:`FrameTooLarge` from ``send`` leaves the stream usable.
+        """
+        if len(payload) > self.max_frame_size:
+            raise FrameTooLarge(len(payload), self.max_frame_size)
+        if self._local_finished:  # a caller bug, not a transport failure: no reset
+            raise StreamClosed("send after close")
+        header = _HEADER.pack(len(payload))
+        started = False
+        try:
+            with trio.fail_after(timeout):
+                async with self._send_lock:
+                    self._check_usable()
+                    started = True
+                    if len(payload) <= _COALESCE_LIMIT:
+                        await self._raw.write(header + bytes(payload))
+                    else:
+                        await self._raw.write(header)
+                        await self._raw.write(payload)
+        except trio.TooSlowError:
+            raise await self._fail(StreamTimeout(f"send missed its {timeout:g}s deadline"))
+        except StreamError as exc:
+            raise await self._fail(exc) from exc.__cause__
+        except BaseException:
+            if started:  # cancelled from outside mid-frame: the peer holds half a frame
+                await self._fail(StreamClosed("send cancelled mid-frame"))
+            raise
+
+    async def receive(self, timeout: float) -> bytes:
+        """Receive one frame. Raises StreamTimeout, StreamClosed, or ProtocolError."""
+        started = False
+        try:
+            with trio.fail_after(timeout):
+                async with self._recv_lock:
+                    if self._peer_finished:
+                        raise StreamClosed("the peer closed the stream")
+                    self._check_usable()
+                    started = True
+                    header = await self._read_exactly(_HEADER.size, at_boundary=True)
+                    (length,) = _HEADER.unpack(header)
+                    if length > self.max_frame_size:
+                        raise FrameTooLarge(length, self.max_frame_size)
+                    return await self._read_exactly(length, at_boundary=False)
+        except trio.TooSlowError:
+            raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
+        except StreamError as exc:
+            if self._peer_finished:  # a clean close, not a failure: keep the send side
+                raise
+            raise await self._fail(exc) from exc.__cause__
+        except BaseException:
+            if started:
+                await self._fail(StreamClosed("receive cancelled mid-frame"))
+            raise
+
+    async def close(self) -> None:
+        """End our sending side gracefully; the peer's next receive sees a clean close.
+
+        Receiving stays possible (a client may close and then read the reply). If the
+        FIN cannot be sent within a second the stream is reset instead.
+        """
+        if self._broken is not None or self._local_finished:
+            return
+        with trio.move_on_after(_CLOSE_TIMEOUT) as scope:
+            async with self._send_lock:
+                self._local_finished = True
+                try:
+                    await self._raw.close()
+                except Exception as exc:  # noqa: BLE001 - the peer is gone either way
+                    logger.debug("graceful close failed, resetting: %r", exc)
+                    await self._fail(StreamClosed("close failed"))
+        if scope.cancelled_caught:
+            await self._fail(StreamClosed("close timed out"))
+
+    async def reset(self) -> None:
+        """Abort both directions now; the peer's pending and next calls fail."""
+        await self._fail(StreamClosed("the stream was reset locally"))
+
+    async def __aenter__(self) -> FramedStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.close()
+        else:
+            await self.reset()
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise StreamClosed(f"stream unusable: {self._broken}")
+
+    async def _read_exactly(self, n: int, *, at_boundary: bool) -> bytes:
+        chunks: list[bytes] = []
+        remaining = n
+        while remaining:
+            chunk = await self._raw.read(min(remaining, _READ_CHUNK))
+            if not chunk:
+                if at_boundary and remaining == n:
+                    self._peer_finished = True
+                    raise StreamClosed("the peer closed the stream")
+                raise ProtocolError(f"stream ended {n - remaining} bytes into a {n}-byte read")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _fail(self, error: StreamError) -> StreamError:
+        """Mark the stream dead and reset it (once), shielded: a stream we are abandoning
+        because of a cancel must still be reset, or the peer waits forever."""
+        if self._broken is None:
+            self._broken = error
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
+                try:
+                    await self._raw.reset()
+                except Exception as exc:  # noqa: BLE001 - best effort; we are failing anyway
+                    logger.debug("reset failed: %r", exc)
+        return error
+

@@ -1,0 +1,677 @@
+"""The libp2p host of one peer, behind the small API the rest of Inclavate uses.
+
+Nothing outside ``p2p/`` touches libp2p: :func:`open_host` builds the host, runs it and
+its pubsub and gossipsub services in the caller's trio context, and yields a
+:class:`P2PHost` that speaks PeerId strings, multiaddr strings,
+:class:`~p2p.framing.FramedStream` and our error tree. Leaving the ``async with``
+stops all of it (well under a second on loopback).
+
+Choices made on purpose (py-libp2p 0.8.1, measured; see NOTES.md):
+
+* **Security: Noise only.** The library's default also offers SECIO and *plaintext*;
+  a host that offers plaintext can be downgraded by anyone in the middle.
+* **Muxer: yamux only.** mplex silently drops data after a 5 s idle reader.
+* **No 250 ms connect delay.** ``Swarm.dial_peer`` starts a dial per address class and
+  then waits 250 ms (happy eyeballs) unless a dial *fails*, so every successful connect
+  paid the full 250 ms. :meth:`P2PHost.connect` dials the one address it was given with
+  the public ``Swarm.dial_addr`` instead. For the dials the library makes on its own
+  (through ``dial_peer``), ``max_connections_per_peer=1`` ends that wait at the first
+  success: the wait sits in a scope that is cancelled once the per-peer limit is reached.
+  One connection per peer is what we want anyway; yamux carries every stream on it.
+* **No hidden retries.** ``RetryConfig(max_retries=0)`` and the swarm's 60 s "recently
+  failed" cache cleared before each explicit dial: retry policy (capped backoff with
+  jitter) lives in :mod:`p2p.discovery`, in one place.
+* **GossipSub sized for the swarm** (:class:`GossipConfig`): heartbeat 1 s (library
+  default 120 s), spam limit raised, adaptive gossip off (it can stretch the heartbeat to
+  30-60 s), and the two 32-slot queues that silently drop messages enlarged (see
+  :class:`_SwarmPubsub`).
+
+Module layout note: pubsub glue shares this module with the host because the task that
+created it owned only this file; it would read better as ``p2p/pubsub.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import multiaddr
+import trio
+from libp2p import new_swarm
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.host.basic_host import BasicHost
+from libp2p.network.auto_connector import AutoConnector
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
+from libp2p.pubsub.gossipsub import (
+    PROTOCOL_ID,
+    PROTOCOL_ID_V11,
+    PROTOCOL_ID_V12,
+    PROTOCOL_ID_V13,
+    PROTOCOL_ID_V14,
+    PROTOCOL_ID_V20,
+    GossipSub,
+)
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+from libp2p.utils.address_validation import expand_wildcard_address
+
+from inclavate.errors import ConfigError
+from inclavate.types import PeerId
+from p2p.errors import DialError, ListenError, P2PError, PublishRejected
+from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
+from p2p.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DIAL_TIMEOUT = 10.0
+# libp2p's peerstore keeps one TTL per peer, refreshed by every add: an hour after we
+# last heard of a peer we forget its addresses. Long enough to re-dial a peer that
+# restarts, short enough to stop dialing one that left for good.
+ADDR_TTL_SECONDS = 3600
+# Budget for closing connections and listeners when the host exits.
+_SHUTDOWN_TIMEOUT = 1.0
+# Connection events are tiny; a consumer this far behind is broken, so we drop and log.
+_EVENT_QUEUE_SIZE = 1024
+
+# The GossipSub defaults are sized for this swarm: ~100 peers, each publishing a ~3 KB
+# record every few seconds (2 s, to be safe).
+_SWARM_PEERS = 100
+_RECORD_PERIOD_S = 2.0
+_MARGIN = 4
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """GossipSub parameters, chosen for the swarm above rather than left to the library."""
+
+    heartbeat_interval: float = 1.0
+    """Mesh maintenance and IHAVE gossip cadence. The library's 120 s default would leave
+    a new peer outside the mesh (and missing messages) for two minutes."""
+    degree: int = 6
+    degree_low: int = 4
+    degree_high: int = 12
+    max_messages_per_topic_per_second: float = _SWARM_PEERS / _RECORD_PERIOD_S * _MARGIN
+    """Spam limit, per forwarding peer and topic, applied to *forwarding*: above it the
+    library drops messages without a word. One mesh neighbour can relay every record in
+    the swarm to us, so it must pass peers / record period = 100 / 2 s = 50 msg/s;
+    x4 margin for bursts (peers restarting together, gossip catch-up) gives 200."""
+    subscription_queue_size: int = 2048
+    """Messages buffered per subscriber before they are dropped (and counted, and logged).
+    2048 at 50 msg/s is 40 s of a stalled consumer. Replaces the library's 32."""
+    outbound_queue_size: int = 512
+    """RPCs queued per neighbour before the library drops them. The gossip stream shares
+    the TCP connection with bulk hidden-state transfers, so its writer can stall: 512 at
+    50 msg/s rides out ~10 s. Replaces the library's 32."""
+    seen_ttl: int = 120
+    """Seconds a message id is remembered to suppress duplicates; must far exceed how long
+    a message circulates (gossip history is 5 heartbeats = 5 s)."""
+    max_message_size: int = 256 * 1024
+    """Largest payload :meth:`P2PHost.publish` accepts (the wire limit per RPC is 1 MiB)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.degree_low <= self.degree <= self.degree_high:
+            raise ConfigError("gossip degrees must satisfy 0 < low <= degree <= high")
+        if self.heartbeat_interval <= 0 or self.max_messages_per_topic_per_second <= 0:
+            raise ConfigError("gossip heartbeat and spam limit must be positive")
+        if min(self.subscription_queue_size, self.outbound_queue_size, self.seen_ttl) < 1:
+            raise ConfigError("gossip queue sizes and seen_ttl must be positive")
+
+
+class GossipMessage(NamedTuple):
+    """A delivered pubsub message: its signed originator (not the forwarder) and body."""
+
+    from_peer: PeerId
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ConnectionEvent:
+    """``connected``: a new connection to ``peer`` is up (it may be a reconnect, or the
+    peer may have restarted: resynchronise). ``not connected``: its last one closed.
+
+    A quick reconnect can arrive before the old connection's close is reported (libp2p
+    reports closes 100 ms late); then no disconnect is reported at all, only the connect.
+    """
+
+    peer: PeerId
+    connected: bool
+
+
+StreamHandler = Callable[[FramedStream, PeerId], Awaitable[None]]
+TopicValidator = Callable[[PeerId, bytes], bool]
+
+
+def _peer_id(peer: ID) -> PeerId:
+    return PeerId(peer.to_base58())
+
+
+def _parse_peer(peer: str) -> ID:
+    try:
+        return ID.from_base58(peer)
+    except Exception as exc:  # base58/multihash errors vary
+        raise DialError(f"not a peer id: {peer!r}") from exc
+
+
+class _Broadcast:
+    """Fan-out of events to any number of trio channels that never blocks the producer.
+
+    libp2p calls our hooks inline on its connection path; a blocking send there would
+    stall the swarm, so a full channel drops the event and says so in the log.
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._channels: list[trio.MemorySendChannel[Any]] = []
+        self.dropped = 0
+
+    def open(self, size: int) -> trio.MemoryReceiveChannel[Any]:
+        send, receive = trio.open_memory_channel[Any](size)
+        self._channels.append(send)
+        return receive
+
+    def send(self, item: object) -> None:
+        for channel in list(self._channels):
+            try:
+                channel.send_nowait(item)
+            except trio.WouldBlock:
+                self.dropped += 1
+                logger.warning("%s consumer is full; dropped one (%d so far)", self._what,
+                               self.dropped)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._channels.remove(channel)  # the consumer closed its end: detach
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+
+
+class _ConnectionNotifee(INotifee):
+    """Turns libp2p's per-connection callbacks into the per-peer :class:`ConnectionEvent`."""
+
+    def __init__(self, events: _Broadcast) -> None:
+        self._events = events
+        self._open: dict[ID, set[int]] = {}  # peer -> ids of its connections we saw open
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        self._open.setdefault(peer, set()).add(id(conn))
+        self._events.send(ConnectionEvent(_peer_id(peer), connected=True))
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        conns = self._open.get(peer)
+        if conns is None or id(conn) not in conns:
+            return
+        conns.discard(id(conn))
+        if not conns:
+            del self._open[peer]
+            self._events.send(ConnectionEvent(_peer_id(peer), connected=False))
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, maddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, maddr: multiaddr.Multiaddr) -> None:
+        pass
+
+
+class _SwarmPubsub(Pubsub):
+    """libp2p Pubsub with its two silent 32-slot drops replaced by sized queues.
+
+    * Delivery: the library pushes each message into a 32-slot channel per topic with
+      ``send_nowait`` and drops it when full; a burst of forwarded messages processed in
+      one scheduler batch overflows it before any consumer runs. We override the hook
+      that feeds it (``notify_subscriptions``) to deliver straight into our own channels.
+    * Outbound: each neighbour gets an ``RpcQueue`` of 32 RPCs, dropped when full (logged
+      at debug level only). The library offers no parameter, so the queue's capacity is
+      raised right after it is created (:meth:`_handle_new_peer`); a test pins this.
+    """
+
+    def __init__(self, host: BasicHost, router: GossipSub, config: GossipConfig,
+                 topics: dict[str, _Broadcast]) -> None:
+        super().__init__(host, router, seen_ttl=config.seen_ttl)
+        self._config = config
+        self._topics = topics
+
+    def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
+        message = GossipMessage(_peer_id(ID(publish_message.from_id)), publish_message.data)
+        for topic in publish_message.topicIDs:
+            if topic in self._topics:
+                self._topics[topic].send(message)
+
+    async def _handle_new_peer(self, peer_id: ID) -> None:
+        await super()._handle_new_peer(peer_id)
+        queue = self.peer_queues.get(peer_id)
+        inner = getattr(queue, "_queue", None)
+        if inner is not None and hasattr(inner, "max_size"):
+            inner.max_size = max(inner.max_size, self._config.outbound_queue_size)
+        elif queue is not None:
+            logger.warning("libp2p RpcQueue changed shape; outbound queue left at default")
+
+
+def _build_gossip(host: BasicHost, config: GossipConfig,
+                  topics: dict[str, _Broadcast]) -> tuple[_SwarmPubsub, GossipSub]:
+    router = GossipSub(
+        protocols=[PROTOCOL_ID_V20, PROTOCOL_ID_V14, PROTOCOL_ID_V13, PROTOCOL_ID_V12,
+                   PROTOCOL_ID_V11, PROTOCOL_ID],
+        degree=config.degree,
+        degree_low=config.degree_low,
+        degree_high=config.degree_high,
+        heartbeat_interval=config.heartbeat_interval,  # type: ignore[arg-type]  # int in stubs
+        adaptive_gossip_enabled=False,
+        max_messages_per_topic_per_second=config.max_messages_per_topic_per_second,
+    )
+    return _SwarmPubsub(host, router, config, topics), router
+
+
+def _expand_wildcards(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+    """Advertise each interface's address instead of an undialable ``0.0.0.0``.
+
+    Loopback goes last: useless to a remote peer (a dial there reaches some other process
+    and Noise rejects its identity), but it is how peers on one machine find each other.
+    """
+    expanded: list[multiaddr.Multiaddr] = []
+    for addr in addrs:
+        text = str(addr)
+        if not text.startswith("/ip4/0.0.0.0/"):
+            expanded.append(addr)
+            continue
+        expanded.extend(a for a in expand_wildcard_address(addr)
+                        if not str(a).startswith("/ip4/127."))
+        expanded.append(multiaddr.Multiaddr(text.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/", 1)))
+    return expanded
+
+
+def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr,
+                       dial_timeout: float) -> BasicHost:
+    key_pair = identity.key_pair
+    swarm = new_swarm(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(
+            key_pair, noise_privkey=create_x25519_key_pair().private_key)},
+        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        listen_addrs=[listen],
+        retry_config=RetryConfig(max_retries=0),
+        connection_config=ConnectionConfig(max_connections_per_peer=1,
+                                           dial_timeout=dial_timeout),
+    )
+    # Connectivity policy belongs to p2p.discovery. The library's auto-connector would
+    # dial every peer in the peerstore up to 150 connections (a full mesh in our swarm,
+    # ignoring the target degree), and its dial deadlines cancel handshakes midway,
+    # which leaks their sockets.
+    swarm.auto_connector = _InertAutoConnector(swarm=swarm)
+    return BasicHost(network=swarm, addrs_factory=_expand_wildcards)
+
+
+class _InertAutoConnector(AutoConnector):
+    """An auto-connector that never dials (bookkeeping hooks are inherited)."""
+
+    async def run_background_task(self, nursery: trio.Nursery) -> None:
+        return
+
+    async def maybe_connect(self) -> None:
+        return
+
+
+class P2PHost:
+    """One running peer. Create it with :func:`open_host`; all methods need that context."""
+
+    def __init__(self, identity: Identity, host: BasicHost, pubsub: _SwarmPubsub,
+                 gossip: GossipConfig, topics: dict[str, _Broadcast],
+                 connection_events: _Broadcast, dial_timeout: float) -> None:
+        self.identity = identity
+        self.peer_id: PeerId = identity.peer_id
+        self._host = host
+        self._network = host.get_network()
+        self._pubsub = pubsub
+        self._gossip = gossip
+        self._topics = topics
+        self._connection_events = connection_events
+        self._dial_timeout = dial_timeout
+        self._dials: dict[ID, trio.Event] = {}
+        self._validators: dict[str, TopicValidator] = {}
+
+    @property
+    def libp2p_host(self) -> BasicHost:
+        """The libp2p host underneath, for other modules of ``p2p/`` only."""
+        return self._host
+
+    # -- addresses and connections -------------------------------------------------
+
+    def multiaddrs(self) -> list[str]:
+        """Our dialable addresses, ``/ip4/<ip>/tcp/<port>/p2p/<peer id>``."""
+        return [str(addr) for addr in self._host.get_addrs()]
+
+    def connected_peers(self) -> list[PeerId]:
+        return [_peer_id(peer) for peer, conns in self._network.connections.items() if conns]
+
+    def is_connected(self, peer: str) -> bool:
+        return bool(self._network.connections.get(_parse_peer(peer)))
+
+    def known_addrs(self, peer: str) -> list[str]:
+        """Full multiaddrs (with ``/p2p/``) we know for ``peer``; empty if none."""
+        peer_id = _parse_peer(peer)
+        try:
+            addrs = self._host.get_peerstore().addrs(peer_id)
+        except PeerStoreError:  # unknown, or its addresses expired
+            return []
+        # Addresses arrive both bare (our dials) and with /p2p/ (identify stores them so).
+        full: list[str] = []
+        for addr in map(str, addrs):
+            if "/p2p/" not in addr:
+                addr = f"{addr}/p2p/{peer}"
+            elif not addr.endswith(f"/p2p/{peer}"):
+                continue  # relay or foreign suffix: not a direct address of this peer
+            if addr not in full:
+                full.append(addr)
+        return full
+
+    def known_peers(self) -> list[PeerId]:
+        """Every other peer we hold unexpired addresses for, connected or not."""
+        peers = self._host.get_peerstore().peers_with_addrs()
+        return [_peer_id(p) for p in peers if p != self._host.get_id()]
+
+    def add_addrs(self, peer: str, addrs: Iterable[str], ttl: int = ADDR_TTL_SECONDS) -> None:
+        """Remember addresses for ``peer`` (``/p2p/`` suffix optional; others' ignored)."""
+        peer_id = _parse_peer(peer)
+        parsed = []
+        for addr in addrs:
+            try:
+                maddr = multiaddr.Multiaddr(addr)
+                if "/p2p/" in addr:
+                    info = info_from_p2p_addr(maddr)
+                    if info.peer_id != peer_id:
+                        logger.debug("ignoring %s: not an address of %s", addr, peer)
+                        continue
+                    maddr = info.addrs[0]
+            except Exception:  # noqa: BLE001 - multiaddr raises a zoo of types
+                logger.debug("ignoring malformed multiaddr %r for %s", addr, peer)
+                continue
+            parsed.append(maddr)
+        if parsed and peer_id != self._host.get_id():
+            self._host.get_peerstore().add_addrs(peer_id, parsed, ttl)
+
+    async def connect(self, addr: str) -> PeerId:
+        """Connect to the peer at ``addr`` (which must end in ``/p2p/<peer id>``).
+
+        Returns at once if already connected. Raises :class:`DialError`.
+        """
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as exc:  # noqa: BLE001 - multiaddr raises a zoo of types
+            raise DialError(f"not a dialable /p2p/ multiaddr: {addr!r}") from exc
+        if info.peer_id == self._host.get_id():
+            raise DialError("refusing to dial ourselves")
+        peer = _peer_id(info.peer_id)
+        # Concurrent dials to one peer would open two connections; later callers wait
+        # for the first and only dial themselves if it failed.
+        while (pending := self._dials.get(info.peer_id)) is not None:
+            await pending.wait()
+        if self.is_connected(peer):
+            return peer
+        self._dials[info.peer_id] = done = trio.Event()
+        try:
+            self._network.unblock_peer(info.peer_id)  # our backoff, not the library's
+            with trio.fail_after(self._dial_timeout):
+                await self._network.dial_addr(info.addrs[0], info.peer_id)
+        except trio.TooSlowError:
+            raise DialError(f"dial to {addr} timed out after {self._dial_timeout:g}s") from None
+        except (BaseLibp2pError, OSError, ValueError) as exc:
+            raise DialError(f"dial to {addr} failed: {exc}") from exc
+        finally:
+            del self._dials[info.peer_id]
+            done.set()
+        self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, ADDR_TTL_SECONDS)
+        return peer
+
+    async def disconnect(self, peer: str) -> None:
+        """Close every connection to ``peer``.
+
+        Not ``BasicHost.disconnect``: its ``Swarm.close_peer`` awaits the closes (100 ms
+        each) and then drops the peer's whole entry, including a connection the peer
+        re-dialed meanwhile, which is orphaned open while the peer thinks it is in use.
+        """
+        await _close_connections(self._network.get_connections(_parse_peer(peer)))
+
+    def connection_events(self) -> trio.MemoryReceiveChannel[ConnectionEvent]:
+        """A channel of :class:`ConnectionEvent` from now on; close it to unsubscribe.
+
+        Events already past are not replayed: read :meth:`connected_peers` after opening.
+        """
+        return self._connection_events.open(_EVENT_QUEUE_SIZE)
+
+    # -- streams ---------------------------------------------------------------------
+
+    async def new_stream(self, peer: str, protocol: str, *, timeout: float | None = None,
+                         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> FramedStream:
+        """Open a framed stream to ``peer`` (dialing known addresses if not connected)."""
+        peer_id = _parse_peer(peer)
+        limit = self._dial_timeout if timeout is None else timeout
+        try:
+            with trio.fail_after(limit):
+                stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+        except trio.TooSlowError:
+            raise DialError(f"opening {protocol} to {peer} timed out after {limit:g}s") from None
+        except (BaseLibp2pError, OSError, ValueError) as exc:
+            raise DialError(f"cannot open {protocol} to {peer}: {exc}") from exc
+        return FramedStream.over_libp2p(stream, remote_peer=PeerId(peer),
+                                        max_frame_size=max_frame_size)
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
+                           max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        """Serve ``protocol``: ``handler(stream, remote_peer)`` runs once per inbound stream.
+
+        The stream is closed when the handler returns and reset if it raises; a handler's
+        exception is logged and stays contained to its stream.
+        """
+
+        async def on_stream(stream: INetStream) -> None:
+            remote = _peer_id(stream.muxed_conn.peer_id)
+            framed = FramedStream.over_libp2p(stream, remote_peer=remote,
+                                              max_frame_size=max_frame_size)
+            try:
+                async with framed:
+                    await handler(framed, remote)
+            except P2PError as exc:
+                logger.debug("%s stream from %s ended: %s", protocol, remote, exc)
+            except Exception:
+                logger.exception("%s handler failed on a stream from %s", protocol, remote)
+
+        self._host.set_stream_handler(TProtocol(protocol), on_stream)
+
+    # -- pubsub ----------------------------------------------------------------------
+
+    async def subscribe(self, topic: str) -> trio.MemoryReceiveChannel[GossipMessage]:
+        """A channel of :class:`GossipMessage` on ``topic``, our own publishes included.
+
+        Each call gets its own channel; close it to stop receiving.
+        """
+        channel = self._topics.setdefault(topic, _Broadcast(f"topic {topic!r}")).open(
+            self._gossip.subscription_queue_size)
+        if topic not in self._pubsub.topic_ids:
+            await self._pubsub.subscribe(topic)
+        return channel
+
+    def set_topic_validator(self, topic: str, validator: TopicValidator) -> None:
+        """Only messages with ``validator(originator, data)`` true are delivered or forwarded.
+
+        It runs on every message we receive, on the trio thread: keep it fast. One that
+        raises counts as a rejection.
+        """
+
+        def validate(_forwarder: ID, message: rpc_pb2.Message) -> bool:
+            return self._check(topic, validator, _peer_id(ID(message.from_id)), message.data)
+
+        self._validators[topic] = validator
+        self._pubsub.set_topic_validator(topic, validate, is_async_validator=False)
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        """Publish ``data`` on ``topic``; raises :class:`PublishRejected` if our own
+        validator refuses it (libp2p would drop it silently) or it is too large."""
+        if len(data) > self._gossip.max_message_size:
+            raise PublishRejected(f"{len(data)} bytes exceeds the gossip limit of "
+                                  f"{self._gossip.max_message_size}")
+        validator = self._validators.get(topic)
+        if validator is not None and not self._check(topic, validator, self.peer_id, data):
+            raise PublishRejected(f"our own validator for {topic!r} rejected the message")
+        try:
+            await self._pubsub.publish(topic, data)
+        except BaseLibp2pError as exc:
+            raise P2PError(f"publish on {topic!r} failed: {exc}") from exc
+
+    @staticmethod
+    def _check(topic: str, validator: TopicValidator, origin: PeerId, data: bytes) -> bool:
+        try:
+            return bool(validator(origin, data))
+        except Exception:
+            logger.exception("validator for %r raised; treating the message as invalid", topic)
+            return False
+
+    def gossip_peers(self, topic: str) -> list[PeerId]:
+        """Connected peers known to subscribe to ``topic`` (publishing before any exist
+        reaches nobody but ourselves)."""
+        return [_peer_id(p) for p in self._pubsub.peer_topics.get(topic, ())]
+
+    def _close_channels(self) -> None:
+        self._connection_events.close()
+        for broadcast in self._topics.values():
+            broadcast.close()
+
+
+def _listen_multiaddr(listen_host: str, listen_port: int) -> multiaddr.Multiaddr:
+    family = "ip6" if ":" in listen_host else "ip4"
+    try:
+        return multiaddr.Multiaddr(f"/{family}/{listen_host}/tcp/{int(listen_port)}")
+    except Exception as exc:  # noqa: BLE001 - multiaddr raises a zoo of types
+        raise ListenError(f"cannot listen on {listen_host}:{listen_port}: {exc}") from exc
+
+
+def _ensure_port_free(listen_host: str, listen_port: int) -> None:
+    """Refuse a fixed port that something already listens on.
+
+    libp2p binds its listeners with SO_REUSEPORT (for TCP hole punching), so a second
+    peer started on the same port would *share* it, the kernel splitting incoming
+    connections between the two, instead of failing. A plain bind without SO_REUSEPORT
+    fails if anyone is listening there; that is the check. (A race with a process that
+    binds between this probe and our listen remains; it needs the same mistake twice.)
+    """
+    if listen_port == 0:
+        return
+    family = socket.AF_INET6 if ":" in listen_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT
+        try:
+            probe.bind((listen_host, listen_port))
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen_host}:{listen_port}: {exc}") from exc
+
+
+@asynccontextmanager
+async def open_host(
+    identity: Identity,
+    *,
+    listen_port: int = 0,
+    listen_host: str = "127.0.0.1",
+    enable_mdns: bool = False,
+    gossip: GossipConfig = GossipConfig(),
+    dial_timeout: float = DEFAULT_DIAL_TIMEOUT,
+) -> AsyncIterator[P2PHost]:
+    """Run a peer's host for the duration of the ``async with`` block.
+
+    ``listen_port=0`` picks a free port (read it back from :meth:`P2PHost.multiaddrs`).
+    With ``enable_mdns`` peers found on the local network are connected; if multicast is
+    unavailable that is logged and the host runs without it. Raises :class:`ListenError`.
+    """
+    listen = _listen_multiaddr(listen_host, listen_port)
+    _ensure_port_free(listen_host, listen_port)
+    libp2p_host = _build_libp2p_host(identity, listen, dial_timeout)
+    topics: dict[str, _Broadcast] = {}
+    pubsub, router = _build_gossip(libp2p_host, gossip, topics)
+    events = _Broadcast("connection events")
+    libp2p_host.get_network().register_notifee(_ConnectionNotifee(events))
+    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout)
+    try:
+        async with libp2p_host.run([listen]):
+            try:
+                if not libp2p_host.get_transport_addrs():
+                    raise ListenError(f"could not listen on {listen}")
+                async with background_trio_service(pubsub), background_trio_service(router):
+                    await pubsub.wait_until_ready()
+                    async with trio.open_nursery() as nursery:
+                        if enable_mdns:
+                            from p2p.discovery import run_mdns  # builds on this module
+
+                            await nursery.start(run_mdns, host)
+                        yield host
+                        nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(_SHUTDOWN_TIMEOUT):
+                    await _close_network(libp2p_host)
+    except BaseExceptionGroup as group:
+        # Six nested library nurseries would wrap an error from the caller's block (or
+        # ours) in as many groups; a lone error is re-raised as itself.
+        leaf = _sole_error(group)
+        if leaf is None:
+            raise
+        raise leaf from None
+    finally:
+        host._close_channels()
+
+
+def _sole_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, BaseExceptionGroup):
+            pending.extend(item.exceptions)
+        else:
+            leaves.append(item)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+async def _close_connections(conns: Iterable[INetConn]) -> None:
+    """Close connections concurrently: each close sleeps 100 ms in ``SwarmConn._cleanup``."""
+
+    async def close(conn: INetConn) -> None:
+        try:
+            await conn.close()
+        except Exception as exc:  # noqa: BLE001 - closing anyway; the peer may be gone
+            logger.debug("error closing a connection: %r", exc)
+
+    async with trio.open_nursery() as nursery:
+        for conn in list(conns):
+            nursery.start_soon(close, conn)
+
+
+async def _close_network(host: BasicHost) -> None:
+    """Close every connection, then the host.
+
+    Left to the library, connections are closed one after another (100 ms each) and only
+    on an explicit ``Swarm.close``: stopping its service closes them under cancellation,
+    which leaks their sockets.
+    """
+    connections = host.get_network().connections
+    await _close_connections([c for conns in list(connections.values()) for c in conns])
+    await host.close()

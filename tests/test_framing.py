@@ -1,0 +1,161 @@
+"""FramedStream over in-memory and socket stream pairs: integrity, deadlines, bad frames."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from p2p.errors import FrameTooLarge, ProtocolError, StreamClosed, StreamError, StreamTimeout
+from p2p.framing import FramedStream
+
+MiB = 1024 * 1024
+
+
+def memory_pair(**kwargs: object) -> tuple[FramedStream, FramedStream]:
+    left, right = trio.testing.memory_stream_pair()
+    return FramedStream.over_trio(left, **kwargs), FramedStream.over_trio(right, **kwargs)
+
+
+def lockstep_pair() -> tuple[FramedStream, FramedStream]:
+    """No buffering at all: a send blocks until the other side reads, like a full window."""
+    left, right = trio.testing.lockstep_stream_pair()
+    return FramedStream.over_trio(left), FramedStream.over_trio(right)
+
+
+@pytest.mark.parametrize("size", [0, 1, 64 * 1024, 4 * MiB, 32 * MiB])
+async def test_payloads_arrive_intact(size: int) -> None:
+    a, b = memory_pair()
+    payload = os.urandom(size)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.send, payload, 10.0)
+            received = await b.receive(10.0)
+    assert received == payload
+
+
+async def test_frames_keep_their_boundaries_and_order() -> None:
+    a, b = memory_pair()
+    payloads = [os.urandom(n) for n in (3, 0, 70_000, 5)]
+    with trio.fail_after(5):
+        for p in payloads:
+            await a.send(p, 1.0)
+        assert [await b.receive(1.0) for _ in payloads] == payloads
+
+
+async def test_concurrent_senders_do_not_interleave() -> None:
+    a, b = memory_pair()
+    # Above the coalescing limit each frame is two writes: without the lock, a second
+    # sender could slip its header between another's header and payload.
+    payloads = {bytes([i]) * 100_000 for i in range(12)}
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for p in payloads:
+                nursery.start_soon(a.send, p, 5.0)
+        got = {await b.receive(1.0) for _ in payloads}
+    assert got == payloads
+
+
+async def test_stalled_receiver_times_out_sender_within_deadline() -> None:
+    a, b = lockstep_pair()
+    start = trio.current_time()
+    with trio.fail_after(5), pytest.raises(StreamTimeout):
+        await a.send(os.urandom(4 * MiB), 0.3)
+    assert 0.25 < trio.current_time() - start < 1.0
+    assert a.is_broken
+    # The reset reached the reader: it fails at once instead of waiting for a frame.
+    # (A trio stream has no RST: the reader sees EOF, possibly after a partial header.)
+    with trio.fail_after(2), pytest.raises(StreamError):
+        await b.receive(10.0)
+    with pytest.raises(StreamClosed):
+        await a.send(b"again", 1.0)
+
+
+async def test_stalled_socket_receiver_times_out_sender() -> None:
+    # A real socket: kernel buffers absorb the first few hundred KiB, then it stalls.
+    s1, s2 = trio.socket.socketpair()
+    a = FramedStream.over_trio(trio.SocketStream(s1))
+    b = FramedStream.over_trio(trio.SocketStream(s2))
+    with trio.fail_after(5), pytest.raises(StreamTimeout):
+        await a.send(os.urandom(32 * MiB), 0.3)
+    # What was buffered is readable, then the stream ends mid-frame.
+    with trio.fail_after(5), pytest.raises(StreamError):
+        await b.receive(5.0)
+
+
+async def test_receive_timeout_resets_for_both_sides() -> None:
+    a, b = memory_pair()
+    with trio.fail_after(5):
+        with pytest.raises(StreamTimeout):
+            await b.receive(0.1)
+        with pytest.raises(StreamClosed):
+            await a.receive(2.0)
+
+
+async def test_oversize_send_is_refused_and_stream_survives() -> None:
+    a, b = memory_pair(max_frame_size=1000)
+    with pytest.raises(FrameTooLarge):
+        await a.send(b"x" * 1001, 1.0)
+    with trio.fail_after(2):
+        await a.send(b"y" * 1000, 1.0)
+        assert await b.receive(1.0) == b"y" * 1000
+
+
+async def test_oversize_header_is_rejected_before_allocating() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    b = FramedStream.over_trio(right, max_frame_size=MiB)
+    # Announce 4 GiB - 1 and send nothing more: a reader that trusted the header would
+    # allocate or wait for it; ours refuses on the header alone.
+    await left.send_all(struct.pack(">I", 0xFFFFFFFF))
+    with trio.fail_after(2), pytest.raises(FrameTooLarge) as info:
+        await b.receive(1.0)
+    assert info.value.size == 0xFFFFFFFF
+    assert b.is_broken
+
+
+@pytest.mark.parametrize("sent", [b"\x00\x00", struct.pack(">I", 100) + b"x" * 10])
+async def test_eof_mid_frame_is_a_protocol_error(sent: bytes) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    b = FramedStream.over_trio(right)
+    await left.send_all(sent)
+    await left.send_eof()
+    with trio.fail_after(2), pytest.raises(ProtocolError):
+        await b.receive(1.0)
+
+
+async def test_clean_close_then_reply() -> None:
+    client, server = memory_pair()
+    with trio.fail_after(5):
+        await client.send(b"request", 1.0)
+        await client.close()
+        assert await server.receive(1.0) == b"request"
+        with pytest.raises(StreamClosed):
+            await server.receive(1.0)
+        # The peer only half-closed: the server can still answer, the client still read.
+        await server.send(b"reply", 1.0)
+        assert await client.receive(1.0) == b"reply"
+        with pytest.raises(StreamClosed):
+            await client.send(b"late", 1.0)
+
+
+async def test_cancel_mid_frame_resets() -> None:
+    a, b = lockstep_pair()
+    with trio.fail_after(5):
+        with trio.move_on_after(0.1):
+            await a.send(os.urandom(MiB), 10.0)
+        assert a.is_broken
+        with pytest.raises(StreamError):
+            await b.receive(1.0)
+
+
+async def test_context_manager_resets_on_error() -> None:
+    a, b = memory_pair()
+    with trio.fail_after(5):
+        with pytest.raises(RuntimeError):
+            async with a:
+                raise RuntimeError("boom")
+        with pytest.raises(StreamClosed):
+            await b.receive(1.0)
