@@ -1,0 +1,89 @@
+"""What the registry says about each model: covered ranges, gaps, whether a chain exists.
+
+A chain needs ranges that *meet*: a peer holding layers 10-30 cannot start at layer 12, so
+full union coverage is not enough; ``chain_complete`` asks whether boundaries connect 0 to
+``n_layers`` through routable nodes (Ready and not idle).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from inclavate.types import LayerRange, ModelId
+from p2p.registry import NodeView
+
+
+@dataclass(frozen=True)
+class ModelCoverage:
+    model_id: ModelId
+    n_layers: int
+    d_model: int
+    ranges: tuple[LayerRange, ...]
+    """Distinct layer ranges of routable nodes, sorted."""
+    gaps: tuple[LayerRange, ...]
+    chain_complete: bool
+    states: dict[str, int] = field(default_factory=dict)
+    """Node counts by state, plus "Idle" for Ready nodes an admin set idle."""
+    total_vram_mb: int = 0
+    node_count: int = 0
+
+
+def uncovered(ranges: Iterable[LayerRange], n_layers: int) -> list[LayerRange]:
+    """Maximal runs of layers no range covers."""
+    covered = [False] * n_layers
+    for r in ranges:
+        for layer in range(r.start, min(r.end, n_layers)):
+            covered[layer] = True
+    gaps, start = [], None
+    for layer, is_covered in enumerate([*covered, True]):
+        if not is_covered and start is None:
+            start = layer
+        elif is_covered and start is not None:
+            gaps.append(LayerRange(start, layer))
+            start = None
+    return gaps
+
+
+def has_chain(ranges: Iterable[LayerRange], n_layers: int) -> bool:
+    """Whether boundaries connect 0 to ``n_layers`` (ranges must meet exactly)."""
+    by_start: dict[int, list[int]] = {}
+    for r in ranges:
+        by_start.setdefault(r.start, []).append(r.end)
+    reached, frontier = {0}, [0]
+    while frontier:
+        for end in by_start.get(frontier.pop(), []):
+            if end not in reached:
+                reached.add(end)
+                frontier.append(end)
+    return n_layers in reached
+
+
+def model_coverage(views: Iterable[NodeView]) -> dict[ModelId, ModelCoverage]:
+    grouped: dict[ModelId, list[NodeView]] = {}
+    for view in views:
+        grouped.setdefault(view.record.model_id, []).append(view)
+    return {model: _coverage(model, nodes) for model, nodes in sorted(grouped.items())}
+
+
+def _coverage(model_id: ModelId, nodes: list[NodeView]) -> ModelCoverage:
+    # Every record of a model states its shape; the most common answer wins if a
+    # misconfigured peer disagrees (it could not join a chain anyway).
+    n_layers = Counter(v.record.n_layers for v in nodes).most_common(1)[0][0]
+    d_model = Counter(v.record.d_model for v in nodes).most_common(1)[0][0]
+    routable = [v.record.layers for v in nodes if v.routable and v.record.n_layers == n_layers]
+    states = Counter(v.state for v in nodes)
+    states["Idle"] = sum(1 for v in nodes if v.state == "Ready" and v.record.idle)
+    live = [v for v in nodes if v.state != "Dead"]
+    return ModelCoverage(
+        model_id=model_id,
+        n_layers=n_layers,
+        d_model=d_model,
+        ranges=tuple(sorted(set(routable))),
+        gaps=tuple(uncovered(routable, n_layers)),
+        chain_complete=has_chain(routable, n_layers),
+        states={s: states.get(s, 0) for s in ("Ready", "Joining", "Degraded", "Dead", "Idle")},
+        total_vram_mb=sum(v.record.vram_mb for v in live),
+        node_count=len(nodes),
+    )

@@ -1,0 +1,118 @@
+"""Choosing the chain of peers for a session: a pure function of the registry.
+
+The chain is a path through *layer boundaries*: node ``v`` holding ``[s, e)`` is an edge
+from boundary ``s`` to ``e``, and a route is a path from 0 to ``n_layers``. Each edge costs
+its expected step time::
+
+    cost(v) = layers(v) * step_ms_per_layer(v) + link_ms(v) + HOP_MS
+
+``step_ms_per_layer`` is what the node measured and gossips (unmeasured nodes get
+``DEFAULT_STEP_MS_PER_LAYER``); ``link_ms`` is half the round trip this peer measured to it
+(unknown peers get ``DEFAULT_LINK_MS``; the entry peer itself costs nothing), and
+``HOP_MS`` charges every hop its fixed serialization and scheduling cost, which is what
+makes fewer hops win between otherwise equal chains. Among equally cheap chains one is drawn
+at random, so concurrent sessions spread over replicas.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from inclavate.types import LayerRange, ModelId, NodeId, PeerId
+from p2p.coverage import uncovered
+from p2p.errors import P2PError
+from p2p.registry import NodeView
+
+HOP_MS = 1.0
+DEFAULT_STEP_MS_PER_LAYER = 1.0
+DEFAULT_LINK_MS = 5.0
+_EPSILON = 1e-9
+
+
+class NoRoute(P2PError):
+    """No chain of Ready nodes covers the model; ``missing`` names the uncovered layers."""
+
+    def __init__(self, model_id: str, n_layers: int, missing: list[LayerRange]) -> None:
+        self.model_id = model_id
+        self.missing = missing
+        if missing:
+            detail = "layers " + ", ".join(str(r) for r in missing) + " have no Ready node"
+        elif n_layers:
+            detail = "every layer is held but no ranges meet end to start to form a chain"
+        else:
+            detail = "no node serves it"
+        super().__init__(f"no Ready chain covers {model_id}: {detail}")
+
+
+@dataclass(frozen=True)
+class Hop:
+    node_id: NodeId
+    peer_id: PeerId
+    """The libp2p peer that runs this hop: the node itself, or the peer relaying a legacy node."""
+    layers: LayerRange
+    forward_url: str = ""
+    """Set for a relayed legacy node: its HTTP forward endpoint."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    link_ms: Mapping[PeerId, float] = field(default_factory=dict)
+    """Measured one-way latency from this peer to others."""
+    hop_ms: float = HOP_MS
+
+
+def choose_route(
+    views: Iterable[NodeView],
+    model_id: ModelId,
+    entry: PeerId,
+    costs: CostModel = CostModel(),
+    rng: random.Random | None = None,
+) -> list[Hop]:
+    candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
+    if not candidates:
+        raise NoRoute(model_id, 0, [])
+    n_layers = max(r.n_layers for r in candidates)
+    candidates = [r for r in candidates if r.n_layers == n_layers]
+    edges: dict[int, list[tuple[float, Hop]]] = {}
+    for r in candidates:
+        step = r.step_ms_per_layer if r.step_ms_per_layer > 0 else DEFAULT_STEP_MS_PER_LAYER
+        link = 0.0 if r.peer_id == entry and not r.relayed else costs.link_ms.get(r.peer_id, DEFAULT_LINK_MS)
+        hop = Hop(r.node_id, r.peer_id, r.layers, r.forward_url if r.relayed else "")
+        edges.setdefault(r.start_layer, []).append((len(r.layers) * step + link + costs.hop_ms, hop))
+
+    best, preds = _shortest(edges, n_layers)
+    if n_layers not in best:
+        raise NoRoute(model_id, n_layers, uncovered((r.layers for r in candidates), n_layers))
+    rng = rng or random.Random()
+    route: list[Hop] = []
+    boundary = n_layers
+    while boundary != 0:
+        hop = rng.choice(preds[boundary])
+        route.append(hop)
+        boundary = hop.layers.start
+    return route[::-1]
+
+
+def _shortest(
+    edges: Mapping[int, list[tuple[float, Hop]]], n_layers: int
+) -> tuple[dict[int, float], dict[int, list[Hop]]]:
+    """Dijkstra over boundaries, keeping *every* optimal predecessor for random tie-breaks."""
+    best: dict[int, float] = {0: 0.0}
+    preds: dict[int, list[Hop]] = {}
+    queue = [(0.0, 0)]
+    while queue:
+        cost, boundary = heapq.heappop(queue)
+        if cost > best.get(boundary, float("inf")) + _EPSILON:
+            continue
+        for edge_cost, hop in edges.get(boundary, []):
+            end, total = hop.layers.end, cost + edge_cost
+            known = best.get(end, float("inf"))
+            if total < known - _EPSILON:
+                best[end], preds[end] = total, [hop]
+                heapq.heappush(queue, (total, end))
+            elif abs(total - known) <= _EPSILON:
+                preds[end].append(hop)
+    return best, preds

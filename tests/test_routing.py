@@ -1,0 +1,57 @@
+"""Route choice: cheapest chain of meeting ranges, fewer hops, random among equals."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from registry_helpers import MODEL, view
+
+from inclavate.types import LayerRange, PeerId
+from p2p.routing import CostModel, NoRoute, choose_route
+
+
+def ranges(route) -> list[LayerRange]:
+    return [h.layers for h in route]
+
+
+def test_a_simple_chain() -> None:
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 20, 30)]
+    assert ranges(choose_route(views, MODEL, PeerId("a"))) == [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
+
+
+def test_fewer_hops_win_between_equal_compute() -> None:
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 20, 30), view("d", 10, 30)]
+    assert ranges(choose_route(views, MODEL, PeerId("x"))) == [LayerRange(0, 10), LayerRange(10, 30)]
+
+
+def test_faster_nodes_and_closer_links_win() -> None:
+    views = [view("a", 0, 30, step_ms_per_layer=2.0), view("b", 0, 30, step_ms_per_layer=0.5)]
+    assert choose_route(views, MODEL, PeerId("x"))[0].node_id == "b"
+    views = [view("a", 0, 30), view("b", 0, 30)]
+    costs = CostModel(link_ms={PeerId("a"): 50.0, PeerId("b"): 1.0})
+    assert choose_route(views, MODEL, PeerId("x"), costs)[0].node_id == "b"
+    # The entry peer's own range has no link cost at all.
+    assert choose_route(views, MODEL, PeerId("a"), costs)[0].node_id == "a"
+
+
+def test_ties_are_broken_at_random_so_load_spreads() -> None:
+    views = [view("a", 0, 30), view("b", 0, 30), view("c", 0, 30)]
+    rng = random.Random(0)
+    picks = Counter(choose_route(views, MODEL, PeerId("x"), rng=rng)[0].node_id for _ in range(300))
+    assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 60
+
+
+def test_only_ready_and_active_nodes_are_routed() -> None:
+    views = [view("a", 0, 30, "Degraded"), view("b", 0, 30, idle=True), view("c", 0, 30, "Joining"), view("d", 0, 30)]
+    assert choose_route(views, MODEL, PeerId("x"))[0].node_id == "d"
+
+
+def test_no_route_names_the_missing_layers() -> None:
+    with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
+        choose_route([view("a", 0, 10), view("b", 20, 30)], MODEL, PeerId("x"))
+    with pytest.raises(NoRoute, match="ranges meet"):
+        choose_route([view("a", 0, 12), view("b", 10, 30)], MODEL, PeerId("x"))
+    with pytest.raises(NoRoute, match="no node serves it"):
+        choose_route([], MODEL, PeerId("x"))
