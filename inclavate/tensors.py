@@ -57,15 +57,22 @@ def encode(x: np.ndarray, preferred: WireDType = "f16", fallback: WireDType = "f
     return EncodedTensor(dtype, tuple(int(d) for d in x.shape), data)
 
 
-def decode(t: EncodedTensor) -> np.ndarray:
-    """Unpack to a float32 array of the declared shape."""
+def validate(t: EncodedTensor) -> None:
+    """Check dtype and size against the shape without decoding (cheap, before queueing)."""
     if t.dtype not in _ITEMSIZE:
         raise TensorDecodeError(f"unknown tensor dtype {t.dtype!r}")
+    if any(d < 0 for d in t.shape):
+        raise TensorDecodeError(f"negative dimension in shape {list(t.shape)}")
     count = int(np.prod(t.shape)) if t.shape else 1
     if count * _ITEMSIZE[t.dtype] != len(t.data):
         raise TensorDecodeError(
             f"{len(t.data)} bytes cannot hold a {t.dtype} tensor of shape {list(t.shape)}"
         )
+
+
+def decode(t: EncodedTensor) -> np.ndarray:
+    """Unpack to a float32 array of the declared shape."""
+    validate(t)
     if t.dtype == "f32":
         out = np.frombuffer(t.data, dtype=np.float32).copy()
     elif t.dtype == "f16":

@@ -1,0 +1,194 @@
+"""A stage: one engine serving every session routed through it, batched.
+
+Work arrives as jobs (one session's tokens or hidden states) on a queue. The worker takes
+the first job, then every other job already waiting, up to ``max_batch_tokens`` and one job
+per session, and runs them as one engine call: decode steps of concurrent sessions share a
+pass over the weights. A session's jobs are run in arrival order (a later one waits for the
+next batch), which is what lets a prefill arrive as several chunks.
+
+Results leave through each job's ``deliver`` callback, awaited in order; the network layer
+uses it to pass hidden states on or send the sampled token home. The stage knows nothing
+of the network. Sessions idle for ``session_idle_s`` are freed, so an entry peer that died
+mid-generation does not pin KV cache forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from inclavate.errors import InclavateError
+from inclavate.types import SessionId
+from node.engine import BatchItem, LayerEngine, StageOutput
+from node.errors import EngineError
+from node.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a job produced: hidden states to pass on, or (last range) the sampled token."""
+
+    output: StageOutput | None = None
+    token: int | None = None
+    error: InclavateError | None = None
+
+
+Deliver = Callable[[StageResult], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class Job:
+    item: BatchItem | None
+    """None for a close request."""
+    session_id: SessionId
+    deliver: Deliver
+    sampling: SamplingParams | None = None
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StageStats:
+    """Counters the peer gossips: tokens through this range and the step time per layer."""
+
+    tokens: int = 0
+    batches: int = 0
+    errors: int = 0
+    step_ms_per_layer: float = 0.0
+    _ema_alpha: float = 0.2
+
+    def record(self, tokens: int, seconds: float, layers: int) -> None:
+        self.tokens += tokens
+        self.batches += 1
+        per_layer = seconds * 1000 / max(1, layers)
+        self.step_ms_per_layer = (
+            per_layer if self.batches == 1 else (1 - self._ema_alpha) * self.step_ms_per_layer + self._ema_alpha * per_layer
+        )
+
+
+class Stage:
+    def __init__(
+        self,
+        engine: LayerEngine,
+        *,
+        max_batch_tokens: int = 1024,
+        queue_size: int = 256,
+        session_idle_s: float = 600.0,
+    ) -> None:
+        self.engine = engine
+        self.max_batch_tokens = max_batch_tokens
+        self.session_idle_s = session_idle_s
+        self.stats = StageStats()
+        self._send, self._receive = trio.open_memory_channel[Job](queue_size)
+        self._deferred: list[Job] = []
+        self._last_used: dict[SessionId, float] = {}
+
+    async def submit(self, job: Job) -> None:
+        """Queue a job; waits only when the queue is full (backpressure on the sender)."""
+        await self._send.send(job)
+
+    def try_submit(self, job: Job) -> bool:
+        try:
+            self._send.send_nowait(job)
+            return True
+        except trio.WouldBlock:
+            return False
+
+    @property
+    def sessions(self) -> int:
+        return len(self._last_used)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._expire_idle_sessions)
+            task_status.started()
+            while True:
+                batch = await self._next_batch()
+                await self._run_batch(batch)
+
+    async def _next_batch(self) -> list[Job]:
+        waiting = self._deferred
+        self._deferred = []
+        if not waiting:
+            waiting.append(await self._receive.receive())
+        while True:
+            try:
+                waiting.append(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                break
+        batch: list[Job] = []
+        blocked: set[SessionId] = set()  # sessions whose earlier job waits: keep their order
+        tokens = 0
+        for index, job in enumerate(waiting):
+            if job.item is None and not batch:
+                self._deferred.extend(waiting[index + 1 :])
+                return [job]  # a close runs alone, in order with its session's other jobs
+            n = job.item.n_tokens if job.item is not None else 0
+            if job.session_id in blocked or job.item is None or (batch and tokens + n > self.max_batch_tokens):
+                self._deferred.append(job)
+                blocked.add(job.session_id)
+                continue
+            batch.append(job)
+            blocked.add(job.session_id)
+            tokens += n
+        return batch
+
+    async def _run_batch(self, batch: list[Job]) -> None:
+        if batch[0].item is None:
+            closed = await trio.to_thread.run_sync(self.engine.close_session, batch[0].session_id)
+            self._last_used.pop(batch[0].session_id, None)
+            log.debug("closed session %s (%s)", batch[0].session_id, "freed" if closed else "none held")
+            await batch[0].deliver(StageResult())
+            return
+        started = time.monotonic()
+        results = await trio.to_thread.run_sync(self._compute, batch)
+        elapsed = time.monotonic() - started
+        computed = [j for j, r in zip(batch, results) if r.error is None]
+        if computed:
+            self.stats.record(sum(j.item.n_tokens for j in computed if j.item), elapsed, len(self.engine.info.layers))
+        now = time.monotonic()
+        for job, result in zip(batch, results):
+            if result.error is None:
+                self._last_used[job.session_id] = now
+            else:
+                self.stats.errors += 1
+            await job.deliver(result)
+
+    def _compute(self, batch: list[Job]) -> list[StageResult]:
+        """Runs in a worker thread: one engine call, then sampling on the last range."""
+        try:
+            outputs = self.engine.forward([j.item for j in batch if j.item is not None])
+        except EngineError as exc:
+            if len(batch) == 1:
+                return [StageResult(error=exc)]
+            # One bad item must not fail its neighbours: retry each alone.
+            return [r for job in batch for r in self._compute([job])]
+        results = []
+        for job, out in zip(batch, outputs):
+            token = None
+            if out.logits is not None and job.sampling is not None and job.item is not None:
+                token = sample(out.logits, job.sampling, job.item.start_pos + job.item.n_tokens)
+            results.append(StageResult(output=out, token=token))
+        return results
+
+    async def _expire_idle_sessions(self) -> None:
+        period = min(60.0, max(1.0, self.session_idle_s / 4))
+        while True:
+            await trio.sleep(period)
+            cutoff = time.monotonic() - self.session_idle_s
+            for session_id, used in list(self._last_used.items()):
+                if used < cutoff:
+                    log.info("freeing session %s: idle for %.0f s", session_id, self.session_idle_s)
+                    await self.submit(Job(None, session_id, _ignore))
+
+    def close_queue(self) -> None:
+        self._send.close()
+
+
+async def _ignore(_: StageResult) -> None:
+    return None

@@ -1,0 +1,224 @@
+"""The registry as a service: gossip it, sync it, age it.
+
+* Every peer publishes its own signed record on the topic ``inclavate/registry/1`` when it
+  changes and as a heartbeat (``Liveness.heartbeat_s``), plus the records of legacy nodes
+  it vouches for.
+* A topic validator runs the registry's own rules (:func:`p2p.registry.apply`) on every
+  message, so forged, replayed or future-dated records are neither delivered nor forwarded.
+* Anti-entropy (``/inclavate/registry-sync/1``): on every new connection, and every
+  ``sync_interval`` with a random neighbour, a peer asks for the neighbour's whole table, so
+  a joining or reconnecting peer does not wait for heartbeats to learn the swarm.
+* The table is aged every second (Degraded, Dead, then dropped).
+
+The table itself is an immutable :class:`~p2p.registry.Table` swapped on every change;
+readers take ``service.table`` and never see a half-applied update.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from inclavate.types import NodeId, PeerId
+from p2p.coverage import ModelCoverage, model_coverage
+from p2p.errors import P2PError
+from p2p.framing import FramedStream
+from p2p.host import P2PHost
+from p2p.identity import Identity
+from p2p.records import InvalidRecord, NodeRecord, SignedRecord, now_ms
+from p2p.registry import Liveness, NodeView, Table, Verdict, apply, expire, remove
+
+log = logging.getLogger(__name__)
+
+TOPIC = "inclavate/registry/1"
+SYNC_PROTOCOL = "/inclavate/registry-sync/1"
+_MAX_SYNC_BYTES = 64 * 1024 * 1024
+
+
+class RegistryService:
+    def __init__(
+        self,
+        host: P2PHost,
+        identity: Identity,
+        liveness: Liveness = Liveness(),
+        *,
+        sync_interval: float = 30.0,
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        self.host = host
+        self.identity = identity
+        self.liveness = liveness
+        self.sync_interval = sync_interval
+        self.clock = clock
+        self.table = Table()
+        self._own: dict[NodeId, NodeRecord] = {}
+        """Records this peer publishes: its own, and legacy nodes it vouches for."""
+        self._changed = trio.Event()
+        self.rejected: dict[str, int] = {}
+        """Counts of rejected records by reason (exposed for tests and diagnostics)."""
+        self.refresh: Callable[[NodeRecord], NodeRecord] | None = None
+        """Called before each heartbeat to update counters in our own record."""
+
+    # --------------------------------------------------------------- reading
+
+    def views(self) -> list[NodeView]:
+        return list(self.table.views(self.clock(), self.liveness))
+
+    def coverage(self) -> dict[str, ModelCoverage]:
+        return model_coverage(self.views())
+
+    def own(self, node_id: NodeId) -> NodeRecord | None:
+        """The latest version of a record this peer publishes."""
+        return self._own.get(node_id)
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    # --------------------------------------------------------------- writing
+
+    async def publish(self, record: NodeRecord) -> NodeRecord:
+        """Sign and publish one of our records (bumping its sequence number) now."""
+        previous = self._own.get(record.node_id)
+        ts = self.clock()
+        seq = max(ts, previous.seq + 1 if previous else 0, record.seq + 1)
+        record = record.replace(seq=seq, ts_ms=ts, peer_id=self.identity.peer_id)
+        signed = SignedRecord.sign(record, self.identity)
+        self._own[record.node_id] = record
+        self._accept(signed, "gossip")
+        try:
+            await self.host.publish(TOPIC, signed.encode())
+        except P2PError as exc:  # nobody subscribed yet, or a transient failure
+            log.debug("publishing %s failed: %s", record.node_id, exc)
+        return record
+
+    async def withdraw(self, node_id: NodeId) -> None:
+        """Publish a relayed node's departure and stop vouching for it."""
+        record = self._own.get(node_id)
+        if record is not None:
+            await self.publish(record.replace(state="Dead"))
+            del self._own[node_id]
+
+    def forget(self, node_id: str) -> None:
+        """Drop a node from this peer's table at once (it comes back if it publishes again)."""
+        self._set_table(remove(self.table, node_id))
+
+    # --------------------------------------------------------------- running
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.host.set_topic_validator(TOPIC, self._validate)
+        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=_MAX_SYNC_BYTES)
+        messages = await self.host.subscribe(TOPIC)
+        events = self.host.connection_events()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive, messages)
+            nursery.start_soon(self._heartbeat)
+            nursery.start_soon(self._age)
+            nursery.start_soon(self._sync_on_connect, events, nursery)
+            nursery.start_soon(self._sync_periodically, nursery)
+            for peer in self.host.connected_peers():
+                nursery.start_soon(self.sync_with, peer)
+            task_status.started()
+
+    async def _receive(self, messages: trio.MemoryReceiveChannel[Any]) -> None:
+        async with messages:
+            async for message in messages:
+                try:
+                    signed = SignedRecord.decode(message.data)
+                except InvalidRecord as exc:
+                    self._count(str(exc))
+                    continue
+                self._accept(signed, "gossip")
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(self.liveness.heartbeat_s)
+            for node_id, record in list(self._own.items()):
+                if record.state == "Dead":
+                    continue
+                if node_id == self.identity.peer_id and self.refresh is not None:
+                    record = self.refresh(record)
+                await self.publish(record)
+
+    async def _age(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            self._set_table(expire(self.table, self.clock(), self.liveness), notify=True)
+
+    async def _sync_on_connect(self, events: trio.MemoryReceiveChannel[Any], nursery: trio.Nursery) -> None:
+        async with events:
+            async for event in events:
+                if event.connected:
+                    nursery.start_soon(self.sync_with, event.peer)
+
+    async def _sync_periodically(self, nursery: trio.Nursery) -> None:
+        while True:
+            await trio.sleep(self.sync_interval * random.uniform(0.75, 1.25))
+            peers = self.host.connected_peers()
+            if peers:
+                nursery.start_soon(self.sync_with, random.choice(peers))
+
+    # ---------------------------------------------------------- anti-entropy
+
+    async def sync_with(self, peer: PeerId) -> int:
+        """Pull ``peer``'s whole table; returns how many records changed ours."""
+        try:
+            stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=_MAX_SYNC_BYTES)
+            async with stream:
+                await stream.send(b"{}", timeout=5.0)
+                payload = await stream.receive(timeout=10.0)
+            envelopes = json.loads(payload)["records"]
+        except (P2PError, ValueError, KeyError, TypeError) as exc:
+            log.debug("registry sync with %s failed: %s", peer, exc)
+            return 0
+        accepted = 0
+        for envelope in envelopes:
+            try:
+                signed = SignedRecord.decode(envelope.encode())
+            except (InvalidRecord, AttributeError) as exc:
+                self._count(str(exc))
+                continue
+            accepted += self._accept(signed, "sync") is Verdict.ACCEPTED
+        return accepted
+
+    async def _serve_sync(self, stream: FramedStream, remote: PeerId) -> None:
+        await stream.receive(timeout=5.0)
+        records = [s.encode().decode() for s in self.table.signed_records()]
+        await stream.send(json.dumps({"records": records}).encode(), timeout=10.0)
+
+    # -------------------------------------------------------------- internals
+
+    def _validate(self, origin: PeerId, data: bytes) -> bool:
+        try:
+            signed = SignedRecord.decode(data)
+        except InvalidRecord as exc:
+            self._count(str(exc))
+            return False
+        _, verdict = apply(self.table, signed, self.clock(), self.liveness)
+        if verdict.rejected:
+            self._count(verdict.value)
+            log.info("rejected a record for %s from %s: %s", signed.record.node_id, origin, verdict.value)
+        return not verdict.rejected
+
+    def _accept(self, signed: SignedRecord, via: str) -> Verdict:
+        table, verdict = apply(self.table, signed, self.clock(), self.liveness, via)  # type: ignore[arg-type]
+        if verdict is Verdict.ACCEPTED:
+            self._set_table(table)
+        elif verdict.rejected:
+            self._count(verdict.value)
+        return verdict
+
+    def _set_table(self, table: Table, notify: bool = True) -> None:
+        if table is self.table:
+            return
+        self.table = table
+        if notify:
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def _count(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
