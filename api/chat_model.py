@@ -66,6 +66,15 @@ class ChatModel:
     def reasoning_levels(self) -> list[str]:
         return list(self.reasoning.levels)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list (otherwise tools would be ignored)."""
+        return "tools" in self.template.variables
+
+    @property
+    def input_modalities(self) -> frozenset[str]:
+        return frozenset({"text"})
+
     def prepare(
         self,
         messages: Sequence[Mapping[str, Any]],

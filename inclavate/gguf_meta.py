@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from inclavate.errors import InclavateError
 
 _MAGIC = b"GGUF"
@@ -42,6 +44,12 @@ class GgufMetadata:
     tensor_count: int
     values: dict[str, Any]
     """Scalars and strings as Python values; arrays as :class:`ArrayInfo`."""
+    tensor_bytes: dict[str, int]
+    """Size of every tensor's data, by name (what a range of layers costs in memory)."""
+
+    def layer_bytes(self, layer: int) -> int:
+        prefix = f"blk.{layer}."
+        return sum(n for name, n in self.tensor_bytes.items() if name.startswith(prefix))
 
     @property
     def arch(self) -> str:
@@ -72,9 +80,27 @@ def read_metadata(path: Path) -> GgufMetadata:
                 key = _read_string(f)
                 (vtype,) = struct.unpack("<I", _read(f, 4))
                 values[key] = _read_value(f, vtype)
-            return GgufMetadata(version, tensor_count, values)
+            sizes = {}
+            for _ in range(tensor_count):
+                name = _read_string(f)
+                (n_dims,) = struct.unpack("<I", _read(f, 4))
+                dims = struct.unpack(f"<{n_dims}Q", _read(f, 8 * n_dims))
+                ggml_type, _offset = struct.unpack("<IQ", _read(f, 12))
+                sizes[name] = _nbytes(dims, ggml_type)
+            return GgufMetadata(version, tensor_count, values, sizes)
     except (OSError, struct.error, UnicodeDecodeError) as exc:
         raise GgufFormatError(f"cannot read GGUF metadata from {path}: {exc}") from exc
+
+
+def _nbytes(dims: tuple[int, ...], ggml_type: int) -> int:
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        return 0  # a type this gguf release does not know: size unknown, not fatal
+    elements = 1
+    for d in dims:
+        elements *= d
+    return elements // block * type_size
 
 
 def _read_value(f: BinaryIO, vtype: int) -> Any:

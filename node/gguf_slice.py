@@ -14,6 +14,7 @@ name and renamed into place so a crash never leaves a half-written slice to be l
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -25,6 +26,9 @@ from inclavate.gguf_meta import read_metadata
 from inclavate.types import LayerRange
 from node.arch import ArchRules, check_swa_range, rules_for, swa_flags
 from node.errors import EngineLoadError
+
+# The gguf writer narrates every file it writes at INFO; a peer's log is not the place.
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 _SLICE_FORMAT_VERSION = 1  # bump when the slicing rules change, so old caches are not reused

@@ -1,0 +1,73 @@
+"""The REST app every peer serves (quart-trio on hypercorn, in the peer's trio nursery).
+
+Routes live in ``api/routes_*.py``; each module exposes ``install(app, ctx)``. Errors never
+build their own bodies: anything a handler raises reaches :func:`_on_error`, which asks
+``api.errors.error_response_parts`` for the status and the spec's JSON shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, jsonify
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from api import routes_chat, routes_models, routes_nodes, routes_system
+from api.context import PeerContext
+from api.errors import error_response_parts
+from api.sessions import ActiveSessions
+
+log = logging.getLogger(__name__)
+
+Installer = Callable[[QuartTrio, PeerContext], None]
+INSTALLERS: list[Installer] = [routes_system.install, routes_models.install, routes_nodes.install, routes_chat.install]
+
+
+def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None) -> QuartTrio:
+    app = QuartTrio("inclavate")
+    app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
+    app.config["JSON_SORT_KEYS"] = False
+    app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
+    for install in INSTALLERS:
+        install(app, ctx)
+
+    @app.errorhandler(HTTPException)
+    async def _on_http_error(exc: HTTPException) -> Response:
+        # Routing and protocol errors (404, 405, 413 from MAX_CONTENT_LENGTH) in our shape.
+        response = jsonify({"error": exc.description or exc.name})
+        response.status_code = exc.code or 500
+        return response
+
+    @app.errorhandler(Exception)
+    async def _on_error(exc: Exception) -> Response:
+        status, body = error_response_parts(exc)
+        if status >= 500:
+            log.error("request failed: %s", exc, exc_info=status == 500)
+        response = jsonify(body)
+        response.status_code = status
+        return response
+
+    return app
+
+
+async def serve_api(
+    app: QuartTrio,
+    host: str,
+    port: int,
+    *,
+    shutdown: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` until cancelled (or ``shutdown`` returns); reports the bound URLs."""
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 2.0
+    config.keep_alive_timeout = 30.0
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown, task_status=task_status)

@@ -1,0 +1,168 @@
+"""From a decoded chat request to a generation ready to run, and its OpenAI-shaped output.
+
+Shared by ``POST /v1/chat/completions`` (plain and SSE) and ``/ws/chat``, so all three
+validate in the same order, before any work: request shape and limits, then the model (422),
+its capabilities (400), the reasoning level (400), a route through the swarm (503), and the
+prompt length (400).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.chat_model import ChatModel, PreparedPrompt
+from api.chat_request import ChatMessage, ChatRequest, parse_chat_request
+from api.content import TextPart
+from api.context import PeerContext
+from api.errors import UnknownModel
+from api.generation import Generation, GenerationResult
+from api.media import require_modalities
+from api.reasoning_split import Delta
+from api.tool_calls import ParsedToolCall, extract_tool_calls
+from inclavate.types import SessionId
+
+
+@dataclass
+class ChatJob:
+    request: ChatRequest
+    chat: ChatModel
+    prompt: PreparedPrompt
+    generation: Generation
+    session_id: SessionId
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def completion_id(self) -> str:
+        return f"chatcmpl-{self.session_id}"
+
+    @property
+    def buffers_content(self) -> bool:
+        """With tools offered, content is held to the end: it may turn out to be a call."""
+        return bool(self.request.tools) and self.chat.supports_tools
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it (text parts joined; media was refused earlier)."""
+    if isinstance(message.content, str):
+        content = message.content
+    else:
+        content = "".join(p.text for p in message.content if isinstance(p, TextPart))
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+async def prepare_chat(ctx: PeerContext, body: object) -> ChatJob:
+    request = parse_chat_request(body, ctx.limits)
+    if not ctx.knows_model(request.model):
+        raise UnknownModel(f"model {request.model!r} is not in the registry")
+    chat = await ctx.chat_model(request.model)
+    require_modalities(request, chat.input_modalities)
+    tools = [t.to_openai() for t in request.tools] or None
+    tool_choice = None if request.tool_choice is None else request.tool_choice.mode
+    prompt = chat.prepare(
+        [template_message(m) for m in request.messages],
+        thinking=request.thinking,
+        reasoning_effort=request.reasoning_effort,
+        tools=tools if tool_choice != "none" else None,
+        tool_choice=tool_choice,
+    )
+    pipeline = ctx.pipeline(request.model)
+    params = chat.generation_params(
+        prompt,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=request.stop,
+    )
+    session_id = SessionId(uuid.uuid4().hex)
+    generation = Generation(pipeline, chat.tokenizer, session_id, params, prompt.splitter)
+    return ChatJob(request, chat, prompt, generation, session_id)
+
+
+@dataclass
+class Collected:
+    """Everything a finished generation said, for a non-streaming answer."""
+
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+
+    async def add(self, delta: Delta) -> None:
+        (self.reasoning if delta.kind == "reasoning" else self.content).append(delta.text)
+
+
+def finish_and_calls(job: ChatJob, result: GenerationResult, content: str) -> tuple[str, str, list[ParsedToolCall]]:
+    """Final content, finish_reason and tool calls. ``length`` outranks ``tool_calls``: a
+    reply cut at the cap may have been cut mid-call."""
+    if not job.buffers_content:
+        return content, result.finish_reason, []
+    remaining, calls = extract_tool_calls(content)
+    if calls and result.finish_reason != "length":
+        return remaining, "tool_calls", calls
+    return content, result.finish_reason, []
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+def completion_body(job: ChatJob, result: GenerationResult, collected: Collected) -> dict[str, Any]:
+    content, finish, calls = finish_and_calls(job, result, "".join(collected.content))
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if collected.reasoning:
+        message["reasoning_content"] = "".join(collected.reasoning)
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return {
+        "id": job.completion_id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.request.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": usage(result),
+    }
+
+
+def chunk(job: ChatJob, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {
+        "id": job.completion_id,
+        "object": "chat.completion.chunk",
+        "created": job.created,
+        "model": job.request.model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
+
+
+def delta_chunk(job: ChatJob, delta: Delta) -> dict[str, Any]:
+    key = "reasoning_content" if delta.kind == "reasoning" else "content"
+    return chunk(job, {key: delta.text})
+
+
+def final_chunks(job: ChatJob, result: GenerationResult, held_content: str) -> list[dict[str, Any]]:
+    """The closing chunks: held-back content or tool calls, ``finish_reason``, usage."""
+    out = []
+    content, finish, calls = finish_and_calls(job, result, held_content)
+    if calls:
+        out.append(chunk(job, {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}))
+    elif content:
+        out.append(chunk(job, {"content": content}))
+    out.append(chunk(job, {}, finish))
+    if job.request.include_usage:
+        out.append({**chunk(job, {}), "choices": [], "usage": usage(result)})
+    return out

@@ -1,0 +1,53 @@
+"""What the REST app needs from the peer it runs in, and nothing more.
+
+The app is built over this protocol, not over the peer runtime, so handlers cannot reach
+into the host, the engine or the gossip service, and a test can serve the app over a small
+fake. ``inclavate.peer.Peer`` implements it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from api.chat_model import ChatModel
+from api.limits import RequestLimits
+from inclavate.catalog import ModelSpec
+from inclavate.pipeline import Pipeline
+from inclavate.types import LayerRange, ModelId, NodeId
+from p2p.coverage import ModelCoverage
+from p2p.registry import NodeView
+
+
+class PeerContext(Protocol):
+    version: str
+    peer_id: str
+    admin_token: str | None
+    limits: RequestLimits
+
+    def multiaddrs(self) -> list[str]: ...
+
+    def views(self) -> list[NodeView]:
+        """Every node in the registry, with the state this peer currently believes."""
+        ...
+
+    def coverage(self) -> dict[ModelId, ModelCoverage]: ...
+
+    def catalog(self) -> list[ModelSpec]:
+        """Shipped catalog plus the local ``config/models.toml`` overlay."""
+        ...
+
+    def local_engine(self) -> tuple[NodeId, ModelId, LayerRange] | None:
+        """The layers this peer itself holds, once loaded."""
+        ...
+
+    def knows_model(self, model_id: str) -> bool:
+        """In the catalog, the overlay, or served by some node of the swarm."""
+        ...
+
+    async def chat_model(self, model_id: str) -> ChatModel:
+        """Vocabulary, template and reasoning controls (raises ``UnknownModel``)."""
+        ...
+
+    def pipeline(self, model_id: str) -> Pipeline:
+        """A pipeline over the swarm for a new session (raises ``NoRoute``)."""
+        ...

@@ -1,0 +1,117 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 document generated from the routes actually served.
+
+Paths and methods come from the app's URL map, so the document cannot list a route that is
+not served or miss one that is; summaries come from the handlers' docstrings. Request and
+response schemas are written out for the main contracts (chat, errors).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from quart_trio import QuartTrio
+
+_ERROR = {
+    "oneOf": [
+        {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]},
+        {
+            "type": "object",
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]},
+                        "code": {"type": "string"},
+                    },
+                    "required": ["message", "type", "code"],
+                }
+            },
+            "required": ["error"],
+        },
+    ]
+}
+
+_MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}, {"type": "null"}]},
+    },
+    "required": ["role"],
+}
+
+CHAT_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_tokens": {"type": "integer", "minimum": 1, "default": 512},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 0.8},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.95},
+        "stream": {"type": "boolean", "default": False},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+        "seed": {"type": "integer"},
+        "thinking": {"type": "boolean"},
+        "reasoning_effort": {"type": "string"},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {},
+    },
+    "required": ["model", "messages"],
+}
+
+_BODIES: dict[tuple[str, str], dict[str, Any]] = {
+    ("post", "/v1/chat/completions"): CHAT_REQUEST,
+}
+
+_STATUS = {
+    ("post", "/v1/chat/completions"): ["200", "400", "413", "422", "503"],
+}
+
+
+def _path(rule: str) -> tuple[str, list[str]]:
+    params = re.findall(r"<(?:[a-z]+:)?([a-zA-Z_]+)>", rule)
+    return re.sub(r"<(?:[a-z]+:)?([a-zA-Z_]+)>", r"{\1}", rule), params
+
+
+def openapi_document(app: QuartTrio, version: str) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        path, params = _path(rule.rule)
+        view = app.view_functions[rule.endpoint]
+        summary = (view.__doc__ or "").strip().split("\n")[0] or rule.endpoint
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+            key = (method.lower(), path)
+            operation: dict[str, Any] = {
+                "summary": summary,
+                "operationId": f"{method.lower()}_{rule.endpoint}",
+                "responses": {
+                    code: {"description": code} for code in _STATUS.get(key, ["200"])
+                } | {"default": {"description": "error", "content": {"application/json": {"schema": _ERROR}}}},
+            }
+            if params:
+                operation["parameters"] = [
+                    {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
+                ]
+            if key in _BODIES:
+                operation["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": _BODIES[key]}},
+                }
+            if path.startswith("/admin/"):
+                operation["security"] = [{"adminToken": []}]
+            if rule.websocket:
+                operation["x-websocket"] = True
+            paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Inclavate", "version": version},
+        "paths": dict(sorted(paths.items())),
+        "components": {
+            "securitySchemes": {"adminToken": {"type": "apiKey", "in": "header", "name": "X-Admin-Token"}}
+        },
+    }

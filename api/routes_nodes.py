@@ -1,0 +1,64 @@
+"""Node endpoints over the gossiped registry: ``/nodes``, ``/nodes/:id/hardware``,
+``/nodes/:id/metrics``. Every peer answers the same (up to gossip delay)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import jsonify
+from quart_trio import QuartTrio
+
+from api.context import PeerContext
+from api.errors import NotFound
+from p2p.registry import NodeView
+
+
+def node_json(view: NodeView) -> dict[str, Any]:
+    r = view.record
+    return {
+        "node_id": r.node_id,
+        "model_id": r.model_id,
+        "http_url": r.forward_url if r.relayed else r.api_url,
+        "grpc_url": None,
+        "start_layer": r.start_layer,
+        "end_layer": r.end_layer,
+        "n_layers": r.n_layers,
+        "state": view.state,
+        "idle": r.idle,
+        "vram_mb": r.vram_mb,
+        "tokens_total": r.counters.tokens_total,
+        "requests_served": r.counters.requests_served,
+        "errors": r.counters.errors,
+        "avg_latency_ms": r.counters.avg_latency_ms,
+        "uptime_s": r.uptime_s,
+        "peer_id": r.peer_id,
+        "multiaddrs": list(r.multiaddrs),
+        "relayed": r.relayed,
+        "legacy": r.relayed,
+    }
+
+
+def find_node(ctx: PeerContext, node_id: str) -> NodeView:
+    for view in ctx.views():
+        if view.record.node_id == node_id:
+            return view
+    raise NotFound(f"no node {node_id!r} in the registry")
+
+
+def install(app: QuartTrio, ctx: PeerContext) -> None:
+    @app.get("/nodes")
+    async def list_nodes():  # type: ignore[no-untyped-def]
+        """Every node in the registry, with the state this peer believes."""
+        return jsonify([node_json(v) for v in ctx.views()])
+
+    @app.get("/nodes/<node_id>/hardware")
+    async def node_hardware(node_id: str):  # type: ignore[no-untyped-def]
+        """The hardware profile a node reported."""
+        return jsonify(find_node(ctx, node_id).record.hardware)
+
+    @app.get("/nodes/<node_id>/metrics")
+    async def node_metrics(node_id: str):  # type: ignore[no-untyped-def]
+        """The node's recent throughput and latency samples (about 60, every 10 s)."""
+        view = find_node(ctx, node_id)
+        samples = [{"tps": s.tps, "latency_ms": s.latency_ms, "ts_ms": s.ts_ms} for s in view.record.samples]
+        return jsonify(node_id=view.record.node_id, samples=samples)

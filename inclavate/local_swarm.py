@@ -1,0 +1,177 @@
+"""Peers as child processes on this machine: the local swarm, its tests and benchmarks.
+
+Each peer is ``python -m inclavate peer`` with its own data directory and log file, talking
+to the others over libp2p on 127.0.0.1 exactly as peers on different machines would. Leaving
+the context terminates every child (SIGTERM, then SIGKILL), so nothing outlives its owner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from inclavate.errors import InclavateError
+
+T = TypeVar("T")
+
+
+class SwarmError(InclavateError):
+    """A child peer exited, or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def request_json(
+    method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """One HTTP request with a JSON body; returns (status, decoded body) for any status."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, raw.decode(errors="replace")
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if its parent dies, so no peer is ever orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    api_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    data_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def get(self, path: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> Any:
+        status, body = request_json("GET", self.url + path, timeout=timeout, headers=headers)
+        if status >= 400:
+            raise SwarmError(f"GET {path} on {self.name}: {status} {body}")
+        return body
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class LocalSwarm:
+    workdir: Path
+    """Data directories and logs of the children."""
+    peer_args: Sequence[str] = ()
+    """Arguments every child gets."""
+    env: dict[str, str] = field(default_factory=dict)
+    peers: list[PeerProcess] = field(default_factory=list)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def start(self, name: str, model: str, *args: str, bootstrap: PeerProcess | None = None,
+              api_port: int | None = None) -> PeerProcess:  # fmt: skip
+        port = api_port or free_port()
+        data_dir = self.workdir / name
+        log_path = self.workdir / f"{name}.log"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "inclavate", "peer", "--model", model, "--api-port", str(port),
+               "--data-dir", str(data_dir), *self.peer_args, *args]  # fmt: skip
+        if bootstrap is not None:
+            cmd += ["--bootstrap", self.multiaddr(bootstrap)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        peer = PeerProcess(name, port, process, log_path, data_dir)
+        self.peers.append(peer)
+        return peer
+
+    def wait(self, probe: Callable[[], T], timeout: float, what: str, peer: PeerProcess | None = None) -> T:
+        """Poll ``probe`` until it returns something truthy; fail fast if ``peer`` died."""
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while time.monotonic() < deadline:
+            if peer is not None and not peer.alive():
+                raise SwarmError(f"{peer.name} exited ({peer.process.returncode}) while waiting for {what}:\n{peer.log_tail()}")
+            try:
+                result = probe()
+                if result:
+                    return result
+                last = result
+            except (OSError, ValueError, KeyError, TypeError, SwarmError) as exc:
+                last = exc
+            time.sleep(0.2)
+        raise SwarmError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+
+    def multiaddr(self, peer: PeerProcess, timeout: float = 60.0) -> str:
+        health = self.wait(lambda: peer.get("/health"), timeout, f"{peer.name} to answer /health", peer)
+        return str(health["multiaddrs"][0])
+
+    def wait_ready(self, peer: PeerProcess, timeout: float = 120.0) -> dict[str, Any]:
+        """Until the peer has loaded its layers (its /health names them)."""
+        def ready() -> dict[str, Any] | None:
+            health = peer.get("/health")
+            return health if health.get("layers") else None
+
+        return self.wait(ready, timeout, f"{peer.name} to load its layers", peer)
+
+    def signal(self, peer: PeerProcess, sig: int) -> None:
+        if peer.alive():
+            peer.process.send_signal(sig)
+
+    def stop(self, peer: PeerProcess, timeout: float = 10.0) -> int:
+        self.signal(peer, signal.SIGTERM)
+        try:
+            return peer.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            peer.process.kill()
+            peer.process.wait(5)
+            raise SwarmError(f"{peer.name} did not exit within {timeout:g} s of SIGTERM") from None
+
+    def stop_all(self, timeout: float = 8.0) -> None:
+        for peer in self.peers:
+            self.signal(peer, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for peer in self.peers:
+            try:
+                peer.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                peer.process.kill()
+                peer.process.wait(5)

@@ -1,0 +1,300 @@
+"""One peer: the composition root that starts every service in one trio nursery.
+
+Start-up order, and why:
+
+1. identity (so the PeerID survives restarts) and the model file (pulled if missing);
+2. the libp2p host, the registry gossip, discovery, the forward protocol and the REST API,
+   so the peer is reachable and can answer ``/health`` and ``/nodes`` while it loads;
+3. learn the swarm (bootstrap peers, anti-entropy), then choose layers (``--layers``, or
+   :mod:`p2p.placement`), announce ``Joining`` and watch for collisions for ``settle_s``;
+4. load the engine, announce ``Ready``.
+
+Shutdown (:meth:`Peer.shutdown`): announce ``Dead`` at once, refuse new chats, give
+in-flight generations ``drain_s`` to finish, then cancel them (they fail with a clear error
+and free their KV cache), and leave.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import trio
+
+from api.app import create_app, serve_api
+from api.chat_model import ChatModel
+from api.errors import ServiceUnavailable, UnknownModel
+from api.limits import RequestLimits
+from inclavate import __version__, hardware
+from inclavate.catalog import Catalog, ModelSpec
+from inclavate.errors import ConfigError, InclavateError
+from inclavate.gguf_meta import read_metadata
+from inclavate.peer_config import PeerConfig, capacity
+from inclavate.pipeline import Pipeline
+from inclavate.store import ModelStore
+from inclavate.types import LayerRange, ModelId, NodeId, PeerId
+from node.gguf_slice import write_vocab_only
+from node.llamacpp_engine import LlamaCppEngine
+from node.stage import Stage
+from p2p.chain import SwarmPipeline
+from p2p.coverage import ModelCoverage
+from p2p.discovery import run_discovery
+from p2p.forward import ForwardService
+from p2p.gossip import RegistryService
+from p2p.host import P2PHost, open_host
+from p2p.identity import Identity, load_or_create_identity
+from p2p.placement import choose_range, should_move
+from p2p.records import Counters, NodeRecord
+from p2p.registry import NodeView
+from p2p.routing import CostModel, choose_route
+from p2p.vocab import fetch_vocab, serve_vocab
+
+log = logging.getLogger(__name__)
+
+
+class Peer:
+    version = __version__
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self.limits = RequestLimits()
+        self.admin_token = config.admin_token
+        self.identity: Identity | None = None
+        self.host: P2PHost | None = None
+        self.registry: RegistryService | None = None
+        self.forward: ForwardService | None = None
+        self.stage: Stage | None = None
+        self.api_urls: list[str] = []
+        self.shutting_down = False
+        self._started = time.time()
+        self._spec: ModelSpec | None = None
+        self._model_path: Path | None = None
+        self._chat_models: dict[str, ChatModel] = {}
+        self._chat_locks: dict[str, trio.Lock] = {}
+        self._pipelines: dict[str, SwarmPipeline] = {}
+        self._cancel: trio.CancelScope | None = None
+
+    # ------------------------------------------------------------------ run
+
+    @property
+    def peer_id(self) -> str:
+        assert self.identity is not None
+        return self.identity.peer_id
+
+    async def run(self, *, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = load_or_create_identity(cfg.data_dir)
+        catalog = Catalog.load(cfg.home)
+        self._spec = spec = catalog.get(cfg.model_id)
+        log.info("peer %s: model %s", self.peer_id, spec.model_id)
+        self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
+        meta = read_metadata(self._model_path)
+        async with open_host(self.identity, listen_port=cfg.p2p_port, listen_host=cfg.p2p_host, enable_mdns=cfg.mdns) as host:
+            self.host = host
+            with trio.CancelScope() as self._cancel:
+                async with trio.open_nursery() as nursery:
+                    self.registry = RegistryService(host, self.identity, cfg.liveness)
+                    self.registry.refresh = self._refresh_record
+                    await nursery.start(self.registry.run)
+                    await nursery.start(run_discovery, host, list(cfg.bootstrap))
+                    self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype)
+                    await nursery.start(self.forward.run)
+                    serve_vocab(host, self._local_vocab)
+                    self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
+                    log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
+
+                    await self._learn_swarm()
+                    layers = await self._place(meta.n_layers, capacity(cfg, meta), meta.d_model)
+                    engine = await trio.to_thread.run_sync(self._load_engine, layers)
+                    self.stage = Stage(engine)
+                    await nursery.start(self.stage.run)
+                    self.forward.stage = self.stage
+                    await self._announce("Ready", layers)
+                    log.info("ready: %s layers %s", spec.model_id, layers)
+                    task_status.started(self)
+
+    async def shutdown(self) -> None:
+        """Leave the swarm cleanly; returns once everything has stopped."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        log.info("shutting down: announcing departure")
+        if self.registry is not None and self._own_record() is not None:
+            with trio.move_on_after(2.0):
+                await self._announce("Dead")
+                await trio.sleep(0.2)  # let the gossip leave the building
+        with trio.move_on_after(self.config.drain_s):
+            while self._pipelines and any(p.open_sessions for p in self._pipelines.values()):
+                await trio.sleep(0.1)
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    # ------------------------------------------------------- joining the swarm
+
+    async def _learn_swarm(self) -> None:
+        """With bootstrap addresses, wait (bounded) until connected and synced, so that
+        placement sees the layers others already hold."""
+        assert self.host is not None and self.registry is not None
+        if not self.config.bootstrap:
+            return
+        with trio.move_on_after(self.config.join_timeout_s):
+            while not self.host.connected_peers():
+                await trio.sleep(0.05)
+            for peer in self.host.connected_peers():
+                await self.registry.sync_with(peer)
+            return
+        log.warning("no bootstrap peer answered within %.0f s; placing on what is known", self.config.join_timeout_s)
+
+    def _model_views(self) -> list[NodeView]:
+        assert self.registry is not None
+        return [v for v in self.registry.views() if v.record.model_id == self.config.model_id]
+
+    async def _place(self, n_layers: int, cap: int, d_model: int) -> LayerRange:
+        self._n_layers, self._d_model = n_layers, d_model
+        if self.config.layers is not None:
+            if self.config.layers.end > n_layers:
+                raise ConfigError(f"--layers {self.config.layers} exceeds the model's {n_layers} layers")
+            await self._announce("Joining", self.config.layers)
+            return self.config.layers
+        layers = choose_range(self._model_views(), n_layers, cap)
+        await self._announce("Joining", layers)
+        for _ in range(10):
+            await trio.sleep(self.config.settle_s)
+            moved = should_move(self._model_views(), NodeId(self.peer_id), layers, n_layers, cap)
+            if moved is None:
+                break
+            log.info("layers %s are also being taken by a senior peer; moving to %s", layers, moved)
+            layers = moved
+            await self._announce("Joining", layers)
+        return layers
+
+    def _load_engine(self, layers: LayerRange) -> LlamaCppEngine:
+        assert self._spec is not None and self._model_path is not None
+        return LlamaCppEngine(
+            model_id=ModelId(self._spec.model_id),
+            model_path=self._model_path,
+            model_sha256=self._spec.gguf_sha256,
+            layers=layers,
+            config=self.config.engine,
+            slice_cache=self.config.home / "slices",
+        )
+
+    # ------------------------------------------------------------ own record
+
+    def _own_record(self) -> NodeRecord | None:
+        assert self.registry is not None
+        return self.registry.own(NodeId(self.peer_id))
+
+    async def _announce(self, state: str, layers: LayerRange | None = None) -> None:
+        assert self.registry is not None and self.host is not None
+        current = self._own_record()
+        if layers is None:
+            assert current is not None
+            layers = current.layers
+        record = (current or self._new_record(layers)).replace(
+            state=state, start_layer=layers.start, end_layer=layers.end, multiaddrs=tuple(self.host.multiaddrs())
+        )
+        await self.registry.publish(self._refresh_record(record))
+
+    def _new_record(self, layers: LayerRange) -> NodeRecord:
+        assert self._spec is not None
+        return NodeRecord(
+            node_id=NodeId(self.peer_id), peer_id=PeerId(self.peer_id), model_id=ModelId(self._spec.model_id),
+            start_layer=layers.start, end_layer=layers.end, n_layers=self._n_layers, d_model=self._d_model,
+            state="Joining", seq=0, ts_ms=0, hardware=hardware.profile(),
+            api_url=self.api_urls[0] if self.api_urls else "", started_ms=int(self._started * 1000),
+            context_length=self.config.engine.context_length, version=self.version,
+        )  # fmt: skip
+
+    def _refresh_record(self, record: NodeRecord) -> NodeRecord:
+        changes: dict = {"uptime_s": int(time.time() - self._started)}
+        if self.stage is not None:
+            stats = self.stage.stats
+            memory = self.stage.engine.memory()
+            changes.update(
+                counters=Counters(tokens_total=stats.tokens, requests_served=stats.batches, errors=stats.errors,
+                                  avg_latency_ms=round(stats.step_ms_per_layer * len(record.layers), 3)),
+                step_ms_per_layer=round(stats.step_ms_per_layer, 4),
+                vram_mb=memory.total_mb,
+            )  # fmt: skip
+        return record.replace(**changes)
+
+    # ------------------------------------------------------- PeerContext API
+
+    def multiaddrs(self) -> list[str]:
+        return self.host.multiaddrs() if self.host else []
+
+    def views(self) -> list[NodeView]:
+        return self.registry.views() if self.registry else []
+
+    def coverage(self) -> dict[ModelId, ModelCoverage]:
+        return self.registry.coverage() if self.registry else {}  # type: ignore[return-value]
+
+    def catalog(self) -> list[ModelSpec]:
+        return Catalog.load(self.config.home).all()
+
+    def local_engine(self) -> tuple[NodeId, ModelId, LayerRange] | None:
+        if self.stage is None:
+            return None
+        info = self.stage.engine.info
+        return NodeId(self.peer_id), info.model_id, info.layers
+
+    def knows_model(self, model_id: str) -> bool:
+        return model_id in Catalog.load(self.config.home) or any(v.record.model_id == model_id for v in self.views())
+
+    async def chat_model(self, model_id: str) -> ChatModel:
+        cached = self._chat_models.get(model_id)
+        if cached is not None:
+            return cached
+        lock = self._chat_locks.setdefault(model_id, trio.Lock())
+        async with lock:
+            if model_id not in self._chat_models:
+                path = await self._vocab_path(model_id)
+                self._chat_models[model_id] = await trio.to_thread.run_sync(ChatModel.load, ModelId(model_id), path)
+        return self._chat_models[model_id]
+
+    async def _vocab_path(self, model_id: str) -> Path:
+        local = await trio.to_thread.run_sync(self._local_vocab, model_id)
+        if local is not None:
+            return local
+        if not self.knows_model(model_id):
+            raise UnknownModel(f"model {model_id!r} is not in the registry")
+        assert self.host is not None
+        holders = [PeerId(v.record.peer_id) for v in self.views() if v.record.model_id == model_id and v.state == "Ready"]
+        return await fetch_vocab(self.host, model_id, holders, self._vocab_cache(model_id))
+
+    def _vocab_cache(self, model_id: str) -> Path:
+        return self.config.data_dir / "vocab" / f"{model_id.replace(':', '@').replace('/', '_')}.gguf"
+
+    def _local_vocab(self, model_id: str) -> Path | None:
+        """A vocab-only GGUF of a model whose weights this peer has, or a fetched one."""
+        cached = self._vocab_cache(model_id)
+        if cached.exists():
+            return cached
+        store = ModelStore(self.config.home)
+        try:
+            spec = Catalog.load(self.config.home).get(model_id)
+        except InclavateError:  # unknown here: not ours to serve
+            return None
+        if not store.is_pulled(spec):
+            return None
+        return write_vocab_only(store.path(spec), cached)
+
+    def pipeline(self, model_id: str) -> Pipeline:
+        if self.shutting_down:
+            raise ServiceUnavailable("this peer is shutting down; send the request to another peer")
+        assert self.forward is not None
+        me = PeerId(self.peer_id)
+        views = [v for v in self.views() if v.record.model_id == model_id]
+        choose_route(views, ModelId(model_id), me)  # raises NoRoute (503) before any work
+        pipeline = self._pipelines.get(model_id)
+        if pipeline is None:
+            def route_for() -> list:
+                return choose_route(self.views(), ModelId(model_id), me, CostModel())
+
+            pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
+        contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
+        pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
+        return pipeline

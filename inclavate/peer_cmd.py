@@ -1,0 +1,108 @@
+"""``inclavate peer``: run one peer of the swarm until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from pathlib import Path
+
+import trio
+
+from inclavate.config import inclavate_home
+from inclavate.errors import ConfigError
+from inclavate.peer import Peer
+from inclavate.peer_config import PeerConfig
+from inclavate.tensors import WIRE_DTYPES
+from inclavate.types import LayerRange, ModelId
+from node.engine import EngineConfig, default_threads
+
+log = logging.getLogger(__name__)
+
+
+def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "peer",
+        help="join the swarm: hold a range of a model's layers and serve the REST API",
+        description="Pull the model if needed, join the swarm (bootstrap addresses, mDNS), hold a "
+        "range of its layers (chosen from the registry unless --layers is given) and serve the "
+        "REST API. Ctrl-C or SIGTERM leaves cleanly.",
+    )
+    p.add_argument("--model", required=True, help="model id, e.g. smollm2:135m")
+    p.add_argument("--layers", type=_layers, help="layers to hold, A-B, 0-based, end exclusive (e.g. 0-10)")
+    p.add_argument("--max-layers", type=int, help="hold at most this many layers (default: what memory allows)")
+    p.add_argument("--memory-mb", type=int, help="memory budget for weights and KV cache (default: half of what is free)")
+    p.add_argument("--api-host", default="127.0.0.1", help="REST API bind address (default 127.0.0.1)")
+    p.add_argument("--api-port", type=int, default=8001, help="REST API port (default 8001)")
+    p.add_argument("--p2p-host", default="0.0.0.0", help="libp2p listen address (default 0.0.0.0)")
+    p.add_argument("--p2p-port", type=int, default=0, help="libp2p port (default: any free port)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                   help="a peer to join through (its /health lists its multiaddrs); repeatable")  # fmt: skip
+    p.add_argument("--data-dir", type=Path, help="identity and state (default $INCLAVATE_HOME/peer-<api port>)")
+    p.add_argument("--admin-token", help="enables admin routes with this X-Admin-Token (default: admin off)")
+    p.add_argument("--admin-peer", action="append", default=[], metavar="PEER_ID",
+                   help="trust admin commands signed by this peer; repeatable")  # fmt: skip
+    p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the LAN")
+    p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
+    p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
+    p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
+                   help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
+    p.set_defaults(handler=run_peer_command)
+
+
+def _layers(text: str) -> LayerRange:
+    try:
+        return LayerRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    home = inclavate_home()
+    try:
+        engine = EngineConfig(n_threads=args.threads, context_length=args.context, max_sessions=args.max_sessions)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return PeerConfig(
+        model_id=ModelId(args.model),
+        home=home,
+        data_dir=args.data_dir or home / f"peer-{args.api_port}",
+        layers=args.layers,
+        max_layers=args.max_layers,
+        memory_mb=args.memory_mb,
+        api_host=args.api_host,
+        api_port=args.api_port,
+        p2p_host=args.p2p_host,
+        p2p_port=args.p2p_port,
+        bootstrap=tuple(args.bootstrap),
+        mdns=not args.no_mdns,
+        admin_token=args.admin_token,
+        admin_peers=tuple(args.admin_peer),
+        engine=engine,
+        wire_dtype=args.wire_dtype,
+    )
+
+
+def run_peer_command(args: argparse.Namespace) -> int:
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger().setLevel(logging.INFO)  # a long-running service narrates its life
+    trio.run(run_until_signal, config_from_args(args))
+    return 0
+
+
+async def run_until_signal(config: PeerConfig) -> None:
+    peer = Peer(config)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    log.info("%s received", signal.Signals(signum).name)
+                    await peer.shutdown()
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(on_signal)
+            await peer.run()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,84 @@
+"""Everything a peer is configured with, and how many layers it can hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inclavate.errors import ConfigError
+from inclavate.gguf_meta import GgufMetadata
+from inclavate.hardware import available_memory_mb
+from inclavate.tensors import WireDType
+from inclavate.types import LayerRange, ModelId
+from node.engine import EngineConfig
+from p2p.registry import Liveness
+
+MEMORY_SHARE = 0.5
+"""Share of the memory available at start that a peer budgets by default: a volunteer's
+machine keeps working for its owner."""
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    model_id: ModelId
+    home: Path
+    """``$INCLAVATE_HOME``: the model store and slice cache, shared by peers of one user."""
+    data_dir: Path
+    """This peer's own state: identity key, metrics database, vocabulary cache."""
+    layers: LayerRange | None = None
+    max_layers: int | None = None
+    memory_mb: int | None = None
+    api_host: str = "127.0.0.1"
+    api_port: int = 8001
+    p2p_host: str = "0.0.0.0"
+    p2p_port: int = 0
+    bootstrap: tuple[str, ...] = ()
+    mdns: bool = True
+    admin_token: str | None = None
+    admin_peers: tuple[str, ...] = ()
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    wire_dtype: WireDType = "f16"
+    liveness: Liveness = Liveness()
+    settle_s: float = 2.0
+    """How long a joining peer watches for others that chose the same layers."""
+    join_timeout_s: float = 10.0
+    """How long a peer with bootstrap addresses waits to learn the swarm before placing."""
+    drain_s: float = 3.0
+    """On shutdown, how long in-flight generations may run on before they are failed."""
+
+    def __post_init__(self) -> None:
+        if self.max_layers is not None and self.max_layers < 1:
+            raise ConfigError("--max-layers must be at least 1")
+        if self.memory_mb is not None and self.memory_mb < 1:
+            raise ConfigError("--memory-mb must be positive")
+
+
+def _int(value: object, default: int) -> int:
+    # Per-layer arrays are only measured, not read, by gguf_meta: fall back to the default.
+    return int(value) if isinstance(value, (int, float)) and value > 0 else default
+
+
+def layer_cost_bytes(meta: GgufMetadata, engine: EngineConfig) -> int:
+    """Memory one layer needs: its weights plus its share of the KV cache (f16 K and V)."""
+    weights = max(meta.layer_bytes(i) for i in range(meta.n_layers))
+    heads = _int(meta.arch_value("attention.head_count"), 1)
+    heads_kv = _int(meta.arch_value("attention.head_count_kv"), heads)
+    head_dim = _int(meta.arch_value("attention.key_length"), meta.d_model // heads)
+    kv = engine.context_length * engine.max_sessions * 2 * heads_kv * head_dim * 2
+    return weights + kv
+
+
+def capacity(config: PeerConfig, meta: GgufMetadata) -> int:
+    """Layers this peer will hold: ``--max-layers``, or what its memory budget allows."""
+    if config.max_layers is not None:
+        return min(config.max_layers, meta.n_layers)
+    budget_mb = config.memory_mb if config.memory_mb is not None else int(available_memory_mb() * MEMORY_SHARE)
+    fixed = meta.tensor_bytes.get("token_embd.weight", 0) + meta.tensor_bytes.get("output.weight", 0)
+    per_layer = max(1, layer_cost_bytes(meta, config.engine))
+    fits = (budget_mb * 1024 * 1024 - fixed) // per_layer
+    if fits < 1:
+        raise ConfigError(
+            f"a memory budget of {budget_mb} MB cannot hold one layer of {config.model_id} "
+            f"({per_layer // (1024 * 1024) + 1} MB each); raise --memory-mb"
+        )
+    return int(min(fits, meta.n_layers))

@@ -1,0 +1,95 @@
+"""``inclavate swarm``: a whole swarm on this machine, one process per peer, until Ctrl-C.
+
+The quickest way to see Inclavate work: N peers split the model's layers evenly, find each
+other through the first one, and every one of them serves the full REST API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+from inclavate.catalog import Catalog
+from inclavate.config import inclavate_home
+from inclavate.errors import ConfigError
+from inclavate.generate_cmd import split_evenly
+from inclavate.local_swarm import LocalSwarm, SwarmError
+from inclavate.progress import Progress
+from inclavate.store import ModelStore
+from inclavate.tensors import WIRE_DTYPES
+
+log = logging.getLogger(__name__)
+
+
+def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "swarm",
+        help="run a local swarm: several peers on this machine, each holding part of the model",
+        description="Start PEERS peers as separate processes on 127.0.0.1, each holding an equal "
+        "share of the model's layers, connected over libp2p. Every peer serves the REST API "
+        "(ports API_PORT, API_PORT+1, ...). Runs until Ctrl-C.",
+    )
+    p.add_argument("--model", default="smollm2:135m", help="model id (default smollm2:135m)")
+    p.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    p.add_argument("--api-port", type=int, default=8001, help="API port of the first peer (default 8001)")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f32",
+                   help="hidden-state precision between the local peers (default f32: loopback has "
+                        "bandwidth to spare, and f32 reproduces the whole model exactly)")  # fmt: skip
+    p.add_argument("--admin-token", help="enable admin routes on every peer with this token")
+    p.set_defaults(handler=_swarm)
+
+
+def _swarm(args: argparse.Namespace) -> int:
+    home = inclavate_home()
+    spec = Catalog.load(home).get(args.model)
+    ModelStore(home).pull(spec, Progress(sys.stderr))  # once, before the peers race for it
+    ranges = split_evenly(spec.n_layers, args.peers)
+    threads = max(1, (os.cpu_count() or 1) // args.peers)
+    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(threads), "--wire-dtype", args.wire_dtype]
+    if args.admin_token:
+        common += ["--admin-token", args.admin_token]
+    workdir = home / "swarm"
+    print(f"starting {args.peers} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
+    with LocalSwarm(workdir, common) as swarm:
+        try:
+            first = swarm.start("peer-1", spec.model_id, "--layers", str(ranges[0]), api_port=args.api_port)
+            peers = [first] + [
+                swarm.start(f"peer-{i + 1}", spec.model_id, "--layers", str(r), bootstrap=first, api_port=args.api_port + i)
+                for i, r in enumerate(ranges[1:], start=1)
+            ]
+            for peer, layers in zip(peers, ranges):
+                swarm.wait_ready(peer)
+                print(f"  {peer.name}: layers {layers} ready, API {peer.url}", file=sys.stderr)
+            swarm.wait(lambda: first.get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+        except SwarmError as exc:
+            raise ConfigError(f"the local swarm did not start: {exc}") from exc
+        _print_usage(first.url, spec.model_id)
+        return _serve_until_interrupted(swarm)
+
+
+def _print_usage(url: str, model_id: str) -> None:
+    print(f"\nInclavate swarm serving {model_id}. OpenAI-compatible API: {url}/v1\n")
+    print("Try:")
+    print(f"  curl {url}/v1/chat/completions -H 'content-type: application/json' \\")
+    print(f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")
+    print(f"\nAny peer answers; see {url}/nodes and {url}/api/models. Ctrl-C stops the swarm.", flush=True)
+
+
+def _serve_until_interrupted(swarm: LocalSwarm) -> int:
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"]:
+            dead = [p for p in swarm.peers if not p.alive()]
+            if dead:
+                print(f"{dead[0].name} exited; its log:\n{dead[0].log_tail()}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    print("\nstopping the swarm...", file=sys.stderr)
+    return 0
