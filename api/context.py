@@ -40,6 +40,10 @@ class PeerContext(Protocol):
         """The layers this peer itself holds, once loaded."""
         ...
 
+    def open_sessions(self) -> dict[str, int]:
+        """KV-holding sessions on this peer's stage, and sessions it drives as entry peer."""
+        ...
+
     def knows_model(self, model_id: str) -> bool:
         """In the catalog, the overlay, or served by some node of the swarm."""
         ...

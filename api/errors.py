@@ -155,6 +155,37 @@ register(ModelNotFound, UnknownModel.status)
 register(ConfigError, BadRequest.status)
 
 
+def _register_lower_layers() -> None:
+    """Errors of the packages below the API, mapped once, here (see the tree above)."""
+    from api.chat_template import TemplateError
+    from api.generation import PromptTooLong
+    from api.reasoning import ReasoningRequestError
+    from inclavate.store import StoreError
+    from node.errors import ContextFull, EngineError, InvalidBatch
+    from p2p.chain import ChainTimeout, ContextExceeded, StageFailed
+    from p2p.errors import P2PError
+    from p2p.routing import NoRoute
+
+    for exc_type, status in [
+        (ReasoningRequestError, 400),  # a reasoning level the model does not accept
+        (TemplateError, 400),  # the model's template refused this conversation
+        (PromptTooLong, 400),
+        (ContextFull, 400),
+        (ContextExceeded, 400),
+        (InvalidBatch, 400),
+        (NoRoute, 503),  # no Ready chain: the message names the missing layers
+        (StageFailed, 503),
+        (ChainTimeout, 504),
+        (EngineError, 503),
+        (StoreError, 503),
+        (P2PError, 503),
+    ]:
+        register(exc_type, status)
+
+
+_register_lower_layers()
+
+
 def error_response_parts(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and JSON body for any exception a handler let escape."""
     if isinstance(exc, ApiError):

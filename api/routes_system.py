@@ -20,6 +20,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             multiaddrs=ctx.multiaddrs(),
             model_id=engine[1] if engine else None,
             layers=[engine[2].start, engine[2].end] if engine else None,
+            sessions=ctx.open_sessions(),
         )
 
     @app.get("/openapi.json")

@@ -241,6 +241,12 @@ class Peer:
         info = self.stage.engine.info
         return NodeId(self.peer_id), info.model_id, info.layers
 
+    def open_sessions(self) -> dict[str, int]:
+        return {
+            "stage": self.stage.sessions if self.stage else 0,
+            "entry": sum(len(p.open_sessions) for p in self._pipelines.values()),
+        }
+
     def knows_model(self, model_id: str) -> bool:
         return model_id in Catalog.load(self.config.home) or any(v.record.model_id == model_id for v in self.views())
 

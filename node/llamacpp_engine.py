@@ -10,14 +10,15 @@ How a range runs (measured in shared/NOTES.md):
 * the last range reads ordinary logits.
 
 Every token of a non-last batch is marked as an output, or llama.cpp drops the rows of
-non-output tokens in the last block. The KV cache is unified (``kv_unified``) so llama.cpp
-splits batches in order (``split_simple``) and the captured rows stay in batch order; each
-session owns one sequence id, which is what lets sessions share a decode call.
+non-output tokens in the last block. Each session owns one sequence id and its own KV
+stream, which is what lets sessions share a decode call without touching each other's
+arithmetic (see ``_new_context``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
 import logging
 import threading
 from dataclasses import dataclass
@@ -100,8 +101,7 @@ class LlamaCppEngine(LayerEngine):
                 else self._rules.embd_input_scale(_HParams(arch, self._model))
             )
             self._capture_name = f"l_out-{self._slice_layers - 1}".encode()
-            self._captured: np.ndarray | None = None
-            self._capture_rows = 0
+            self._captures: list[np.ndarray] = []
             # Keep a reference: ctypes frees the trampoline when the Python object dies.
             self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
             self._ctx = self._new_context()
@@ -113,8 +113,11 @@ class LlamaCppEngine(LayerEngine):
             self.close()
             raise
         self._slots: dict[SessionId, _Slot] = {}
-        self._free_seq_ids = list(range(config.max_sessions - 1, -1, -1))
+        # Lowest ids first: batched sessions then tend to have consecutive ids, which
+        # llama.cpp runs in one ubatch (non-consecutive ones get a ubatch each).
+        self._free_seq_ids = list(range(config.max_sessions))
         self._weights_bytes = int(llama_cpp.llama_model_size(self._model))
+        self._kv_bytes = self._kv_cache_bytes()
         log.info(
             "loaded %s layers %s of %d (%s, d_model %d) from %s",
             model_id, layers, n_layers, arch, d_model, path.name,
@@ -144,11 +147,12 @@ class LlamaCppEngine(LayerEngine):
         params.n_outputs_max_per_seq = 0  # default 1 would keep one row per session, we need all
         params.n_threads = cfg.n_threads
         params.n_threads_batch = cfg.n_threads
-        params.kv_unified = True  # in-order ubatch splits: captured rows match batch order
-        # Flash attention makes a session's numbers independent of what other sessions hold
-        # in the shared cache (measured: without it, another session's cached prompt moved
-        # this one's logits by ~1), so concurrent users never change each other's output.
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        # One KV stream per session. In a unified cache a session's tokens land in whatever
+        # cells are free, sometimes before its earlier ones, and attention then sums them
+        # in another order: concurrent users changed each other's greedy text. Separate
+        # streams keep a session's arithmetic identical whoever else is served.
+        params.kv_unified = False
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # llama.cpp's own default (auto) on CPU
         params.no_perf = True
         if not self.info.is_last:
             params.cb_eval = self._eval_cb
@@ -231,7 +235,7 @@ class LlamaCppEngine(LayerEngine):
             slot = self._slots.get(item.session_id)
             if slot is None:
                 saved[item.session_id] = None
-                self._slots[item.session_id] = _Slot(self._free_seq_ids.pop())
+                self._slots[item.session_id] = _Slot(heapq.heappop(self._free_seq_ids))
                 continue
             saved[item.session_id] = slot.length
             if item.start_pos < slot.length:
@@ -255,16 +259,12 @@ class LlamaCppEngine(LayerEngine):
         hidden_parts: list[list[np.ndarray]] = [[] for _ in items]
         logits: list[np.ndarray | None] = [None] * len(items)
         for call in self._plan_calls(items):
-            rows = self._decode(items, call)
-            if self.info.is_last:
-                for seg, row in zip(call, rows):
-                    if row is not None:
-                        logits[seg.index] = row
-            else:
-                offset = 0
-                for seg in call:
-                    hidden_parts[seg.index].append(rows[offset : offset + seg.count])
-                    offset += seg.count
+            for seg, rows in self._decode(items, call):
+                if self.info.is_last:
+                    if rows is not None:
+                        logits[seg.index] = rows
+                else:
+                    hidden_parts[seg.index].append(rows)
         outputs = []
         for i, item in enumerate(items):
             self._slots[item.session_id].length = item.start_pos + item.n_tokens
@@ -277,33 +277,31 @@ class LlamaCppEngine(LayerEngine):
         return outputs
 
     def _plan_calls(self, items: list[BatchItem]) -> list[list[_Segment]]:
-        """Pack items into decode calls of at most ``n_batch`` tokens, in order.
+        """Split items into decode calls: each multi-token chunk alone, single-token steps together.
 
-        A call holds at most one multi-token segment. Measured on llama.cpp 0.3.36: two
-        sessions' prefills in one ubatch compute different logits (up to ~0.8) than each
-        alone, while any number of single-token steps, alone or beside one prefill, match
-        bit for bit. Batching stays exact where it pays most: decode steps of many sessions.
+        With per-session KV streams llama.cpp cuts a call into ubatches of equal tokens per
+        sequence; keeping prefills alone keeps every call's row order predictable, and decode
+        steps, where batching pays, still share calls.
         """
-        calls: list[list[_Segment]] = [[]]
-        room, has_multi = self.config.n_batch, False
+        calls: list[list[_Segment]] = []
+        steps: list[_Segment] = []
+        n_batch = self.config.n_batch
         for index, item in enumerate(items):
-            offset = 0
-            while offset < item.n_tokens:
-                count = min(self.config.n_batch, item.n_tokens - offset)
-                multi = count > 1
-                if room == 0 or (multi and (has_multi or count > room)):
-                    calls.append([])
-                    room, has_multi = self.config.n_batch, False
-                count = min(room, count)
-                calls[-1].append(_Segment(index, offset, count))
-                has_multi = has_multi or count > 1
-                offset += count
-                room -= count
+            if item.n_tokens == 1:
+                steps.append(_Segment(index, 0, 1))
+                continue
+            for offset in range(0, item.n_tokens, n_batch):
+                calls.append([_Segment(index, offset, min(n_batch, item.n_tokens - offset))])
+        calls.extend(steps[i : i + n_batch] for i in range(0, len(steps), n_batch))
         return calls
 
-    def _decode(self, items: list[BatchItem], call: list[_Segment]) -> list:
+    def _decode(self, items: list[BatchItem], call: list[_Segment]) -> list[tuple[_Segment, np.ndarray | None]]:
+        """One llama_decode; returns each segment's hidden rows (or last-token logits)."""
+        # Sequence ids ascending: llama.cpp's sequential split then emits ubatches whose
+        # rows are in this order, so concatenated captures line up with the batch.
+        ordered = sorted(call, key=lambda seg: self._slots[items[seg.index].session_id].seq_id)
         n = 0
-        for seg in call:
+        for seg in ordered:
             item = items[seg.index]
             end = n + seg.count
             lo, hi = seg.offset, seg.offset + seg.count
@@ -327,8 +325,7 @@ class LlamaCppEngine(LayerEngine):
         self._n_seq_id[:n] = 1
         self._batch.n_tokens = n
 
-        self._captured = None
-        self._capture_rows = n
+        self._captures = []
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code == 1:
             raise ContextFull(
@@ -338,26 +335,34 @@ class LlamaCppEngine(LayerEngine):
         if code != 0:
             raise DecodeFailed(f"llama_decode returned {code}")
 
+        out: list[tuple[_Segment, np.ndarray | None]] = []
         if not self.info.is_last:
-            if self._captured is None:
-                raise DecodeFailed(f"the graph produced no {self._capture_name.decode()} tensor")
-            return self._captured
-        rows: list[np.ndarray | None] = []
+            captured = self._captures[0] if len(self._captures) == 1 else np.concatenate(self._captures or [np.empty((0, 0))])
+            if captured.shape != (n, self.info.d_model):
+                raise DecodeFailed(
+                    f"captured {captured.shape} from {self._capture_name.decode()}, expected ({n}, {self.info.d_model})"
+                )
+            offset = 0
+            for seg in ordered:
+                out.append((seg, captured[offset : offset + seg.count]))
+                offset += seg.count
+            return out
         n = 0
-        for seg in call:
+        for seg in ordered:
             n += seg.count
+            row = None
             if seg.offset + seg.count == items[seg.index].n_tokens:
                 ptr = llama_cpp.llama_get_logits_ith(self._ctx, n - 1)
-                rows.append(np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy())
-            else:
-                rows.append(None)
-        return rows
+                row = np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
+            out.append((seg, row))
+        return out
 
     def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
         """ggml's scheduler callback: ask=True "do you want this node?", then the node itself.
 
-        Returning False after the copy aborts the rest of the graph; llama_decode still
-        returns 0 and the KV cache of every block in this range has been written.
+        Returning False after the copy aborts the rest of this ubatch's graph; llama_decode
+        still returns 0 (and goes on to the next ubatch), and the KV cache of every block in
+        this range has been written.
         """
         lib = llamacpp_lib.ggml()
         if ask:
@@ -366,16 +371,12 @@ class LlamaCppEngine(LayerEngine):
             return True
         header = llamacpp_lib.TensorHeader.from_address(tensor)
         rows, width = int(header.ne[1]), int(header.ne[0])
-        if header.type != llamacpp_lib.GGML_TYPE_F32 or width != self.info.d_model or rows != self._capture_rows:
-            log.error(
-                "unexpected %s: type %d shape (%d, %d), wanted f32 (%d, %d)",
-                self._capture_name.decode(), header.type, rows, width,
-                self._capture_rows, self.info.d_model,
-            )
+        if header.type != llamacpp_lib.GGML_TYPE_F32 or width != self.info.d_model:
+            log.error("unexpected %s: type %d width %d", self._capture_name.decode(), header.type, width)
             return False
         out = np.empty((rows, width), dtype=np.float32)
         lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
-        self._captured = out
+        self._captures.append(out)
         return False
 
     # ---------------------------------------------------------------- sessions
@@ -397,7 +398,7 @@ class LlamaCppEngine(LayerEngine):
     def _release(self, session_id: SessionId) -> None:
         slot = self._slots.pop(session_id)
         llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
-        self._free_seq_ids.append(slot.seq_id)
+        heapq.heappush(self._free_seq_ids, slot.seq_id)
 
     def cached_positions(self, session_id: SessionId) -> int:
         """What llama.cpp itself holds for the session (tests check this reaches 0)."""
@@ -406,9 +407,16 @@ class LlamaCppEngine(LayerEngine):
             return 0
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, slot.seq_id)) + 1
 
+    def _kv_cache_bytes(self) -> int:
+        """What the cache reserves: every position of every slot, K and V in f16."""
+        m = self._model
+        heads, heads_kv = llama_cpp.llama_model_n_head(m), llama_cpp.llama_model_n_head_kv(m)
+        head_dim = self.info.d_model // max(1, heads)
+        n_ctx = self.config.context_length * self.config.max_sessions
+        return int(n_ctx * self._slice_layers * 2 * heads_kv * head_dim * 2)
+
     def memory(self) -> MemoryReport:
-        kv = int(llama_cpp.llama_state_get_size(self._ctx)) if self._ctx else 0
-        return MemoryReport(self._weights_bytes, kv, len(self._slots))
+        return MemoryReport(self._weights_bytes, self._kv_bytes, len(self._slots))
 
     # --------------------------------------------------------------- lifetime
 

@@ -24,7 +24,7 @@ import trio
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
-from node.errors import EngineError
+from node.errors import EngineError, SessionLimitReached
 from node.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,10 @@ class Stage:
         max_batch_tokens: int = 1024,
         queue_size: int = 256,
         session_idle_s: float = 600.0,
+        admission_timeout_s: float = 60.0,
     ) -> None:
         self.engine = engine
+        self.admission_timeout_s = admission_timeout_s
         self.max_batch_tokens = max_batch_tokens
         self.session_idle_s = session_idle_s
         self.stats = StageStats()
@@ -101,7 +103,8 @@ class Stage:
 
     @property
     def sessions(self) -> int:
-        return len(self._last_used)
+        """Sessions holding KV cache in the engine right now."""
+        return self.engine.memory().sessions
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -109,9 +112,11 @@ class Stage:
             task_status.started()
             while True:
                 batch = await self._next_batch()
-                await self._run_batch(batch)
+                if batch:
+                    await self._run_batch(batch)
 
     async def _next_batch(self) -> list[Job]:
+        """The next jobs to run together; may be empty when every waiting job awaits a slot."""
         waiting = self._deferred
         self._deferred = []
         if not waiting:
@@ -124,18 +129,37 @@ class Stage:
         batch: list[Job] = []
         blocked: set[SessionId] = set()  # sessions whose earlier job waits: keep their order
         tokens = 0
+        free_slots = self.engine.config.max_sessions - self.engine.memory().sessions
         for index, job in enumerate(waiting):
+            if job.session_id in blocked:
+                self._deferred.append(job)
+                continue
             if job.item is None and not batch:
                 self._deferred.extend(waiting[index + 1 :])
                 return [job]  # a close runs alone, in order with its session's other jobs
             n = job.item.n_tokens if job.item is not None else 0
-            if job.session_id in blocked or job.item is None or (batch and tokens + n > self.max_batch_tokens):
+            new = job.item is not None and self.engine.session_length(job.session_id) == 0
+            if new and free_slots <= 0:
+                # Every slot is taken: wait for a session to close rather than fail, within
+                # the admission timeout; later jobs of other sessions go ahead.
+                if time.monotonic() - job.enqueued > self.admission_timeout_s:
+                    await job.deliver(StageResult(error=SessionLimitReached(
+                        f"all {self.engine.config.max_sessions} session slots of {self.engine.info.model_id} "
+                        f"{self.engine.info.layers} stayed busy for {self.admission_timeout_s:g} s")))  # fmt: skip
+                    continue
+            if job.item is None or (new and free_slots <= 0) or (batch and tokens + n > self.max_batch_tokens):
                 self._deferred.append(job)
                 blocked.add(job.session_id)
                 continue
             batch.append(job)
             blocked.add(job.session_id)
             tokens += n
+            free_slots -= new
+        if not batch and self._deferred:
+            # Nothing can run until something arrives (a close frees a slot) or a waiting
+            # job's admission times out.
+            with trio.move_on_after(0.5):
+                self._deferred.append(await self._receive.receive())
         return batch
 
     async def _run_batch(self, batch: list[Job]) -> None:

@@ -36,6 +36,15 @@ class StageFailed(P2PError):
         super().__init__(f"{message} (at peer {origin})")
 
 
+class ContextExceeded(StageFailed):
+    """A stage has no room left in the session's context (the client asked for too much)."""
+
+
+def stage_failure(code: str, message: str, origin: str) -> StageFailed:
+    cls = ContextExceeded if code == "context_full" else StageFailed
+    return cls(code, message, origin)
+
+
 class ChainTimeout(P2PError):
     """The chain did not answer in time; a peer on the route is stalled or gone."""
 
@@ -89,7 +98,7 @@ class SwarmPipeline:
             while True:
                 reply = await session.inbox.receive()
                 if isinstance(reply, wire.Error):
-                    session.failed = StageFailed(reply.code, reply.message, reply.origin)
+                    session.failed = stage_failure(reply.code, reply.message, reply.origin)
                     raise session.failed
                 if isinstance(reply, wire.Result) and reply.req_id == req:
                     assert reply.token is not None

@@ -2,24 +2,28 @@
 
 A peer starts from one or more bootstrap multiaddrs and must end up with several
 neighbours, not just the bootstrap node, and must find its way back after losing all
-of them. Three mechanisms, all run by :func:`run_discovery`:
+of them. :func:`run_discovery` combines:
 
 * **Dialing with capped exponential backoff and jitter** (:class:`Backoff`): bootstrap
   addresses and every peer address we have learned are retried while we are below the
   target degree, each on its own schedule, so a dead address costs one dial per
-  ``max_delay`` and a swarm that restarts together does not dial in lockstep.
+  ``max_delay`` and a swarm that restarts together does not dial in lockstep. Losing
+  every connection is just "below target": the same loop re-dials known peers.
 * **Peer exchange** on ``/inclavate/peers/1``: on every new connection we send the peer
-  our own addresses and it answers with the peers it knows (itself included), as one
-  JSON frame each way. We remember them all and dial a few, up to the target degree.
-  Sending our own addresses first matters: an inbound connection shows only the remote's
+  our own addresses and it answers with the peers it knows (itself included), one JSON
+  frame each way. We remember them all and dial a few, up to the target degree. Sending
+  our own addresses first matters: an inbound connection shows only the remote's
   ephemeral port, so without it a peer that dialed in could never be recommended.
-* **mDNS** (:func:`run_mdns`, started by ``open_host(enable_mdns=True)``): peers on the
-  local network announce themselves and are connected; if multicast is unavailable the
-  peer logs it and runs without.
+  While below target we also re-ask a random neighbour now and then, since what it
+  knew when we met grows as peers join after us.
+
+:func:`run_mdns` (started by ``open_host(enable_mdns=True)``) connects peers announced on
+the local network; without multicast it logs and the peer relies on bootstrap addresses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -32,6 +36,7 @@ from libp2p.discovery.events.peerDiscovery import peerDiscovery
 from libp2p.discovery.mdns.mdns import create_mdns_discovery
 from libp2p.peer.peerinfo import PeerInfo
 
+from inclavate.errors import ConfigError
 from inclavate.types import PeerId
 from p2p.errors import DialError, P2PError, ProtocolError
 from p2p.framing import FramedStream
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PEERS_PROTOCOL = "/inclavate/peers/1"
-# A peer list is ~100 bytes per peer; this bounds what a hostile peer can make us parse.
+# A peer entry is ~150 bytes; this bounds what a hostile peer can make us parse.
 _MAX_PEER_LIST_BYTES = 256 * 1024
 _MDNS_STOP_TIMEOUT = 1.0
 
@@ -50,21 +55,32 @@ _MDNS_STOP_TIMEOUT = 1.0
 @dataclass(frozen=True)
 class DiscoveryConfig:
     target_degree: int = 8
-    """Keep dialing known peers while connected to fewer than this many."""
+    """Keep dialing known peers while connected to fewer than this many. Gossip wants
+    D=6 mesh neighbours; a couple more leaves room for churn."""
     min_delay: float = 0.5
+    """Backoff after the first failed dial of an address, doubling per failure..."""
     max_delay: float = 30.0
+    """...up to this: a dead address then costs one dial per 30 s."""
     jitter: float = 0.25
     """Each delay is scaled by a random factor in [1 - jitter, 1 + jitter]."""
     check_interval: float = 1.0
-    """How often the degree is checked (and due dials made)."""
+    """How often the degree is checked and due dials are made."""
+    exchange_interval: float = 10.0
+    """While below target, how often a random neighbour is asked again for peers."""
     exchange_timeout: float = 5.0
     max_shared_peers: int = 32
     dial_concurrency: int = 4
 
+    def __post_init__(self) -> None:
+        if self.target_degree < 1 or self.max_shared_peers < 1 or self.dial_concurrency < 1:
+            raise ConfigError("discovery degree, shared peers and concurrency must be >= 1")
+        if not 0 < self.min_delay <= self.max_delay or not 0 <= self.jitter < 1:
+            raise ConfigError("discovery backoff needs 0 < min_delay <= max_delay, 0 <= jitter < 1")
+
 
 @dataclass
 class Backoff:
-    """Capped exponential backoff with jitter for one dial target (pure; clock injected)."""
+    """Capped exponential backoff with jitter for one dial target (the clock is passed in)."""
 
     config: DiscoveryConfig
     rng: random.Random = field(default_factory=random.Random)
@@ -85,9 +101,12 @@ class Backoff:
         self.next_attempt = 0.0
 
 
+# -- the peer-exchange message ------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class PeerAddrs:
-    """One entry of a peer-exchange message."""
+    """One entry of a peer-exchange message: a peer and its full ``/p2p/`` multiaddrs."""
 
     peer_id: PeerId
     addrs: tuple[str, ...]
@@ -128,16 +147,16 @@ def _shared_peers(host: P2PHost, limit: int, exclude: PeerId) -> list[PeerAddrs]
     random.shuffle(others)
     entries = [_self_entry(host)]
     for peer in others:
+        if len(entries) >= limit:
+            break
         addrs = host.known_addrs(peer)
         if addrs:
             entries.append(PeerAddrs(peer, tuple(addrs)))
-        if len(entries) >= limit:
-            break
     return entries
 
 
 def _remember(host: P2PHost, peers: Sequence[PeerAddrs]) -> list[PeerAddrs]:
-    """Store peers' addresses; return the ones we are not yet connected to."""
+    """Store peers' addresses; return the ones we are not connected to."""
     new = []
     for entry in peers:
         if entry.peer_id == host.peer_id:
@@ -154,7 +173,8 @@ def _remember(host: P2PHost, peers: Sequence[PeerAddrs]) -> list[PeerAddrs]:
 async def _serve_peers(host: P2PHost, config: DiscoveryConfig, stream: FramedStream,
                        remote: PeerId) -> None:
     asked = decode_peers(await stream.receive(config.exchange_timeout))
-    _remember(host, [p for p in asked if p.peer_id == remote])  # only its own addresses
+    # Only the asker's own addresses are taken: it has no say about anyone else's.
+    _remember(host, [p for p in asked if p.peer_id == remote])
     await stream.send(encode_peers(_shared_peers(host, config.max_shared_peers, remote)),
                       config.exchange_timeout)
 
@@ -173,8 +193,11 @@ async def exchange_peers(host: P2PHost, peer: PeerId,
     return _remember(host, answer)
 
 
+# -- dialing ------------------------------------------------------------------------
+
+
 class _Connector:
-    """The dialing side of discovery: who to dial next, and the backoff of each target."""
+    """Who to dial next, and the backoff of every address we dial."""
 
     def __init__(self, host: P2PHost, bootstrap: Sequence[str], config: DiscoveryConfig,
                  rng: random.Random) -> None:
@@ -182,47 +205,44 @@ class _Connector:
         self._bootstrap = list(bootstrap)
         self._config = config
         self._rng = rng
-        self._backoff: dict[str, Backoff] = {}  # keyed by multiaddr
+        self._backoff: dict[str, Backoff] = {}  # by multiaddr
         self._dialing: set[str] = set()
 
-    def _missing(self) -> int:
+    def missing(self) -> int:
         return self._config.target_degree - len(self._host.connected_peers())
 
-    def _candidates(self, now: float) -> list[str]:
-        """Due addresses of peers we are not connected to: bootstrap first, then learned."""
-        seen_peers: set[str] = set()
-        out = []
+    def _due_addresses(self, now: float) -> list[str]:
+        """One due address per unconnected peer: bootstrap first, then learned ones."""
         learned = [a for p in self._host.known_peers() for a in self._host.known_addrs(p)]
         self._rng.shuffle(learned)
+        seen: set[str] = {self._host.peer_id}
+        due = []
         for addr in self._bootstrap + learned:
             peer = addr.rsplit("/p2p/", 1)[-1]
-            if peer in seen_peers or addr in self._dialing or peer == self._host.peer_id:
+            if peer in seen or addr in self._dialing or self._host.is_connected(peer):
                 continue
-            if self._host.is_connected(peer):
-                self._backoff.pop(addr, None)
-                continue
-            seen_peers.add(peer)  # one address per peer per round
             if self._backoff.setdefault(addr, Backoff(self._config, self._rng)).due(now):
-                out.append(addr)
-        return out
+                seen.add(peer)
+                due.append(addr)
+        return due
 
-    async def dial_round(self, nursery: trio.Nursery) -> None:
-        missing = self._missing()
-        if missing <= 0:
-            return
-        now = trio.current_time()
-        for addr in self._candidates(now)[: min(missing, self._config.dial_concurrency)]:
+    def dial_due(self, nursery: trio.Nursery) -> None:
+        budget = min(self.missing(), self._config.dial_concurrency)
+        if budget > 0:
+            for addr in self._due_addresses(trio.current_time())[:budget]:
+                self._start(nursery, addr)
+
+    def dial_fresh(self, nursery: trio.Nursery, peers: Sequence[PeerAddrs]) -> None:
+        """Dial some just-learned peers now rather than at the next check."""
+        picks = [p for p in peers if p.addrs]
+        self._rng.shuffle(picks)
+        for entry in picks[: max(0, self.missing())]:
+            self._start(nursery, entry.addrs[0])
+
+    def _start(self, nursery: trio.Nursery, addr: str) -> None:
+        if addr not in self._dialing:
             self._dialing.add(addr)
             nursery.start_soon(self._dial, addr)
-
-    async def dial_some(self, nursery: trio.Nursery, peers: Sequence[PeerAddrs]) -> None:
-        """Dial freshly learned peers right away (not waiting for the next round)."""
-        picks = list(peers)
-        self._rng.shuffle(picks)
-        for entry in picks[: max(0, self._missing())]:
-            if entry.addrs and entry.addrs[0] not in self._dialing:
-                self._dialing.add(entry.addrs[0])
-                nursery.start_soon(self._dial, entry.addrs[0])
 
     async def _dial(self, addr: str) -> None:
         backoff = self._backoff.setdefault(addr, Backoff(self._config, self._rng))
@@ -245,15 +265,12 @@ async def run_discovery(
     rng: random.Random | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Keep ``host`` connected until cancelled (start it with ``nursery.start``)."""
+    """Keep ``host`` connected until cancelled; start it with ``nursery.start``."""
     rng = rng or random.Random()
     connector = _Connector(host, bootstrap, config, rng)
 
     async def serve(stream: FramedStream, remote: PeerId) -> None:
         await _serve_peers(host, config, stream, remote)
-
-    host.set_stream_handler(PEERS_PROTOCOL, serve, max_frame_size=_MAX_PEER_LIST_BYTES)
-    events = host.connection_events()
 
     async def exchange_with(nursery: trio.Nursery, peer: PeerId) -> None:
         try:
@@ -261,56 +278,70 @@ async def run_discovery(
         except P2PError as exc:
             logger.debug("peer exchange with %s failed: %s", peer, exc)
             return
-        await connector.dial_some(nursery, fresh)
+        connector.dial_fresh(nursery, fresh)
 
-    async with trio.open_nursery() as nursery:
-        async def on_events() -> None:
-            async with events:
-                async for event in events:
-                    if event.connected:
-                        nursery.start_soon(exchange_with, nursery, event.peer)
+    async def on_connections(nursery: trio.Nursery,
+                             events: trio.MemoryReceiveChannel[Any]) -> None:
+        async with events:
+            async for event in events:
+                if event.connected:
+                    nursery.start_soon(exchange_with, nursery, event.peer)
 
-        nursery.start_soon(on_events)
-        for peer in host.connected_peers():  # connected before we started listening
-            nursery.start_soon(exchange_with, nursery, peer)
-        task_status.started()
-        while True:
-            await connector.dial_round(nursery)
-            # Below target with neighbours to ask: ask one again, since what it knew
-            # when we met may have grown (peers that joined after us).
-            connected = host.connected_peers()
-            if connected and len(connected) < config.target_degree:
-                nursery.start_soon(exchange_with, nursery, rng.choice(connected))
-            await trio.sleep(config.check_interval)
+    host.set_stream_handler(PEERS_PROTOCOL, serve, max_frame_size=_MAX_PEER_LIST_BYTES)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_connections, nursery, host.connection_events())
+            for peer in host.connected_peers():  # connected before we were listening
+                nursery.start_soon(exchange_with, nursery, peer)
+            task_status.started()
+            last_exchange = trio.current_time()
+            while True:
+                connector.dial_due(nursery)
+                connected = host.connected_peers()
+                now = trio.current_time()
+                if connected and connector.missing() > 0 and (
+                        now - last_exchange >= config.exchange_interval):
+                    last_exchange = now
+                    nursery.start_soon(exchange_with, nursery, rng.choice(connected))
+                await trio.sleep(config.check_interval)
+    finally:
+        host.remove_stream_handler(PEERS_PROTOCOL)
+
+
+# -- mDNS ---------------------------------------------------------------------------
 
 
 async def run_mdns(host: P2PHost, *,
                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Announce ``host`` on the local network and connect every peer that answers.
 
-    Never fails: without multicast (containers, some Wi-Fi) it logs and returns, and the
-    peer relies on bootstrap addresses instead. zeroconf runs its own threads; discovered
-    peers cross into trio through a channel.
+    Never fails: without multicast (containers, some Wi-Fi) it logs and returns. zeroconf
+    runs its own threads; discovered peers cross into trio through a channel.
     """
     token = trio.lowlevel.current_trio_token()
     found_send, found_recv = trio.open_memory_channel[list[str]](64)
 
     def on_found(info: PeerInfo) -> None:  # called on a zeroconf thread
+        # The handler registry is process-wide: we also hear other hosts' finds, ourselves
+        # included.
+        if str(info.peer_id) == host.peer_id:
+            return
         addrs = [f"{addr}/p2p/{info.peer_id}" for addr in info.addrs]
-        try:
+        # Shutting down, or a flood of announcements: mDNS repeats them, drop this one.
+        with contextlib.suppress(trio.RunFinishedError, trio.WouldBlock,
+                                 trio.BrokenResourceError, trio.ClosedResourceError):
             trio.from_thread.run_sync(found_send.send_nowait, addrs, trio_token=token)
-        except (trio.RunFinishedError, trio.WouldBlock, trio.BrokenResourceError,
-                trio.ClosedResourceError):
-            pass  # shutting down, or a flood of announcements: mDNS repeats them
 
-    port = int(host.multiaddrs()[0].split("/")[4])
+    port = int(host.multiaddrs()[0].split("/tcp/")[1].split("/")[0])
+    # Registered first: zeroconf starts browsing (and finding peers) while it announces.
+    peerDiscovery.register_peer_discovered_handler(on_found)
     try:
         mdns = await trio.to_thread.run_sync(_start_mdns, host, port)
-    except Exception as exc:  # noqa: BLE001 - zeroconf/socket errors of every kind
+    except Exception as exc:  # zeroconf/socket errors of every kind
+        peerDiscovery.unregister_peer_discovered_handler(on_found)
         logger.warning("mDNS discovery unavailable, continuing without it: %r", exc)
         task_status.started()
         return
-    peerDiscovery.register_peer_discovered_handler(on_found)
     task_status.started()
     try:
         async for addrs in found_recv:
@@ -327,7 +358,13 @@ async def run_mdns(host: P2PHost, *,
 
 
 def _start_mdns(host: P2PHost, port: int) -> Any:
-    network = host.libp2p_host.get_network()
-    mdns = create_mdns_discovery(network, port=port, host=host.libp2p_host)
-    mdns.start()
+    """Create and announce the mDNS service; blocking (zeroconf), so run in a thread.
+
+    ``MDNSDiscovery.start`` is not used: it registers on the calling thread (blocking the
+    trio loop while zeroconf probes) and spawns a trio system task, which a worker thread
+    cannot. What we skip is its 60 s sweep of stale entries; the peerstore TTL covers it.
+    """
+    mdns = create_mdns_discovery(host.libp2p_host.get_network(), port=port,
+                                 host=host.libp2p_host)
+    mdns.broadcaster.register()
     return mdns

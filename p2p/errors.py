@@ -10,7 +10,7 @@ so callers handle one vocabulary whatever the transport did underneath::
         ├── ListenError               could not bind the listen address
         ├── DialError                 could not connect to a peer or address
         ├── PublishRejected           our own topic validator refused our message
-        └── StreamError               a framed stream failed; it has been reset
+        └── StreamError               a framed stream failed (and was reset)
             ├── StreamTimeout         a read or write missed its deadline
             ├── StreamClosed          the peer closed or reset the stream
             └── ProtocolError         a malformed frame (e.g. EOF mid-frame)
@@ -54,7 +54,12 @@ class PublishRejected(P2PError):
 
 
 class StreamError(P2PError):
-    """A framed stream can no longer be used; it has been reset on both sides."""
+    """A framed stream can no longer be used; it has been reset so the peer knows too.
+
+    Two exceptions, both harmless to the stream: :class:`FrameTooLarge` raised by ``send``
+    before writing anything, and :class:`StreamClosed` for the peer's clean close (we may
+    still send).
+    """
 
 
 class StreamTimeout(StreamError):

@@ -148,12 +148,16 @@ class FramedStream:
         self._local_finished = False  # we closed our sending side
 
     @classmethod
-    def over_libp2p(cls, stream: INetStream, **kwargs: object) -> FramedStream:
-        return cls(Libp2pByteStream(stream), **kwargs)  # type: ignore[arg-type]
+    def over_libp2p(cls, stream: INetStream, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+                    remote_peer: PeerId | None = None) -> FramedStream:
+        return cls(Libp2pByteStream(stream), max_frame_size=max_frame_size,
+                   remote_peer=remote_peer)
 
     @classmethod
-    def over_trio(cls, stream: trio.abc.Stream, **kwargs: object) -> FramedStream:
-        return cls(TrioByteStream(stream), **kwargs)  # type: ignore[arg-type]
+    def over_trio(cls, stream: trio.abc.Stream, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+                  remote_peer: PeerId | None = None) -> FramedStream:
+        return cls(TrioByteStream(stream), max_frame_size=max_frame_size,
+                   remote_peer=remote_peer)
 
     @property
     def is_broken(self) -> bool:
@@ -182,9 +186,11 @@ class FramedStream:
                         await self._raw.write(header)
                         await self._raw.write(payload)
         except trio.TooSlowError:
-            raise await self._fail(StreamTimeout(f"send missed its {timeout:g}s deadline"))
+            raise await self._fail(
+                StreamTimeout(f"send missed its {timeout:g}s deadline")) from None
         except StreamError as exc:
-            raise await self._fail(exc) from exc.__cause__
+            await self._fail(exc)
+            raise
         except BaseException:
             if started:  # cancelled from outside mid-frame: the peer holds half a frame
                 await self._fail(StreamClosed("send cancelled mid-frame"))
@@ -206,11 +212,12 @@ class FramedStream:
                         raise FrameTooLarge(length, self.max_frame_size)
                     return await self._read_exactly(length, at_boundary=False)
         except trio.TooSlowError:
-            raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
+            raise await self._fail(
+                StreamTimeout(f"receive missed its {timeout:g}s deadline")) from None
         except StreamError as exc:
-            if self._peer_finished:  # a clean close, not a failure: keep the send side
-                raise
-            raise await self._fail(exc) from exc.__cause__
+            if not self._peer_finished:  # a clean close is no failure: keep the send side
+                await self._fail(exc)
+            raise
         except BaseException:
             if started:
                 await self._fail(StreamClosed("receive cancelled mid-frame"))
@@ -229,7 +236,7 @@ class FramedStream:
                 self._local_finished = True
                 try:
                     await self._raw.close()
-                except Exception as exc:  # noqa: BLE001 - the peer is gone either way
+                except Exception as exc:  # the peer is gone either way
                     logger.debug("graceful close failed, resetting: %r", exc)
                     await self._fail(StreamClosed("close failed"))
         if scope.cancelled_caught:
@@ -279,7 +286,7 @@ class FramedStream:
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_TIMEOUT):
                 try:
                     await self._raw.reset()
-                except Exception as exc:  # noqa: BLE001 - best effort; we are failing anyway
+                except Exception as exc:  # best effort; we are failing anyway
                     logger.debug("reset failed: %r", exc)
         return error
 

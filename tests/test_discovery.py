@@ -22,7 +22,8 @@ from p2p.errors import ProtocolError
 from p2p.host import ConnectionEvent, P2PHost, open_host
 from p2p.identity import Identity
 
-FAST = DiscoveryConfig(target_degree=4, min_delay=0.05, max_delay=0.5, check_interval=0.1)
+FAST = DiscoveryConfig(target_degree=4, min_delay=0.05, max_delay=0.5, check_interval=0.1,
+                       exchange_interval=0.3)
 
 
 def test_backoff_grows_exponentially_is_capped_and_jittered() -> None:
@@ -118,10 +119,20 @@ async def test_bootstrap_to_a_dead_address_backs_off_and_does_not_crash() -> Non
     with trio.fail_after(20):
         async with AsyncExitStack() as stack:
             a = await stack.enter_async_context(open_host(Identity.generate()))
+            attempts = []
+            real_connect = a.connect
+
+            async def counting_connect(addr: str) -> PeerId:
+                attempts.append(trio.current_time())
+                return await real_connect(addr)
+
+            a.connect = counting_connect  # type: ignore[method-assign]
             dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
             nursery = await stack.enter_async_context(trio.open_nursery())
             await nursery.start(run_discovery, a, [dead], FAST)
             await trio.sleep(1.0)
             assert a.connected_peers() == []
+            # Checked every 0.1 s, but retried after ~0.05, 0.1, 0.2, 0.4 s: about 5
+            # attempts in the second, not 10.
+            assert 3 <= len(attempts) <= 7, attempts
             nursery.cancel_scope.cancel()
-

@@ -252,3 +252,30 @@ def test_long_prefill_is_split_across_decode_calls(smollm2, slice_cache, prompts
         for engine in engines:
             engine.close()
     assert small_batches == one_batch
+
+
+def test_decode_steps_of_many_sessions_batch_exactly_whatever_their_slots(chain, prompts) -> None:
+    """Sessions come and go, so the ones decoding together hold scattered sequence slots;
+    every one must still get exactly its solo result, on every range."""
+    ids = [SessionId(f"m{i}") for i in range(4)]
+    prompt = [np.array(p, np.int32) for p in prompts]
+
+    def run(batch_ids: list[SessionId]) -> list[np.ndarray]:
+        items = [BatchItem(sid, len(prompt[ids.index(sid)]), tokens=np.array([60], np.int32)) for sid in batch_ids]
+        return step(chain, items, "f32")
+
+    try:
+        for sid, p in zip(ids, prompt):
+            step(chain, [BatchItem(sid, 0, tokens=p)], "f32")
+        for engine in chain:  # free slot 1: the survivors hold slots 0, 2, 3
+            engine.close_session(ids[1])
+        survivors = [ids[3], ids[0], ids[2]]  # and arrive out of slot order
+        together = run(survivors)
+        for sid, logits in zip(survivors, together):
+            assert all(e.session_length(sid) == len(prompt[ids.index(sid)]) + 1 for e in chain)
+            (alone,) = run([sid])  # rewinds the step and runs it alone
+            assert np.array_equal(alone, logits)
+    finally:
+        for engine in chain:
+            for sid in ids:
+                engine.close_session(sid)

@@ -15,9 +15,10 @@ from p2p.framing import FramedStream
 MiB = 1024 * 1024
 
 
-def memory_pair(**kwargs: object) -> tuple[FramedStream, FramedStream]:
+def memory_pair(max_frame_size: int = 1 << 28) -> tuple[FramedStream, FramedStream]:
     left, right = trio.testing.memory_stream_pair()
-    return FramedStream.over_trio(left, **kwargs), FramedStream.over_trio(right, **kwargs)
+    return (FramedStream.over_trio(left, max_frame_size=max_frame_size),
+            FramedStream.over_trio(right, max_frame_size=max_frame_size))
 
 
 def lockstep_pair() -> tuple[FramedStream, FramedStream]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -123,7 +124,7 @@ async def test_stalled_reader_times_out_sender_and_reader_sees_closed() -> None:
                 await stalled.wait()  # read nothing until the sender has given up
                 try:
                     result: BaseException | bytes = await stream.receive(5.0)
-                except Exception as exc:  # noqa: BLE001 - the test inspects it
+                except Exception as exc:  # the test inspects it
                     result = exc
                 await outcome_send.send(result)
 
@@ -164,11 +165,14 @@ async def test_handler_failure_is_contained() -> None:
 async def _gossip_mesh(hosts: list[P2PHost]) -> list[trio.MemoryReceiveChannel]:  # type: ignore[type-arg]
     """A line of hosts (so messages must be forwarded), all subscribed and meshed."""
     subscriptions = [await h.subscribe(TOPIC) for h in hosts]
-    for left, right in zip(hosts, hosts[1:], strict=False):
+    for left, right in itertools.pairwise(hosts):
         await left.connect(right.multiaddrs()[0])
-    for left, right in zip(hosts, hosts[1:], strict=False):
-        await wait_until(lambda: right.peer_id in left.gossip_peers(TOPIC)
-                         and left.peer_id in right.gossip_peers(TOPIC), what="subscriptions")
+    for left, right in itertools.pairwise(hosts):
+        def meshed(left: P2PHost = left, right: P2PHost = right) -> bool:
+            return (right.peer_id in left.gossip_peers(TOPIC)
+                    and left.peer_id in right.gossip_peers(TOPIC))
+
+        await wait_until(meshed, what="subscriptions")
     return subscriptions
 
 
@@ -279,11 +283,19 @@ async def test_exit_shuts_everything_down_quickly() -> None:
 
 
 async def test_fixed_port_in_use_is_refused() -> None:
+    # libp2p listens with SO_REUSEPORT: without our check both peers would share the port.
     async with running_hosts(1) as (a,):
         port = int(a.multiaddrs()[0].split("/")[4])
         with pytest.raises(ListenError):
             async with open_host(Identity.generate(), listen_port=port):
                 pass
+
+
+@pytest.mark.parametrize("listen_host", ["not-an-ip", "10.255.255.1"])
+async def test_unusable_listen_address_is_refused(listen_host: str) -> None:
+    with trio.fail_after(10), pytest.raises(ListenError):
+        async with open_host(Identity.generate(), listen_host=listen_host):
+            pass
 
 
 async def test_wildcard_listen_advertises_dialable_addresses() -> None:

@@ -5,11 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from reference import whole_model_text
 from swarm import Swarm, request_json
-
-from inclavate.types import LayerRange, ModelId
-from node.engine import EngineConfig
-from node.llamacpp_engine import LlamaCppEngine
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 QUESTION = "Explain in two sentences why the sky is blue."
@@ -42,33 +39,5 @@ def test_a_three_peer_chain_equals_the_whole_model(tmp_path: Path, smollm2, slic
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 64 or body["choices"][0]["finish_reason"] == "stop"
 
-    expected = _whole_model_text(smollm2, slice_cache, QUESTION, 64)
+    expected = whole_model_text(smollm2, slice_cache, [{"role": "user", "content": QUESTION}], 64)
     assert body["choices"][0]["message"]["content"] == expected
-
-
-def _whole_model_text(model, cache: Path, question: str, max_tokens: int) -> str:
-    """The same template and greedy loop on the whole model in one llama.cpp context."""
-    import trio
-
-    from api.chat_model import ChatModel
-    from api.generation import Generation
-    from api.reasoning_split import Delta
-    from inclavate.types import SessionId
-    from node.local_pipeline import LocalPipeline
-
-    engine = LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=model.path, layers=LayerRange(0, 30),
-                            config=EngineConfig(n_threads=1, context_length=512, max_sessions=1), slice_cache=cache)  # fmt: skip
-    chat = ChatModel.load(ModelId("smollm2:135m"), model.path)
-    try:
-        prompt = chat.prepare([{"role": "user", "content": question}])
-        params = chat.generation_params(prompt, max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=0)
-        parts: list[str] = []
-
-        async def collect(delta: Delta) -> None:
-            parts.append(delta.text)
-
-        trio.run(Generation(LocalPipeline([engine]), chat.tokenizer, SessionId("ref"), params).run, collect)
-        return "".join(parts)
-    finally:
-        chat.close()
-        engine.close()
