@@ -107,7 +107,7 @@ class LocalSwarm:
         self.stop_all()
 
     def start(self, name: str, model: str, *args: str, bootstrap: PeerProcess | None = None,
-              api_port: int | None = None) -> PeerProcess:  # fmt: skip
+              api_port: int | None = None, env: dict[str, str] | None = None) -> PeerProcess:  # fmt: skip
         port = api_port or free_port()
         data_dir = self.workdir / name
         log_path = self.workdir / f"{name}.log"
@@ -116,9 +116,9 @@ class LocalSwarm:
                "--data-dir", str(data_dir), *self.peer_args, *args]  # fmt: skip
         if bootstrap is not None:
             cmd += ["--bootstrap", self.multiaddr(bootstrap)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            process = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         peer = PeerProcess(name, port, process, log_path, data_dir)
         self.peers.append(peer)
         return peer

@@ -44,6 +44,7 @@ from p2p.forward import ForwardService
 from p2p.gossip import RegistryService
 from p2p.host import P2PHost, open_host
 from p2p.identity import Identity, load_or_create_identity
+from p2p.latency import LatencyMonitor
 from p2p.placement import choose_range, should_move
 from p2p.records import Counters, NodeRecord
 from p2p.registry import NodeView
@@ -74,6 +75,7 @@ class Peer:
         self._chat_locks: dict[str, trio.Lock] = {}
         self._pipelines: dict[str, SwarmPipeline] = {}
         self._cancel: trio.CancelScope | None = None
+        self.latency: LatencyMonitor | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -102,6 +104,8 @@ class Peer:
                     self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype)
                     await nursery.start(self.forward.run)
                     serve_vocab(host, self._local_vocab)
+                    self.latency = LatencyMonitor(host, self._route_candidates)
+                    await nursery.start(self.latency.run)
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
@@ -146,6 +150,10 @@ class Peer:
                 await self.registry.sync_with(peer)
             return
         log.warning("no bootstrap peer answered within %.0f s; placing on what is known", self.config.join_timeout_s)
+
+    def _route_candidates(self) -> list[PeerId]:
+        """Peers this peer may route sessions through: those serving any model."""
+        return sorted({PeerId(v.record.peer_id) for v in self.views() if v.routable})
 
     def _model_views(self) -> list[NodeView]:
         assert self.registry is not None
@@ -298,7 +306,8 @@ class Peer:
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             def route_for() -> list:
-                return choose_route(self.views(), ModelId(model_id), me, CostModel())
+                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {})
+                return choose_route(self.views(), ModelId(model_id), me, costs)
 
             pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
         contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]

@@ -31,5 +31,5 @@ class Swarm(LocalSwarm):
                 print(f"----- {peer.name} (port {peer.api_port}) -----\n{peer.log_tail()}", file=sys.stderr)
 
     def start(self, name: str, *args: str, bootstrap: PeerProcess | None = None,  # type: ignore[override]
-              model: str = DEFAULT_MODEL) -> PeerProcess:  # fmt: skip
-        return super().start(name, model, *args, bootstrap=bootstrap)
+              model: str = DEFAULT_MODEL, env: dict[str, str] | None = None) -> PeerProcess:  # fmt: skip
+        return super().start(name, model, *args, bootstrap=bootstrap, env=env)

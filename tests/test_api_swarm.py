@@ -195,6 +195,29 @@ def test_openapi_lists_exactly_what_is_served(swarm) -> None:
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["required"] == ["model", "messages"]
 
 
+def test_a_peer_holding_another_model_serves_this_one(swarm, expected: str, smollm2, tmp_path: Path) -> None:
+    """It has none of SmolLM2's layers and no copy of it: it fetches the vocabulary from a
+    peer that has, and routes the chain through the others."""
+    import subprocess
+    import sys
+
+    from gguf_factory import write_random_gguf
+
+    s, peers = swarm
+    home = tmp_path / "other-home"
+    tiny = write_random_gguf(tmp_path / "tiny.gguf", "llama", tokenizer_from=smollm2.path)
+    env = {"INCLAVATE_HOME": str(home)}
+    subprocess.run([sys.executable, "-m", "inclavate", "pull", str(tiny), "--as", "tiny:test"], check=True,
+                   env={**__import__("os").environ, **env}, capture_output=True)  # fmt: skip
+    other = s.start("other", model="tiny:test", bootstrap=peers[0], env=env)
+    s.wait_ready(other)
+    s.wait(lambda: any(m["id"] == MODEL and m["chain_complete"] for m in other.get("/api/models")), 20, "the swarm's view")
+    assert not (home / "models" / "smollm2@135m").exists()
+    reply = client(other).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content == expected
+    s.stop(other)
+
+
 def test_no_session_is_left_open_and_a_gap_is_a_503(swarm) -> None:
     s, peers = swarm
     s.wait(lambda: all(_sessions(p) == {"stage": 0, "entry": 0} for p in peers), 10, "no sessions left")

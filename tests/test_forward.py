@@ -99,3 +99,19 @@ def test_malformed_frames_are_protocol_errors() -> None:
     header = b'{"type":"forward","req":1,"session":"s","start_pos":0,"route":[["p","n",0,1,""]],"reply_to":"e","sampling":null,"input":{"kind":"hidden","dtype":"f16","shape":[2,4]}}'
     with pytest.raises(ProtocolError):  # 2x4 f16 needs 16 bytes, 3 given
         wire.decode(len(header).to_bytes(4, "big") + header + b"abc")
+
+
+async def test_latency_monitor_measures_round_trips() -> None:
+    from p2p.latency import UNREACHABLE_MS, LatencyMonitor
+
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+            monitor_b = LatencyMonitor(b, lambda: [])
+            await n.start(monitor_b.run)  # serves the echo
+            monitor = LatencyMonitor(a, lambda: [b.peer_id])
+            await a.connect(b.multiaddrs()[0])
+            rtts = [await monitor.measure(b.peer_id) for _ in range(3)]
+            assert all(0 < r < 100 for r in rtts)
+            assert 0 < monitor.link_ms()[b.peer_id] < 50
+            assert await monitor.measure(PeerId(Identity.generate().peer_id)) == UNREACHABLE_MS
+            n.cancel_scope.cancel()

@@ -1,0 +1,80 @@
+"""Measured link latency to other peers, the routing cost model's ``link_ms``.
+
+Every ``interval`` each peer pings the peers it may route through over ``/inclavate/ping/1``
+(one long-lived stream per peer, 8-byte frames echoed back) and keeps a smoothed round trip.
+A peer that does not answer within the timeout keeps a high penalty until it does, so routes
+avoid it without the registry having to call it Degraded first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from inclavate.types import PeerId
+from p2p.errors import P2PError
+from p2p.framing import FramedStream
+from p2p.host import P2PHost
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/inclavate/ping/1"
+UNREACHABLE_MS = 1000.0
+_ALPHA = 0.3
+
+
+class LatencyMonitor:
+    def __init__(
+        self,
+        host: P2PHost,
+        targets: Callable[[], list[PeerId]],
+        *,
+        interval: float = 10.0,
+        timeout: float = 2.0,
+    ) -> None:
+        self.host = host
+        self.targets = targets
+        self.interval = interval
+        self.timeout = timeout
+        self.rtt_ms: dict[PeerId, float] = {}
+        self._streams: dict[PeerId, FramedStream] = {}
+
+    def link_ms(self) -> dict[PeerId, float]:
+        """One-way latency estimates: half the smoothed round trip."""
+        return {peer: rtt / 2 for peer, rtt in self.rtt_ms.items()}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.host.set_stream_handler(PROTOCOL, _echo, max_frame_size=64)
+        task_status.started()
+        while True:
+            async with trio.open_nursery() as nursery:
+                for peer in self.targets():
+                    if peer != self.host.peer_id:
+                        nursery.start_soon(self.measure, peer)
+            await trio.sleep(self.interval)
+
+    async def measure(self, peer: PeerId) -> float:
+        """Ping ``peer`` once; returns the round trip in ms and folds it into the average."""
+        stream = self._streams.get(peer)
+        try:
+            if stream is None or stream.is_broken:
+                stream = self._streams[peer] = await self.host.new_stream(peer, PROTOCOL, timeout=self.timeout, max_frame_size=64)
+            started = time.perf_counter()
+            await stream.send(b"ping", timeout=self.timeout)
+            await stream.receive(timeout=self.timeout)
+            rtt = (time.perf_counter() - started) * 1000
+        except P2PError as exc:
+            log.debug("ping %s failed: %s", peer, exc)
+            self._streams.pop(peer, None)
+            rtt = UNREACHABLE_MS
+        previous = self.rtt_ms.get(peer)
+        self.rtt_ms[peer] = rtt if previous is None or rtt == UNREACHABLE_MS else (1 - _ALPHA) * previous + _ALPHA * rtt
+        return rtt
+
+
+async def _echo(stream: FramedStream, remote: PeerId) -> None:
+    while True:
+        await stream.send(await stream.receive(timeout=3600.0), timeout=5.0)

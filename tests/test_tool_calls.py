@@ -1,0 +1,40 @@
+"""Recognising tool calls in a reply, and finish_reason's precedence rules."""
+
+from __future__ import annotations
+
+import json
+
+from api.chat_job import finish_and_calls
+from api.generation import GenerationResult
+from api.tool_calls import extract_tool_calls
+
+
+def test_hermes_blocks_become_calls() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = extract_tool_calls(text)
+    assert content == "Let me check." and [c.name for c in calls] == ["weather"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert calls[0].to_openai(0)["function"]["name"] == "weather" and calls[0].id.startswith("call_")
+
+
+def test_bare_json_with_parameters_is_a_call() -> None:
+    content, calls = extract_tool_calls('{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert content == "" and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+
+
+def test_ordinary_text_and_broken_calls_stay_content() -> None:
+    for text in ("Paris is the capital.", '{"answer": 4}', "<tool_call>{not json}</tool_call>", '{"name": 3}'):
+        assert extract_tool_calls(text) == (text, [])
+
+
+class _Job:
+    def __init__(self, tools: bool) -> None:
+        self.buffers_content = tools
+
+
+def test_length_outranks_tool_calls() -> None:
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert finish_and_calls(_Job(True), GenerationResult("stop", 5, 9), call)[1] == "tool_calls"
+    content, finish, calls = finish_and_calls(_Job(True), GenerationResult("length", 5, 9), call)
+    assert finish == "length" and calls == [] and content == call
+    assert finish_and_calls(_Job(False), GenerationResult("stop", 5, 9), call) == (call, "stop", [])
