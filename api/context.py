@@ -7,7 +7,7 @@ fake. ``inclavate.peer.Peer`` implements it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from api.chat_model import ChatModel
 from api.limits import RequestLimits
@@ -55,3 +55,14 @@ class PeerContext(Protocol):
     def pipeline(self, model_id: str) -> Pipeline:
         """A pipeline over the swarm for a new session (raises ``NoRoute``)."""
         ...
+
+    async def admin_command(self, action: str, node_id: str, **args: object) -> dict[str, Any]:
+        """``reassign`` / ``set_state`` / ``force_remove`` for a node on any peer (the caller
+        has checked the admin token; the command travels signed by this peer)."""
+        ...
+
+    async def legacy_register(self, body: dict[str, Any], *, assign: bool) -> dict[str, Any]: ...
+
+    async def legacy_heartbeat(self, node_id: str, body: dict[str, Any]) -> None: ...
+
+    async def legacy_leave(self, node_id: str) -> None: ...

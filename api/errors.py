@@ -163,7 +163,9 @@ def _register_lower_layers() -> None:
     from inclavate.store import StoreError
     from node.errors import ContextFull, EngineError, InvalidBatch
     from p2p.chain import ChainTimeout, ContextExceeded, StageFailed
+    from p2p.admin import AdminRefused
     from p2p.errors import P2PError
+    from p2p.legacy import BadRegistration, DuplicateNode, NodeMismatch, NoRangeAvailable, UnknownLegacyNode
     from p2p.routing import NoRoute
 
     for exc_type, status in [
@@ -174,6 +176,12 @@ def _register_lower_layers() -> None:
         (ContextExceeded, 400),
         (InvalidBatch, 400),
         (NoRoute, 503),  # no Ready chain: the message names the missing layers
+        (BadRegistration, 400),
+        (UnknownLegacyNode, 404),
+        (DuplicateNode, 409),
+        (NodeMismatch, 422),
+        (NoRangeAvailable, 503),
+        (AdminRefused, 409),  # the peer holding the node refused or could not do it
         (StageFailed, 503),
         (ChainTimeout, 504),
         (EngineError, 503),

@@ -7,21 +7,19 @@ the context terminates every child (SIGTERM, then SIGKILL), so nothing outlives 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from inclavate.errors import InclavateError
+from inclavate.http_client import request_json
 
 T = TypeVar("T")
 
@@ -34,24 +32,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def request_json(
-    method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict[str, str] | None = None
-) -> tuple[int, Any]:
-    """One HTTP request with a JSON body; returns (status, decoded body) for any status."""
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        try:
-            return err.code, json.loads(raw)
-        except ValueError:
-            return err.code, raw.decode(errors="replace")
 
 
 def _die_with_parent() -> None:

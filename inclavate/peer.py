@@ -24,7 +24,7 @@ import trio
 
 from api.app import create_app, serve_api
 from api.chat_model import ChatModel
-from api.errors import ServiceUnavailable, UnknownModel
+from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
 from inclavate import __version__, hardware
 from inclavate.catalog import Catalog, ModelSpec
@@ -36,6 +36,7 @@ from inclavate.store import ModelStore
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from node.gguf_slice import write_vocab_only
 from node.llamacpp_engine import LlamaCppEngine
+from node.errors import EngineError
 from node.stage import Stage
 from p2p.chain import SwarmPipeline
 from p2p.coverage import ModelCoverage
@@ -45,6 +46,8 @@ from p2p.gossip import RegistryService
 from p2p.host import P2PHost, open_host
 from p2p.identity import Identity, load_or_create_identity
 from p2p.latency import LatencyMonitor
+from p2p.admin import AdminCommand, AdminRefused, AdminService
+from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
 from p2p.records import Counters, NodeRecord
 from p2p.registry import NodeView
@@ -52,6 +55,10 @@ from p2p.routing import CostModel, choose_route
 from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
+
+FORCE_REMOVE_BAN_S = 600.0
+"""How long a force-deregistered node's records are ignored (it is not told, and keeps
+publishing until it notices nobody routes to it or its operator restarts it)."""
 
 
 class Peer:
@@ -76,6 +83,11 @@ class Peer:
         self._pipelines: dict[str, SwarmPipeline] = {}
         self._cancel: trio.CancelScope | None = None
         self.latency: LatencyMonitor | None = None
+        self.legacy: LegacyNodes | None = None
+        self.admin_service: AdminService | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stage_scope: trio.CancelScope | None = None
+        self._reload = trio.Lock()
 
     # ------------------------------------------------------------------ run
 
@@ -106,15 +118,18 @@ class Peer:
                     serve_vocab(host, self._local_vocab)
                     self.latency = LatencyMonitor(host, self._route_candidates)
                     await nursery.start(self.latency.run)
+                    self.legacy = LegacyNodes(self.registry, self._model_facts, send=self.forward.send)
+                    self.forward.relay = self.legacy.relay
+                    await nursery.start(self.legacy.run)
+                    self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
+                    self.admin_service.start()
+                    self._nursery = nursery
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
                     await self._learn_swarm()
                     layers = await self._place(meta.n_layers, capacity(cfg, meta), meta.d_model)
-                    engine = await trio.to_thread.run_sync(self._load_engine, layers)
-                    self.stage = Stage(engine)
-                    await nursery.start(self.stage.run)
-                    self.forward.stage = self.stage
+                    await self._start_stage(layers)
                     await self._announce("Ready", layers)
                     log.info("ready: %s layers %s", spec.model_id, layers)
                     task_status.started(self)
@@ -132,6 +147,7 @@ class Peer:
         with trio.move_on_after(self.config.drain_s):
             while self._pipelines and any(p.open_sessions for p in self._pipelines.values()):
                 await trio.sleep(0.1)
+        await self._stop_stage("this peer is shutting down")
         if self._cancel is not None:
             self._cancel.cancel()
 
@@ -177,6 +193,79 @@ class Peer:
             layers = moved
             await self._announce("Joining", layers)
         return layers
+
+    async def _start_stage(self, layers: LayerRange) -> None:
+        engine = await trio.to_thread.run_sync(self._load_engine, layers)
+        stage = Stage(engine)
+        assert self._nursery is not None and self.forward is not None
+
+        async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            with trio.CancelScope() as self._stage_scope:
+                await stage.run(task_status=task_status)
+
+        await self._nursery.start(run_stage)
+        self.stage = stage
+        self.forward.stage = stage
+
+    async def _stop_stage(self, reason: str) -> None:
+        stage, self.stage = self.stage, None
+        if self.forward is not None:
+            self.forward.stage = None
+        if stage is None:
+            return
+        await stage.fail_pending(EngineError(reason))
+        if self._stage_scope is not None:
+            self._stage_scope.cancel()
+        await trio.to_thread.run_sync(stage.engine.close)
+
+    async def reassign(self, layers: LayerRange) -> None:
+        """Reload a new range: announce Joining with it (so routing stops using the old
+        one), stop the old stage, load the new engine, announce Ready."""
+        async with self._reload:
+            n_layers = self._n_layers
+            if layers.end > n_layers:
+                raise ConfigError(f"layers {layers} exceed the model's {n_layers} layers")
+            log.info("reassigned to layers %s", layers)
+            await self._announce("Joining", layers)
+            await self._stop_stage(f"this peer is moving to layers {layers}")
+            await self._start_stage(layers)
+            await self._announce("Ready", layers)
+
+    async def _set_idle(self, idle: bool) -> None:
+        record = self._own_record()
+        assert record is not None and self.registry is not None
+        await self.registry.publish(record.replace(idle=idle))
+
+    async def _execute_admin(self, command: AdminCommand) -> dict:
+        """Run an admin command addressed to this peer (already authenticated and trusted)."""
+        assert self.registry is not None
+        target = command.target
+        if command.action == "force_remove":
+            self.registry.ban(target, FORCE_REMOVE_BAN_S)
+            if self.legacy is not None:
+                self.legacy.forget(target)
+            return {"node_id": target}
+        if target != self.peer_id:
+            raise AdminRefused(f"node {target} is not held by this peer (legacy nodes choose their range at registration)")
+        if command.action == "reassign":
+            layers = LayerRange(int(command.args["start_layer"]), int(command.args["end_layer"]))
+            await self.reassign(layers)
+            return {"node_id": target, "start_layer": layers.start, "end_layer": layers.end}
+        idle = command.args["state"] == "idle"
+        await self._set_idle(idle)
+        return {"node_id": target, "state": "Idle" if idle else "Ready"}
+
+    def _model_facts(self, model_id: str) -> tuple[int, int] | None:
+        """(n_layers, d_model) of a model, from the catalog or the registry."""
+        try:
+            spec = Catalog.load(self.config.home).get(model_id)
+            return spec.n_layers, spec.d_model
+        except InclavateError:
+            pass
+        for view in self.views():
+            if view.record.model_id == model_id:
+                return view.record.n_layers, view.record.d_model
+        return None
 
     def _load_engine(self, layers: LayerRange) -> LlamaCppEngine:
         assert self._spec is not None and self._model_path is not None
@@ -254,6 +343,54 @@ class Peer:
             "stage": self.stage.sessions if self.stage else 0,
             "entry": sum(len(p.open_sessions) for p in self._pipelines.values()),
         }
+
+    # ------------------------------------------------- admin and legacy nodes
+
+    def _record_of(self, node_id: str) -> NodeView:
+        for view in self.views():
+            if view.record.node_id == node_id:
+                return view
+        raise NotFound(f"no node {node_id!r} in the registry")
+
+    async def admin_command(self, action: str, node_id: str, **args: object) -> dict:
+        """Run an admin action on the peer responsible for ``node_id``, signed by this peer.
+
+        A forced deregistration goes to every other peer (the node itself is not told)."""
+        assert self.admin_service is not None
+        view = self._record_of(node_id)
+        service = self.admin_service
+        command = service.command(action, node_id, **args)  # type: ignore[arg-type]
+        if action != "force_remove":
+            return await service.send(PeerId(view.record.peer_id), command)
+        targets = {PeerId(v.record.peer_id) for v in self.views() if v.state != "Dead"} | {PeerId(self.peer_id)}
+        if not view.record.relayed:
+            targets.discard(PeerId(view.record.peer_id))
+        failures: list[str] = []
+
+        async def tell(peer: PeerId) -> None:
+            try:
+                await service.send(peer, service.command(action, node_id))
+            except AdminRefused as exc:
+                failures.append(f"{peer}: {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for peer in targets:
+                nursery.start_soon(tell, peer)
+        if failures:
+            log.warning("force-deregistration of %s not applied everywhere: %s", node_id, "; ".join(failures))
+        return {"node_id": node_id}
+
+    async def legacy_register(self, body: dict, *, assign: bool) -> dict:
+        assert self.legacy is not None
+        return await self.legacy.register(body, assign=assign)
+
+    async def legacy_heartbeat(self, node_id: str, body: dict) -> None:
+        assert self.legacy is not None
+        await self.legacy.heartbeat(node_id, body)
+
+    async def legacy_leave(self, node_id: str) -> None:
+        assert self.legacy is not None
+        await self.legacy.leave(node_id)
 
     def knows_model(self, model_id: str) -> bool:
         return model_id in Catalog.load(self.config.home) or any(v.record.model_id == model_id for v in self.views())

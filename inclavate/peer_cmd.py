@@ -48,6 +48,11 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
                    help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
+    p.add_argument("--legacy", action="store_true",
+                   help="run without libp2p: register with --orchestrator over HTTP and serve forwards")  # fmt: skip
+    p.add_argument("--orchestrator", metavar="URL", help="with --legacy: the peer to register with")
+    p.add_argument("--advertise-url", metavar="URL",
+                   help="with --legacy: the URL the orchestrator reaches this node at (default http://API_HOST:API_PORT)")  # fmt: skip
     p.set_defaults(handler=run_peer_command)
 
 
@@ -87,7 +92,15 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 def run_peer_command(args: argparse.Namespace) -> int:
     if logging.getLogger().level > logging.INFO:
         logging.getLogger().setLevel(logging.INFO)  # a long-running service narrates its life
-    trio.run(run_until_signal, config_from_args(args))
+    config = config_from_args(args)
+    if args.legacy:
+        if not args.orchestrator:
+            raise ConfigError("--legacy needs --orchestrator URL (a peer's API address)")
+        from inclavate.legacy_node import run_legacy_until_signal
+
+        trio.run(run_legacy_until_signal, config, args.orchestrator, args.advertise_url)
+    else:
+        trio.run(run_until_signal, config)
     return 0
 
 

@@ -210,8 +210,17 @@ class Stage:
                     log.info("freeing session %s: idle for %.0f s", session_id, self.session_idle_s)
                     await self.submit(Job(None, session_id, _ignore))
 
-    def close_queue(self) -> None:
-        self._send.close()
+    async def fail_pending(self, error: EngineError) -> None:
+        """Answer every queued job with ``error`` (the stage is going away), so the peers
+        waiting on them hear why instead of timing out."""
+        pending, self._deferred = self._deferred, []
+        while True:
+            try:
+                pending.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        for job in pending:
+            await job.deliver(StageResult(error=error) if job.item is not None else StageResult())
 
 
 async def _ignore(_: StageResult) -> None:

@@ -59,6 +59,7 @@ class RegistryService:
         self._own: dict[NodeId, NodeRecord] = {}
         """Records this peer publishes: its own, and legacy nodes it vouches for."""
         self._changed = trio.Event()
+        self._banned: dict[NodeId, int] = {}
         self.rejected: dict[str, int] = {}
         """Counts of rejected records by reason (exposed for tests and diagnostics)."""
         self.refresh: Callable[[NodeRecord], NodeRecord] | None = None
@@ -96,6 +97,11 @@ class RegistryService:
             log.debug("publishing %s failed: %s", record.node_id, exc)
         return record
 
+    def remember(self, record: NodeRecord) -> NodeRecord:
+        """Update one of our records for the next heartbeat, without publishing now."""
+        self._own[record.node_id] = record.replace(seq=self._own[record.node_id].seq) if record.node_id in self._own else record
+        return self._own[record.node_id]
+
     async def withdraw(self, node_id: NodeId) -> None:
         """Publish a relayed node's departure and stop vouching for it."""
         record = self._own.get(node_id)
@@ -106,6 +112,27 @@ class RegistryService:
     def forget(self, node_id: str) -> None:
         """Drop a node from this peer's table at once (it comes back if it publishes again)."""
         self._set_table(remove(self.table, node_id))
+
+    def ban(self, node_id: str, seconds: float) -> None:
+        """Drop a node and ignore its records for ``seconds`` (admin force-deregistration:
+        the node is not told, so it keeps publishing for a while)."""
+        self._banned[NodeId(node_id)] = self.clock() + int(seconds * 1000)
+        self._own.pop(NodeId(node_id), None)
+        self.forget(node_id)
+
+    def stop_vouching(self, node_id: str) -> None:
+        """Stop republishing a relayed node's record without announcing anything: its record
+        ages to Degraded and Dead like a peer that went silent."""
+        self._own.pop(NodeId(node_id), None)
+
+    def _is_banned(self, node_id: str) -> bool:
+        until = self._banned.get(NodeId(node_id))
+        if until is None:
+            return False
+        if until < self.clock():
+            del self._banned[NodeId(node_id)]
+            return False
+        return True
 
     # --------------------------------------------------------------- running
 
@@ -198,6 +225,9 @@ class RegistryService:
         except InvalidRecord as exc:
             self._count(str(exc))
             return False
+        if self._is_banned(signed.record.node_id):
+            self._count(Verdict.BANNED.value)
+            return False
         _, verdict = apply(self.table, signed, self.clock(), self.liveness)
         if verdict.rejected:
             self._count(verdict.value)
@@ -205,6 +235,8 @@ class RegistryService:
         return not verdict.rejected
 
     def _accept(self, signed: SignedRecord, via: str) -> Verdict:
+        if self._is_banned(signed.record.node_id):
+            return Verdict.BANNED
         table, verdict = apply(self.table, signed, self.clock(), self.liveness, via)  # type: ignore[arg-type]
         if verdict is Verdict.ACCEPTED:
             self._set_table(table)

@@ -45,9 +45,21 @@ class Counters:
 
 @dataclass(frozen=True)
 class MetricSample:
+    """One 10-second sample of a node's own throughput and step latency."""
+
     tps: float
     latency_ms: float
     ts_ms: int
+
+
+@dataclass(frozen=True)
+class MinuteBucket:
+    """Traffic a peer saw in one minute: requests it served as entry, tokens its stage ran."""
+
+    ts_ms: int
+    """Start of the minute (epoch ms, a multiple of 60 000)."""
+    requests: int
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,11 @@ class NodeRecord:
     forward_url: str = ""
     """For legacy nodes: the node's own HTTP forward endpoint."""
     samples: tuple[MetricSample, ...] = ()
+    """The last ~60 samples, oldest first."""
+    buckets: tuple[MinuteBucket, ...] = ()
+    """The last ~60 minutes of traffic, oldest first (minutes without traffic omitted)."""
+    requests_by_model: dict[str, int] = field(default_factory=dict)
+    """Chat requests this peer served as entry, cumulative, per model."""
     version: str = ""
 
     @property
@@ -96,6 +113,7 @@ class NodeRecord:
         data = dataclasses.asdict(self)
         data["multiaddrs"] = list(self.multiaddrs)
         data["samples"] = [dataclasses.asdict(s) for s in self.samples]
+        data["buckets"] = [dataclasses.asdict(b) for b in self.buckets]
         return data
 
     @classmethod
@@ -107,6 +125,7 @@ class NodeRecord:
             fields = {k: v for k, v in data.items() if k in known}
             fields["counters"] = Counters(**fields.get("counters", {}))
             fields["samples"] = tuple(MetricSample(**s) for s in fields.get("samples", ()))
+            fields["buckets"] = tuple(MinuteBucket(**b) for b in fields.get("buckets", ()))
             fields["multiaddrs"] = tuple(fields.get("multiaddrs", ()))
             record = cls(**fields)
         except (TypeError, ValueError) as exc:

@@ -47,6 +47,7 @@ class Verdict(enum.Enum):
     FROM_THE_FUTURE = "timestamp too far in the future"
     TOO_OLD = "timestamp older than the drop horizon"
     REPLAY = "sequence number not newer than the one held"
+    BANNED = "node banned by an admin"
 
     @property
     def rejected(self) -> bool:

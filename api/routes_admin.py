@@ -1,0 +1,59 @@
+"""Admin endpoints (``X-Admin-Token``): verify, reassign, set state, force-deregister.
+
+The token is checked here, on the peer the operator talks to; a command for a node held
+by another peer travels to it over libp2p signed by this peer (``p2p.admin``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import jsonify, request
+from quart_trio import QuartTrio
+
+from api.auth import require_admin
+from api.context import PeerContext
+from api.errors import BadRequest
+
+
+async def _json_object() -> dict[str, Any]:
+    body = await request.get_json(force=True, silent=True)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def install(app: QuartTrio, ctx: PeerContext) -> None:
+    @app.get("/admin/verify")
+    async def admin_verify():  # type: ignore[no-untyped-def]
+        """Check an admin token."""
+        require_admin(ctx.admin_token)
+        return jsonify(ok=True)
+
+    @app.post("/admin/nodes/<node_id>/reassign")
+    async def admin_reassign(node_id: str):  # type: ignore[no-untyped-def]
+        """Move a node to another layer range (it reloads: Joining, then Ready)."""
+        require_admin(ctx.admin_token)
+        body = await _json_object()
+        start, end = body.get("start_layer"), body.get("end_layer")
+        if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or not 0 <= start < end:
+            raise BadRequest("start_layer and end_layer must be integers with 0 <= start_layer < end_layer")
+        result = await ctx.admin_command("reassign", node_id, start_layer=start, end_layer=end)
+        return jsonify(ok=True, node_id=node_id, start_layer=result.get("start_layer", start), end_layer=result.get("end_layer", end))
+
+    @app.patch("/admin/nodes/<node_id>/state")
+    async def admin_state(node_id: str):  # type: ignore[no-untyped-def]
+        """Set a node ready or idle (an idle node stays registered but gets no new chains)."""
+        require_admin(ctx.admin_token)
+        state = (await _json_object()).get("state")
+        if state not in ("ready", "idle"):
+            raise BadRequest('state must be "ready" or "idle"')
+        result = await ctx.admin_command("set_state", node_id, state=state)
+        return jsonify(ok=True, node_id=node_id, state=result.get("state", state.capitalize()))
+
+    @app.delete("/admin/nodes/<node_id>/force")
+    async def admin_force(node_id: str):  # type: ignore[no-untyped-def]
+        """Deregister a node everywhere without notifying it."""
+        require_admin(ctx.admin_token)
+        await ctx.admin_command("force_remove", node_id)
+        return jsonify(ok=True, node_id=node_id)

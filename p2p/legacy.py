@@ -1,0 +1,258 @@
+"""Legacy nodes: machines that speak HTTP but not libp2p, vouched for by a peer.
+
+A legacy node registers with any peer (``POST /nodes`` or ``/nodes/join``), heartbeats to it
+(``POST /nodes/:id/health``) and leaves with ``DELETE /nodes/:id``. That peer publishes the
+node's record in the registry, signed by itself and marked ``relayed``, and is its transport:
+a chain hop for the node arrives at the relaying peer over libp2p, which POSTs the forward
+frame to the node's ``/forward`` endpoint and sends what comes back (the next hop's forward,
+or the token) on over libp2p. Frames are the forward protocol's own bytes; a per-node secret
+(``X-Inclavate-Relay-Token``, given by the node at registration, never gossiped) means only
+the peer it registered with can drive it.
+
+When heartbeats stop, the peer stops vouching, and the node ages to Degraded then Dead like
+any silent peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from inclavate.http_client import request_bytes
+from inclavate.types import LayerRange, ModelId, NodeId, PeerId
+from p2p import wire
+from p2p.coverage import uncovered
+from p2p.errors import P2PError
+from p2p.gossip import RegistryService
+from p2p.records import Counters, NodeRecord
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "X-Inclavate-Relay-Token"
+
+
+class LegacyError(P2PError):
+    """Base of the errors a legacy registration can meet."""
+
+
+class BadRegistration(LegacyError):
+    """A registration or heartbeat body that is missing or mistypes a field (400)."""
+
+
+class DuplicateNode(LegacyError):
+    """A live node with this id is already registered (409)."""
+
+
+class NodeMismatch(LegacyError):
+    """Unknown model, or the node's shape (layers, width) does not match it (422)."""
+
+
+class NoRangeAvailable(LegacyError):
+    """Every layer of the model is already covered: nothing to assign (503)."""
+
+
+class UnknownLegacyNode(LegacyError):
+    """No legacy node with this id is registered at this peer (404)."""
+
+
+@dataclass
+class _Node:
+    record: NodeRecord
+    forward_url: str
+    token: str
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    queue: trio.MemorySendChannel[wire.Forward | wire.Close] | None = None
+
+
+ModelFacts = Callable[[str], tuple[int, int] | None]
+"""(n_layers, d_model) of a model known to this peer, or None."""
+
+
+class LegacyNodes:
+    def __init__(self, registry: RegistryService, model_facts: ModelFacts, *, send: Any = None) -> None:
+        self.registry = registry
+        self.model_facts = model_facts
+        self.send = send
+        """``ForwardService.send``: where relayed outputs go (set by the peer)."""
+        self._nodes: dict[NodeId, _Node] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await trio.sleep(1.0)
+                self._drop_silent()
+
+    # -------------------------------------------------------- registration
+
+    async def register(self, body: dict[str, Any], *, assign: bool) -> dict[str, Any]:
+        node_id = _text(body, "node_id")
+        model_id = _text(body, "model_id")
+        http_url = _text(body, "http_url").rstrip("/")
+        facts = self.model_facts(model_id)
+        if facts is None:
+            raise NodeMismatch(f"unknown model {model_id!r}")
+        n_layers, d_model = facts
+        for key, expected in (("n_total_layers", n_layers), ("d_model", d_model)):
+            if key in body and body[key] != expected:
+                raise NodeMismatch(f"{key} {body[key]} does not match {model_id} ({expected})")
+        self._check_unique(NodeId(node_id))
+        layers = self._requested_layers(body, n_layers) or (self._assign(ModelId(model_id), n_layers, body) if assign else None)
+        if layers is None:
+            raise BadRegistration("start_layer and end_layer are required")
+        record = NodeRecord(
+            node_id=NodeId(node_id), peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
+            start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
+            seq=0, ts_ms=0, vram_mb=int(body.get("vram_mb") or 0), hardware=dict(body.get("hardware") or {}),
+            api_url=http_url, relayed=True, forward_url=http_url, started_ms=int(time.time() * 1000),
+        )  # fmt: skip
+        node = _Node(record, http_url + "/forward", str(body.get("relay_token") or ""))
+        self._nodes[NodeId(node_id)] = node
+        self._start_worker(node)
+        node.record = await self.registry.publish(record)
+        log.info("vouching for legacy node %s (%s layers %s at %s)", node_id, model_id, layers, http_url)
+        return {"node_id": node_id, "start_layer": layers.start, "end_layer": layers.end, "warnings": []}
+
+    def _check_unique(self, node_id: NodeId) -> None:
+        if node_id in self._nodes:
+            raise DuplicateNode(f"node {node_id} is already registered")
+        for view in self.registry.views():
+            if view.record.node_id == node_id and view.state != "Dead":
+                raise DuplicateNode(f"node {node_id} is already registered")
+
+    @staticmethod
+    def _requested_layers(body: dict[str, Any], n_layers: int) -> LayerRange | None:
+        try:
+            if isinstance(body.get("layers"), str):
+                layers = LayerRange.parse(body["layers"])
+            elif "start_layer" in body and "end_layer" in body:
+                layers = LayerRange(int(body["start_layer"]), int(body["end_layer"]))
+            else:
+                return None
+        except (TypeError, ValueError) as exc:
+            raise BadRegistration(f"bad layer range: {exc}") from exc
+        if layers.end > n_layers:
+            raise NodeMismatch(f"layers {layers} exceed the model's {n_layers}")
+        return layers
+
+    def _assign(self, model_id: ModelId, n_layers: int, body: dict[str, Any]) -> LayerRange:
+        held = [v.record.layers for v in self.registry.views()
+                if v.record.model_id == model_id and v.state in ("Ready", "Joining")]  # fmt: skip
+        gaps = uncovered(held, n_layers)
+        if not gaps:
+            raise NoRangeAvailable(f"every layer of {model_id} is already covered")
+        gap = max(gaps, key=lambda g: (len(g), -g.start))
+        width = int(body.get("max_layers") or len(gap))
+        return LayerRange(gap.start, gap.start + min(width, len(gap)))
+
+    async def heartbeat(self, node_id: str, body: dict[str, Any]) -> None:
+        node = self._node(node_id)
+        node.last_heartbeat = time.monotonic()
+        try:
+            counters = Counters(
+            tokens_total=int(body.get("tokens_generated", node.record.counters.tokens_total)),
+            requests_served=int(body.get("requests_served", node.record.counters.requests_served)),
+            errors=int(body.get("errors", node.record.counters.errors)),
+                avg_latency_ms=float(body.get("avg_latency_ms", node.record.counters.avg_latency_ms)),
+            )
+            vram_mb = int(body.get("peak_vram_mb", node.record.vram_mb))
+        except (TypeError, ValueError) as exc:
+            raise BadRegistration(f"bad heartbeat: {exc}") from exc
+        state = "Ready" if body.get("ready", node.record.state == "Ready") else node.record.state
+        record = node.record.replace(
+            counters=counters, state=state, uptime_s=int(time.time() - node.record.started_ms / 1000), vram_mb=vram_mb
+        )
+        # A state change is announced now; counters ride on the registry's next heartbeat.
+        node.record = await self.registry.publish(record) if state != node.record.state else self.registry.remember(record)
+
+    async def leave(self, node_id: str) -> None:
+        node = self._nodes.pop(NodeId(self._node(node_id).record.node_id))
+        if node.queue is not None:
+            node.queue.close()
+        await self.registry.withdraw(node.record.node_id)
+
+    def forget(self, node_id: str) -> None:
+        """Drop a node without announcing anything (admin force-deregistration)."""
+        node = self._nodes.pop(NodeId(node_id), None)
+        if node is not None and node.queue is not None:
+            node.queue.close()
+
+    def _node(self, node_id: str) -> _Node:
+        node = self._nodes.get(NodeId(node_id))
+        if node is None:
+            raise UnknownLegacyNode(f"no legacy node {node_id!r} is registered at this peer")
+        return node
+
+    def _drop_silent(self) -> None:
+        cutoff = time.monotonic() - self.registry.liveness.degraded_after_s
+        for node_id, node in list(self._nodes.items()):
+            if node.last_heartbeat < cutoff:
+                log.info("legacy node %s stopped heartbeating; no longer vouching for it", node_id)
+                self.registry.stop_vouching(node_id)
+                if node.queue is not None:
+                    node.queue.close()
+                del self._nodes[node_id]
+
+    # --------------------------------------------------------------- relay
+
+    def serves(self, node_id: str) -> bool:
+        return NodeId(node_id) in self._nodes
+
+    async def relay(self, msg: wire.Forward | wire.Close) -> None:
+        """Queue a frame for a legacy node; its worker keeps each node's frames in order."""
+        node = self._nodes.get(msg.route[0].node_id)
+        if node is None or node.queue is None:
+            await self._fail(msg, f"legacy node {msg.route[0].node_id} is not served by this peer")
+            return
+        await node.queue.send(msg)
+
+    def _start_worker(self, node: _Node) -> None:
+        assert self._nursery is not None, "LegacyNodes.run has not started"
+        send, receive = trio.open_memory_channel[wire.Forward | wire.Close](64)
+        node.queue = send
+        self._nursery.start_soon(self._worker, node, receive)
+
+    async def _worker(self, node: _Node, frames: trio.MemoryReceiveChannel[wire.Forward | wire.Close]) -> None:
+        async with frames:
+            async for msg in frames:
+                path = "/forward" if isinstance(msg, wire.Forward) else "/close"
+                url = node.forward_url.removesuffix("/forward") + path
+                headers = {TOKEN_HEADER: node.token, "content-type": "application/octet-stream"}
+                try:
+                    status, body = await trio.to_thread.run_sync(
+                        lambda: request_bytes("POST", url, wire.encode(msg), 60.0, headers)
+                    )
+                except OSError as exc:
+                    await self._fail(msg, f"legacy node {node.record.node_id} is unreachable: {exc}")
+                    continue
+                if status == 204 or not body:
+                    continue
+                if status != 200:
+                    await self._fail(msg, f"legacy node {node.record.node_id} answered {status}")
+                    continue
+                try:
+                    out = wire.decode(body)
+                except P2PError as exc:
+                    await self._fail(msg, f"legacy node {node.record.node_id} sent a bad frame: {exc}")
+                    continue
+                target = out.route[0].peer_id if isinstance(out, (wire.Forward, wire.Close)) else msg.reply_to
+                await self.send(target, out)
+
+    async def _fail(self, msg: wire.Forward | wire.Close, message: str) -> None:
+        log.info("%s", message)
+        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, "unreachable", message,
+                                                 PeerId(self.registry.identity.peer_id)))  # fmt: skip
+
+
+def _text(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadRegistration(f"{key} is required (a non-empty string)")
+    return value
