@@ -17,7 +17,7 @@ from quart import Response, jsonify
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import routes_admin, routes_chat, routes_models, routes_nodes, routes_system
+from api import routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
 from api.context import PeerContext
 from api.errors import error_response_parts
 from api.sessions import ActiveSessions
@@ -28,6 +28,7 @@ Installer = Callable[[QuartTrio, PeerContext], None]
 INSTALLERS: list[Installer] = [
     routes_system.install,
     routes_models.install,
+    routes_metrics.install,  # before routes_nodes: /nodes/rankings is not a node id
     routes_nodes.install,
     routes_chat.install,
     routes_admin.install,

@@ -130,21 +130,19 @@ def completion_body(job: ChatJob, result: GenerationResult, collected: Collected
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
     return {
-        "id": job.completion_id,
-        "object": "chat.completion",
-        "created": job.created,
-        "model": job.request.model,
+        **_envelope(job, "chat.completion"),
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": usage(result),
     }
 
 
+def _envelope(job: ChatJob, kind: str) -> dict[str, Any]:
+    return {"id": job.completion_id, "object": kind, "created": job.created, "model": job.request.model}
+
+
 def chunk(job: ChatJob, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
     return {
-        "id": job.completion_id,
-        "object": "chat.completion.chunk",
-        "created": job.created,
-        "model": job.request.model,
+        **_envelope(job, "chat.completion.chunk"),
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
     }
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from api.chat_model import ChatModel
 from api.limits import RequestLimits
 from inclavate.catalog import ModelSpec
+from inclavate.metrics import MinuteArchive
 from inclavate.pipeline import Pipeline
 from inclavate.types import LayerRange, ModelId, NodeId
 from p2p.coverage import ModelCoverage
@@ -54,6 +55,10 @@ class PeerContext(Protocol):
 
     def pipeline(self, model_id: str) -> Pipeline:
         """A pipeline over the swarm for a new session (raises ``NoRoute``)."""
+        ...
+
+    def metrics_archive(self) -> MinuteArchive:
+        """Cluster-wide minute totals this peer archived (so history outlives departed peers)."""
         ...
 
     async def admin_command(self, action: str, node_id: str, **args: object) -> dict[str, Any]:

@@ -160,6 +160,7 @@ def _register_lower_layers() -> None:
     from api.chat_template import TemplateError
     from api.generation import PromptTooLong
     from api.reasoning import ReasoningRequestError
+    from inclavate.metrics_store import MetricsStoreError
     from inclavate.store import StoreError
     from node.errors import ContextFull, EngineError, InvalidBatch
     from p2p.chain import ChainTimeout, ContextExceeded, StageFailed
@@ -186,6 +187,7 @@ def _register_lower_layers() -> None:
         (ChainTimeout, 504),
         (EngineError, 503),
         (StoreError, 503),
+        (MetricsStoreError, 503),
         (P2PError, 503),
     ]:
         register(exc_type, status)

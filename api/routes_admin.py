@@ -6,21 +6,13 @@ by another peer travels to it over libp2p signed by this peer (``p2p.admin``).
 
 from __future__ import annotations
 
-from typing import Any
-
-from quart import jsonify, request
+from quart import jsonify
 from quart_trio import QuartTrio
 
 from api.auth import require_admin
+from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import BadRequest
-
-
-async def _json_object() -> dict[str, Any]:
-    body = await request.get_json(force=True, silent=True)
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
@@ -34,7 +26,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def admin_reassign(node_id: str):  # type: ignore[no-untyped-def]
         """Move a node to another layer range (it reloads: Joining, then Ready)."""
         require_admin(ctx.admin_token)
-        body = await _json_object()
+        body = await json_object()
         start, end = body.get("start_layer"), body.get("end_layer")
         if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or not 0 <= start < end:
             raise BadRequest("start_layer and end_layer must be integers with 0 <= start_layer < end_layer")
@@ -45,7 +37,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def admin_state(node_id: str):  # type: ignore[no-untyped-def]
         """Set a node ready or idle (an idle node stays registered but gets no new chains)."""
         require_admin(ctx.admin_token)
-        state = (await _json_object()).get("state")
+        state = (await json_object()).get("state")
         if state not in ("ready", "idle"):
             raise BadRequest('state must be "ready" or "idle"')
         result = await ctx.admin_command("set_state", node_id, state=state)

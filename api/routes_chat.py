@@ -17,9 +17,10 @@ import trio
 from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
+from api.bodies import decode_json
 from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat
 from api.context import PeerContext
-from api.errors import BadRequest, NotFound, error_response_parts
+from api.errors import NotFound, error_response_parts
 from api.generation import GenerationResult
 from api.reasoning_split import Delta
 from api.sessions import ActiveSessions
@@ -28,13 +29,6 @@ from inclavate.types import SessionId
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-dppan-session-id"
-
-
-def _decode_json(raw: bytes | str) -> object:
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 
 
 def _sse(obj: Any) -> bytes:
@@ -97,7 +91,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             ctx.limits.check_body_size(length)
         raw = await request.get_data(cache=False)
         ctx.limits.check_body_size(len(raw))
-        job = await prepare_chat(ctx, _decode_json(raw))
+        job = await prepare_chat(ctx, decode_json(raw))
         headers = {SESSION_HEADER: job.session_id}
         if job.request.stream:
 
@@ -126,7 +120,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             try:
                 size = len(raw.encode() if isinstance(raw, str) else raw)
                 ctx.limits.check_body_size(size)
-                job = await prepare_chat(ctx, _decode_json(raw))
+                job = await prepare_chat(ctx, decode_json(raw))
             except Exception as exc:  # noqa: BLE001 - every failure becomes an error frame
                 status, body = error_response_parts(exc)
                 await websocket.send(json.dumps({**body, "status": status}))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Response, jsonify, request
+from quart import Response, jsonify
 from quart_trio import QuartTrio
 
+from api.bodies import json_object
 from api.context import PeerContext
-from api.errors import BadRequest, NotFound
+from api.errors import NotFound
 from p2p.registry import NodeView
 
 
@@ -45,12 +46,6 @@ def find_node(ctx: PeerContext, node_id: str) -> NodeView:
     raise NotFound(f"no node {node_id!r} in the registry")
 
 
-async def _json_object() -> dict[str, Any]:
-    body = await request.get_json(force=True, silent=True)
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
-
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/nodes")
@@ -75,18 +70,18 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.post("/nodes")
     async def register_node():  # type: ignore[no-untyped-def]
         """Register a legacy node with an explicit layer range."""
-        result = await ctx.legacy_register(await _json_object(), assign=False)
+        result = await ctx.legacy_register(await json_object(), assign=False)
         return jsonify(node_id=result["node_id"], warnings=result["warnings"])
 
     @app.post("/nodes/join")
     async def join_node():  # type: ignore[no-untyped-def]
         """Register a legacy node; this peer assigns its range unless ``layers`` is given."""
-        return jsonify(await ctx.legacy_register(await _json_object(), assign=True))
+        return jsonify(await ctx.legacy_register(await json_object(), assign=True))
 
     @app.post("/nodes/<node_id>/health")
     async def node_heartbeat(node_id: str):  # type: ignore[no-untyped-def]
         """A legacy node's heartbeat, with its counters."""
-        await ctx.legacy_heartbeat(node_id, await _json_object())
+        await ctx.legacy_heartbeat(node_id, await json_object())
         return jsonify(ok=True)
 
     @app.delete("/nodes/<node_id>")

@@ -296,7 +296,9 @@ def cluster_minutes(views: Iterable[NodeView], since_ms: int, until_ms: int) -> 
     return [MinuteBucket(m, requests[m], round(tokens[m])) for m in sorted(requests)]
 
 
-def history(views: Iterable[NodeView], archive: Iterable[MinuteBucket], minutes: int, now_ms: int) -> list[MinuteBucket]:
+def history(
+    views: Iterable[NodeView], archive: Iterable[MinuteBucket], minutes: int, now_ms: int
+) -> list[MinuteBucket]:
     """Every minute of the last ``minutes`` (the current, partial one last), zeros included.
 
     Each minute is the larger of the live total and the archived one, field by field: a
@@ -324,5 +326,6 @@ def _model_tokens(record: NodeRecord, stage_tokens: float) -> float:
 def _mean_latency(views: list[NodeView]) -> float:
     """Mean step latency of the Ready nodes that have measured one (per node, unweighted:
     the typical stage's step time, not dominated by the busiest node)."""
-    measured = [v.record.counters.avg_latency_ms for v in views if v.state == "Ready" and v.record.counters.avg_latency_ms > 0]
+    latencies = (v.record.counters.avg_latency_ms for v in views if v.state == "Ready")
+    measured = [ms for ms in latencies if ms > 0]
     return round(sum(measured) / len(measured), 2) if measured else 0.0

@@ -69,7 +69,11 @@ class MetricsStore:
         self.path = path
         with _mapped():
             self._db = Database(path)
-            self._migrate()
+            try:
+                self._migrate()
+            except BaseException:
+                self._db.close()
+                raise
 
     @classmethod
     def in_dir(cls, data_dir: Path) -> MetricsStore:
@@ -97,7 +101,9 @@ class MetricsStore:
                  "avg_latency_ms": float, "throughput_tps": float},
                 pk="id", if_not_exists=True,
             )  # fmt: skip
-            self._db.table("model_requests").create({"model_id": str, "requests": int}, pk="model_id", if_not_exists=True)
+            self._db.table("model_requests").create(
+                {"model_id": str, "requests": int}, pk="model_id", if_not_exists=True
+            )
             self._db.table("own_minutes").create(minute, pk="ts_ms", if_not_exists=True)
             self._db.table("cluster_minutes").create(minute, pk="ts_ms", if_not_exists=True)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -112,7 +118,9 @@ class MetricsStore:
             minutes = tuple(_bucket(r) for r in self._db.table("own_minutes").rows_where(order_by="ts_ms"))
         if totals is None:
             return RecorderState(requests_by_model=by_model, buckets=minutes)
-        counters = Counters(totals["tokens_total"], totals["requests_served"], totals["errors"], totals["avg_latency_ms"])
+        counters = Counters(
+            totals["tokens_total"], totals["requests_served"], totals["errors"], totals["avg_latency_ms"]
+        )
         return RecorderState(counters, totals["throughput_tps"], by_model, minutes)
 
     def save(self, state: RecorderState) -> None:
@@ -136,7 +144,7 @@ class MetricsStore:
         """Merge cluster minute totals, keeping the larger value of each field, and forget
         minutes older than :data:`HISTORY_MAX_MINUTES`."""
         rows = [(b.ts_ms, b.requests, b.tokens) for b in minutes]
-        horizon = minute_of(now_ms) - HISTORY_MAX_MINUTES * MINUTE_MS
+        horizon = minute_of(now_ms) - (HISTORY_MAX_MINUTES - 1) * MINUTE_MS  # the longest history's first minute
         with _mapped(), self._db.atomic():
             # Raw SQL: sqlite-utils' upsert overwrites, and the merge rule is max.
             self._db.conn.executemany(
@@ -151,7 +159,9 @@ class MetricsStore:
         """Archived minutes in ``[since_ms, until_ms)``, oldest first (implements
         ``inclavate.metrics.MinuteArchive``)."""
         with _mapped():
-            rows = self._db.table("cluster_minutes").rows_where("ts_ms >= ? AND ts_ms < ?", [since_ms, until_ms], order_by="ts_ms")
+            rows = self._db.table("cluster_minutes").rows_where(
+                "ts_ms >= ? AND ts_ms < ?", [since_ms, until_ms], order_by="ts_ms"
+            )
             return [_bucket(r) for r in rows]
 
 

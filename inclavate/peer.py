@@ -29,7 +29,9 @@ from api.limits import RequestLimits
 from inclavate import __version__, hardware
 from inclavate.catalog import Catalog, ModelSpec
 from inclavate.errors import ConfigError, InclavateError
-from inclavate.gguf_meta import read_metadata
+from inclavate.gguf_meta import GgufMetadata, read_metadata
+from inclavate.metrics import MetricsRecorder
+from inclavate.metrics_store import MetricsStore, run_metrics
 from inclavate.peer_config import PeerConfig, capacity
 from inclavate.pipeline import Pipeline
 from inclavate.store import ModelStore
@@ -49,7 +51,7 @@ from p2p.latency import LatencyMonitor
 from p2p.admin import AdminCommand, AdminRefused, AdminService
 from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
-from p2p.records import Counters, NodeRecord
+from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, choose_route
 from p2p.vocab import fetch_vocab, serve_vocab
@@ -88,6 +90,8 @@ class Peer:
         self._nursery: trio.Nursery | None = None
         self._stage_scope: trio.CancelScope | None = None
         self._reload = trio.Lock()
+        self.metrics_store: MetricsStore | None = None
+        self.metrics = MetricsRecorder()
 
     # ------------------------------------------------------------------ run
 
@@ -100,11 +104,22 @@ class Peer:
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = load_or_create_identity(cfg.data_dir)
+        self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
+        self.metrics = MetricsRecorder(state=self.metrics_store.load())
         catalog = Catalog.load(cfg.home)
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
         self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
         meta = read_metadata(self._model_path)
+        try:
+            await self._serve(meta, task_status)
+        finally:
+            self.metrics_store.close()  # after run_metrics' last save: its task has ended
+
+    async def _serve(self, meta: GgufMetadata, task_status: trio.TaskStatus[Peer]) -> None:
+        cfg = self.config
+        assert self.identity is not None and self._spec is not None
+        spec = self._spec
         async with open_host(self.identity, listen_port=cfg.p2p_port, listen_host=cfg.p2p_host, enable_mdns=cfg.mdns) as host:
             self.host = host
             with trio.CancelScope() as self._cancel:
@@ -112,6 +127,7 @@ class Peer:
                     self.registry = RegistryService(host, self.identity, cfg.liveness)
                     self.registry.refresh = self._refresh_record
                     await nursery.start(self.registry.run)
+                    await nursery.start(run_metrics, self.metrics, self.metrics_store, self.views)
                     await nursery.start(run_discovery, host, list(cfg.bootstrap))
                     self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype)
                     await nursery.start(self.forward.run)
@@ -196,7 +212,7 @@ class Peer:
 
     async def _start_stage(self, layers: LayerRange) -> None:
         engine = await trio.to_thread.run_sync(self._load_engine, layers)
-        stage = Stage(engine)
+        stage = Stage(engine, on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error)
         assert self._nursery is not None and self.forward is not None
 
         async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -306,16 +322,20 @@ class Peer:
         )  # fmt: skip
 
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:
-        changes: dict = {"uptime_s": int(time.time() - self._started)}
+        m = self.metrics
+        changes: dict = {
+            "uptime_s": int(time.time() - self._started),
+            "counters": m.counters(),
+            "throughput_tps": m.throughput_tps(),
+            "samples": m.samples(),
+            "buckets": m.buckets(now_ms()),
+            "requests_by_model": m.requests_by_model(),
+        }
         if self.stage is not None:
-            stats = self.stage.stats
-            memory = self.stage.engine.memory()
             changes.update(
-                counters=Counters(tokens_total=stats.tokens, requests_served=stats.batches, errors=stats.errors,
-                                  avg_latency_ms=round(stats.step_ms_per_layer * len(record.layers), 3)),
-                step_ms_per_layer=round(stats.step_ms_per_layer, 4),
-                vram_mb=memory.total_mb,
-            )  # fmt: skip
+                step_ms_per_layer=round(self.stage.stats.step_ms_per_layer, 4),
+                vram_mb=self.stage.engine.memory().total_mb,
+            )
         return record.replace(**changes)
 
     # ------------------------------------------------------- PeerContext API
@@ -337,6 +357,10 @@ class Peer:
             return None
         info = self.stage.engine.info
         return NodeId(self.peer_id), info.model_id, info.layers
+
+    def metrics_archive(self) -> MetricsStore:
+        assert self.metrics_store is not None
+        return self.metrics_store
 
     def open_sessions(self) -> dict[str, int]:
         return {
@@ -440,6 +464,7 @@ class Peer:
         me = PeerId(self.peer_id)
         views = [v for v in self.views() if v.record.model_id == model_id]
         choose_route(views, ModelId(model_id), me)  # raises NoRoute (503) before any work
+        self.metrics.record_request(model_id)
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             def route_for() -> list:

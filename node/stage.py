@@ -80,8 +80,13 @@ class Stage:
         queue_size: int = 256,
         session_idle_s: float = 600.0,
         admission_timeout_s: float = 60.0,
+        on_batch: Callable[[int, float], None] | None = None,
+        on_error: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_batch = on_batch
+        """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
+        self.on_error = on_error
         self.admission_timeout_s = admission_timeout_s
         self.max_batch_tokens = max_batch_tokens
         self.session_idle_s = session_idle_s
@@ -174,13 +179,18 @@ class Stage:
         elapsed = time.monotonic() - started
         computed = [j for j, r in zip(batch, results) if r.error is None]
         if computed:
-            self.stats.record(sum(j.item.n_tokens for j in computed if j.item), elapsed, len(self.engine.info.layers))
+            tokens = sum(j.item.n_tokens for j in computed if j.item)
+            self.stats.record(tokens, elapsed, len(self.engine.info.layers))
+            if self.on_batch is not None:
+                self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()
         for job, result in zip(batch, results):
             if result.error is None:
                 self._last_used[job.session_id] = now
             else:
                 self.stats.errors += 1
+                if self.on_error is not None:
+                    self.on_error()
             await job.deliver(result)
 
     def _compute(self, batch: list[Job]) -> list[StageResult]:

@@ -79,6 +79,14 @@ class LocalContext:
     def pipeline(self, model_id: str) -> LocalPipeline:
         return self.local_pipeline
 
+    def metrics_archive(self) -> _NoArchive:
+        return _NoArchive()
+
+
+class _NoArchive:
+    def archived_minutes(self, since_ms: int, until_ms: int) -> list:
+        return []
+
 
 def _n_layers(path: Path) -> int:
     from inclavate.gguf_meta import read_metadata

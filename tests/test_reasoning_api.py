@@ -5,6 +5,7 @@ opens <think> and offers no control)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -18,26 +19,28 @@ pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
-@pytest.fixture
-async def native(smollm2, tmp_path: Path) -> AsyncIterator[str]:
-    path = write_random_gguf(tmp_path / "n.gguf", "llama", tokenizer_from=smollm2.path, chat_template=load("native_effort"), seed=3)
-    ctx = LocalContext("reason:native", path, tmp_path / "slices")
+@asynccontextmanager
+async def _served(model_id: str, template: str, seed: int, smollm2, tmp_path: Path) -> AsyncIterator[str]:
+    """A random-weight model with ``template`` as its chat template, served in-process."""
+    path = write_random_gguf(tmp_path / f"{seed}.gguf", "llama", tokenizer_from=smollm2.path, chat_template=load(template), seed=seed)
+    ctx = LocalContext(model_id, path, tmp_path / "slices")
     try:
         async with serve(ctx) as url:
             yield url
     finally:
         ctx.close()
+
+
+@pytest.fixture
+async def native(smollm2, tmp_path: Path) -> AsyncIterator[str]:
+    async with _served("reason:native", "native_effort", 3, smollm2, tmp_path) as url:
+        yield url
 
 
 @pytest.fixture
 async def budget(smollm2, tmp_path: Path) -> AsyncIterator[str]:
-    path = write_random_gguf(tmp_path / "b.gguf", "llama", tokenizer_from=smollm2.path, chat_template=load("budget_r1"), seed=4)
-    ctx = LocalContext("reason:budget", path, tmp_path / "slices")
-    try:
-        async with serve(ctx) as url:
-            yield url
-    finally:
-        ctx.close()
+    async with _served("reason:budget", "budget_r1", 4, smollm2, tmp_path) as url:
+        yield url
 
 
 async def post(url: str, path: str = "/v1/chat/completions", **body) -> httpx.Response:

@@ -201,3 +201,46 @@ def test_force_deregister_removes_a_node_everywhere(swarm) -> None:
     time.sleep(3)  # d keeps heartbeating (it was not told); the others keep ignoring it
     assert all(node(p, d_id) is None for p in others)
     assert chat(peers["c"])
+
+
+def test_metrics_count_real_traffic_the_same_on_every_peer_and_survive_a_restart(swarm) -> None:
+    s, peers = swarm
+    for _ in range(3):
+        chat(peers["a"])
+    live = [peers[n] for n in ("a", "b", "c")]
+
+    def summaries() -> list[dict]:
+        return [p.get("/metrics/summary") for p in live]
+
+    s.wait(lambda: len({json_key(x) for x in summaries()}) == 1 and summaries()[0]["total_requests"] >= 3, 10,
+           "the same summary on every peer")  # fmt: skip
+    summary = summaries()[0]
+    assert {"total_nodes", "ready_nodes", "total_tokens", "total_requests", "avg_latency_ms"} <= summary.keys()
+    assert summary["total_tokens"] > 0
+    model = peers["b"].get(f"/metrics/model/{MODEL}")
+    assert model["model_id"] == MODEL and model["requests"] >= 3 and model["tokens"] > 0
+    assert request_json("GET", peers["b"].url + "/metrics/model/no:such")[0] == 404
+    history = peers["c"].get("/metrics/history?minutes=5")["buckets"]
+    assert len(history) == 5 and sum(b["requests"] for b in history) >= 3
+    assert request_json("GET", peers["c"].url + "/metrics/history?minutes=zero")[0] == 400
+    ranks = peers["a"].get("/nodes/rankings")["rankings"]
+    assert sorted(r["rank"] for r in ranks) == list(range(1, len(ranks) + 1))
+    assert all(0 <= r["score"] <= 1 for r in ranks)
+
+    # Counters live in SQLite under the data directory: a restarted peer keeps them.
+    a_id = peers["a"].get("/health")["peer_id"]
+    served = node(peers["b"], a_id)["requests_served"]
+    assert served >= 3
+    assert s.stop(peers["a"]) == 0
+    again = s.start("a", "--layers", "0-10", "--admin-token", TOKEN, bootstrap=peers["b"])
+    s.wait_ready(again)
+    assert again.get("/health")["peer_id"] == a_id, "the identity must survive a restart"
+    s.wait(lambda: (n := node(peers["b"], a_id)) and n["state"] == "Ready" and n["requests_served"] >= served, 15,
+           "the restarted peer's counters")  # fmt: skip
+    peers["a"] = again
+
+
+def json_key(obj: object) -> str:
+    import json
+
+    return json.dumps(obj, sort_keys=True)
