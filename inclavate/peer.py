@@ -212,7 +212,8 @@ class Peer:
 
     async def _start_stage(self, layers: LayerRange) -> None:
         engine = await trio.to_thread.run_sync(self._load_engine, layers)
-        stage = Stage(engine, on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error)
+        stage = Stage(engine, on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error,
+                      inline_tokens=self.config.inline_tokens)
         assert self._nursery is not None and self.forward is not None
 
         async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -431,9 +432,14 @@ class Peer:
         return self._chat_models[model_id]
 
     async def _vocab_path(self, model_id: str) -> Path:
-        local = await trio.to_thread.run_sync(self._local_vocab, model_id)
-        if local is not None:
-            return local
+        """Where to read a model's vocabulary: its own file when pulled here (llama.cpp's
+        vocab-only load skips the weights), else a vocab-only copy fetched from a peer."""
+        pulled = self._pulled_path(model_id)
+        if pulled is not None:
+            return pulled
+        cached = self._vocab_cache(model_id)
+        if cached.exists():
+            return cached
         if not self.knows_model(model_id):
             raise UnknownModel(f"model {model_id!r} is not in the registry")
         assert self.host is not None
@@ -443,19 +449,22 @@ class Peer:
     def _vocab_cache(self, model_id: str) -> Path:
         return self.config.data_dir / "vocab" / f"{model_id.replace(':', '@').replace('/', '_')}.gguf"
 
-    def _local_vocab(self, model_id: str) -> Path | None:
-        """A vocab-only GGUF of a model whose weights this peer has, or a fetched one."""
-        cached = self._vocab_cache(model_id)
-        if cached.exists():
-            return cached
+    def _pulled_path(self, model_id: str) -> Path | None:
         store = ModelStore(self.config.home)
         try:
             spec = Catalog.load(self.config.home).get(model_id)
-        except InclavateError:  # unknown here: not ours to serve
+        except InclavateError:  # unknown here
             return None
-        if not store.is_pulled(spec):
-            return None
-        return write_vocab_only(store.path(spec), cached)
+        return store.path(spec) if store.is_pulled(spec) else None
+
+    def _local_vocab(self, model_id: str) -> Path | None:
+        """For ``/inclavate/vocab/1``: a vocab-only GGUF of a model this peer has (written on
+        first request, a few MB), or one it fetched earlier."""
+        cached = self._vocab_cache(model_id)
+        if cached.exists():
+            return cached
+        pulled = self._pulled_path(model_id)
+        return write_vocab_only(pulled, cached) if pulled is not None else None
 
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:

@@ -24,7 +24,7 @@ import trio
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
-from node.errors import EngineError, SessionLimitReached
+from node.errors import DecodeFailed, EngineError, SessionLimitReached
 from node.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,11 @@ class Stage:
         admission_timeout_s: float = 60.0,
         on_batch: Callable[[int, float], None] | None = None,
         on_error: Callable[[], None] | None = None,
+        inline_tokens: int = 0,
     ) -> None:
         self.engine = engine
+        self.inline_tokens = inline_tokens
+        """Batches this small run on the event loop thread instead of a worker thread."""
         self.on_batch = on_batch
         """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
         self.on_error = on_error
@@ -175,7 +178,12 @@ class Stage:
             await batch[0].deliver(StageResult())
             return
         started = time.monotonic()
-        results = await trio.to_thread.run_sync(self._compute, batch)
+        if sum(j.item.n_tokens for j in batch if j.item) <= self.inline_tokens:
+            # A decode step is a few ms of engine time; handing it to a worker thread and
+            # back costs two thread switches on the latency path of every hop.
+            results = self._compute(batch)
+        else:
+            results = await trio.to_thread.run_sync(self._compute, batch)
         elapsed = time.monotonic() - started
         computed = [j for j, r in zip(batch, results) if r.error is None]
         if computed:
@@ -202,6 +210,9 @@ class Stage:
                 return [StageResult(error=exc)]
             # One bad item must not fail its neighbours: retry each alone.
             return [r for job in batch for r in self._compute([job])]
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the batch, not kill the peer
+            log.exception("engine call failed")
+            return [StageResult(error=DecodeFailed(f"engine failure: {exc}"))] * len(batch)
         results = []
         for job, out in zip(batch, outputs):
             token = None

@@ -1,0 +1,98 @@
+"""The stage worker on a real engine: batching, per-session order, waiting for a slot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from inclavate.types import LayerRange, ModelId, SessionId
+from node.engine import BatchItem, EngineConfig
+from node.errors import SessionLimitReached
+from node.llamacpp_engine import LlamaCppEngine
+from node.sampling import SamplingParams
+from node.stage import Job, Stage, StageResult
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture
+def engine(smollm2, slice_cache) -> LlamaCppEngine:
+    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
+                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=2), slice_cache=slice_cache) as e:  # fmt: skip
+        yield e
+
+
+async def run_job(stage: Stage, session: str, start: int, tokens: list[int], sampling=GREEDY) -> StageResult:
+    done: list[StageResult] = []
+    event = trio.Event()
+
+    async def deliver(result: StageResult) -> None:
+        done.append(result)
+        event.set()
+
+    await stage.submit(Job(BatchItem(SessionId(session), start, tokens=np.array(tokens, np.int32)), SessionId(session), deliver, sampling))
+    await event.wait()
+    return done[0]
+
+
+async def test_chunks_of_a_session_run_in_order_and_match_one_prefill(engine) -> None:
+    prompt = [1, 4093, 198, 19556, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    expected = int(np.argmax(engine.forward([BatchItem(SessionId("ref"), 0, tokens=np.array(prompt, np.int32))])[0].logits))
+    engine.close_session(SessionId("ref"))
+    stage = Stage(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        results: list[StageResult] = []
+
+        async def chunk(start: int, part: list[int], sampling) -> None:
+            results.append(await run_job(stage, "s", start, part, sampling))
+
+        # Submitted back to back: the second must wait for the first, in order.
+        async with trio.open_nursery() as inner:
+            inner.start_soon(chunk, 0, prompt[:8], None)
+            await trio.sleep(0)
+            inner.start_soon(chunk, 8, prompt[8:], GREEDY)
+        assert [r.error for r in results] == [None, None]
+        assert results[-1].token == expected
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_new_session_waits_for_a_free_slot_then_runs(engine) -> None:
+    stage = Stage(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for name in ("a", "b"):
+            assert (await run_job(stage, name, 0, [1, 2, 3])).error is None
+        waiting: list[StageResult] = []
+
+        async def third() -> None:
+            waiting.append(await run_job(stage, "c", 0, [1, 2, 3]))
+
+        nursery.start_soon(third)
+        await trio.sleep(0.3)
+        assert waiting == [], "ran without a free slot"
+
+        async def closed(_: StageResult) -> None:
+            pass
+
+        await stage.submit(Job(None, SessionId("a"), closed))
+        with trio.fail_after(5):
+            while not waiting:
+                await trio.sleep(0.05)
+        assert waiting[0].error is None and waiting[0].token is not None
+        nursery.cancel_scope.cancel()
+
+
+async def test_waiting_too_long_for_a_slot_is_a_clear_error(engine) -> None:
+    stage = Stage(engine, admission_timeout_s=0.2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for name in ("a", "b"):
+            await run_job(stage, name, 0, [1, 2])
+        with trio.fail_after(5):
+            result = await run_job(stage, "c", 0, [1, 2])
+        assert isinstance(result.error, SessionLimitReached) and "stayed busy" in str(result.error)
+        nursery.cancel_scope.cancel()
