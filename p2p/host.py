@@ -24,10 +24,7 @@ Choices made on purpose (py-libp2p 0.8.1, measured; see NOTES.md):
 * **GossipSub sized for the swarm** (:class:`GossipConfig`): heartbeat 1 s (library
   default 120 s), spam limit raised, adaptive gossip off (it can stretch the heartbeat to
   30-60 s), and the two 32-slot queues that silently drop messages enlarged (see
-  :class:`_SwarmPubsub`).
-
-Layout note: the pubsub glue (``GossipConfig``, ``_SwarmPubsub``) would read better in
-a module of its own; it lives here until that split is made.
+  :class:`SwarmPubsub`). Both live in :mod:`p2p.pubsub`.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import multiaddr
 import trio
@@ -52,17 +48,7 @@ from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.peer.peerstore import PeerStoreError
-from libp2p.pubsub.gossipsub import (
-    PROTOCOL_ID,
-    PROTOCOL_ID_V11,
-    PROTOCOL_ID_V12,
-    PROTOCOL_ID_V13,
-    PROTOCOL_ID_V14,
-    PROTOCOL_ID_V20,
-    GossipSub,
-)
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -70,11 +56,11 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
-from inclavate.errors import ConfigError
 from inclavate.types import PeerId
 from p2p.errors import DialError, ListenError, P2PError, PublishRejected
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.identity import Identity
+from p2p.pubsub import Broadcast, GossipConfig, GossipMessage, SwarmPubsub, build_gossip
 
 logger = logging.getLogger(__name__)
 
@@ -89,57 +75,6 @@ _INBOUND_CONNECTIONS_PER_LIFETIME = 1_000_000
 _SHUTDOWN_TIMEOUT = 1.0
 # Connection events are tiny; a consumer this far behind is broken, so we drop and log.
 _EVENT_QUEUE_SIZE = 1024
-
-# The GossipSub defaults are sized for this swarm: ~100 peers, each publishing a ~3 KB
-# record every few seconds (2 s, to be safe).
-_SWARM_PEERS = 100
-_RECORD_PERIOD_S = 2.0
-_MARGIN = 4
-
-
-@dataclass(frozen=True)
-class GossipConfig:
-    """GossipSub parameters, chosen for the swarm above rather than left to the library."""
-
-    heartbeat_interval: float = 1.0
-    """Mesh maintenance and IHAVE gossip cadence. The library's 120 s default would leave
-    a new peer outside the mesh (and missing messages) for two minutes."""
-    degree: int = 6
-    degree_low: int = 4
-    degree_high: int = 12
-    max_messages_per_topic_per_second: float = _SWARM_PEERS / _RECORD_PERIOD_S * _MARGIN
-    """Spam limit, per forwarding peer and topic, applied to *forwarding*: above it the
-    library drops messages without a word. One mesh neighbour can relay every record in
-    the swarm to us, so it must pass peers / record period = 100 / 2 s = 50 msg/s;
-    x4 margin for bursts (peers restarting together, gossip catch-up) gives 200."""
-    subscription_queue_size: int = 2048
-    """Messages buffered per subscriber before they are dropped (and counted, and logged).
-    2048 at 50 msg/s is 40 s of a stalled consumer. Replaces the library's 32."""
-    outbound_queue_size: int = 512
-    """RPCs queued per neighbour before the library drops them. The gossip stream shares
-    the TCP connection with bulk hidden-state transfers, so its writer can stall: 512 at
-    50 msg/s rides out ~10 s. Replaces the library's 32."""
-    seen_ttl: int = 120
-    """Seconds a message id is remembered to suppress duplicates; must far exceed how long
-    a message circulates (gossip history is 5 heartbeats = 5 s)."""
-    max_message_size: int = 256 * 1024
-    """Largest payload :meth:`P2PHost.publish` accepts (the wire limit per RPC is 1 MiB)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.degree_low <= self.degree <= self.degree_high:
-            raise ConfigError("gossip degrees must satisfy 0 < low <= degree <= high")
-        if self.heartbeat_interval <= 0 or self.max_messages_per_topic_per_second <= 0:
-            raise ConfigError("gossip heartbeat and spam limit must be positive")
-        if min(self.subscription_queue_size, self.outbound_queue_size, self.seen_ttl) < 1:
-            raise ConfigError("gossip queue sizes and seen_ttl must be positive")
-
-
-class GossipMessage(NamedTuple):
-    """A delivered pubsub message: its signed originator (not the forwarder) and body."""
-
-    from_peer: PeerId
-    data: bytes
-
 
 @dataclass(frozen=True)
 class ConnectionEvent:
@@ -169,44 +104,10 @@ def _parse_peer(peer: str) -> ID:
         raise DialError(f"not a peer id: {peer!r}") from exc
 
 
-class _Broadcast:
-    """Fan-out of events to any number of trio channels that never blocks the producer.
-
-    libp2p calls our hooks inline on its connection path; a blocking send there would
-    stall the swarm, so a full channel drops the event and says so in the log.
-    """
-
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._channels: list[trio.MemorySendChannel[Any]] = []
-        self.dropped = 0
-
-    def open(self, size: int) -> trio.MemoryReceiveChannel[Any]:
-        send, receive = trio.open_memory_channel[Any](size)
-        self._channels.append(send)
-        return receive
-
-    def send(self, item: object) -> None:
-        for channel in list(self._channels):
-            try:
-                channel.send_nowait(item)
-            except trio.WouldBlock:
-                self.dropped += 1
-                logger.warning("%s consumer is full; dropped one (%d so far)", self._what,
-                               self.dropped)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self._channels.remove(channel)  # the consumer closed its end: detach
-
-    def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
-        self._channels.clear()
-
-
 class _ConnectionNotifee(INotifee):
     """Turns libp2p's per-connection callbacks into the per-peer :class:`ConnectionEvent`."""
 
-    def __init__(self, events: _Broadcast) -> None:
+    def __init__(self, events: Broadcast) -> None:
         self._events = events
         self._open: dict[ID, set[int]] = {}  # peer -> ids of its connections we saw open
 
@@ -236,55 +137,6 @@ class _ConnectionNotifee(INotifee):
 
     async def listen_close(self, network: INetwork, maddr: multiaddr.Multiaddr) -> None:
         pass
-
-
-class _SwarmPubsub(Pubsub):
-    """libp2p Pubsub with its two silent 32-slot drops replaced by sized queues.
-
-    * Delivery: the library pushes each message into a 32-slot channel per topic with
-      ``send_nowait`` and drops it when full; a burst of forwarded messages processed in
-      one scheduler batch overflows it before any consumer runs. We override the hook
-      that feeds it (``notify_subscriptions``) to deliver straight into our own channels.
-    * Outbound: each neighbour gets an ``RpcQueue`` of 32 RPCs, dropped when full (logged
-      at debug level only). The library offers no parameter, so the queue's capacity is
-      raised right after it is created (:meth:`_handle_new_peer`); a test pins this.
-    """
-
-    def __init__(self, host: BasicHost, router: GossipSub, config: GossipConfig,
-                 topics: dict[str, _Broadcast]) -> None:
-        super().__init__(host, router, seen_ttl=config.seen_ttl)
-        self._config = config
-        self._topics = topics
-
-    def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
-        message = GossipMessage(_peer_id(ID(publish_message.from_id)), publish_message.data)
-        for topic in publish_message.topicIDs:
-            if topic in self._topics:
-                self._topics[topic].send(message)
-
-    async def _handle_new_peer(self, peer_id: ID) -> None:
-        await super()._handle_new_peer(peer_id)
-        queue = self.peer_queues.get(peer_id)
-        inner = getattr(queue, "_queue", None)
-        if inner is not None and hasattr(inner, "max_size"):
-            inner.max_size = max(inner.max_size, self._config.outbound_queue_size)
-        elif queue is not None:
-            logger.warning("libp2p RpcQueue changed shape; outbound queue left at default")
-
-
-def _build_gossip(host: BasicHost, config: GossipConfig,
-                  topics: dict[str, _Broadcast]) -> tuple[_SwarmPubsub, GossipSub]:
-    router = GossipSub(
-        protocols=[PROTOCOL_ID_V20, PROTOCOL_ID_V14, PROTOCOL_ID_V13, PROTOCOL_ID_V12,
-                   PROTOCOL_ID_V11, PROTOCOL_ID],
-        degree=config.degree,
-        degree_low=config.degree_low,
-        degree_high=config.degree_high,
-        heartbeat_interval=config.heartbeat_interval,  # type: ignore[arg-type]  # int in stubs
-        adaptive_gossip_enabled=False,
-        max_messages_per_topic_per_second=config.max_messages_per_topic_per_second,
-    )
-    return _SwarmPubsub(host, router, config, topics), router
 
 
 def _expand_wildcards(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
@@ -349,9 +201,9 @@ class _InertAutoConnector(AutoConnector):
 class P2PHost:
     """One running peer. Create it with :func:`open_host`; all methods need that context."""
 
-    def __init__(self, identity: Identity, host: BasicHost, pubsub: _SwarmPubsub,
-                 gossip: GossipConfig, topics: dict[str, _Broadcast],
-                 connection_events: _Broadcast, dial_timeout: float) -> None:
+    def __init__(self, identity: Identity, host: BasicHost, pubsub: SwarmPubsub,
+                 gossip: GossipConfig, topics: dict[str, Broadcast],
+                 connection_events: Broadcast, dial_timeout: float) -> None:
         self.identity = identity
         self.peer_id: PeerId = identity.peer_id
         self._host = host
@@ -524,7 +376,7 @@ class P2PHost:
 
         Each call gets its own channel; close it to stop receiving.
         """
-        channel = self._topics.setdefault(topic, _Broadcast(f"topic {topic!r}")).open(
+        channel = self._topics.setdefault(topic, Broadcast(f"topic {topic!r}")).open(
             self._gossip.subscription_queue_size)
         if topic not in self._pubsub.topic_ids:
             await self._pubsub.subscribe(topic)
@@ -623,9 +475,9 @@ async def open_host(
     listen = _listen_multiaddr(listen_host, listen_port)
     _ensure_port_free(listen_host, listen_port)
     libp2p_host = _build_libp2p_host(identity, listen, dial_timeout)
-    topics: dict[str, _Broadcast] = {}
-    pubsub, router = _build_gossip(libp2p_host, gossip, topics)
-    events = _Broadcast("connection events")
+    topics: dict[str, Broadcast] = {}
+    pubsub, router = build_gossip(libp2p_host, gossip, topics)
+    events = Broadcast("connection events")
     libp2p_host.get_network().register_notifee(_ConnectionNotifee(events))
     host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout)
     try:
