@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
-        print("interrupted (a partial download is kept and resumes on the next pull)", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         return 130
 
 
@@ -121,7 +121,12 @@ def _pull(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.model} looks like a file; to use a local GGUF give it a name: "
                           f"inclavate pull {args.model} --as NAME")  # fmt: skip
     spec = catalog.get(args.model)
-    print(_describe(spec, store.pull(spec, progress)))
+    try:
+        result = store.pull(spec, progress)
+    except KeyboardInterrupt:
+        print("interrupted: the partial download is kept and resumes on the next pull", file=sys.stderr)
+        return 130
+    print(_describe(spec, result))
     return 0
 
 

@@ -34,6 +34,7 @@ from inclavate.metrics import MetricsRecorder
 from inclavate.metrics_store import MetricsStore, run_metrics
 from inclavate.peer_config import PeerConfig, capacity
 from inclavate.pipeline import Pipeline
+from inclavate.ports import port_in_use
 from inclavate.store import ModelStore
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from node.gguf_slice import write_vocab_only
@@ -102,6 +103,9 @@ class Peer:
 
     async def run(self, *, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
+        busy = port_in_use(cfg.api_host, cfg.api_port)
+        if busy is not None:
+            raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} (choose another --api-port)")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = load_or_create_identity(cfg.data_dir)
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)

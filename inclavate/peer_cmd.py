@@ -10,7 +10,7 @@ from pathlib import Path
 import trio
 
 from inclavate.config import inclavate_home
-from inclavate.errors import ConfigError
+from inclavate.errors import ConfigError, InclavateError
 from inclavate.peer import Peer
 from inclavate.peer_config import PeerConfig
 from inclavate.tensors import WIRE_DTYPES
@@ -93,15 +93,30 @@ def run_peer_command(args: argparse.Namespace) -> int:
     if logging.getLogger().level > logging.INFO:
         logging.getLogger().setLevel(logging.INFO)  # a long-running service narrates its life
     config = config_from_args(args)
-    if args.legacy:
-        if not args.orchestrator:
-            raise ConfigError("--legacy needs --orchestrator URL (a peer's API address)")
-        from inclavate.legacy_node import run_legacy_until_signal
+    try:
+        if args.legacy:
+            if not args.orchestrator:
+                raise ConfigError("--legacy needs --orchestrator URL (a peer's API address)")
+            from inclavate.legacy_node import run_legacy_until_signal
 
-        trio.run(run_legacy_until_signal, config, args.orchestrator, args.advertise_url)
-    else:
-        trio.run(run_until_signal, config)
+            trio.run(run_legacy_until_signal, config, args.orchestrator, args.advertise_url)
+        else:
+            trio.run(run_until_signal, config)
+    except BaseExceptionGroup as group:
+        # trio wraps even a lone error in a group; a user's mistake (a busy port, an
+        # unknown model) should read as one line, not a traceback.
+        leaves = _leaves(group)
+        if len(leaves) == 1 and isinstance(leaves[0], InclavateError):
+            raise leaves[0] from None
+        raise
     return 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 async def run_until_signal(config: PeerConfig) -> None:

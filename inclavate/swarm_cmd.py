@@ -91,5 +91,7 @@ def _serve_until_interrupted(swarm: LocalSwarm) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    # The peers got the same Ctrl-C and are leaving; a second one must not abandon them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("\nstopping the swarm...", file=sys.stderr)
     return 0

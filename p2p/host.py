@@ -30,7 +30,6 @@ Choices made on purpose (py-libp2p 0.8.1, measured; see NOTES.md):
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 from inclavate.types import PeerId
 from p2p.errors import DialError, ListenError, P2PError, PublishRejected
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
+from inclavate.ports import port_in_use
 from p2p.identity import Identity
 from p2p.pubsub import Broadcast, GossipConfig, GossipMessage, SwarmPubsub, build_gossip
 
@@ -437,23 +437,10 @@ def _listen_multiaddr(listen_host: str, listen_port: int) -> multiaddr.Multiaddr
 
 
 def _ensure_port_free(listen_host: str, listen_port: int) -> None:
-    """Refuse a fixed port that something already listens on.
-
-    libp2p binds its listeners with SO_REUSEPORT (for TCP hole punching), so a second
-    peer started on the same port would *share* it, the kernel splitting incoming
-    connections between the two, instead of failing. A plain bind without SO_REUSEPORT
-    fails if anyone is listening there; that is the check. (A race with a process that
-    binds between this probe and our listen remains; it needs the same mistake twice.)
-    """
-    if listen_port == 0:
-        return
-    family = socket.AF_INET6 if ":" in listen_host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT
-        try:
-            probe.bind((listen_host, listen_port))
-        except OSError as exc:
-            raise ListenError(f"cannot listen on {listen_host}:{listen_port}: {exc}") from exc
+    """Refuse a fixed port in use: with SO_REUSEPORT two peers would share it silently."""
+    error = port_in_use(listen_host, listen_port)
+    if error is not None:
+        raise ListenError(f"cannot listen on {listen_host}:{listen_port}: {error}") from error
 
 
 @asynccontextmanager

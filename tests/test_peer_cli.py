@@ -1,0 +1,40 @@
+"""``inclavate peer`` refuses bad setups with one clear line, before doing any work."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TEST_HOME
+
+
+def peer(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "INCLAVATE_HOME": str(TEST_HOME)}
+    cmd = [sys.executable, "-m", "inclavate", "peer", "--no-mdns", "--data-dir", str(tmp_path / "d"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_a_busy_api_port_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = peer("--model", "smollm2:135m", "--api-port", str(port), tmp_path=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: cannot serve the API")
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_model_is_one_line(tmp_path: Path) -> None:
+    result = peer("--model", "no:such", "--api-port", "0", tmp_path=tmp_path)
+    assert result.returncode == 1 and "error: unknown model 'no:such'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
+    for args in (["--model", "smollm2:135m", "--layers", "5-2"], ["--model", "smollm2:135m", "--legacy"]):
+        result = peer(*args, tmp_path=tmp_path)
+        assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
