@@ -205,9 +205,13 @@ def test_force_deregister_removes_a_node_everywhere(swarm) -> None:
 
 def test_metrics_count_real_traffic_the_same_on_every_peer_and_survive_a_restart(swarm) -> None:
     s, peers = swarm
+    a_id = peers["a"].get("/health")["peer_id"]
+    before = node(peers["a"], a_id)["requests_served"]
     for _ in range(3):
         chat(peers["a"])
     live = [peers[n] for n in ("a", "b", "c")]
+    # Gossip carries a's new count to b within a heartbeat or two.
+    s.wait(lambda: node(peers["b"], a_id)["requests_served"] >= before + 3, 10, "a's requests counted at b")
 
     def summaries() -> list[dict]:
         return [p.get("/metrics/summary") for p in live]
@@ -228,9 +232,8 @@ def test_metrics_count_real_traffic_the_same_on_every_peer_and_survive_a_restart
     assert all(0 <= r["score"] <= 1 for r in ranks)
 
     # Counters live in SQLite under the data directory: a restarted peer keeps them.
-    a_id = peers["a"].get("/health")["peer_id"]
     served = node(peers["b"], a_id)["requests_served"]
-    assert served >= 3
+    assert served >= before + 3
     assert s.stop(peers["a"]) == 0
     again = s.start("a", "--layers", "0-10", "--admin-token", TOKEN, bootstrap=peers["b"])
     s.wait_ready(again)
