@@ -27,7 +27,7 @@ from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
 from inclavate import __version__, hardware
-from inclavate.catalog import Catalog, ModelSpec
+from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.gguf_meta import GgufMetadata, read_metadata
 from inclavate.metrics import MetricsRecorder
@@ -93,6 +93,7 @@ class Peer:
         self._reload = trio.Lock()
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
+        self._catalog_cache: tuple[int, Catalog] | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -110,7 +111,7 @@ class Peer:
         self.identity = load_or_create_identity(cfg.data_dir)
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
         self.metrics = MetricsRecorder(state=self.metrics_store.load())
-        catalog = Catalog.load(cfg.home)
+        catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
         self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
@@ -279,7 +280,7 @@ class Peer:
     def _model_facts(self, model_id: str) -> tuple[int, int] | None:
         """(n_layers, d_model) of a model, from the catalog or the registry."""
         try:
-            spec = Catalog.load(self.config.home).get(model_id)
+            spec = self._catalog().get(model_id)
             return spec.n_layers, spec.d_model
         except InclavateError:
             pass
@@ -355,7 +356,7 @@ class Peer:
         return self.registry.coverage() if self.registry else {}  # type: ignore[return-value]
 
     def catalog(self) -> list[ModelSpec]:
-        return Catalog.load(self.config.home).all()
+        return self._catalog().all()
 
     def local_engine(self) -> tuple[NodeId, ModelId, LayerRange] | None:
         if self.stage is None:
@@ -422,7 +423,7 @@ class Peer:
         await self.legacy.leave(node_id)
 
     def knows_model(self, model_id: str) -> bool:
-        return model_id in Catalog.load(self.config.home) or any(v.record.model_id == model_id for v in self.views())
+        return model_id in self._catalog() or any(v.record.model_id == model_id for v in self.views())
 
     async def chat_model(self, model_id: str) -> ChatModel:
         cached = self._chat_models.get(model_id)
@@ -453,10 +454,19 @@ class Peer:
     def _vocab_cache(self, model_id: str) -> Path:
         return self.config.data_dir / "vocab" / f"{model_id.replace(':', '@').replace('/', '_')}.gguf"
 
+    def _catalog(self) -> Catalog:
+        """The catalog plus overlay, re-read only when the overlay file changed (a request
+        path must not parse TOML on every call, but `inclavate pull --as` must show up)."""
+        overlay = overlay_path(self.config.home)
+        stamp = overlay.stat().st_mtime_ns if overlay.exists() else 0
+        if self._catalog_cache is None or self._catalog_cache[0] != stamp:
+            self._catalog_cache = (stamp, Catalog.load(self.config.home))
+        return self._catalog_cache[1]
+
     def _pulled_path(self, model_id: str) -> Path | None:
         store = ModelStore(self.config.home)
         try:
-            spec = Catalog.load(self.config.home).get(model_id)
+            spec = self._catalog().get(model_id)
         except InclavateError:  # unknown here
             return None
         return store.path(spec) if store.is_pulled(spec) else None
