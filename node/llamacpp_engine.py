@@ -17,7 +17,6 @@ arithmetic (see ``_new_context``).
 
 from __future__ import annotations
 
-import ctypes
 import heapq
 import logging
 import threading

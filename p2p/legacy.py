@@ -15,6 +15,7 @@ any silent peer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -227,7 +228,7 @@ class LegacyNodes:
                 headers = {TOKEN_HEADER: node.token, "content-type": "application/octet-stream"}
                 try:
                     status, body = await trio.to_thread.run_sync(
-                        lambda: request_bytes("POST", url, wire.encode(msg), 60.0, headers)
+                        functools.partial(request_bytes, "POST", url, wire.encode(msg), 60.0, headers)
                     )
                 except OSError as exc:
                     await self._fail(msg, f"legacy node {node.record.node_id} is unreachable: {exc}")

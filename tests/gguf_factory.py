@@ -34,7 +34,6 @@ Choices worth knowing when a test leans on them:
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass

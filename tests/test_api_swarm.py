@@ -10,8 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import threading
-import time
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
