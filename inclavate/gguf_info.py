@@ -2,8 +2,9 @@
 
 Placement cuts a model into layer ranges, so it needs the block count and the hidden size
 (what crosses the wire between ranges); a user registering a local file should not have to
-type them. ``gguf.GGUFReader`` memory-maps the file and parses only the header and tensor
-index, so reading these facts from a multi-gigabyte model costs milliseconds, not a read.
+type them. They come from :mod:`inclavate.gguf_meta`, which walks only the header and
+tensor index: milliseconds even for a multi-gigabyte model (``gguf.GGUFReader`` takes seconds
+on a 49k-token vocabulary).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import gguf
 
 from inclavate.errors import InclavateError
+from inclavate.gguf_meta import GgufFormatError, GgufMetadata, read_metadata
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -43,37 +45,35 @@ class GgufInfo:
 def read_gguf_info(path: Path) -> GgufInfo:
     """Read arch, block count, hidden size, quantisation and template presence from ``path``."""
     try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        # GGUFReader reports a bad magic or truncated header as ValueError.
+        meta = read_metadata(path)
+    except GgufFormatError as exc:
         raise InvalidGguf(path, str(exc)) from exc
-    arch = _field(reader, path, "general.architecture")
+    arch = _value(meta, path, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise InvalidGguf(path, "general.architecture is not a non-empty string")
     return GgufInfo(
         arch=arch,
-        n_layers=_positive_int(reader, path, f"{arch}.block_count"),
-        d_model=_positive_int(reader, path, f"{arch}.embedding_length"),
-        quant_type=_quant_type(reader),
-        has_chat_template=reader.get_field(CHAT_TEMPLATE_KEY) is not None,
+        n_layers=_positive_int(meta, path, f"{arch}.block_count"),
+        d_model=_positive_int(meta, path, f"{arch}.embedding_length"),
+        quant_type=_quant_type(meta),
+        has_chat_template=CHAT_TEMPLATE_KEY in meta.values,
     )
 
 
-def _field(reader: gguf.GGUFReader, path: Path, key: str) -> Any:
-    field = reader.get_field(key)
-    if field is None:
+def _value(meta: GgufMetadata, path: Path, key: str) -> Any:
+    if key not in meta.values:
         raise InvalidGguf(path, f"missing metadata key {key!r}")
-    return field.contents()
+    return meta.values[key]
 
 
-def _positive_int(reader: gguf.GGUFReader, path: Path, key: str) -> int:
-    value = _field(reader, path, key)
+def _positive_int(meta: GgufMetadata, path: Path, key: str) -> int:
+    value = _value(meta, path, key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidGguf(path, f"{key} is {value!r}, expected a positive integer")
     return value
 
 
-def _quant_type(reader: gguf.GGUFReader) -> str:
+def _quant_type(meta: GgufMetadata) -> str:
     """The file type's conventional name (Q4_K_M, F16, ...), else the dominant block type.
 
     ``general.file_type`` is what llama.cpp's quantizer wrote and carries the mix name
@@ -82,19 +82,23 @@ def _quant_type(reader: gguf.GGUFReader) -> str:
     is the best description (counting elements, not tensors, so a few large FFN matrices
     outweigh many small norms).
     """
-    field = reader.get_field("general.file_type")
-    if field is not None:
+    raw = meta.values.get("general.file_type")
+    if raw is not None:
         try:
-            file_type = gguf.LlamaFileType(int(field.contents()))
+            file_type = gguf.LlamaFileType(int(raw))
         except (TypeError, ValueError):
             file_type = None
         if file_type is not None and file_type is not gguf.LlamaFileType.GUESSED:
             return file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
     elements: Counter[str] = Counter()
-    for tensor in reader.tensors:
+    for name, tensor in meta.tensors.items():
         # 1-D tensors (norms, biases) stay F32 in every quantisation: they say nothing.
-        if tensor.name.startswith("blk.") and len(tensor.shape) >= 2:
-            elements[tensor.tensor_type.name] += int(tensor.n_elements)
+        if name.startswith("blk.") and len(tensor.dims) >= 2:
+            try:
+                kind = gguf.GGMLQuantizationType(tensor.ggml_type).name
+            except ValueError:
+                kind = f"type{tensor.ggml_type}"
+            elements[kind] += tensor.n_elements
     if not elements:
         return "unknown"
     return elements.most_common(1)[0][0]

@@ -39,17 +39,37 @@ class ArrayInfo:
 
 
 @dataclass(frozen=True)
+class TensorInfo:
+    ggml_type: int
+    dims: tuple[int, ...]
+    nbytes: int
+    """0 for a type this gguf release does not know."""
+
+    @property
+    def n_elements(self) -> int:
+        count = 1
+        for d in self.dims:
+            count *= d
+        return count
+
+
+@dataclass(frozen=True)
 class GgufMetadata:
     version: int
     tensor_count: int
     values: dict[str, Any]
     """Scalars and strings as Python values; arrays as :class:`ArrayInfo`."""
-    tensor_bytes: dict[str, int]
-    """Size of every tensor's data, by name (what a range of layers costs in memory)."""
+    tensors: dict[str, TensorInfo]
+    """Every tensor's type, shape and data size, by name."""
+
+    @property
+    def tensor_bytes(self) -> dict[str, int]:
+        """Size of every tensor's data (what a range of layers costs in memory)."""
+        return {name: t.nbytes for name, t in self.tensors.items()}
 
     def layer_bytes(self, layer: int) -> int:
         prefix = f"blk.{layer}."
-        return sum(n for name, n in self.tensor_bytes.items() if name.startswith(prefix))
+        return sum(t.nbytes for name, t in self.tensors.items() if name.startswith(prefix))
 
     @property
     def arch(self) -> str:
@@ -80,14 +100,14 @@ def read_metadata(path: Path) -> GgufMetadata:
                 key = _read_string(f)
                 (vtype,) = struct.unpack("<I", _read(f, 4))
                 values[key] = _read_value(f, vtype)
-            sizes = {}
+            tensors = {}
             for _ in range(tensor_count):
                 name = _read_string(f)
                 (n_dims,) = struct.unpack("<I", _read(f, 4))
                 dims = struct.unpack(f"<{n_dims}Q", _read(f, 8 * n_dims))
                 ggml_type, _offset = struct.unpack("<IQ", _read(f, 12))
-                sizes[name] = _nbytes(dims, ggml_type)
-            return GgufMetadata(version, tensor_count, values, sizes)
+                tensors[name] = TensorInfo(ggml_type, dims, _nbytes(dims, ggml_type))
+            return GgufMetadata(version, tensor_count, values, tensors)
     except (OSError, struct.error, UnicodeDecodeError) as exc:
         raise GgufFormatError(f"cannot read GGUF metadata from {path}: {exc}") from exc
 
