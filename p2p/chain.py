@@ -13,13 +13,14 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import trio
 
 from inclavate.types import ModelId, SessionId
 from node.sampling import SamplingParams
 from p2p import wire
 from p2p.errors import P2PError
-from p2p.forward import ForwardService, token_array
+from p2p.forward import ForwardService
 from p2p.routing import Hop
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class SwarmPipeline:
             raise session.failed
         req = next(_request_ids)
         msg = wire.Forward(
-            req, session_id, start_pos, tuple(session.route), self.service.me, sampling, tokens=token_array(list(tokens))
+            req, session_id, start_pos, tuple(session.route), self.service.me, sampling, tokens=np.asarray(tokens, dtype=np.int32)
         )
         await self.service.send(session.route[0].peer_id, msg)
         if sampling is None:

@@ -19,7 +19,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import trio
 
 from inclavate import tensors
@@ -244,7 +243,3 @@ class ForwardService:
         inbox = self._inboxes.pop(session_id, None)
         if inbox is not None:
             inbox.close()
-
-
-def token_array(tokens: list[int]) -> np.ndarray:
-    return np.asarray(tokens, dtype=np.int32)

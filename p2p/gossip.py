@@ -99,8 +99,8 @@ class RegistryService:
 
     def remember(self, record: NodeRecord) -> NodeRecord:
         """Update one of our records for the next heartbeat, without publishing now."""
-        self._own[record.node_id] = record.replace(seq=self._own[record.node_id].seq) if record.node_id in self._own else record
-        return self._own[record.node_id]
+        self._own[record.node_id] = record
+        return record
 
     async def withdraw(self, node_id: NodeId) -> None:
         """Publish a relayed node's departure and stop vouching for it."""
