@@ -17,10 +17,20 @@ from quart import Response, jsonify
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
+from api import (
+    routes_admin,
+    routes_artifacts,
+    routes_chat,
+    routes_files,
+    routes_metrics,
+    routes_models,
+    routes_nodes,
+    routes_system,
+)
 from api.context import PeerContext
 from api.errors import error_response_parts
 from api.sessions import ActiveSessions
+from api.uploads import install_request_class
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,8 @@ INSTALLERS: list[Installer] = [
     routes_nodes.install,
     routes_chat.install,
     routes_admin.install,
+    routes_artifacts.install,
+    routes_files.install,
 ]
 
 
@@ -40,6 +52,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None) -> Q
     app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
+    install_request_class(app)  # upload routes raise their own body ceilings
     for install in INSTALLERS:
         install(app, ctx)
 

@@ -160,6 +160,16 @@ def _register_lower_layers() -> None:
     from api.chat_template import TemplateError
     from api.generation import PromptTooLong
     from api.reasoning import ReasoningRequestError
+    from inclavate.artifact_types import (
+        ArtifactNotFound,
+        ArtifactNotReady,
+        ArtifactTooLarge,
+        ArtifactUnavailable,
+        BadArtifactRequest,
+        QuotaExceeded,
+    )
+    from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+    from inclavate.owner_ids import MalformedId
     from inclavate.metrics_store import MetricsStoreError
     from inclavate.store import StoreError
     from node.errors import ContextFull, EngineError, InvalidBatch
@@ -188,6 +198,15 @@ def _register_lower_layers() -> None:
         (EngineError, 503),
         (StoreError, 503),
         (MetricsStoreError, 503),
+        (MalformedId, 400),  # artifacts (inclavate/artifact_types.py draws their tree)
+        (BadArtifactRequest, 400),
+        (RangeMalformed, 400),
+        (ArtifactNotFound, 404),
+        (ArtifactNotReady, 409),
+        (ArtifactTooLarge, 413),
+        (RangeNotSatisfiable, 416),
+        (QuotaExceeded, 507),
+        (ArtifactUnavailable, 503),
         (P2PError, 503),
     ]:
         register(exc_type, status)

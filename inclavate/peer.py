@@ -17,6 +17,7 @@ and free their KV cache), and leave.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
 from inclavate import __version__, hardware
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_types import ArtifactConfig
+from inclavate.artifacts import ArtifactStore
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.gguf_meta import GgufMetadata, read_metadata
@@ -50,6 +54,7 @@ from p2p.host import P2PHost, open_host
 from p2p.identity import Identity, load_or_create_identity
 from p2p.latency import LatencyMonitor
 from p2p.admin import AdminCommand, AdminRefused, AdminService
+from p2p.artifacts import RemoteArtifacts, serve_artifacts
 from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
 from p2p.records import NodeRecord, now_ms
@@ -94,6 +99,8 @@ class Peer:
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
         self._catalog_cache: tuple[int, Catalog] | None = None
+        self.artifact_store: ArtifactStore | None = None
+        self._artifacts: SwarmArtifacts | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -111,15 +118,19 @@ class Peer:
         self.identity = load_or_create_identity(cfg.data_dir)
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
         self.metrics = MetricsRecorder(state=self.metrics_store.load())
+        artifact_config = ArtifactConfig.from_env(os.environ)  # DPPAN_ARTIFACT_*: a bad value stops us here
         catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
         self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
         meta = read_metadata(self._model_path)
+        # Opened, and what a crash left cleaned up, before anything is served.
+        self.artifact_store = ArtifactStore(cfg.data_dir, self.peer_id, artifact_config)
         try:
             await self._serve(meta, task_status)
         finally:
             self.metrics_store.close()  # after run_metrics' last save: its task has ended
+            self.artifact_store.close()
 
     async def _serve(self, meta: GgufMetadata, task_status: trio.TaskStatus[Peer]) -> None:
         cfg = self.config
@@ -144,6 +155,12 @@ class Peer:
                     await nursery.start(self.legacy.run)
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
                     self.admin_service.start()
+                    assert self.artifact_store is not None
+                    serve_artifacts(host, self.artifact_store)
+                    self._artifacts = SwarmArtifacts(
+                        self.artifact_store, RemoteArtifacts(host), self._registry_peers, self._live_peers
+                    )
+                    await nursery.start(self.artifact_store.run_sweeper)
                     self._nursery = nursery
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
@@ -363,6 +380,18 @@ class Peer:
             return None
         info = self.stage.engine.info
         return NodeId(self.peer_id), info.model_id, info.layers
+
+    def artifacts(self) -> SwarmArtifacts:
+        if self._artifacts is None:
+            raise ServiceUnavailable("artifact storage is not open yet on this peer")
+        return self._artifacts
+
+    def _registry_peers(self) -> list[str]:
+        """Every libp2p peer the registry names (owners of ids, even if now Dead)."""
+        return sorted({v.record.peer_id for v in self.views()})
+
+    def _live_peers(self) -> list[str]:
+        return sorted({v.record.peer_id for v in self.views() if v.state != "Dead"})
 
     def metrics_archive(self) -> MetricsStore:
         assert self.metrics_store is not None
