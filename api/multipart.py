@@ -13,19 +13,18 @@ memory (the store writes it to disk as it comes). Bounds, since every byte is ho
 
 Usage::
 
-    reader = MultipartReader(request.body, request.headers.get("Content-Type"))
-    async for part in reader.parts():
+    async for part in MultipartReader(body_chunks, request.headers.get("Content-Type")):
         if part.filename is None:
             value = await part.text()
         else:
-            async for chunk in part.chunks(): ...
+            async for chunk in part: ...
 
 A part must be consumed (or skipped with :meth:`Part.drain`) before the next is asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -57,6 +56,8 @@ def boundary_of(content_type: str | None) -> bytes:
 
 @dataclass
 class Part:
+    """One part; iterate it (``async for chunk in part``) for its bytes as they are decoded."""
+
     name: str
     filename: str | None
     """Set for file parts (may be empty); None for text fields."""
@@ -64,18 +65,21 @@ class Part:
     _reader: MultipartReader = field(repr=False)
     _done: bool = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """This part's bytes as they are decoded."""
+    def __aiter__(self) -> Part:
+        return self
+
+    async def __anext__(self) -> bytes:
         while not self._done:
             data, more = await self._reader._next_data()
             self._done = not more
             if data:
-                yield data
+                return data
+        raise StopAsyncIteration
 
     async def text(self, limit: int = MAX_FIELD_BYTES) -> str:
         """A text field, whole (400 past ``limit`` bytes or if not UTF-8)."""
         value = bytearray()
-        async for chunk in self.chunks():
+        async for chunk in self:
             value += chunk
             if len(value) > limit:
                 raise MultipartError(f"form field {self.name!r} is longer than {limit} bytes")
@@ -85,29 +89,34 @@ class Part:
             raise MultipartError(f"form field {self.name!r} is not UTF-8 text") from None
 
     async def drain(self) -> None:
-        async for _ in self.chunks():
+        async for _ in self:
             pass
 
 
 class MultipartReader:
+    """The parts of a body, in order (``async for part in reader``)."""
+
     def __init__(self, body: AsyncIterable[bytes], content_type: str | None) -> None:
         self._decoder = MultipartDecoder(boundary_of(content_type), max_parts=MAX_PARTS)
         self._body = body.__aiter__()
         self._pending = memoryview(b"")
         self._ended = False
+        self._current: Part | None = None
 
-    async def parts(self) -> AsyncIterator[Part]:
-        current: Part | None = None
+    def __aiter__(self) -> MultipartReader:
+        return self
+
+    async def __anext__(self) -> Part:
+        if self._current is not None and not self._current._done:
+            await self._current.drain()
         while True:
-            if current is not None and not current._done:
-                await current.drain()
             event = await self._next_event()
             if isinstance(event, Epilogue):
-                return
+                raise StopAsyncIteration
             if isinstance(event, File | Field):
                 filename = event.filename if isinstance(event, File) else None
-                current = Part(event.name or "", filename, event.headers.get("Content-Type"), self)
-                yield current
+                self._current = Part(event.name or "", filename, event.headers.get("Content-Type"), self)
+                return self._current
             # Preamble: nothing to do.
 
     async def _next_data(self) -> tuple[bytes, bool]:

@@ -13,7 +13,7 @@ from quart_trio import QuartTrio
 from api.context import PeerContext
 from api.downloads import download_response
 from api.errors import BadRequest, error_response_parts
-from api.uploads import request_chunks, set_body_limit
+from api.uploads import RequestChunks, set_body_limit
 from inclavate.artifact_types import (
     KINDS,
     LIST_DEFAULT_LIMIT,
@@ -52,7 +52,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         artifacts = ctx.artifacts()
         media_type = media_type_of(request.headers.get("Content-Type"))
         meta = await artifacts.store.create(
-            request_chunks(), media_type=media_type, kind="uploaded", max_bytes=cap, declared_size=request.content_length
+            RequestChunks(), media_type=media_type, kind="uploaded", max_bytes=cap, declared_size=request.content_length
         )
         return jsonify(meta.to_json()), 201
 

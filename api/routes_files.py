@@ -23,7 +23,7 @@ from api.downloads import download_response
 from api.errors import BadRequest, PayloadTooLarge
 from api.multipart import MultipartError, MultipartReader
 from api.routes_artifacts import range_refused, whole_number
-from api.uploads import request_chunks, set_body_limit
+from api.uploads import RequestChunks, set_body_limit
 from inclavate.artifact_types import MIB, ArtifactMeta, ListQuery, media_type_of, safe_filename
 from inclavate.byte_ranges import RangeNotSatisfiable
 from inclavate.owner_ids import parse_id
@@ -77,11 +77,11 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         length = request.content_length
         if length is not None and length > cap + MULTIPART_OVERHEAD:
             raise PayloadTooLarge(f"a file upload is limited to {cap // MIB} MiB ({cap} bytes)")
-        reader = MultipartReader(request_chunks(), request.headers.get("Content-Type"))
+        reader = MultipartReader(RequestChunks(), request.headers.get("Content-Type"))
         purpose: str | None = None
         writer = None
         try:
-            async for part in reader.parts():
+            async for part in reader:
                 if part.name == "purpose" and part.filename is None and purpose is None:
                     purpose = check_purpose(await part.text())
                 elif part.name == "file" and part.filename is not None and writer is None:
@@ -89,7 +89,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
                         media_type=media_type_of(part.content_type), kind="uploaded", max_bytes=cap,
                         filename=safe_filename(part.filename),
                     )  # fmt: skip
-                    async for chunk in part.chunks():
+                    async for chunk in part:
                         await writer.write(chunk)
                 else:
                     raise MultipartError(f"unexpected form part {part.name[:40]!r} (fields: purpose, file)")

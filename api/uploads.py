@@ -12,7 +12,6 @@ stops Quart from refusing them first, or from buffering past their cap.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import trio
@@ -53,15 +52,18 @@ class UploadTimeout(ApiError):
     status = 408
 
 
-async def request_chunks(idle_timeout: float = UPLOAD_IDLE_TIMEOUT_S) -> AsyncIterator[bytes]:
-    """The request body as it arrives, never buffered whole."""
-    body = request.body.__aiter__()
-    while True:
-        with trio.move_on_after(idle_timeout) as waited:
-            try:
-                chunk = await body.__anext__()
-            except StopAsyncIteration:
-                return
-        if waited.cancelled_caught:
-            raise UploadTimeout(f"no request body bytes for {idle_timeout:g} s; upload abandoned")
-        yield chunk
+class RequestChunks:
+    """The request body as it arrives, never buffered whole (an async iterator; a class
+    rather than a generator so that abandoning it half way leaves nothing to finalize)."""
+
+    def __init__(self, idle_timeout: float = UPLOAD_IDLE_TIMEOUT_S) -> None:
+        self._body = request.body.__aiter__()
+        self._idle_timeout = idle_timeout
+
+    def __aiter__(self) -> RequestChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        with trio.move_on_after(self._idle_timeout):
+            return await self._body.__anext__()
+        raise UploadTimeout(f"no request body bytes for {self._idle_timeout:g} s; upload abandoned")
