@@ -19,7 +19,7 @@ UNKNOWN = "1deaf021-07a3-407c-9d6f-1af47c23db18"
 
 
 async def call(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-    return await trio.to_thread.run_sync(lambda: fn(*args, timeout=30, **kwargs))
+    return await trio.to_thread.run_sync(lambda: fn(*args, timeout=90, **kwargs))
 
 
 async def upload(base: str, data: bytes, content_type: str | None = "audio/wav") -> dict:
