@@ -125,8 +125,12 @@ async def test_listing_order_paging_kind_and_usage(tmp_path: Path) -> None:
         assert [r["id"] for r in only["artifacts"]] == [generated]
         typo = (await call(httpx.get, f"{base}/v1/artifacts", params={"kind": "generatd"})).json()
         assert len(typo["artifacts"]) == 4  # the spec: an unknown kind lists both
-        for bad in [{"limit": 0}, {"limit": 1001}, {"limit": "ten"}, {"offset": -1}, {"limit": "１"}]:
+        for bad in [{"limit": 0}, {"limit": "ten"}, {"offset": -1}, {"limit": "１"}, {"offset": "1e3"}, {"limit": "9" * 40}]:
             assert (await call(httpx.get, f"{base}/v1/artifacts", params=bad)).status_code == 400, bad
+        capped = await call(httpx.get, f"{base}/v1/artifacts", params={"limit": 5000})  # served as the max, 1000
+        assert capped.status_code == 200 and len(capped.json()["artifacts"]) == 4
+        head = await call(httpx.head, f"{base}/v1/artifacts/{generated}")
+        assert head.status_code == 200 and head.headers["content-length"] == "3" and head.content == b""
         usage = (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()
         assert usage == {"bytes": 9, "objects": 4, "max_bytes": 0, "max_objects": 0,
                          "generated": {"bytes": 3, "objects": 1}, "uploaded": {"bytes": 6, "objects": 3}}  # fmt: skip
