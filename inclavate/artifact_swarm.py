@@ -37,6 +37,7 @@ from inclavate.artifact_types import (
     Usage,
 )
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
+from inclavate.errors import InclavateError
 from inclavate.owner_ids import owner_candidates, owner_tag, parse_id, tag_of
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class SwarmArtifacts:
             with trio.move_on_after(PEER_TIMEOUT_S):
                 try:
                     results.append(await ask(peer))
-                except ArtifactUnavailable as exc:
+                except InclavateError as exc:  # nothing may escape the nursery as a group
                     log.warning("artifact listing: peer %s left out: %s", peer, exc)
                 return
             log.warning("artifact listing: peer %s left out: no answer within %.0f s", peer, PEER_TIMEOUT_S)

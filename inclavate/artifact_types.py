@@ -35,6 +35,8 @@ FILE_MAX_BYTES = 64 * MIB
 """One ``POST /v1/files`` upload."""
 DEFAULT_MEDIA_TYPE = "application/octet-stream"
 MAX_FILENAME_CHARS = 255
+MAX_PURPOSE_CHARS = 64
+MAX_MEDIA_TYPE_CHARS = 255
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
 
@@ -148,12 +150,12 @@ class ArtifactMeta:
         """Rebuild from :meth:`to_record`; strict, since the wire form comes from other peers."""
         try:
             meta = cls(
-                id=_text(row["id"], 36), media_type=_text(row["media_type"], 255),
+                id=_text(row["id"], 36), media_type=_text(row["media_type"], MAX_MEDIA_TYPE_CHARS),
                 size_bytes=_count(row["size_bytes"]), digest=_optional_text(row.get("digest"), 64),
                 state=row["state"], kind=row["kind"], created_at_ms=_count(row["created_at_ms"]),
                 expires_at_ms=_optional_count(row.get("expires_at_ms")),
                 filename=_optional_text(row.get("filename"), MAX_FILENAME_CHARS),
-                purpose=_optional_text(row.get("purpose"), 64), error=_optional_text(row.get("error"), 1000),
+                purpose=_optional_text(row.get("purpose"), MAX_PURPOSE_CHARS), error=_optional_text(row.get("error"), 1000),
             )  # fmt: skip
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not an artifact record: {exc}") from exc

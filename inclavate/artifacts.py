@@ -54,6 +54,9 @@ import trio
 from inclavate.artifact_index import ArtifactIndex
 from inclavate.artifact_types import (
     DEFAULT_MEDIA_TYPE,
+    MAX_FILENAME_CHARS,
+    MAX_MEDIA_TYPE_CHARS,
+    MAX_PURPOSE_CHARS,
     UPLOAD_MAX_BYTES,
     ArtifactConfig,
     ArtifactKind,
@@ -63,6 +66,7 @@ from inclavate.artifact_types import (
     ArtifactPage,
     ArtifactTooLarge,
     ArtifactUnavailable,
+    BadArtifactRequest,
     ListQuery,
     QuotaExceeded,
     Totals,
@@ -158,6 +162,10 @@ class ArtifactStore:
         ``declared_size`` (a Content-Length) over ``max_bytes`` (413) or over the space
         the quota leaves (507), and a store at its object ceiling (507).
         """
+        for name, value, limit in (("media type", media_type, MAX_MEDIA_TYPE_CHARS),
+                                   ("filename", filename, MAX_FILENAME_CHARS), ("purpose", purpose, MAX_PURPOSE_CHARS)):  # fmt: skip
+            if value is not None and len(value) > limit:
+                raise BadArtifactRequest(f"{name} is longer than {limit} characters")
         if declared_size is not None and declared_size > max_bytes:
             raise ArtifactTooLarge(f"{declared_size} bytes is over the {max_bytes}-byte limit of one upload")
         cfg = self.config

@@ -36,6 +36,7 @@ import trio
 
 from inclavate.artifact_types import (
     KINDS,
+    MAX_PURPOSE_CHARS,
     ArtifactError,
     ArtifactMeta,
     ArtifactNotFound,
@@ -200,7 +201,7 @@ def decode_request(raw: bytes) -> dict[str, Any]:
         after = (after[0], parse_id(_str(after[1], 36, "after id")))
     query = ListQuery(
         limit=limit, kind=kind, files_only=body.get("files_only") is True,
-        purpose=None if purpose is None else _str(purpose, 64, "purpose"),
+        purpose=None if purpose is None else _str(purpose, MAX_PURPOSE_CHARS, "purpose"),
         after=after, ascending=body.get("ascending") is True,
     )  # fmt: skip
     return {"op": op, "query": query}
