@@ -39,6 +39,7 @@ uploads cannot together overshoot ``max_bytes``; an object slot is taken at ``be
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -395,7 +396,7 @@ class ArtifactWriter:
         try:
             await trio.to_thread.run_sync(write)
         except OSError as exc:
-            raise ArtifactUnavailable(f"cannot write artifact bytes: {exc.strerror}") from exc
+            raise _storage_error(exc) from exc
 
     async def commit(self, *, purpose: str | None = None) -> ArtifactMeta:
         """Make the artifact ready (durably, see the module docstring) and return it.
@@ -419,7 +420,7 @@ class ArtifactWriter:
         try:
             await trio.to_thread.run_sync(persist)
         except OSError as exc:
-            raise ArtifactUnavailable(f"cannot store artifact bytes: {exc.strerror}") from exc
+            raise _storage_error(exc) from exc
         store, digest = self._store, self._hash.hexdigest()
         ready = ArtifactMeta(**{**self.meta.to_record(), "state": "ready", "size_bytes": self._size, "digest": digest})
         try:
@@ -473,6 +474,14 @@ class ArtifactWriter:
     ) -> None:
         if not self._finished:
             await self.abort(f"{type(exc).__name__}: {exc}" if exc is not None else "the writer closed without commit")
+
+
+def _storage_error(exc: OSError) -> ArtifactUnavailable | QuotaExceeded:
+    """A full disk is the store being full (507), whatever the configured quota says;
+    any other I/O failure is the store being unusable (503)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QuotaExceeded("this peer's disk is full; delete some artifacts first")
+    return ArtifactUnavailable(f"cannot write artifact bytes: {exc.strerror}")
 
 
 def _fsync_dir(path: Path) -> None:
