@@ -39,6 +39,9 @@ MAX_PURPOSE_CHARS = 64
 MAX_MEDIA_TYPE_CHARS = 255
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
+SWARM_LIST_WINDOW = 20_000
+"""The deepest row (offset + limit) a swarm-wide listing reaches: each peer ships its first
+``offset + limit`` rows to the peer that merges them."""
 
 ArtifactKind = Literal["uploaded", "generated"]
 ArtifactState = Literal["pending", "ready", "failed"]
@@ -219,6 +222,16 @@ class Totals:
     def to_json(self) -> dict[str, int]:
         return {"bytes": self.bytes, "objects": self.objects}
 
+    @classmethod
+    def from_json(cls, value: object) -> Totals:
+        """Strict, for what other peers send (ValueError)."""
+        try:
+            if not isinstance(value, dict):
+                raise TypeError("expected an object")
+            return cls(_count(value["bytes"]), _count(value["objects"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a bytes/objects pair: {exc}") from exc
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -242,6 +255,17 @@ class Usage:
         if self.default_ttl_hours is not None:
             body["default_ttl_hours"] = self.default_ttl_hours
         return body
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Usage:
+        """Strict, for what other peers send (ValueError); the TTL is the reader's own."""
+        try:
+            return cls(
+                generated=Totals.from_json(body["generated"]), uploaded=Totals.from_json(body["uploaded"]),
+                max_bytes=_count(body["max_bytes"]), max_objects=_count(body["max_objects"]),
+            )  # fmt: skip
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a usage answer: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -255,18 +255,18 @@ async def test_an_idle_upload_is_dropped_with_408(tmp_path: Path, monkeypatch: p
 async def test_a_full_disk_is_507(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from inclavate import artifacts as artifacts_module
+    from inclavate import artifact_writer
 
     async with serve_store(tmp_path) as (base, _):
-        real_fsync = artifacts_module.os.fsync
+        real_fsync = artifact_writer.os.fsync
 
         def full(fd: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(artifacts_module.os, "fsync", full)
+        monkeypatch.setattr(artifact_writer.os, "fsync", full)
         response = await call(httpx.post, f"{base}/v1/artifacts", content=b"x" * 1000)
         assert response.status_code == 507 and "disk is full" in response.json()["error"]
-        monkeypatch.setattr(artifacts_module.os, "fsync", real_fsync)
+        monkeypatch.setattr(artifact_writer.os, "fsync", real_fsync)
         assert (await call(httpx.get, f"{base}/v1/artifacts")).json()["artifacts"] == []
         assert not any((tmp_path / "artifacts" / "tmp").iterdir())
         assert not any((tmp_path / "artifacts" / "objects").iterdir())
