@@ -213,3 +213,24 @@ async def test_oversized_display_fields_are_refused_at_creation(tmp_path: Path) 
                 await store.create(chunks(b"x"), **fields)  # type: ignore[arg-type]
     finally:
         store.close()
+
+
+async def test_an_owner_serves_a_bounded_number_of_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import p2p.artifacts
+
+    monkeypatch.setattr(p2p.artifacts, "MAX_CONCURRENT", 1)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(os.urandom(6_000_000)))  # more than the stream window
+            held = await b.swarm.open(big.id)
+            await held.chunks.__anext__()  # the owner is now blocked sending the rest
+            with pytest.raises(ArtifactUnavailable, match="busy"):
+                await b.swarm.meta(big.id)
+            await held.chunks.aclose()
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        assert (await b.swarm.meta(big.id)).id == big.id
+                        break
+                    except ArtifactUnavailable:
+                        await trio.sleep(0.05)
