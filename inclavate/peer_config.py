@@ -11,6 +11,7 @@ from inclavate.hardware import available_memory_mb
 from inclavate.tensors import WireDType
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig
+from node.engines import EngineKind
 from p2p.registry import Liveness
 
 MEMORY_SHARE = 0.5
@@ -37,6 +38,8 @@ class PeerConfig:
     admin_token: str | None = None
     admin_peers: tuple[str, ...] = ()
     engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_kind: EngineKind = "llamacpp"
+    """Which engine runs the range (``--engine``, already resolved from "auto")."""
     wire_dtype: WireDType = "f16"
     liveness: Liveness = Liveness()
     settle_s: float = 2.0

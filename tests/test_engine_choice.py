@@ -1,0 +1,56 @@
+"""Choosing the engine (``--engine``), and the engine kind in node records."""
+
+from __future__ import annotations
+
+import pytest
+from registry_helpers import record, signed
+
+from inclavate.errors import ConfigError
+from node import engines
+from p2p.identity import Identity
+from p2p.records import InvalidRecord, NodeRecord, SignedRecord
+
+
+def test_auto_is_mlx_on_apple_silicon_and_llamacpp_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "is_apple_silicon", lambda: False)
+    assert engines.resolve_engine("auto") == "llamacpp"
+    monkeypatch.setattr(engines, "is_apple_silicon", lambda: True)
+    monkeypatch.setattr(engines, "mlx_available", lambda: True)
+    assert engines.resolve_engine("auto") == "mlx"
+    monkeypatch.setattr(engines, "mlx_available", lambda: False)
+    assert engines.resolve_engine("auto") == "llamacpp"
+
+
+def test_explicit_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "mlx_available", lambda: True)
+    assert engines.resolve_engine("llamacpp") == "llamacpp"
+    assert engines.resolve_engine("mlx") == "mlx"
+    with pytest.raises(ConfigError, match="unknown engine 'cuda'"):
+        engines.resolve_engine("cuda")
+
+
+def test_mlx_requested_without_mlx_installed_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "mlx_available", lambda: False)
+    monkeypatch.setattr(engines, "is_apple_silicon", lambda: False)
+    with pytest.raises(ConfigError, match=r"--engine mlx needs the mlx package.*inclavate\[mlx\]"):
+        engines.resolve_engine("mlx")
+
+
+def test_this_test_machine_has_mlx() -> None:
+    """CI must test the MLX engine, not skip it: scripts/setup installs inclavate[mlx]."""
+    assert engines.mlx_available()
+
+
+def test_the_engine_kind_travels_in_the_signed_record() -> None:
+    me = Identity.generate()
+    decoded = SignedRecord.decode(signed(me, 0, 10, engine="mlx").encode())
+    assert decoded.verified() and decoded.record.engine == "mlx"
+    assert record(me, 0, 10).engine == "llamacpp"  # the default, also for older peers' records
+
+
+@pytest.mark.parametrize("bad", ["", "MLX!", "x" * 33, 7, None])
+def test_a_malformed_engine_kind_is_rejected(bad: object) -> None:
+    me = Identity.generate()
+    data = record(me, 0, 10).to_json() | {"engine": bad}
+    with pytest.raises(InvalidRecord):
+        NodeRecord.from_json(data)
