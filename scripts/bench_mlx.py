@@ -37,9 +37,11 @@ PROMPTS = [
 ]
 
 
-def greedy(engines: list[LayerEngine], prompt: list[int], n: int, stop: Callable[[int], bool]) -> list[int]:
-    """Greedy tokens, ending after ``n`` or after the first ``stop`` token (kept)."""
-    sid, tokens, pos, out = SessionId("agree"), np.array(prompt, np.int32), 0, []
+def greedy(
+    engines: list[LayerEngine], prompt: list[int], n: int, stop: Callable[[int], bool]
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and each step's logits, ending after ``n`` or the first ``stop`` token."""
+    sid, tokens, pos, out, logits = SessionId("agree"), np.array(prompt, np.int32), 0, [], []
     try:
         for _ in range(n):
             items = [BatchItem(sid, pos, tokens=tokens)]
@@ -49,6 +51,7 @@ def greedy(engines: list[LayerEngine], prompt: list[int], n: int, stop: Callable
                     break
                 items = [BatchItem(sid, pos, hidden=result.hidden)]
             pos += len(tokens)
+            logits.append(result.logits)
             out.append(int(np.argmax(result.logits)))
             if stop(out[-1]):
                 break
@@ -56,7 +59,7 @@ def greedy(engines: list[LayerEngine], prompt: list[int], n: int, stop: Callable
     finally:
         for engine in engines:
             engine.close_session(sid)
-    return out
+    return out, logits
 
 
 def main_mlx(args: argparse.Namespace) -> int:
@@ -97,12 +100,15 @@ def main_mlx(args: argparse.Namespace) -> int:
     chat = ChatModel.load(ModelId(spec.model_id), path)
     print(f"\nmixed chain {' '.join(f'{k}:{e.info.layers}' for k, e in zip(kinds, mixed))} against "
           f"the whole llama.cpp model, greedy, f32 wire, up to {args.decode_tokens} tokens")  # fmt: skip
+    print("  (at the first disagreement, 'gap' is how far the whole model's own logit for the "
+          "chain's token was below its pick: a small gap is a near tie)")  # fmt: skip
     for question in PROMPTS:
         tokens = list(chat.prepare([{"role": "user", "content": question}]).tokens)
-        expected = greedy(engines["llamacpp"], tokens, args.decode_tokens, chat.tokenizer.is_eog)
-        got = greedy(mixed, tokens, len(expected), chat.tokenizer.is_eog)
+        expected, logits = greedy(engines["llamacpp"], tokens, args.decode_tokens, chat.tokenizer.is_eog)
+        got, _ = greedy(mixed, tokens, len(expected), chat.tokenizer.is_eog)
         same = next((i for i, (x, y) in enumerate(zip(expected, got)) if x != y), len(expected))
-        print(f"  {same:3d}/{len(expected):3d} tokens agree  {question!r}")
+        gap = f"gap {logits[same][expected[same]] - logits[same][got[same]]:.3f}" if same < len(expected) else ""
+        print(f"  {same:3d}/{len(expected):3d} tokens agree {gap:>10}  {question!r}")
     chat.close()
     for e in [*engines["llamacpp"], *engines["mlx"], *mixed]:
         e.close()

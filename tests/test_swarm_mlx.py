@@ -15,10 +15,10 @@ from reference import whole_model_text
 from swarm import Swarm, request_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
-QUESTION = "What is the capital of France?"
-MAX_TOKENS = 16
-AGREEING_PREFIX_CHARS = 20
-"""Measured: the mixed chain's answer to QUESTION equals the whole model's for all 16 tokens."""
+QUESTION = "Explain in two sentences why the sky is blue."
+MAX_TOKENS = 20
+"""Measured in process (bench_engine --engine mlx): the mixed chain's greedy answer to QUESTION
+agrees with the whole llama.cpp model for 25 tokens, then parts at a near tie (0.5 logit)."""
 
 
 def test_a_mixed_engine_chain_answers_a_chat(tmp_path: Path, smollm2, slice_cache) -> None:
@@ -43,5 +43,5 @@ def test_a_mixed_engine_chain_answers_a_chat(tmp_path: Path, smollm2, slice_cach
         text = body["choices"][0]["message"]["content"]
 
     expected = whole_model_text(smollm2, slice_cache, [{"role": "user", "content": QUESTION}], MAX_TOKENS)
-    assert len(expected) >= AGREEING_PREFIX_CHARS
-    assert text[:AGREEING_PREFIX_CHARS] == expected[:AGREEING_PREFIX_CHARS], (text, expected)
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    assert text == expected
