@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import mlx.core as mx
 import numpy as np
 
 from inclavate.gguf_meta import read_metadata
@@ -44,12 +45,6 @@ from node.engine import (
     check_batch,
 )
 from node.errors import DecodeFailed, EngineLoadError
-
-try:
-    import mlx.core as mx
-except ImportError as exc:  # pragma: no cover - node.engines checks first and explains
-    raise ImportError("the MLX engine needs mlx: pip install 'inclavate[mlx]'") from exc
-
 from node.mlx_model import KV, HParams, RangeWeights, Segment
 from node.mlx_weights import GgufTensorReader
 
@@ -112,7 +107,6 @@ class MlxEngine(LayerEngine):
             raise EngineLoadError(f"layer range {layers} exceeds the model's {hp.n_layers} layers")
         reader = GgufTensorReader(path, meta)
         self._weights = RangeWeights.load(hp, reader, layers)
-        mx.eval(self._params())
         self.info = EngineInfo(
             model_id=model_id, layers=layers, n_layers=hp.n_layers, d_model=hp.d_model,
             n_vocab=hp.n_vocab, arch=hp.arch,
@@ -123,12 +117,6 @@ class MlxEngine(LayerEngine):
             "MLX loaded %s layers %s of %d (%s, d_model %d): read %d MB of %s",
             model_id, layers, hp.n_layers, hp.arch, hp.d_model, reader.bytes_read >> 20, path.name,
         )  # fmt: skip
-
-    def _params(self) -> list[object]:
-        w = self._weights
-        out: list[object] = [vars(b) for b in w.blocks]
-        out += [m for m in (w.embed, w.output, w.output_norm) if m is not None]
-        return [_arrays(o) for o in out]
 
     def _on_thread(self, fn: Callable[[], T]) -> T:
         if self._thread is None:
@@ -239,13 +227,3 @@ class MlxEngine(LayerEngine):
         thread.submit(release).result()
         thread.shutdown(wait=True)
 
-
-def _arrays(obj: object) -> list[mx.array]:
-    """Every MLX array inside a weight object (for one ``mx.eval`` of the whole range)."""
-    if isinstance(obj, mx.array):
-        return [obj]
-    if isinstance(obj, dict):
-        return [a for v in obj.values() for a in _arrays(v)]
-    if hasattr(obj, "__dataclass_fields__"):
-        return [a for name in obj.__dataclass_fields__ for a in _arrays(getattr(obj, name))]
-    return []

@@ -154,7 +154,7 @@ class Block:
         attn = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         x = x + self.wo(attn)
         h = mx.fast.rms_norm(x, self.ffn_norm, hp.eps)
-        return x + self.w_down(nn_silu(self.w_gate(h)) * self.w_up(h)), new_caches
+        return x + self.w_down(_silu(self.w_gate(h)) * self.w_up(h)), new_caches
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, cache: KV) -> tuple[mx.array, KV]:
         hp = self.hp
@@ -187,7 +187,7 @@ class Block:
         )
 
 
-def nn_silu(x: mx.array) -> mx.array:
+def _silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
@@ -210,7 +210,9 @@ def rope_frequencies(hp: HParams, reader: GgufTensorReader) -> mx.array | None:
         return None
     factors = reader.vector("rope_freqs.weight")
     exponents = mx.arange(0, hp.rope_dims, 2, dtype=mx.float32) / hp.rope_dims
-    return mx.power(mx.array(hp.rope_base, mx.float32), exponents) * factors
+    freqs = mx.power(mx.array(hp.rope_base, mx.float32), exponents) * factors
+    mx.eval(freqs)
+    return freqs
 
 
 @dataclass

@@ -124,7 +124,9 @@ class GgufTensorReader:
         if qtype == Q.F16:
             return DenseMatrix(mx.array(raw.view(np.float16).reshape(rows, cols)))
         if qtype == Q.BF16:
-            return DenseMatrix(mx.array(_to_float32(raw, info).reshape(rows, cols)).astype(mx.bfloat16))
+            weight = mx.array(_to_float32(raw, info).reshape(rows, cols)).astype(mx.bfloat16)
+            mx.eval(weight)  # now, on the loading thread, not lazily inside the first forward
+            return DenseMatrix(weight)
         return DenseMatrix(mx.array(_to_float32(raw, info).reshape(rows, cols)))
 
 

@@ -1,4 +1,5 @@
-"""A plain Q4_K quantizer (``gguf`` can dequantize Q4_K but not write it), for test models.
+"""Rewriting test GGUFs: a plain Q4_K quantizer (``gguf`` can dequantize Q4_K but not write
+it), and copies with tensors replaced or added.
 
 Not llama.cpp's search for the best scales: per 32-value sub-block, min and range map to a
 6-bit min and scale under the super-block's float16 ``d`` and ``dmin``. Good enough to make
@@ -7,6 +8,7 @@ a random model's Q4_K weights close to its float ones, which is all the tests ne
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -38,8 +40,13 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([header, packed, qs], axis=-1).reshape(rows, -1)
 
 
-def requantize_q4_k(source: Path, dest: Path) -> Path:
-    """Copy a GGUF with every block matrix rewritten as Q4_K (rows must be 256-multiples)."""
+def rewrite_gguf(
+    source: Path,
+    dest: Path,
+    transform: Callable[[gguf.ReaderTensor], tuple[np.ndarray, gguf.GGMLQuantizationType] | None] = lambda t: None,
+    extra: Mapping[str, np.ndarray] = {},
+) -> Path:
+    """Copy a GGUF, replacing the tensors ``transform`` returns (data, type) for and adding ``extra``."""
     reader = gguf.GGUFReader(source)
     arch = str(reader.get_field("general.architecture").contents())
     writer = gguf.GGUFWriter(dest, arch)
@@ -49,13 +56,23 @@ def requantize_q4_k(source: Path, dest: Path) -> Path:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
     for t in reader.tensors:
-        if t.name.startswith("blk.") and len(t.shape) == 2:
-            values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-            writer.add_tensor(t.name, quantize_q4_k(values), raw_dtype=Q4_K)
-        else:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        data, dtype = transform(t) or (t.data, t.tensor_type)
+        writer.add_tensor(t.name, data, raw_dtype=dtype)
+    for name, values in extra.items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return dest
+
+
+def requantize_q4_k(source: Path, dest: Path) -> Path:
+    """Copy a GGUF with every block matrix rewritten as Q4_K (rows must be 256-multiples)."""
+
+    def to_q4_k(t: gguf.ReaderTensor) -> tuple[np.ndarray, gguf.GGMLQuantizationType] | None:
+        if not (t.name.startswith("blk.") and len(t.shape) == 2):
+            return None
+        return quantize_q4_k(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)), Q4_K
+
+    return rewrite_gguf(source, dest, to_q4_k)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf_factory import write_random_gguf
 from numpy_reference import NumpyModel, cosine
-from q4k import requantize_q4_k
+from q4k import requantize_q4_k, rewrite_gguf
 from test_engine_archs import PROMPT, _run
 
 from inclavate.types import LayerRange, ModelId, SessionId
@@ -82,6 +82,22 @@ def test_q4_k_weights_are_repacked_exactly(smollm2, tmp_path: Path) -> None:
         assert whole[0].memory().weights_bytes < block_params * 2 + 49152 * 256 * 2 + 2**20
     finally:
         _close(whole + parts)
+
+
+def test_llama3_rope_frequency_factors_match_llamacpp(smollm2, tmp_path: Path) -> None:
+    """Llama 3.1+ files carry ``rope_freqs`` (per-pair divisors of the rotary frequencies)."""
+    source = write_random_gguf(tmp_path / "l.gguf", "llama", tokenizer_from=smollm2.path, seed=11)
+    factors = np.linspace(1.0, 8.0, 64 // 4 // 2, dtype=np.float32)  # head_dim 16 -> 8 pairs
+    path = rewrite_gguf(source, tmp_path / "l3.gguf", extra={"rope_freqs.weight": factors})
+    mlx, plain = _mlx(path, [3]), _mlx(source, [])
+    llama = LlamaCppEngine(model_id=ModelId("t"), model_path=path, layers=LayerRange(0, N_LAYERS), config=CONFIG,
+                           slice_cache=tmp_path / "slices")  # fmt: skip
+    try:
+        tokens = _run(mlx, 16)
+        assert _run([llama], 16) == tokens
+        assert _run(plain, 16) != tokens, "the factors changed nothing: the test proves little"
+    finally:
+        _close([*mlx, *plain, llama])
 
 
 @pytest.mark.parametrize(("arch", "options", "match"), [
