@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from registry_helpers import record, signed
 
 from inclavate.errors import ConfigError
+from inclavate.gguf_meta import read_metadata
+from inclavate.peer_config import PeerConfig, capacity
 from node import engines
+from node.engine import EngineConfig
 from p2p.identity import Identity
 from p2p.records import InvalidRecord, NodeRecord, SignedRecord
 
@@ -54,3 +59,15 @@ def test_a_malformed_engine_kind_is_rejected(bad: object) -> None:
     data = record(me, 0, 10).to_json() | {"engine": bad}
     with pytest.raises(InvalidRecord):
         NodeRecord.from_json(data)
+
+
+def test_an_mlx_peer_budgets_its_wider_kv_cache(smollm2, tmp_path: Path) -> None:
+    meta = read_metadata(smollm2.path)
+    engine = EngineConfig(context_length=8192, max_sessions=8)
+
+    def layers(kind: str) -> int:
+        config = PeerConfig(model_id=smollm2.spec.model_id, home=tmp_path, data_dir=tmp_path,
+                            memory_mb=400, engine=engine, engine_kind=kind)  # fmt: skip
+        return capacity(config, meta)
+
+    assert layers("mlx") < layers("llamacpp")
