@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from registry_helpers import record, signed
 
+from inclavate import cli
 from inclavate.errors import ConfigError
 from inclavate.gguf_meta import read_metadata
 from inclavate.peer_config import PeerConfig, capacity
@@ -71,3 +72,10 @@ def test_an_mlx_peer_budgets_its_wider_kv_cache(smollm2, tmp_path: Path) -> None
         return capacity(config, meta)
 
     assert layers("mlx") < layers("llamacpp")
+
+
+def test_peer_with_mlx_missing_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(engines, "mlx_available", lambda: False)
+    assert cli.main(["peer", "--model", "smollm2:135m", "--engine", "mlx", "--api-port", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --engine mlx needs the mlx package") and "Traceback" not in "".join(err)
