@@ -155,8 +155,6 @@ def check_batch(
 class LayerEngine(abc.ABC):
     """Runs one contiguous layer range; see the module docstring for the contract."""
 
-    kind: str = "llamacpp"
-    """Which engine this is ("llamacpp", "mlx"): gossiped in the node record."""
     info: EngineInfo
     config: EngineConfig
 

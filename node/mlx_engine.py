@@ -76,8 +76,6 @@ class _Session:
 
 
 class MlxEngine(LayerEngine):
-    kind = "mlx"
-
     def __init__(
         self,
         *,

@@ -79,3 +79,11 @@ def test_peer_with_mlx_missing_is_a_one_line_error(monkeypatch: pytest.MonkeyPat
     assert cli.main(["peer", "--model", "smollm2:135m", "--engine", "mlx", "--api-port", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --engine mlx needs the mlx package") and "Traceback" not in "".join(err)
+
+
+@pytest.mark.parametrize(("version", "ok"), [("0.31.9", False), ("0.32.0", True), ("0.32.4", True), ("1.0.0.dev1", True)])
+def test_mlx_older_than_0_32_is_refused(version: str, ok: bool) -> None:
+    """mlx before 0.32 decoded Q4_1 blocks wrongly (shared/NOTES.md)."""
+    from node.mlx_engine import mlx_version_ok
+
+    assert mlx_version_ok(version) is ok
