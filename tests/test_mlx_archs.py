@@ -100,6 +100,19 @@ def test_llama3_rope_frequency_factors_match_llamacpp(smollm2, tmp_path: Path) -
         _close([*mlx, *plain, llama])
 
 
+def test_a_middle_range_takes_hidden_states_beyond_float16_range(smollm2, tmp_path: Path) -> None:
+    """Some models' residual streams exceed 65,504; MLX computes in float32 so they pass
+    through a middle range as they would through llama.cpp (the wire then picks f32/bf16)."""
+    path = write_random_gguf(tmp_path / "m.gguf", "qwen2", tokenizer_from=smollm2.path, seed=5)
+    x = np.random.default_rng(0).standard_normal((7, 64)).astype(np.float32) * 3e4
+    x[0, 0] = 2e5
+    with MlxEngine(model_id=ModelId("t"), model_path=path, layers=LayerRange(2, 4), config=CONFIG) as engine:
+        (out,) = engine.forward([BatchItem(SessionId("big"), 0, hidden=x)])
+    expected = NumpyModel(path).hidden([], range(2, 4), x=x.astype(np.float64))
+    assert np.isfinite(out.hidden).all() and np.abs(out.hidden).max() > 65504
+    assert cosine(out.hidden, expected) > 0.999999
+
+
 @pytest.mark.parametrize(("arch", "options", "match"), [
     ("gemma2", {}, "MLX engine runs llama, qwen2, qwen3, not 'gemma2'"),
     ("phi3", {}, "not 'phi3'"),
