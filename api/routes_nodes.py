@@ -24,6 +24,7 @@ def node_json(view: NodeView) -> dict[str, Any]:
         "start_layer": r.start_layer,
         "end_layer": r.end_layer,
         "n_layers": r.n_layers,
+        "engine": r.engine,
         "state": view.state,
         "idle": r.idle,
         "vram_mb": r.vram_mb,
@@ -55,8 +56,9 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
 
     @app.get("/nodes/<node_id>/hardware")
     async def node_hardware(node_id: str):  # type: ignore[no-untyped-def]
-        """The hardware profile a node reported."""
-        return jsonify(find_node(ctx, node_id).record.hardware)
+        """The hardware profile a node reported, with the engine that runs its range."""
+        record = find_node(ctx, node_id).record
+        return jsonify({**record.hardware, "engine": record.engine})
 
     @app.get("/nodes/<node_id>/metrics")
     async def node_metrics(node_id: str):  # type: ignore[no-untyped-def]

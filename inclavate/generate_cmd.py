@@ -21,7 +21,7 @@ from inclavate.progress import Progress
 from inclavate.store import ModelStore
 from inclavate.types import LayerRange, ModelId, SessionId
 from node.engine import EngineConfig
-from node.llamacpp_engine import LlamaCppEngine
+from node.engines import ENGINE_CHOICES, load_engine, resolve_engine
 from node.local_pipeline import LocalPipeline
 
 DEFAULT_MODEL = "smollm2:135m"
@@ -42,6 +42,8 @@ def add_generate_command(subparsers: argparse._SubParsersAction[argparse.Argumen
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--system", default=None, help="optional system message")
+    parser.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
+                        help="what runs the layers (default auto: mlx on macOS arm64, llamacpp elsewhere)")  # fmt: skip
     parser.set_defaults(handler=_generate)
 
 
@@ -58,9 +60,10 @@ def _generate(args: argparse.Namespace) -> int:
     path = ModelStore(home).pull(spec, Progress(sys.stderr)).path
     model_id = ModelId(spec.model_id)
     config = EngineConfig(max_sessions=1)
+    kind = resolve_engine(args.engine)
     engines = [
-        LlamaCppEngine(model_id=model_id, model_path=path, model_sha256=spec.gguf_sha256,
-                       layers=r, config=config, slice_cache=home / "slices")
+        load_engine(kind, model_id=model_id, model_path=path, model_sha256=spec.gguf_sha256,
+                    layers=r, config=config, slice_cache=home / "slices")
         for r in split_evenly(spec.n_layers, args.ranges)
     ]  # fmt: skip
     chat = ChatModel.load(model_id, path)
@@ -72,7 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
         params = chat.generation_params(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
-        print(f"[{model_id}: layers {' | '.join(str(e.info.layers) for e in engines)}]", file=sys.stderr)
+        print(f"[{model_id} on {kind}: layers {' | '.join(str(e.info.layers) for e in engines)}]", file=sys.stderr)
         generation = Generation(LocalPipeline(engines), chat.tokenizer, SessionId("cli"), params, prompt.splitter)
 
         async def show(delta: Delta) -> None:

@@ -24,6 +24,7 @@ _SCALARS: dict[int, tuple[str, int]] = {
     6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
 }  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
 
 
 class GgufFormatError(InclavateError):
@@ -44,6 +45,8 @@ class TensorInfo:
     dims: tuple[int, ...]
     nbytes: int
     """0 for a type this gguf release does not know."""
+    offset: int = 0
+    """Where the tensor's data starts, relative to :attr:`GgufMetadata.data_offset`."""
 
     @property
     def n_elements(self) -> int:
@@ -61,6 +64,9 @@ class GgufMetadata:
     """Scalars and strings as Python values; arrays as :class:`ArrayInfo`."""
     tensors: dict[str, TensorInfo]
     """Every tensor's type, shape and data size, by name."""
+    data_offset: int = 0
+    """File offset of the tensor data section: a tensor's bytes start at
+    ``data_offset + tensor.offset`` (so an engine can read just the tensors it needs)."""
 
     @property
     def tensor_bytes(self) -> dict[str, int]:
@@ -105,9 +111,13 @@ def read_metadata(path: Path) -> GgufMetadata:
                 name = _read_string(f)
                 (n_dims,) = struct.unpack("<I", _read(f, 4))
                 dims = struct.unpack(f"<{n_dims}Q", _read(f, 8 * n_dims))
-                ggml_type, _offset = struct.unpack("<IQ", _read(f, 12))
-                tensors[name] = TensorInfo(ggml_type, dims, _nbytes(dims, ggml_type))
-            return GgufMetadata(version, tensor_count, values, tensors)
+                ggml_type, offset = struct.unpack("<IQ", _read(f, 12))
+                tensors[name] = TensorInfo(ggml_type, dims, _nbytes(dims, ggml_type), offset)
+            alignment = values.get("general.alignment", _DEFAULT_ALIGNMENT)
+            if not isinstance(alignment, int) or alignment < 1:
+                raise GgufFormatError(f"{path}: bad general.alignment {alignment!r}")
+            data_offset = -(-f.tell() // alignment) * alignment
+            return GgufMetadata(version, tensor_count, values, tensors, data_offset)
     except (OSError, struct.error, UnicodeDecodeError) as exc:
         raise GgufFormatError(f"cannot read GGUF metadata from {path}: {exc}") from exc
 

@@ -43,14 +43,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def profile() -> dict[str, Any]:
+def profile(engine: str = "llamacpp") -> dict[str, Any]:
     """The spec's hardware object (``gpu``, ``device_name``, ``vram_mb``) plus CPU facts.
 
-    The llama.cpp engine runs on the CPU here, so ``gpu`` is "none" and ``vram_mb`` 0;
-    a GPU or Metal backend reports its device instead.
+    The llama.cpp engine runs on the CPU here, so ``gpu`` is "none" and ``vram_mb`` 0. The
+    MLX engine on Apple Silicon computes on the GPU through Metal, in unified memory.
     """
+    metal = engine == "mlx" and platform.system() == "Darwin" and platform.machine() == "arm64"
     return {
-        "gpu": "none",
+        "gpu": "metal" if metal else "none",
         "device_name": cpu_name(),
         "vram_mb": 0,
         "ram_mb": total_memory_mb(),

@@ -42,7 +42,8 @@ from inclavate.ports import port_in_use
 from inclavate.store import ModelStore
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from node.gguf_slice import write_vocab_only
-from node.llamacpp_engine import LlamaCppEngine
+from node.engine import LayerEngine
+from node.engines import load_engine
 from node.errors import EngineError
 from node.stage import Stage
 from p2p.chain import SwarmPipeline
@@ -306,9 +307,10 @@ class Peer:
                 return view.record.n_layers, view.record.d_model
         return None
 
-    def _load_engine(self, layers: LayerRange) -> LlamaCppEngine:
+    def _load_engine(self, layers: LayerRange) -> LayerEngine:
         assert self._spec is not None and self._model_path is not None
-        return LlamaCppEngine(
+        return load_engine(
+            self.config.engine_kind,
             model_id=ModelId(self._spec.model_id),
             model_path=self._model_path,
             model_sha256=self._spec.gguf_sha256,
@@ -339,9 +341,10 @@ class Peer:
         return NodeRecord(
             node_id=NodeId(self.peer_id), peer_id=PeerId(self.peer_id), model_id=ModelId(self._spec.model_id),
             start_layer=layers.start, end_layer=layers.end, n_layers=self._n_layers, d_model=self._d_model,
-            state="Joining", seq=0, ts_ms=0, hardware=hardware.profile(),
+            state="Joining", seq=0, ts_ms=0, hardware=hardware.profile(self.config.engine_kind),
             api_url=self.api_urls[0] if self.api_urls else "", started_ms=int(self._started * 1000),
             context_length=self.config.engine.context_length, version=self.version,
+            engine=self.config.engine_kind,
         )  # fmt: skip
 
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:

@@ -16,6 +16,7 @@ from inclavate.peer_config import PeerConfig
 from inclavate.tensors import WIRE_DTYPES
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig, default_threads
+from node.engines import ENGINE_CHOICES, resolve_engine
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--admin-peer", action="append", default=[], metavar="PEER_ID",
                    help="trust admin commands signed by this peer; repeatable")  # fmt: skip
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the LAN")
+    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
+                   help="what runs the layers: mlx (Apple Silicon), llamacpp, or auto (default: "
+                   "mlx on macOS arm64, llamacpp elsewhere)")  # fmt: skip
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
@@ -85,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         admin_token=args.admin_token,
         admin_peers=tuple(args.admin_peer),
         engine=engine,
+        engine_kind=resolve_engine(args.engine),
         wire_dtype=args.wire_dtype,
     )
 

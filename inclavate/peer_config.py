@@ -11,6 +11,7 @@ from inclavate.hardware import available_memory_mb
 from inclavate.tensors import WireDType
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig
+from node.engines import EngineKind
 from p2p.registry import Liveness
 
 MEMORY_SHARE = 0.5
@@ -37,6 +38,8 @@ class PeerConfig:
     admin_token: str | None = None
     admin_peers: tuple[str, ...] = ()
     engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_kind: EngineKind = "llamacpp"
+    """Which engine runs the range (``--engine``, already resolved from "auto")."""
     wire_dtype: WireDType = "f16"
     liveness: Liveness = Liveness()
     settle_s: float = 2.0
@@ -61,13 +64,14 @@ def _int(value: object, default: int) -> int:
     return int(value) if isinstance(value, (int, float)) and value > 0 else default
 
 
-def layer_cost_bytes(meta: GgufMetadata, engine: EngineConfig) -> int:
-    """Memory one layer needs: its weights plus its share of the KV cache (f16 K and V)."""
+def layer_cost_bytes(meta: GgufMetadata, engine: EngineConfig, kv_value_bytes: int = 2) -> int:
+    """Memory one layer needs: its weights plus its share of the KV cache (llama.cpp keeps
+    K and V in float16; the MLX engine in float32, ``kv_value_bytes=4``)."""
     weights = max(meta.layer_bytes(i) for i in range(meta.n_layers))
     heads = _int(meta.arch_value("attention.head_count"), 1)
     heads_kv = _int(meta.arch_value("attention.head_count_kv"), heads)
     head_dim = _int(meta.arch_value("attention.key_length"), meta.d_model // heads)
-    kv = engine.context_length * engine.max_sessions * 2 * heads_kv * head_dim * 2
+    kv = engine.context_length * engine.max_sessions * 2 * heads_kv * head_dim * kv_value_bytes
     return weights + kv
 
 
@@ -77,7 +81,7 @@ def capacity(config: PeerConfig, meta: GgufMetadata) -> int:
         return min(config.max_layers, meta.n_layers)
     budget_mb = config.memory_mb if config.memory_mb is not None else int(available_memory_mb() * MEMORY_SHARE)
     fixed = meta.tensor_bytes.get("token_embd.weight", 0) + meta.tensor_bytes.get("output.weight", 0)
-    per_layer = max(1, layer_cost_bytes(meta, config.engine))
+    per_layer = max(1, layer_cost_bytes(meta, config.engine, 4 if config.engine_kind == "mlx" else 2))
     fits = (budget_mb * 1024 * 1024 - fixed) // per_layer
     if fits < 1:
         raise ConfigError(

@@ -1,8 +1,9 @@
-"""Layer engines (llama.cpp now, MLX later) and the sessions they hold.
+"""Layer engines (llama.cpp, MLX) and the sessions they hold.
 
 Public surface: ``node.engine`` (the ``LayerEngine`` contract, ``BatchItem``,
-``StageOutput``, ``EngineConfig``), ``node.llamacpp_engine.LlamaCppEngine``,
-``node.tokenizer.Tokenizer``, ``node.errors``.
+``StageOutput``, ``EngineConfig``), ``node.engines`` (``resolve_engine``, ``load_engine``:
+which engine and building it), ``node.llamacpp_engine.LlamaCppEngine``,
+``node.mlx_engine.MlxEngine`` (needs mlx), ``node.tokenizer.Tokenizer``, ``node.errors``.
 """
 
 import os

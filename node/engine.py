@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from inclavate.types import LayerRange, ModelId, SessionId
+from node.errors import ContextFull, InvalidBatch, SessionLimitReached
 
 
 def default_threads() -> int:
@@ -106,6 +108,48 @@ class MemoryReport:
     @property
     def total_mb(self) -> int:
         return (self.weights_bytes + self.kv_cache_bytes) // (1024 * 1024)
+
+
+def check_batch(
+    info: EngineInfo,
+    config: EngineConfig,
+    items: list[BatchItem],
+    *,
+    session_length: Callable[[SessionId], int],
+    is_open: Callable[[SessionId], bool],
+    free_slots: int,
+) -> None:
+    """Refuse a batch this range cannot run, before any state changes (every engine's rules)."""
+    seen: set[SessionId] = set()
+    d = info.d_model
+    for item in items:
+        if item.session_id in seen:
+            raise InvalidBatch(f"session {item.session_id} appears twice in one batch")
+        seen.add(item.session_id)
+        if info.is_first:
+            if item.tokens is None or item.tokens.ndim != 1:
+                raise InvalidBatch("the first layer range takes a 1-D array of token ids")
+            if item.tokens.size and (item.tokens.min() < 0 or item.tokens.max() >= info.n_vocab):
+                raise InvalidBatch(f"token ids must lie in [0, {info.n_vocab})")
+        elif item.hidden is None or item.hidden.ndim != 2 or item.hidden.shape[1] != d:
+            raise InvalidBatch(f"layer range {info.layers} takes hidden states (n, {d})")
+        n = item.n_tokens
+        if n == 0:
+            raise InvalidBatch("an item must carry at least one position")
+        length = session_length(item.session_id)
+        if item.start_pos < 0 or item.start_pos > length:
+            raise InvalidBatch(
+                f"session {item.session_id} holds {length} positions; cannot continue at {item.start_pos}"
+            )
+        if item.start_pos + n > config.context_length:
+            raise ContextFull(
+                f"session {item.session_id} would reach {item.start_pos + n} positions; "
+                f"the context holds {config.context_length}"
+            )
+    if sum(1 for item in items if not is_open(item.session_id)) > free_slots:
+        raise SessionLimitReached(
+            f"all {config.max_sessions} session slots of {info.model_id} {info.layers} are in use"
+        )
 
 
 class LayerEngine(abc.ABC):

@@ -30,14 +30,16 @@ from inclavate.gguf_meta import read_metadata
 from inclavate.types import LayerRange, ModelId, SessionId
 from node import llamacpp_lib
 from node.arch import rules_for
-from node.engine import BatchItem, EngineConfig, EngineInfo, LayerEngine, MemoryReport, StageOutput
-from node.errors import (
-    ContextFull,
-    DecodeFailed,
-    EngineLoadError,
-    InvalidBatch,
-    SessionLimitReached,
+from node.engine import (
+    BatchItem,
+    EngineConfig,
+    EngineInfo,
+    LayerEngine,
+    MemoryReport,
+    StageOutput,
+    check_batch,
 )
+from node.errors import ContextFull, DecodeFailed, EngineLoadError
 from node.gguf_slice import cached_slice
 
 log = logging.getLogger(__name__)
@@ -191,41 +193,10 @@ class LlamaCppEngine(LayerEngine):
                 raise
 
     def _validate(self, items: list[BatchItem]) -> None:
-        seen: set[SessionId] = set()
-        d = self.info.d_model
-        for item in items:
-            if item.session_id in seen:
-                raise InvalidBatch(f"session {item.session_id} appears twice in one batch")
-            seen.add(item.session_id)
-            if self.info.is_first:
-                if item.tokens is None or item.tokens.ndim != 1:
-                    raise InvalidBatch("the first layer range takes a 1-D array of token ids")
-                if item.tokens.size and (
-                    item.tokens.min() < 0 or item.tokens.max() >= self.info.n_vocab
-                ):
-                    raise InvalidBatch(f"token ids must lie in [0, {self.info.n_vocab})")
-            elif item.hidden is None or item.hidden.ndim != 2 or item.hidden.shape[1] != d:
-                raise InvalidBatch(f"layer range {self.info.layers} takes hidden states (n, {d})")
-            n = item.n_tokens
-            if n == 0:
-                raise InvalidBatch("an item must carry at least one position")
-            length = self.session_length(item.session_id)
-            if item.start_pos < 0 or item.start_pos > length:
-                raise InvalidBatch(
-                    f"session {item.session_id} holds {length} positions; "
-                    f"cannot continue at {item.start_pos}"
-                )
-            if item.start_pos + n > self.config.context_length:
-                raise ContextFull(
-                    f"session {item.session_id} would reach {item.start_pos + n} positions; "
-                    f"the context holds {self.config.context_length}"
-                )
-        new = sum(1 for item in items if item.session_id not in self._slots)
-        if new > len(self._free_seq_ids):
-            raise SessionLimitReached(
-                f"all {self.config.max_sessions} session slots of {self.info.model_id} "
-                f"{self.info.layers} are in use"
-            )
+        check_batch(
+            self.info, self.config, items, session_length=self.session_length,
+            is_open=self._slots.__contains__, free_slots=len(self._free_seq_ids),
+        )  # fmt: skip
 
     def _admit(self, items: list[BatchItem]) -> dict[SessionId, int | None]:
         """Give new sessions a slot and rewind continuing ones; return what to restore."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +30,9 @@ from p2p.identity import Identity, verify
 NodeState = Literal["Joining", "Ready", "Degraded", "Dead"]
 NODE_STATES: tuple[NodeState, ...] = ("Joining", "Ready", "Degraded", "Dead")
 RECORD_VERSION = 1
+_ENGINE_NAME = re.compile(r"[a-z0-9_-]{1,32}")
+"""Engine kinds are short names ("llamacpp", "mlx"); a newer peer may run one we do not
+know, which routing need not understand (every engine speaks the same hidden states)."""
 
 
 class InvalidRecord(P2PError):
@@ -101,6 +105,8 @@ class NodeRecord:
     requests_by_model: dict[str, int] = field(default_factory=dict)
     """Chat requests this peer served as entry, cumulative, per model."""
     version: str = ""
+    engine: str = "llamacpp"
+    """The engine that runs this node's range ("llamacpp" or "mlx"); informational."""
 
     @property
     def layers(self) -> LayerRange:
@@ -138,6 +144,8 @@ class NodeRecord:
             raise InvalidRecord(f"unknown state {self.state!r}")
         if not (0 <= self.start_layer < self.end_layer <= self.n_layers):
             raise InvalidRecord(f"bad layer range {self.start_layer}-{self.end_layer} of {self.n_layers}")
+        if not isinstance(self.engine, str) or not _ENGINE_NAME.fullmatch(self.engine):
+            raise InvalidRecord(f"bad engine name {str(self.engine)[:40]!r}")
         if not self.relayed and self.node_id != self.peer_id:
             raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node")
 

@@ -3,6 +3,10 @@
 Both run in this process, on the same machine, alternating, so background noise hits both;
 the best of several rounds is reported. Hidden states cross each boundary through the wire
 codec, as they would between processes.
+
+``--engine mlx`` instead compares the MLX engine with llama.cpp on this machine (the whole
+model on each, tokens/s side by side), then measures how far a mixed chain (llama.cpp,
+MLX, llama.cpp ranges) agrees with the whole llama.cpp model, greedy, on a few chat prompts.
 """
 
 from __future__ import annotations
@@ -62,7 +66,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--wire-dtype", default="f16", choices=tensors.WIRE_DTYPES)
+    parser.add_argument("--engine", default="llamacpp", choices=("llamacpp", "mlx"),
+                        help="mlx: MLX against llama.cpp, and a mixed chain's greedy agreement")  # fmt: skip
     args = parser.parse_args()
+    if args.engine == "mlx":
+        from bench_mlx import main_mlx
+
+        return main_mlx(args)
 
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
