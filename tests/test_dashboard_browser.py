@@ -6,13 +6,17 @@ Screenshots of every page land in the test's ``tmp_path`` (``--basetemp`` keeps 
 
 from __future__ import annotations
 
+import io
+import json
 import signal
 import subprocess
 import sys
 import time
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from browser import Console, chromium  # noqa: F401 - the fixture
@@ -78,7 +82,7 @@ def test_every_page_loads_without_console_errors(swarm, page, tmp_path: Path) ->
     tab, console = page
     for name, ready in CORE_PAGES.items():
         tab.goto(f"{peers['b'].url}/#/{name}")
-        tab.wait_for_selector(ready)
+        tab.wait_for_selector(ready, state="attached")  # an idle minute's bar has no height
         tab.wait_for_timeout(300)  # one more poll: errors from a refresh would show now
         shoot(tab, tmp_path, name)
         assert console.errors() == [], name
@@ -99,7 +103,7 @@ def test_the_swarm_page_shows_every_peer_and_the_coverage(swarm, page, tmp_path:
     tab.goto(peers["a"].url + "/")
     tab.wait_for_selector('svg.network g.peer[data-state="Ready"] >> nth=2')
     shown = tab.eval_on_selector_all("svg.network g.peer", "els => els.map(e => [e.dataset.node, e.dataset.state])")
-    assert sorted(shown) == sorted((peer_id, "Ready") for peer_id in ids.values())
+    assert sorted(map(tuple, shown)) == sorted((peer_id, "Ready") for peer_id in ids.values())
     counts = tab.eval_on_selector_all("svg.coverage rect.cov", "els => els.map(e => Number(e.dataset.count))")
     assert counts == [1] * 30
     lanes = tab.eval_on_selector_all("svg.coverage g.lane", "els => els.map(e => e.dataset.node)")
@@ -115,7 +119,7 @@ def test_a_chat_streams_an_answer_into_the_page(swarm, page, tmp_path: Path) -> 
     _, peers, ids = swarm
     tab, console = page
     tab.goto(peers["c"].url + "/#/chat")
-    tab.wait_for_selector("#chat-model option")
+    tab.wait_for_selector("#chat-model option", state="attached")
     tab.fill("#chat-max-tokens", "24")
     tab.fill("#chat-temperature", "0")
     tab.evaluate("""() => {
@@ -139,6 +143,163 @@ def test_a_chat_streams_an_answer_into_the_page(swarm, page, tmp_path: Path) -> 
     assert route.count("→") == 2 and all(peer_id[-6:] in route for peer_id in ids.values()), route
     assert tab.is_disabled("#chat-stop") and tab.is_enabled("#chat-send")
     shoot(tab, tmp_path, "chat")
+    assert console.errors() == []
+
+
+def test_stop_ends_the_generation_on_every_stage(swarm, page) -> None:
+    s, peers, _ = swarm
+    tab, console = page
+    tab.goto(peers["a"].url + "/#/chat")
+    tab.wait_for_selector("#chat-model option", state="attached")
+    tab.fill("#chat-max-tokens", "400")
+    tab.fill("#chat-input", "Write a long story about a dragon who learns to cook.")
+    tab.click("#chat-send")
+    tab.wait_for_function("() => (document.querySelector('.msg.assistant .answer') || {textContent: ''}).textContent.length > 20")
+    tab.click("#chat-stop")
+    tab.wait_for_selector(".msg.assistant[data-done='true']")
+    assert "stopped" in tab.inner_text(".msg.assistant .meta")
+    assert tab.locator(".msg.assistant .message.error").count() == 0  # stopping is not an error
+    s.wait(lambda: all(not any(p.get("/health")["sessions"].values()) for p in peers.values()), 20, "every stage to free the session")
+    assert console.errors() == []
+
+
+def sse_body(*events: object) -> str:
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def chunk(**delta: object) -> dict[str, object]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+class FakeApi:
+    """Answers chosen requests in the browser (Playwright routing), for what this swarm cannot
+    produce on demand: a reasoning model, a failing stream, the media API of another build."""
+
+    def __init__(self, tab: Any, answers: dict[tuple[str, str], Any]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, str, dict[str, str]]] = []
+        tab.route("**/*", self._handle)
+
+    def _handle(self, route: Any) -> None:
+        request = route.request
+        url = urlsplit(request.url)
+        target = url.path + (f"?{url.query}" if url.query else "")
+        answer = self.answers.get((request.method, target))
+        if answer is None:
+            route.continue_()
+            return
+        self.calls.append((request.method, target, request.headers))
+        status, headers, body = answer() if callable(answer) else answer
+        if not isinstance(body, (str, bytes)):
+            body, headers = json.dumps(body), {"content-type": "application/json", **headers}
+        route.fulfill(status=status, headers=headers, body=body)
+
+
+def test_reasoning_shows_apart_from_the_answer_and_stream_errors_as_messages(swarm, page, tmp_path: Path) -> None:
+    _, peers, _ = swarm
+    tab, console = page
+    replies = iter([
+        (200, {"content-type": "text/event-stream", "x-dppan-session-id": "s1"}, sse_body(
+            chunk(role="assistant", content=""), chunk(reasoning_content="The user asks for "), chunk(reasoning_content="a capital."),
+            chunk(content="Paris"), chunk(content="."), {"choices": [], "usage": {"completion_tokens": 4}})),
+        (200, {"content-type": "text/event-stream", "x-dppan-session-id": "s2"},
+         sse_body(chunk(content="Rom"), {"error": "stage 12D3KooWxyz failed: engine_error", "status": 502})),
+        (503, {}, {"error": "no Ready chain covers smollm2:135m: layers 20-30 have no Ready node"}),
+    ])  # fmt: skip
+    route = {"route": [{"node_id": "n1", "peer_id": "12D3KooWaaaaaa", "start_layer": 0, "end_layer": 30}]}
+    FakeApi(tab, {("POST", "/v1/chat/completions"): lambda: next(replies),
+                  ("GET", "/sessions/s1"): (200, {}, route), ("GET", "/sessions/s2"): (200, {}, route)})  # fmt: skip
+    tab.goto(peers["a"].url + "/#/chat")
+    tab.wait_for_selector("#chat-model option", state="attached")
+    for n, question in enumerate(["Capital of France?", "And Italy?", "And Spain?"], start=1):
+        tab.fill("#chat-input", question)
+        tab.press("#chat-input", "Enter")
+        tab.wait_for_selector(f".msg.assistant[data-done='true'] >> nth={n - 1}")
+    first, second, third = (tab.locator(".msg.assistant").nth(i) for i in range(3))
+    assert first.locator("details.reasoning").is_visible()
+    assert first.locator(".reasoning-text").text_content() == "The user asks for a capital."
+    assert first.locator(".answer").inner_text() == "Paris."
+    assert "…aaaaaa [0–30)" in first.locator(".route").inner_text()
+    assert second.locator(".answer").inner_text() == "Rom" and not second.locator("details.reasoning").is_visible()
+    assert "stage 12D3KooWxyz failed: engine_error (HTTP 502)" in second.locator(".message.error").inner_text()
+    assert "layers 20-30 have no Ready node (HTTP 503" in third.locator(".message.error").inner_text()
+    shoot(tab, tmp_path, "chat-reasoning-and-errors")
+    assert console.errors(allowed_statuses=(503,), allowed_paths=("/v1/chat/completions",)) == []
+
+
+def tiny_wav() -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000), w.writeframes(b"\0\0" * 800)
+    return out.getvalue()
+
+
+JOB = {"id": "job-1", "state": "queued", "modality": "audio", "model": "piper-joe", "seed": 1, "input_artifacts": [],
+       "output_artifacts": [], "progress_stage": None, "progress_fraction": None, "error_code": None,
+       "error_message": None, "created_at": "2026-12-03T08:00:00.000Z", "started_at": None, "completed_at": None}  # fmt: skip
+DELETED = {**JOB, "id": "job-0", "state": "completed", "artifacts_deleted": 1, "params": {"text": "old"}}
+
+
+def test_generate_runs_a_speech_job_with_live_progress_where_the_media_api_exists(swarm, page, tmp_path: Path) -> None:
+    _, peers, _ = swarm
+    tab, console = page
+    caps = {"generators": [
+        {"modality": "audio", "model": "piper-joe", "builtin_voices": ["joe"], "requires_speaker": False},
+        {"modality": "text", "kind": "understand", "model": "whisper-tiny", "ready": True, "input_modalities": ["audio"]},
+    ]}  # fmt: skip
+    events = sse_body({**JOB, "state": "running", "progress_stage": "generating", "progress_fraction": 0.5},
+                      {**JOB, "state": "completed", "progress_stage": "publishing", "progress_fraction": 1.0, "output_artifacts": ["art-1"]})  # fmt: skip
+    fake = FakeApi(tab, {
+        ("GET", "/v1/generations/capabilities"): (200, {}, caps),
+        ("GET", "/v1/generations?limit=50"): (200, {}, {"generations": [DELETED], "truncated": False}),
+        ("POST", "/v1/generations"): (202, {}, JOB),
+        ("GET", "/v1/generations/job-1/events"): (200, {"content-type": "text/event-stream"}, events),
+        ("GET", "/v1/artifacts/art-1"): (200, {"content-type": "audio/wav"}, tiny_wav()),
+    })  # fmt: skip
+    tab.goto(peers["a"].url + "/#/generate")
+    tab.wait_for_selector("h2:text-is('Speech')")
+    assert tab.locator("h2:text-is('Transcription')").count() == 1
+    assert tab.locator('.job[data-job="job-0"]').count() == 0  # its audio is gone: listed under Storage
+    tab.fill("textarea", "Hello from the swarm.")
+    tab.click("button:text-is('Speak')")
+    audio = tab.wait_for_selector('.job[data-job="job-1"].state-completed audio', state="attached")
+    assert audio.get_attribute("src") == "/v1/artifacts/art-1"
+    submitted = [c for c in fake.calls if c[0] == "POST"]
+    assert len(submitted) == 1 and ("GET", "/v1/generations/job-1/events") in [c[:2] for c in fake.calls]
+    shoot(tab, tmp_path, "generate-with-media")
+    assert console.errors() == []
+
+
+def test_storage_lists_usage_deletes_and_clears_orphaned_jobs(swarm, page, tmp_path: Path) -> None:
+    _, peers, _ = swarm
+    tab, console = page
+    usage = {"bytes": 50_000, "objects": 2, "max_bytes": 0, "max_objects": 0,
+             "generated": {"bytes": 40_000, "objects": 1}, "uploaded": {"bytes": 10_000, "objects": 1}}  # fmt: skip
+    artifact = {"id": "art-9", "media_type": "audio/wav", "size_bytes": 40_000, "digest": "ab", "state": "ready",
+                "created_at": "2026-12-03T08:00:00.000Z", "expires_at": None}  # fmt: skip
+    fake = FakeApi(tab, {
+        ("GET", "/v1/artifacts/usage"): (200, {}, usage),
+        ("GET", "/v1/artifacts?kind=generated&limit=100"): (200, {}, {"artifacts": [artifact], "truncated": False}),
+        ("GET", "/v1/generations?limit=200"): (200, {}, {"generations": [DELETED], "truncated": False}),
+        ("DELETE", "/v1/artifacts/art-9"): (204, {}, ""),
+        ("DELETE", "/admin/generations/job-0?artifacts=false"): (200, {}, {"id": "job-0", "artifacts_deleted": 0}),
+    })  # fmt: skip
+    tab.goto(peers["a"].url + "/#/admin")
+    tab.fill("#admin-token", TOKEN)
+    tab.click("#admin-verify")
+    tab.wait_for_selector("#admin-token-status .message.ok")
+    tab.goto(peers["a"].url + "/#/storage")
+    tab.wait_for_selector('tr[data-artifact="art-9"]')
+    assert "50 KB" in tab.inner_text(".tiles")
+    shoot(tab, tmp_path, "storage-with-media")
+    for selector in ('tr[data-artifact="art-9"] button', 'tr[data-job="job-0"] button'):
+        tab.click(selector)  # arms
+        tab.click(selector)  # confirms
+        tab.wait_for_selector("#page .message.ok >> text=Deleted")
+    deletes = {c[1]: c[2] for c in fake.calls if c[0] == "DELETE"}
+    assert set(deletes) == {"/v1/artifacts/art-9", "/admin/generations/job-0?artifacts=false"}
+    assert deletes["/admin/generations/job-0?artifacts=false"].get("x-admin-token") == TOKEN
+    assert "x-admin-token" not in deletes["/v1/artifacts/art-9"]
     assert console.errors() == []
 
 

@@ -69,7 +69,7 @@ export function barChart(points, { width = 1100, height = 210, cls = "", unit = 
 }
 
 /** Horizontal bars for a few labelled totals: rows [{label, value}]. */
-export function hbars(rows, { width = 560, rowHeight = 26, unit = "" } = {}) {
+export function hbars(rows, { width = 560, rowHeight = 26, format = (v) => v.toLocaleString("en-US") } = {}) {
   const labelW = 170, pad = 8;
   const height = rows.length * rowHeight + pad;
   const svg = s("svg", { class: "chart hbars", viewBox: `0 0 ${width} ${height}`, role: "img" });
@@ -80,7 +80,7 @@ export function hbars(rows, { width = 560, rowHeight = 26, unit = "" } = {}) {
     svg.append(
       s("text", { x: 0, y: y + rowHeight * 0.65, class: "label" }, row.label),
       s("rect", { x: labelW, y: y + 4, width: Math.max(1, w), height: rowHeight - 8, rx: 3, class: "bar" }),
-      s("text", { x: labelW + w + 6, y: y + rowHeight * 0.65, class: "value" }, `${row.value.toLocaleString("en-US")}${unit}`),
+      s("text", { x: labelW + w + 6, y: y + rowHeight * 0.65, class: "value" }, format(row.value)),
     );
   });
   return svg;

@@ -93,7 +93,7 @@ export function mount(root, page) {
     bubble("user", text);
 
     const reasoningBody = h("div", { class: "reasoning-text" });
-    const reasoning = h("details", { class: "reasoning", hidden: true }, h("summary", {}, "Reasoning"), reasoningBody);
+    const reasoning = h("details", { class: "reasoning", hidden: true, open: true }, h("summary", {}, "Reasoning"), reasoningBody);
     const answer = h("div", { class: "text answer" });
     const routeEl = h("span", { class: "route" }, "route: …");
     const speedEl = h("span", { class: "speed" });

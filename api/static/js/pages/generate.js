@@ -120,6 +120,7 @@ export function mount(root, page) {
   function show(job) {
     const old = jobsBox.querySelector(`[data-job="${CSS.escape(job.id)}"]`);
     const card = jobCard(job);
+    for (const placeholder of jobsBox.querySelectorAll(":scope > .message")) placeholder.remove();
     if (old) old.replaceWith(card);
     else jobsBox.prepend(card);
   }

@@ -31,7 +31,7 @@ export function mount(root, page) {
         tile("Generated", `${fmtBytes(part("generated").bytes)} · ${part("generated").objects}`),
         tile("Uploaded", `${fmtBytes(part("uploaded").bytes)} · ${part("uploaded").objects}`)),
       h("section", { class: "card" }, h("h2", {}, "By origin"),
-        hbars([{ label: "generated", value: part("generated").bytes }, { label: "uploaded", value: part("uploaded").bytes }], { unit: " B" })),
+        hbars([{ label: "generated", value: part("generated").bytes }, { label: "uploaded", value: part("uploaded").bytes }], { format: fmtBytes })),
       h("section", { class: "card" }, tabs, listBox),
       h("section", { class: "card" }, h("h2", {}, "Jobs whose outputs were deleted"), orphanBox));
     fill(tabs, ["generated", "uploaded"].map((k) => h("button", { type: "button", class: k === kind ? "tab active" : "tab",
