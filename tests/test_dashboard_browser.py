@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from browser import Console, chromium  # noqa: F401 - the fixture
 from swarm import PeerProcess, Swarm, request_json
@@ -329,6 +330,23 @@ def test_admin_actions_need_the_token(swarm, page, tmp_path: Path) -> None:
     tab.click(f"{row} button.set-ready")
     s.wait(lambda: all(not n["idle"] for p in peers.values() for n in p.get("/nodes")), 15, "b to serve again")
     assert console.errors(allowed_statuses=(403,), allowed_paths=("/admin/",)) == []
+
+
+def test_the_entry_peer_tells_which_route_a_session_took(swarm) -> None:
+    _, peers, ids = swarm
+    reply = httpx.post(peers["b"].url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    session = reply.headers["x-dppan-session-id"]
+    for name in (session, f"chatcmpl-{session}"):
+        info = peers["b"].get(f"/sessions/{name}")
+        assert info["id"] == f"chatcmpl-{session}" and info["model"] == MODEL and info["active"] is False
+        hops = [(h["peer_id"], h["start_layer"], h["end_layer"]) for h in info["route"]]
+        assert hops == [(ids["a"], 0, 10), (ids["b"], 10, 20), (ids["c"], 20, 30)]
+    # Only the entry peer knows it; unknown ids are a 404 in the spec's error shape.
+    for peer, name in ((peers["a"], session), (peers["b"], "0" * 32), (peers["b"], "x" * 5000)):
+        status, body = request_json("GET", f"{peer.url}/sessions/{name}")
+        assert status == 404 and "error" in body
 
 
 def inclavate(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
