@@ -85,6 +85,10 @@ def test_every_page_loads_without_console_errors(swarm, page, tmp_path: Path) ->
         tab.goto(f"{peers['b'].url}/#/{name}")
         tab.wait_for_selector(ready, state="attached")  # an idle minute's bar has no height
         tab.wait_for_timeout(300)  # one more poll: errors from a refresh would show now
+        if name == "nodes":  # a row opens the node's hardware
+            tab.click("table.nodes-table tbody tr.clickable >> nth=0")
+            tab.wait_for_selector("tr.detail dl.kv")
+            assert "Hardware of" in tab.inner_text("tr.detail")
         shoot(tab, tmp_path, name)
         assert console.errors() == [], name
         assert tab.inner_text("#page .banner") == "", name
@@ -393,6 +397,26 @@ def test_chat_command_streams_a_conversation(swarm) -> None:
     assert len(stats) == 2 and all("tokens" in line and "tok/s" in line for line in stats), done.stderr
     assert stats[0].count("→") == 2 and all(peer_id[-6:] in stats[0] for peer_id in ids.values())
     assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(swarm) -> None:
+    _, peers, _ = swarm
+    proc = subprocess.Popen([sys.executable, "-m", "inclavate", "chat", "--api", peers["b"].url, "--max-tokens", "96"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)  # fmt: skip
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("Write a long story about a dragon who learns to cook.\n")
+        proc.stdin.flush()
+        streamed = ""
+        while len(streamed) < 40:  # "you> " and the first words of the answer
+            streamed += proc.stdout.read(1) or ""
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate("Hi\n", timeout=120)  # a second turn, then EOF
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    assert len(stats) == 2 and "finish stopped" in stats[0] and "Traceback" not in err
 
 
 def test_a_killed_peer_turns_dead_on_the_swarm_page(swarm, page, tmp_path: Path) -> None:
