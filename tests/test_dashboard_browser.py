@@ -183,6 +183,7 @@ class FakeApi:
     def __init__(self, tab: Any, answers: dict[tuple[str, str], Any]) -> None:
         self.answers = answers
         self.calls: list[tuple[str, str, dict[str, str]]] = []
+        self.bodies: list[str | None] = []
         tab.route("**/*", self._handle)
 
     def _handle(self, route: Any) -> None:
@@ -194,10 +195,39 @@ class FakeApi:
             route.continue_()
             return
         self.calls.append((request.method, target, request.headers))
+        self.bodies.append(request.post_data)
         status, headers, body = answer() if callable(answer) else answer
         if not isinstance(body, (str, bytes)):
             body, headers = json.dumps(body), {"content-type": "application/json", **headers}
         route.fulfill(status=status, headers=headers, body=body)
+
+
+def test_reassign_and_force_remove_send_the_token_and_say_what_happened(swarm, page) -> None:
+    """Both change the live swarm for minutes (a reload; a 10-minute ban), so the peer's
+    answer is played by the browser here; the routes themselves are tested in test_swarm_admin."""
+    _, peers, ids = swarm
+    tab, console = page
+    target = ids["c"]
+    fake = FakeApi(tab, {
+        ("POST", f"/admin/nodes/{target}/reassign"): (200, {}, {"ok": True, "node_id": target, "start_layer": 15, "end_layer": 30}),
+        ("DELETE", f"/admin/nodes/{target}/force"): (200, {}, {"ok": True, "node_id": target}),
+    })  # fmt: skip
+    tab.goto(peers["a"].url + "/#/admin")
+    tab.fill("#admin-token", TOKEN)
+    tab.click("#admin-verify")
+    tab.wait_for_selector("#admin-token-status .message.ok")
+    row = f'tr[data-node="{target}"]'
+    tab.fill(f"{row} input[aria-label='start layer']", "15")
+    tab.click(f"{row} button.reassign")
+    tab.wait_for_selector("#admin-result .message.ok >> text=Reassign")
+    tab.click(f"{row} button.force-remove")
+    assert fake.calls[-1][0] == "POST"  # the first click only arms the button
+    tab.click(f"{row} button.force-remove")
+    tab.wait_for_selector("#admin-result .message.ok >> text=Force-remove")
+    (_, _, reassign_headers), (_, _, force_headers) = fake.calls
+    assert reassign_headers["x-admin-token"] == TOKEN == force_headers["x-admin-token"]
+    assert json.loads(fake.bodies[0]) == {"start_layer": 15, "end_layer": 30}
+    assert console.errors() == []
 
 
 def test_reasoning_shows_apart_from_the_answer_and_stream_errors_as_messages(swarm, page, tmp_path: Path) -> None:

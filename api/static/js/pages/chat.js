@@ -157,6 +157,8 @@ export function mount(root, page) {
       el.classList.remove("streaming");
       el.dataset.done = "true";
       if (content) history.push({ role: "assistant", content });
+      else history.pop(); // nothing came back: the question leaves the history, as if unasked
+      log.scrollTop = log.scrollHeight;
       if (running === state) setRunning(null);
     }
   }
