@@ -160,7 +160,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         """Which peers (and layers) a recent session of this peer went through; read-only."""
         found = tracking.routes.get(SessionId(session_id.removeprefix("chatcmpl-")))
         if found is None:
-            raise NotFound(f"no recent generation session {session_id!r} on this peer")
+            raise NotFound(f"no recent generation session {session_id[:80]!r} on this peer")
         return jsonify(found.to_json())
 
     @app.delete("/sessions/<session_id>")

@@ -454,6 +454,9 @@ def test_a_killed_peer_turns_dead_on_the_swarm_page(swarm, page, tmp_path: Path)
     tab, console = page
     tab.goto(peers["a"].url + "/#/swarm")
     tab.wait_for_selector('svg.network g.peer[data-state="Ready"] >> nth=2')
+    on_victim = tab.context.new_page()  # a tab open on the peer that dies
+    on_victim.goto(peers["c"].url + "/#/nodes")
+    on_victim.wait_for_selector("table.nodes-table tbody tr")
     s.signal(peers["c"], signal.SIGKILL)
     dead = f'svg.network g.peer[data-node="{ids["c"]}"][data-state="Dead"]'
     tab.wait_for_selector(dead, timeout=60_000)
@@ -463,3 +466,7 @@ def test_a_killed_peer_turns_dead_on_the_swarm_page(swarm, page, tmp_path: Path)
     assert tab.locator("svg.network line.edge.broken").count() == 1
     shoot(tab, tmp_path, "swarm-dead")
     assert console.errors() == []
+    # The tab on the dead peer says so instead of going blank.
+    on_victim.wait_for_selector("#page .banner .message.error >> text=did not answer")
+    assert "is it still running?" in on_victim.inner_text("#page .banner")
+    shoot(on_victim, tmp_path, "victim-tab")
