@@ -8,8 +8,8 @@ Every failure becomes a :class:`PeerUnreachable` (nothing answered) or a :class:
 
 from __future__ import annotations
 
+import http.client
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
@@ -104,14 +104,16 @@ class PeerApi:
             response = urllib.request.urlopen(request, timeout=timeout)
         except urllib.error.HTTPError as err:
             raise PeerRefused(err.code, f"{request.full_url} answered {err.code}: {error_text(err.read())}") from None
-        except (urllib.error.URLError, OSError, socket.timeout) as err:
+        except (OSError, http.client.HTTPException) as err:  # refused, reset, timeout, not HTTP at all
             reason = getattr(err, "reason", err)
             raise PeerUnreachable(
                 f"cannot reach the API at {self.base} ({reason}); is a peer running there? (--api URL)"
             ) from None
         try:
             yield response
-        except (OSError, socket.timeout) as err:
-            raise PeerUnreachable(f"the connection to {self.base} broke ({err})") from None
+        except (ConnectionResetError, TimeoutError, http.client.HTTPException) as err:
+            # Reading the body failed (the peer died or stalled); a broken pipe on *our*
+            # stdout is not the peer's fault and goes up unchanged.
+            raise PeerUnreachable(f"the connection to {self.base} broke ({err or type(err).__name__})") from None
         finally:
             response.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 
 from inclavate.chat_cmd import Turn, stats_line
@@ -122,6 +125,25 @@ def test_api_addresses_and_error_bodies() -> None:
     assert error_text(b'{"error": "no Ready chain"}') == "no Ready chain"
     assert error_text(b'{"error": {"message": "bad media", "type": "t", "code": "c"}}') == "bad media"
     assert error_text(b"<html>oops</html>") == "<html>oops</html>"
+
+
+def test_something_that_is_not_http_is_unreachable_too() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+
+        def answer_garbage() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+
+        thread = threading.Thread(target=answer_garbage, daemon=True)
+        thread.start()
+        with pytest.raises(PeerUnreachable, match="cannot reach the API"):
+            PeerApi(f"127.0.0.1:{port}", timeout=5).get("/nodes")
+        thread.join(5)
 
 
 def test_an_unreachable_api_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,10 +84,6 @@ export function message(kind, text) {
   return h("div", { class: `message ${kind}`, role: kind === "error" ? "alert" : "status" }, text);
 }
 
-export function field(label, control, hint) {
-  return h("label", { class: "field" }, h("span", {}, label), control, hint ? h("small", {}, hint) : null);
-}
-
 /** A button that asks for a second click before running a destructive action. */
 export function confirmButton(label, confirmLabel, action, attrs = {}) {
   let armed = false;
