@@ -95,7 +95,7 @@ def test_every_page_loads_without_console_errors(swarm, page, tmp_path: Path) ->
     # The media API may be absent from this peer: a clear message, never a blank page.
     for name in ("generate", "storage"):
         tab.goto(f"{peers['b'].url}/#/{name}")
-        tab.wait_for_selector("#page .message, #page section.card h2")
+        tab.wait_for_selector("#page .message:not(.loading), #page section.card h2")
         text = tab.inner_text("#page")
         assert "not available on this peer" in text or "not configured" in text or "Speech" in text or "By origin" in text, text
         shoot(tab, tmp_path, name)

@@ -79,6 +79,11 @@ export function stateBadge(state, idle = false) {
   return h("span", { class: `badge state-${label}`, "data-state": state }, label);
 }
 
+/** A placeholder while the first answer is on its way (tests wait for it to go). */
+export function loading(text) {
+  return h("div", { class: "message info loading", role: "status" }, text);
+}
+
 /** A message box: kind is "error", "info" or "ok". */
 export function message(kind, text) {
   return h("div", { class: `message ${kind}`, role: kind === "error" ? "alert" : "status" }, text);

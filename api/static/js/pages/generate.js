@@ -3,7 +3,7 @@
 // the page says so instead of showing an empty form.
 
 import { ApiError, get, request } from "../api.js";
-import { fill, fmtNumber, h, message, unavailable } from "../dom.js";
+import { fill, fmtNumber, h, loading, message, unavailable } from "../dom.js";
 
 const TERMINAL = new Set(["completed", "failed", "cancelled", "expired"]);
 const TRANSCRIBE_PROMPT = "Transcribe this audio clip word for word.";
@@ -17,7 +17,7 @@ function readsAudio(g) {
 }
 
 export function mount(root, page) {
-  const body = h("div", {}, message("info", "Asking this peer what it can generate…"));
+  const body = h("div", {}, loading("Asking this peer what it can generate…"));
   root.append(h("div", { class: "page-head" }, h("h1", {}, "Generate"), h("span", { class: "muted" }, "speech and transcription jobs")), body);
   const jobsBox = h("div", { id: "jobs" });
   const watching = new Map(); // job id -> EventSource

@@ -3,14 +3,14 @@
 
 import { get } from "../api.js";
 import { sparkline } from "../charts.js";
-import { fill, fmtDuration, fmtNumber, h, message, shortId, stateBadge } from "../dom.js";
+import { fill, fmtDuration, fmtNumber, h, loading, message, shortId, stateBadge } from "../dom.js";
 
 const POLL_MS = 3000;
 const SAMPLES_MS = 10000; // nodes sample every 10 s
 const NUMERIC = new Set([0, 1, 4, 8, 9, 10, 11]); // right-aligned columns
 
 export function mount(root, page) {
-  const table = h("div", { class: "card" }, message("info", "Loading nodes…"));
+  const table = h("div", { class: "card" }, loading("Loading nodes…"));
   root.append(h("div", { class: "page-head" }, h("h1", {}, "Nodes"),
     h("span", { class: "muted" }, "ranked by throughput and latency; click a row for its hardware")), table);
   const samples = new Map(); // node id -> [{tps, latency_ms, ts_ms}]
@@ -45,7 +45,7 @@ export function mount(root, page) {
   function hardwareRow(nodeId, cols) {
     const hw = hardware.get(nodeId);
     let content;
-    if (!hw) content = message("info", "Loading hardware…");
+    if (!hw) content = loading("Loading hardware…");
     else if (hw instanceof Error) content = message("error", hw.describe ? hw.describe() : hw.message);
     else {
       const entries = Object.entries(hw);

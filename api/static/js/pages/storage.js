@@ -4,11 +4,11 @@
 import { get, request } from "../api.js";
 import { adminHeaders } from "../admin_token.js";
 import { hbars } from "../charts.js";
-import { confirmButton, fill, fmtBytes, fmtNumber, h, message, shortId, unavailable } from "../dom.js";
+import { confirmButton, fill, fmtBytes, fmtNumber, h, loading, message, shortId, unavailable } from "../dom.js";
 
 export function mount(root, page) {
   let kind = "generated";
-  const usageBox = h("div", {}, message("info", "Reading artifact usage…"));
+  const usageBox = h("div", {}, loading("Reading artifact usage…"));
   const listBox = h("div", {});
   const orphanBox = h("div", {});
   const result = h("div", {});

@@ -3,7 +3,7 @@
 // showing which peer holds which layers. Polls /nodes every 2 s.
 
 import { get } from "../api.js";
-import { fill, fmtNumber, h, message, s, shortId, stateBadge } from "../dom.js";
+import { fill, fmtNumber, h, loading, message, s, shortId, stateBadge } from "../dom.js";
 import { gaps, lanes, layerCounts, modelsOf, runs, serving } from "../coverage.js";
 
 const POLL_MS = 2000;
@@ -146,7 +146,7 @@ function modelCard(model) {
 
 export function mount(root, page) {
   const head = h("div", { class: "page-head" }, h("h1", {}, "Swarm"), h("span", { class: "muted live" }, "live"), legend());
-  const body = h("div", {}, message("info", "Loading the registry…"));
+  const body = h("div", {}, loading("Loading the registry…"));
   root.append(head, body);
   let selfPeer = "";
   get("/health", { signal: page.signal }).then((health) => { selfPeer = health.peer_id; }, () => {});
