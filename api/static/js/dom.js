@@ -114,7 +114,7 @@ export function confirmButton(label, confirmLabel, action, attrs = {}) {
 /** The message for an optional part of the API this peer does not serve or has not configured. */
 export function unavailable(err, what) {
   if (err && err.status && (err.status === 404 || err.status === 405)) {
-    return message("info", `${what} is not available on this peer: it does not serve ${err.path}. ` +
+    return message("info", `${what} is not available on this peer: it does not serve ${err.path.split("?")[0]}. ` +
       "Peers built without the media API still serve everything else.");
   }
   if (err && err.status === 503) return message("info", `${what} is not configured on this peer: ${err.message}`);
