@@ -231,6 +231,39 @@ def test_reassign_and_force_remove_send_the_token_and_say_what_happened(swarm, p
     assert console.errors() == []
 
 
+def fake_node(n: int, model: str, start: int, end: int, n_layers: int, state: str = "Ready", **extra: object) -> dict[str, object]:
+    peer = f"12D3KooWfake{n:08d}"
+    return {"node_id": peer, "peer_id": peer, "model_id": model, "start_layer": start, "end_layer": end,
+            "n_layers": n_layers, "state": state, "idle": False, "throughput_tps": 20.0 + n, "legacy": False, **extra}  # fmt: skip
+
+
+def test_the_swarm_page_draws_every_state_replicas_and_two_models(swarm, page, tmp_path: Path) -> None:
+    """A bigger swarm than this test can afford to run, as the registry would list it."""
+    _, peers, _ = swarm
+    tab, console = page
+    nodes = [
+        fake_node(1, "qwen3:8b", 0, 12, 36), fake_node(2, "qwen3:8b", 0, 12, 36), fake_node(3, "qwen3:8b", 12, 24, 36),
+        fake_node(4, "qwen3:8b", 12, 24, 36, "Degraded"), fake_node(5, "qwen3:8b", 24, 36, 36, idle=True),
+        fake_node(6, "qwen3:8b", 24, 30, 36, "Joining"), fake_node(7, "qwen3:8b", 30, 36, 36, legacy=True),
+        fake_node(8, "smollm2:135m", 0, 15, 30), fake_node(9, "smollm2:135m", 15, 30, 30, "Dead"),
+    ]  # fmt: skip
+    FakeApi(tab, {("GET", "/nodes"): (200, {}, nodes)})
+    tab.goto(peers["a"].url + "/#/swarm")
+    tab.wait_for_selector('svg.coverage[data-model="smollm2:135m"] rect.cov', state="attached")
+    counts = {model: tab.eval_on_selector_all(f'svg.coverage[data-model="{model}"] rect.cov', "els => els.map(e => Number(e.dataset.count))")
+              for model in ("qwen3:8b", "smollm2:135m")}  # fmt: skip
+    assert counts["qwen3:8b"] == [2] * 12 + [1] * 12 + [0] * 6 + [1] * 6  # idle, Joining, Degraded hold nothing
+    assert counts["smollm2:135m"] == [1] * 15 + [0] * 15
+    states = dict(tab.eval_on_selector_all("svg.network g.peer", "els => els.map(e => [e.dataset.node, e.getAttribute('class')])"))
+    assert states[nodes[4]["node_id"]] == "peer state-Idle" and states[nodes[3]["node_id"]] == "peer state-Degraded"
+    assert states[nodes[5]["node_id"]] == "peer state-Joining" and states[nodes[8]["node_id"]] == "peer state-Dead"
+    cards = tab.inner_text("#page")
+    assert "gap: layers 24–30" in cards and "gap: layers 15–30" in cards and "(legacy)" in cards
+    assert "5 / 9" in cards  # nodes serving: 1, 2, 3, 7 and 8
+    shoot(tab, tmp_path, "swarm-bigger")
+    assert console.errors() == []
+
+
 def test_reasoning_shows_apart_from_the_answer_and_stream_errors_as_messages(swarm, page, tmp_path: Path) -> None:
     _, peers, _ = swarm
     tab, console = page

@@ -120,11 +120,17 @@ function coverageChart(model) {
     const w = Math.max(2, x(node.end_layer) - x(node.start_layer) - 2);
     svg.append(s("g", { class: `lane state-${st}`, "data-node": node.node_id, "data-state": node.state },
       s("rect", { x: x(node.start_layer) + 1, y, width: w, height: LANE - 6, rx: 4 }),
-      w > 70 ? s("text", { x: x(node.start_layer) + 8, y: y + 16, class: "lane-label" },
-        `${shortId(node.peer_id)} · ${node.start_layer}–${node.end_layer} · ${st}`) : null,
+      laneLabel(node, st, w) ? s("text", { x: x(node.start_layer) + 8, y: y + 16, class: "lane-label" }, laneLabel(node, st, w)) : null,
       s("title", {}, `${node.node_id}: layers ${node.start_layer}-${node.end_layer}, ${st}`)));
   }
   return svg;
+}
+
+/** The longest label that fits a lane ``width`` units wide (about 7.5 units a character). */
+function laneLabel(node, state, width) {
+  const range = `${node.start_layer}–${node.end_layer}`;
+  const options = [`${shortId(node.peer_id)} · ${range} · ${state}`, `${shortId(node.peer_id)} · ${range}`, range];
+  return options.find((text) => text.length * 7.5 + 16 <= width) || "";
 }
 
 function modelCard(model) {
