@@ -465,7 +465,7 @@ def test_chat_command_streams_a_conversation(swarm) -> None:
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(swarm) -> None:
     _, peers, _ = swarm
-    proc = subprocess.Popen([sys.executable, "-m", "inclavate", "chat", "--api", peers["b"].url, "--max-tokens", "96"],
+    proc = subprocess.Popen([sys.executable, "-m", "inclavate", "chat", "--api", peers["b"].url, "--max-tokens", "48"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)  # fmt: skip
     try:
         assert proc.stdin is not None and proc.stdout is not None
