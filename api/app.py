@@ -21,6 +21,7 @@ from api import (
     routes_admin,
     routes_artifacts,
     routes_chat,
+    routes_dashboard,
     routes_files,
     routes_metrics,
     routes_models,
@@ -44,6 +45,7 @@ INSTALLERS: list[Installer] = [
     routes_admin.install,
     routes_artifacts.install,
     routes_files.install,
+    routes_dashboard.install,
 ]
 
 

@@ -15,9 +15,10 @@ from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.catalog import ModelSpec
 from inclavate.metrics import MinuteArchive
 from inclavate.pipeline import Pipeline
-from inclavate.types import LayerRange, ModelId, NodeId
+from inclavate.types import LayerRange, ModelId, NodeId, SessionId
 from p2p.coverage import ModelCoverage
 from p2p.registry import NodeView
+from p2p.routing import Hop
 
 
 class PeerContext(Protocol):
@@ -56,6 +57,10 @@ class PeerContext(Protocol):
 
     def pipeline(self, model_id: str) -> Pipeline:
         """A pipeline over the swarm for a new session (raises ``NoRoute``)."""
+        ...
+
+    def session_route(self, session_id: SessionId) -> list[Hop] | None:
+        """The route of a session this peer drives as entry, while it is open (None otherwise)."""
         ...
 
     def metrics_archive(self) -> MinuteArchive:

@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions`` (JSON and SSE), ``/ws/chat`` and ``DELETE /sessions/:id``.
+"""``POST /v1/chat/completions`` (JSON and SSE), ``/ws/chat``, ``GET``/``DELETE /sessions/:id``.
 
 A streamed generation runs as a task in the app's nursery and hands deltas to the response
 over a channel. If the client goes away, the response is cancelled and cancels the task,
@@ -11,6 +11,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -23,6 +24,7 @@ from api.context import PeerContext
 from api.errors import NotFound, error_response_parts
 from api.generation import GenerationResult
 from api.reasoning_split import Delta
+from api.session_routes import RouteBook
 from api.sessions import ActiveSessions
 from inclavate.types import SessionId
 
@@ -35,12 +37,35 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _run(job: ChatJob, sessions: ActiveSessions, emit: Any) -> GenerationResult:
-    with sessions.track(job.session_id):
-        return await job.generation.run(emit)
+@dataclass(frozen=True)
+class _Tracking:
+    """What this peer keeps about the generations it drives as entry peer."""
+
+    ctx: PeerContext
+    sessions: ActiveSessions
+    """In flight, for ``DELETE /sessions/:id``."""
+    routes: RouteBook
+    """Recent routes, for ``GET /sessions/:id``."""
 
 
-def _events(app: QuartTrio, job: ChatJob, sessions: ActiveSessions) -> AsyncIterator[dict[str, Any]]:
+async def _run(job: ChatJob, tracking: _Tracking, emit: Any) -> GenerationResult:
+    sid, model = job.session_id, job.request.model
+
+    async def noting_route(delta: Delta) -> None:
+        # The route exists once the first step ran (and may move on failover): read it while
+        # the session is open, since closing it forgets the route.
+        tracking.routes.note(sid, model, tracking.ctx.session_route(sid))
+        await emit(delta)
+
+    tracking.routes.note(sid, model, None)
+    with tracking.sessions.track(sid):
+        try:
+            return await job.generation.run(noting_route)
+        finally:
+            tracking.routes.note(sid, model, None, active=False)
+
+
+def _events(app: QuartTrio, job: ChatJob, tracking: _Tracking) -> AsyncIterator[dict[str, Any]]:
     """Chunks of a streamed generation (errors as ``{"error": ...}``), produced by a task
     in the app's nursery so the response can be cancelled without losing the cleanup."""
     send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
@@ -56,7 +81,7 @@ def _events(app: QuartTrio, job: ChatJob, sessions: ActiveSessions) -> AsyncIter
     async def produce() -> None:
         with scope:
             try:
-                result = await _run(job, sessions, emit)
+                result = await _run(job, tracking, emit)
                 for final in final_chunks(job, result, "".join(held)):
                     send.send_nowait(("chunk", final))
             except Exception as exc:  # noqa: BLE001 - reported to the client, never raised into the app
@@ -82,6 +107,7 @@ def _events(app: QuartTrio, job: ChatJob, sessions: ActiveSessions) -> AsyncIter
 def install(app: QuartTrio, ctx: PeerContext) -> None:
     app.config["RESPONSE_TIMEOUT"] = None  # generations stream for as long as they take
     sessions: ActiveSessions = app.extensions["inclavate.sessions"]
+    tracking = _Tracking(ctx, sessions, RouteBook())
 
     @app.post("/v1/chat/completions")
     async def chat_completions():  # type: ignore[no-untyped-def]
@@ -96,7 +122,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         if job.request.stream:
 
             async def body() -> AsyncIterator[bytes]:
-                async for item in _events(app, job, sessions):
+                async for item in _events(app, job, tracking):
                     yield _sse(item)
                 yield b"data: [DONE]\n\n"
 
@@ -105,7 +131,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             response.timeout = None
             return response
         collected = Collected()
-        result = await _run(job, sessions, collected.add)
+        result = await _run(job, tracking, collected.add)
         response = jsonify(completion_body(job, result, collected))
         response.headers.update(headers)
         return response
@@ -125,9 +151,17 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
                 status, body = error_response_parts(exc)
                 await websocket.send(json.dumps({**body, "status": status}))
                 continue
-            async for item in _events(app, job, sessions):
+            async for item in _events(app, job, tracking):
                 await websocket.send(json.dumps(item, separators=(",", ":")))
             await websocket.send("[DONE]")
+
+    @app.get("/sessions/<session_id>")
+    async def session_route(session_id: str):  # type: ignore[no-untyped-def]
+        """Which peers (and layers) a recent session of this peer went through; read-only."""
+        found = tracking.routes.get(SessionId(session_id.removeprefix("chatcmpl-")))
+        if found is None:
+            raise NotFound(f"no recent generation session {session_id[:80]!r} on this peer")
+        return jsonify(found.to_json())
 
     @app.delete("/sessions/<session_id>")
     async def close_session(session_id: str):  # type: ignore[no-untyped-def]

@@ -32,6 +32,7 @@ def node_json(view: NodeView) -> dict[str, Any]:
         "requests_served": r.counters.requests_served,
         "errors": r.counters.errors,
         "avg_latency_ms": r.counters.avg_latency_ms,
+        "throughput_tps": r.throughput_tps,  # beyond the spec: tokens/s while busy (dashboard, status)
         "uptime_s": r.uptime_s,
         "peer_id": r.peer_id,
         "multiaddrs": list(r.multiaddrs),

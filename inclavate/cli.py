@@ -58,11 +58,21 @@ def add_models_command(subparsers: argparse._SubParsersAction[argparse.ArgumentP
 def _installers() -> tuple[CommandInstaller, ...]:
     # Imported here: these commands pull in the engine (llama.cpp) and the network stack,
     # which `inclavate pull` and `inclavate models` do not need to load.
+    from inclavate.chat_cmd import add_chat_command
     from inclavate.generate_cmd import add_generate_command
     from inclavate.peer_cmd import add_peer_command
+    from inclavate.status_cmd import add_status_command
     from inclavate.swarm_cmd import add_swarm_command
 
-    return (add_pull_command, add_models_command, add_swarm_command, add_peer_command, add_generate_command)
+    return (
+        add_pull_command,
+        add_models_command,
+        add_swarm_command,
+        add_peer_command,
+        add_status_command,
+        add_chat_command,
+        add_generate_command,
+    )
 """Every subcommand, in ``--help`` order."""
 
 

@@ -40,7 +40,7 @@ from inclavate.peer_config import PeerConfig, capacity
 from inclavate.pipeline import Pipeline
 from inclavate.ports import port_in_use
 from inclavate.store import ModelStore
-from inclavate.types import LayerRange, ModelId, NodeId, PeerId
+from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from node.gguf_slice import write_vocab_only
 from node.engine import LayerEngine
 from node.engines import load_engine
@@ -60,7 +60,7 @@ from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
-from p2p.routing import CostModel, choose_route
+from p2p.routing import CostModel, Hop, choose_route
 from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
@@ -395,6 +395,12 @@ class Peer:
 
     def _live_peers(self) -> list[str]:
         return sorted({v.record.peer_id for v in self.views() if v.state != "Dead"})
+    def session_route(self, session_id: SessionId) -> list[Hop] | None:
+        for pipeline in self._pipelines.values():
+            route = pipeline.route_of(session_id)
+            if route is not None:
+                return route
+        return None
 
     def metrics_archive(self) -> MetricsStore:
         assert self.metrics_store is not None

@@ -72,7 +72,8 @@ def _swarm(args: argparse.Namespace) -> int:
 
 
 def _print_usage(url: str, model_id: str) -> None:
-    print(f"\nInclavate swarm serving {model_id}. OpenAI-compatible API: {url}/v1\n")
+    print(f"\nInclavate swarm serving {model_id}. OpenAI-compatible API: {url}/v1")
+    print(f"Dashboard: {url}/ (every peer serves it)\n")
     print("Try:")
     print(f"  curl {url}/v1/chat/completions -H 'content-type: application/json' \\")
     print(f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'")

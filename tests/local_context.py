@@ -79,6 +79,9 @@ class LocalContext:
     def pipeline(self, model_id: str) -> LocalPipeline:
         return self.local_pipeline
 
+    def session_route(self, session_id: str) -> None:
+        return None  # one process: no peers to route through
+
     def metrics_archive(self) -> _NoArchive:
         return _NoArchive()
 

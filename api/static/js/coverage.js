@@ -1,0 +1,60 @@
+// Pure functions over the /nodes JSON: per-layer replica counts, lanes for drawing.
+// `inclavate status` computes the same in Python (inclavate/swarm_view.py).
+
+/** A node that can carry a new chain: Ready and not set idle. */
+export function serving(node) {
+  return node.state === "Ready" && !node.idle;
+}
+
+/** Models seen in /nodes, each with its layer count and its nodes sorted by range. */
+export function modelsOf(nodes) {
+  const byModel = new Map();
+  for (const node of nodes) {
+    const model = byModel.get(node.model_id) || { id: node.model_id, nLayers: 0, nodes: [] };
+    model.nLayers = Math.max(model.nLayers, node.n_layers || node.end_layer || 0);
+    model.nodes.push(node);
+    byModel.set(node.model_id, model);
+  }
+  const models = [...byModel.values()].sort((a, b) => a.id.localeCompare(b.id));
+  for (const m of models) {
+    m.nodes.sort((a, b) => a.start_layer - b.start_layer || a.end_layer - b.end_layer || a.node_id.localeCompare(b.node_id));
+  }
+  return models;
+}
+
+/** How many serving nodes hold each layer 0..nLayers-1. */
+export function layerCounts(nodes, nLayers) {
+  const counts = new Array(nLayers).fill(0);
+  for (const node of nodes) {
+    if (!serving(node)) continue;
+    for (let l = Math.max(0, node.start_layer); l < Math.min(nLayers, node.end_layer); l += 1) counts[l] += 1;
+  }
+  return counts;
+}
+
+/** Runs of equal count: [{start, end, count}], end exclusive. */
+export function runs(counts) {
+  const out = [];
+  counts.forEach((count, layer) => {
+    const last = out[out.length - 1];
+    if (last && last.count === count) last.end = layer + 1;
+    else out.push({ start: layer, end: layer + 1, count });
+  });
+  return out;
+}
+
+/** Layer ranges no serving node holds. */
+export function gaps(counts) {
+  return runs(counts).filter((r) => r.count === 0);
+}
+
+/** Greedy interval packing: each node gets the first lane where it overlaps nothing. */
+export function lanes(nodes) {
+  const ends = [];
+  return nodes.map((node) => {
+    let lane = ends.findIndex((end) => end <= node.start_layer);
+    if (lane < 0) { lane = ends.length; ends.push(0); }
+    ends[lane] = node.end_layer;
+    return { node, lane };
+  });
+}

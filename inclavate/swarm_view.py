@@ -1,0 +1,173 @@
+"""The swarm as text, for ``inclavate status``: pure functions over the ``/nodes`` JSON.
+
+The dashboard's Swarm page draws the same picture in the browser
+(``api/static/js/coverage.js``): per model, how many serving nodes hold each layer, and
+which node holds which range. A node *serves* when it is Ready and not set idle, the same
+rule routing uses, so a layer showing 0 is one no new chat can get through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Node = Mapping[str, Any]
+
+RED, GREEN, YELLOW, BLUE, GREY, BOLD, DIM, RESET = (
+    "\x1b[31m", "\x1b[32m", "\x1b[33m", "\x1b[34m", "\x1b[90m", "\x1b[1m", "\x1b[2m", "\x1b[0m",
+)  # fmt: skip
+STATE_COLOURS = {"Ready": GREEN, "Joining": BLUE, "Degraded": YELLOW, "Dead": RED, "Idle": GREY}
+MAX_CELLS = 60
+"""Widest coverage strip: beyond this many layers one character stands for several."""
+
+
+def serving(node: Node) -> bool:
+    return node.get("state") == "Ready" and not node.get("idle")
+
+
+def state_label(node: Node) -> str:
+    state = str(node.get("state", "?"))
+    return "Idle" if state == "Ready" and node.get("idle") else state
+
+
+@dataclass(frozen=True)
+class ModelView:
+    model_id: str
+    n_layers: int
+    nodes: tuple[Node, ...]
+
+    @property
+    def counts(self) -> list[int]:
+        return layer_counts(self.nodes, self.n_layers)
+
+
+def models_of(nodes: Sequence[Node]) -> list[ModelView]:
+    """Models in ``/nodes`` order by id, each with its nodes sorted by range."""
+    grouped: dict[str, list[Node]] = {}
+    for node in nodes:
+        grouped.setdefault(str(node.get("model_id", "?")), []).append(node)
+    out = []
+    for model_id in sorted(grouped):
+        members = sorted(grouped[model_id], key=lambda n: (n.get("start_layer", 0), n.get("end_layer", 0), str(n.get("node_id"))))
+        n_layers = max(int(n.get("n_layers") or n.get("end_layer") or 0) for n in members)
+        out.append(ModelView(model_id, n_layers, tuple(members)))
+    return out
+
+
+def layer_counts(nodes: Sequence[Node], n_layers: int) -> list[int]:
+    """How many serving nodes hold each layer ``0..n_layers-1``."""
+    counts = [0] * n_layers
+    for node in nodes:
+        if serving(node):
+            for layer in range(max(0, int(node["start_layer"])), min(n_layers, int(node["end_layer"]))):
+                counts[layer] += 1
+    return counts
+
+
+def runs(counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal count as ``(start, end, count)``, end exclusive."""
+    out: list[tuple[int, int, int]] = []
+    for layer, count in enumerate(counts):
+        if out and out[-1][2] == count:
+            out[-1] = (out[-1][0], layer + 1, count)
+        else:
+            out.append((layer, layer + 1, count))
+    return out
+
+
+def coverage_strip(counts: Sequence[int], *, color: bool = False, max_cells: int = MAX_CELLS) -> str:
+    """One character per layer (or per group of layers, showing the group's minimum):
+    the replica count, ``+`` above 9, ``!`` for a layer nobody serves."""
+    if not counts:
+        return ""
+    per_cell = -(-len(counts) // max_cells)
+    cells = [min(counts[i : i + per_cell]) for i in range(0, len(counts), per_cell)]
+    out = []
+    for count in cells:
+        char = "!" if count == 0 else str(count) if count < 10 else "+"
+        out.append(_paint(char, RED if count == 0 else GREEN if count > 1 else "", color))
+    return "".join(out)
+
+
+def render_status(nodes: Sequence[Node], api: str, *, color: bool = False) -> str:
+    """The whole ``inclavate status`` screen."""
+    lines = [_paint(f"Inclavate swarm at {api}", BOLD, color)]
+    models = models_of(nodes)
+    if not nodes:
+        return "\n".join([*lines, "", "No node is registered yet."])
+    peers = len({n.get("peer_id") for n in nodes})
+    ready = sum(serving(n) for n in nodes)
+    lines.append(f"{peers} peer{'s' * (peers != 1)}, {ready}/{len(nodes)} nodes serving, {len(models)} model{'s' * (len(models) != 1)}")
+    for model in models:
+        lines += ["", *_model_lines(model, color)]
+    lines += ["", *_node_table(models, color)]
+    return "\n".join(lines)
+
+
+def _model_lines(model: ModelView, color: bool) -> list[str]:
+    counts = model.counts
+    gaps = [(s, e) for s, e, c in runs(counts) if c == 0]
+    if gaps:
+        health = _paint("gap at layers " + ", ".join(f"{s}-{e}" for s, e in gaps), RED, color)
+    else:
+        health = _paint("chain complete", GREEN, color)
+    fewest = min(counts) if counts else 0
+    strip = coverage_strip(counts, color=color)
+    per_cell = -(-model.n_layers // MAX_CELLS) if model.n_layers else 1
+    scale = f"1 char = {per_cell} layers" if per_cell > 1 else "1 char = 1 layer"
+    replicas = ", ".join(f"{s}-{e} x{c}" for s, e, c in runs(counts))
+    return [
+        _paint(model.model_id, BOLD, color) + f"  {model.n_layers} layers  {health}  (fewest replicas: {fewest})",
+        f"  coverage [{strip}]  {scale}",
+        f"  replicas {replicas}",
+    ]
+
+
+def _node_table(models: Sequence[ModelView], color: bool) -> list[str]:
+    header = ("NODE", "MODEL", "LAYERS", "STATE", "TOK/S", "STEP MS", "REQUESTS", "UPTIME")
+    rows = []
+    for model in models:
+        for n in model.nodes:
+            rows.append((
+                _short(str(n.get("node_id", ""))) + (" (legacy)" if n.get("legacy") else ""),
+                model.model_id,
+                f"{n.get('start_layer')}-{n.get('end_layer')}",
+                state_label(n),
+                _number(n.get("throughput_tps"), 1),
+                _number(n.get("avg_latency_ms"), 1),
+                _number(n.get("requests_served"), 0),
+                _duration(n.get("uptime_s")),
+            ))  # fmt: skip
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    out = [_paint("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(), DIM, color)]
+    for row in rows:
+        cells = [c.ljust(w) for c, w in zip(row, widths, strict=True)]
+        cells[3] = _paint(cells[3], STATE_COLOURS.get(row[3], ""), color)
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _short(node_id: str) -> str:
+    return "…" + node_id[-8:] if len(node_id) > 12 else node_id
+
+
+def _number(value: object, digits: int) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _duration(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "-"
+    s = int(value)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _paint(text: str, code: str, color: bool) -> str:
+    return f"{code}{text}{RESET}" if color and code else text

@@ -1,0 +1,156 @@
+"""``inclavate status`` and ``inclavate chat`` rendering: pure functions over the API's JSON."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from inclavate.chat_cmd import Turn, stats_line
+from inclavate.cli import main
+from inclavate.local_swarm import free_port
+from inclavate.peer_api import PeerApi, PeerUnreachable, api_base, error_text, sse_events
+from inclavate.swarm_view import coverage_strip, layer_counts, models_of, render_status, runs
+
+
+def node(node_id: str, start: int, end: int, state: str = "Ready", *, idle: bool = False, model: str = "m:1",
+         n_layers: int = 30, tps: float = 40.0) -> dict:  # fmt: skip
+    return {"node_id": node_id, "peer_id": node_id, "model_id": model, "start_layer": start, "end_layer": end,
+            "n_layers": n_layers, "state": state, "idle": idle, "throughput_tps": tps, "avg_latency_ms": 3.25,
+            "requests_served": 7, "uptime_s": 3725, "legacy": False}  # fmt: skip
+
+
+SWARM = [node("12D3KooWaaaaaaaaaa", 0, 10), node("12D3KooWbbbbbbbbbb", 10, 20), node("12D3KooWcccccccccc", 20, 30),
+         node("12D3KooWdddddddddd", 20, 30)]  # fmt: skip
+
+
+def test_layer_counts_count_only_ready_nodes_that_are_not_idle() -> None:
+    nodes = [*SWARM, node("x", 0, 30, "Dead"), node("y", 0, 30, "Degraded"), node("z", 0, 30, idle=True), node("j", 0, 30, "Joining")]
+    counts = layer_counts(nodes, 30)
+    assert counts == [1] * 20 + [2] * 10
+    assert runs(counts) == [(0, 20, 1), (20, 30, 2)]
+
+
+def test_a_gap_shows_as_bangs_and_in_words() -> None:
+    nodes = [node("a", 0, 10), node("b", 10, 20), node("c", 20, 30, "Dead")]
+    assert coverage_strip(layer_counts(nodes, 30)) == "1" * 20 + "!" * 10
+    screen = render_status(nodes, "http://peer:8001")
+    assert "gap at layers 20-30" in screen
+    assert "(fewest replicas: 0)" in screen
+    assert "chain complete" not in screen
+
+
+def test_many_layers_are_grouped_by_their_weakest_layer() -> None:
+    counts = [2] * 100 + [0] + [2] * 19  # 120 layers -> 60 cells of 2 layers
+    strip = coverage_strip(counts)
+    assert len(strip) == 60 and strip[50] == "!" and set(strip) == {"2", "!"}
+    assert coverage_strip([12, 12]) == "++"
+
+
+def test_status_screen_lists_models_coverage_and_every_node() -> None:
+    screen = render_status([*SWARM, node("other", 0, 4, model="tiny:1", n_layers=4)], "http://127.0.0.1:8001")
+    lines = screen.splitlines()
+    assert lines[0] == "Inclavate swarm at http://127.0.0.1:8001"
+    assert "5 peers, 5/5 nodes serving, 2 models" in screen
+    assert "m:1  30 layers  chain complete  (fewest replicas: 1)" in screen
+    assert "  coverage [" + "1" * 20 + "2" * 10 + "]  1 char = 1 layer" in screen
+    assert "  replicas 0-20 x1, 20-30 x2" in screen
+    table = lines[lines.index(next(line for line in lines if line.startswith("NODE"))):]
+    assert len(table) == 6
+    assert "…aaaaaaaa  m:1     0-10    Ready  40.0   3.2" in screen
+    assert "1h02m" in screen
+    assert "\x1b[" not in screen
+
+
+def test_status_colours_states_only_when_asked() -> None:
+    screen = render_status([node("a", 0, 30, "Dead")], "u", color=True)
+    assert "\x1b[31mDead" in screen and "\x1b[31m!" in screen
+
+
+def test_status_of_an_empty_registry() -> None:
+    assert render_status([], "u").endswith("No node is registered yet.")
+
+
+def test_models_group_and_sort_nodes() -> None:
+    models = models_of([node("b", 10, 30), node("a", 0, 10), node("z", 0, 8, model="a:1", n_layers=8)])
+    assert [m.model_id for m in models] == ["a:1", "m:1"]
+    assert [n["node_id"] for n in models[1].nodes] == ["a", "b"]
+    assert models[1].n_layers == 30
+
+
+def test_a_turn_separates_reasoning_from_the_answer() -> None:
+    turn = Turn()
+    chunk = lambda **delta: {"choices": [{"delta": delta, "finish_reason": None}]}  # noqa: E731
+    printed = "".join([
+        turn.feed(chunk(role="assistant", content="")),
+        turn.feed(chunk(reasoning_content="Two plus ")),
+        turn.feed(chunk(reasoning_content="two.")),
+        turn.feed(chunk(content="4")),
+        turn.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]}),
+        turn.feed({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}}),
+    ])  # fmt: skip
+    assert printed == "(thinking) Two plus two.\n4"
+    assert (turn.content, turn.reasoning, turn.finish_reason, turn.tokens) == ("4", "Two plus two.", "stop", 5)
+    coloured = Turn(color=True)
+    assert coloured.feed(chunk(reasoning_content="hm")) == "\x1b[2m(thinking) \x1b[0m\x1b[2mhm\x1b[0m"
+
+
+def test_a_turn_reports_an_error_chunk() -> None:
+    turn = Turn()
+    turn.feed({"choices": [{"delta": {"content": "partial"}}]})
+    turn.feed({"error": "session abc was closed", "status": 409})
+    assert turn.error == "session abc was closed" and turn.content == "partial" and turn.tokens == 1
+    envelope = Turn()
+    envelope.feed({"error": {"message": "bad", "type": "x", "code": "x"}, "status": 400})
+    assert envelope.error == "bad"
+
+
+def test_stats_line_names_speed_finish_and_route() -> None:
+    turn = Turn(completion_tokens=20, finish_reason="length")
+    route = [{"peer_id": "12D3KooWabcdef", "start_layer": 0, "end_layer": 10}, {"peer_id": "12D3KooW123456", "start_layer": 10, "end_layer": 30}]
+    assert stats_line(turn, 2.0, route) == "[20 tokens, 10.0 tok/s, finish length, route …abcdef 0-10 → …123456 10-30]"
+    assert stats_line(Turn(), 0.0, None) == "[0 tokens]"
+
+
+def test_sse_events_stop_at_done_and_skip_noise() -> None:
+    lines = [b": comment\n", b"data: {\"a\": 1}\n", b"\n", b"data: not json\n", b"data: [1]\n", b"data: {\"b\": 2}\r\n",
+             b"data: [DONE]\n", b"data: {\"c\": 3}\n"]  # fmt: skip
+    assert list(sse_events(lines)) == [{"a": 1}, {"b": 2}]
+
+
+def test_api_addresses_and_error_bodies() -> None:
+    assert api_base("localhost:8001/") == "http://localhost:8001"
+    assert api_base("http://h:1/v1") == "http://h:1"
+    assert error_text(b'{"error": "no Ready chain"}') == "no Ready chain"
+    assert error_text(b'{"error": {"message": "bad media", "type": "t", "code": "c"}}') == "bad media"
+    assert error_text(b"<html>oops</html>") == "<html>oops</html>"
+
+
+def test_something_that_is_not_http_is_unreachable_too() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+
+        def answer_garbage() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+
+        thread = threading.Thread(target=answer_garbage, daemon=True)
+        thread.start()
+        with pytest.raises(PeerUnreachable, match="cannot reach the API"):
+            PeerApi(f"127.0.0.1:{port}", timeout=5).get("/nodes")
+        thread.join(5)
+
+
+def test_an_unreachable_api_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(PeerUnreachable, match="cannot reach the API at http://127.0.0.1:.*is a peer running there"):
+        PeerApi(url, timeout=2).get("/nodes")
+    for argv in (["status", "--api", url], ["chat", "--api", url]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot reach the API at ") and err.count("\n") == 1 and "Traceback" not in err
