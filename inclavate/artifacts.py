@@ -1,0 +1,435 @@
+"""One peer's artifact store: bytes in files under its data dir, metadata in SQLite.
+
+Interface (what the API and the generators use)::
+
+    store = ArtifactStore(data_dir, owner_peer_id, ArtifactConfig.from_env(os.environ))
+
+    # an upload, streamed: never held whole in memory
+    meta = await store.create(chunks, media_type="audio/wav", kind="uploaded",
+                              max_bytes=UPLOAD_MAX_BYTES, declared_size=content_length)
+
+    # a generator's output: visible as "pending" at once, "ready" (or "failed") later
+    async with store.begin(media_type="audio/wav", kind="generated", pending=True) as writer:
+        writer.id                     # known before the first byte (put it in the job)
+        await writer.write(b"...")    # any number of times
+        meta = await writer.commit()  # leaving the block without commit marks it failed
+
+    store.meta(id)                    # ArtifactMeta (ArtifactNotFound)
+    read = await store.open(id, "bytes=0-99")   # ArtifactRead: meta, range, chunks
+    async for chunk in read.chunks: ...         # (ArtifactNotReady, RangeMalformed, ...)
+    meta, data = await store.read_all(id, max_bytes)   # small inputs, e.g. a clip to transcribe
+    store.list(ListQuery(limit, offset, kind))  # ArtifactPage, (created_at DESC, id DESC)
+    store.usage()                               # Usage: COUNT/SUM split by origin
+    await store.delete(id)                      # ArtifactNotFound if absent
+    await store.run_sweeper()                   # in a nursery: deletes what expired
+
+Ids come from :func:`inclavate.owner_ids.new_id`, so any peer can tell whose store holds one.
+
+Crash safety. Bytes go to ``tmp/<id>.part`` and are hashed as they arrive; commit fsyncs
+the file, renames it to ``objects/<id>``, fsyncs the directory, and only then marks the row
+ready (the row is inserted then, for a plain upload). Delete removes the row first, then
+the file. So at any kill -9 the disk holds at worst a temp file, or an object without a
+ready row; :meth:`ArtifactStore.__init__` removes both (and fails rows left pending by a
+writer that died), so a restart never shows a ready artifact with missing or partial bytes
+and never keeps an orphan.
+
+Quotas count committed bytes plus the bytes in flight in open writers, so concurrent
+uploads cannot together overshoot ``max_bytes``; an object slot is taken at ``begin``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+import trio
+
+from inclavate.artifact_index import ArtifactIndex
+from inclavate.artifact_types import (
+    DEFAULT_MEDIA_TYPE,
+    UPLOAD_MAX_BYTES,
+    ArtifactConfig,
+    ArtifactKind,
+    ArtifactMeta,
+    ArtifactNotFound,
+    ArtifactNotReady,
+    ArtifactPage,
+    ArtifactTooLarge,
+    ArtifactUnavailable,
+    ListQuery,
+    QuotaExceeded,
+    Totals,
+    Usage,
+    now_ms,
+)
+from inclavate.byte_ranges import ByteRange, parse_range
+from inclavate.owner_ids import new_id, parse_id
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 256 * 1024
+_WRITE_BUFFER = 1024 * 1024
+"""Bytes gathered before one write+hash in a worker thread (fewer thread hops)."""
+
+
+@dataclass
+class ArtifactRead:
+    """An open read: what is served, and the bytes as an async iterator of chunks."""
+
+    meta: ArtifactMeta
+    range: ByteRange | None
+    """None: the whole object (200); otherwise the part served (206)."""
+    chunks: AsyncIterator[bytes]
+
+    @property
+    def length(self) -> int:
+        return self.range.length if self.range is not None else self.meta.size_bytes
+
+
+class ArtifactStore:
+    def __init__(self, data_dir: Path, owner: str, config: ArtifactConfig | None = None) -> None:
+        self.owner = owner
+        self.config = config or ArtifactConfig()
+        self.root = data_dir / "artifacts"
+        self._objects = self.root / "objects"
+        self._tmp = self.root / "tmp"
+        for d in (self._objects, self._tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        self.index = ArtifactIndex(self.root / "index.db")
+        self._inflight: dict[str, int] = {}  # open writer id -> bytes written so far
+        self._unindexed_writers = 0  # open writers that hold no row yet (an object slot each)
+        self._recover()
+        self._stored = self.index.stored()
+
+    def close(self) -> None:
+        self.index.close()
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Undo what a crash left (see the module docstring). Runs before serving."""
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        for id_ in self.index.ids_in_state("pending"):
+            self.index.mark_failed(id_, "the peer restarted while this artifact was being written")
+            log.warning("artifact %s was pending when the peer stopped: marked failed", id_)
+        ready = self.index.ids_in_state("ready")
+        on_disk = {p.name for p in self._objects.iterdir()}
+        for name in on_disk - ready:
+            (self._objects / name).unlink(missing_ok=True)
+            log.info("removed orphan artifact bytes %s (no ready row)", name)
+        for id_ in ready - on_disk:
+            self.index.delete(id_)
+            log.error("artifact %s was ready but its bytes are missing: removed its row", id_)
+
+    # -- writing -----------------------------------------------------------------------
+
+    def begin(
+        self,
+        *,
+        media_type: str = DEFAULT_MEDIA_TYPE,
+        kind: ArtifactKind,
+        max_bytes: int = UPLOAD_MAX_BYTES,
+        declared_size: int | None = None,
+        pending: bool = False,
+        filename: str | None = None,
+        purpose: str | None = None,
+    ) -> ArtifactWriter:
+        """Open a writer (use it as ``async with``). ``pending=True`` inserts a visible
+        pending row now (a job's output); otherwise the row appears at commit, ready.
+
+        Refuses at once, before any byte is read, what can already be known to fail:
+        ``declared_size`` (a Content-Length) over ``max_bytes`` (413) or over the space
+        the quota leaves (507), and a store at its object ceiling (507).
+        """
+        if declared_size is not None and declared_size > max_bytes:
+            raise ArtifactTooLarge(f"{declared_size} bytes is over the {max_bytes}-byte limit of one upload")
+        cfg = self.config
+        if cfg.max_objects and self._stored.objects + self._unindexed_writers >= cfg.max_objects:
+            raise QuotaExceeded(f"the artifact store holds its maximum of {cfg.max_objects} objects; delete some first")
+        self._check_bytes(declared_size or 0)
+        created = now_ms()
+        ttl = cfg.ttl_ms
+        meta = ArtifactMeta(
+            id=new_id(self.owner), media_type=media_type, size_bytes=0, digest=None, state="pending", kind=kind,
+            created_at_ms=created, expires_at_ms=created + ttl if ttl is not None else None,
+            filename=filename, purpose=purpose,
+        )  # fmt: skip
+        handle = open(self._tmp / f"{meta.id}.part", "xb")  # noqa: SIM115 - owned by the writer
+        if pending:
+            try:
+                self._insert(meta)
+            except BaseException:
+                handle.close()
+                (self._tmp / f"{meta.id}.part").unlink(missing_ok=True)
+                raise
+        else:
+            self._unindexed_writers += 1
+        self._inflight[meta.id] = 0
+        return ArtifactWriter(self, meta, handle, max_bytes, indexed=pending)
+
+    async def create(
+        self,
+        chunks: AsyncIterable[bytes],
+        *,
+        media_type: str = DEFAULT_MEDIA_TYPE,
+        kind: ArtifactKind = "uploaded",
+        max_bytes: int = UPLOAD_MAX_BYTES,
+        declared_size: int | None = None,
+        filename: str | None = None,
+        purpose: str | None = None,
+    ) -> ArtifactMeta:
+        """Stream ``chunks`` into a new ready artifact (nothing is kept if anything fails).
+
+        An async generator passed as ``chunks`` is closed on the way out, also when a limit
+        stops the upload half way.
+        """
+        try:
+            async with self.begin(media_type=media_type, kind=kind, max_bytes=max_bytes, declared_size=declared_size,
+                                  filename=filename, purpose=purpose) as writer:  # fmt: skip
+                async for chunk in chunks:
+                    await writer.write(chunk)
+                return await writer.commit()
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _check_bytes(self, more: int) -> None:
+        limit = self.config.max_bytes
+        if limit and self._stored.bytes + sum(self._inflight.values()) + more > limit:
+            raise QuotaExceeded(f"the artifact store is full ({limit} bytes); delete some artifacts first")
+
+    def _insert(self, meta: ArtifactMeta) -> None:
+        self.index.insert(meta)
+        self._stored = self._stored + Totals(meta.size_bytes, 1)
+
+    def _object_path(self, id_: str) -> Path:
+        return self._objects / id_
+
+    # -- reading -----------------------------------------------------------------------
+
+    def meta(self, id_: str) -> ArtifactMeta:
+        """Metadata of a live artifact in any state (ArtifactNotFound if absent or expired)."""
+        meta = self.index.get(parse_id(id_))
+        if meta is None or meta.expired(now_ms()):
+            raise ArtifactNotFound(f"no artifact {id_}")
+        return meta
+
+    async def open(self, id_: str, range_header: str | None = None) -> ArtifactRead:
+        """Open a ready artifact for reading, whole or one range of it."""
+        meta = self.meta(id_)
+        if not meta.ready:
+            raise ArtifactNotReady(f"artifact {meta.id} is {meta.state}; only ready artifacts can be read")
+        byte_range = parse_range(range_header, meta.size_bytes)
+        try:
+            handle = await trio.to_thread.run_sync(open, self._object_path(meta.id), "rb")
+        except FileNotFoundError:  # deleted between the row lookup and the open
+            raise ArtifactNotFound(f"no artifact {id_}") from None
+        except OSError as exc:
+            raise ArtifactUnavailable(f"cannot read artifact {meta.id}: {exc.strerror}") from exc
+        start, length = (byte_range.start, byte_range.length) if byte_range else (0, meta.size_bytes)
+        return ArtifactRead(meta, byte_range, _read_chunks(handle, start, length))
+
+    async def read_all(self, id_: str, max_bytes: int) -> tuple[ArtifactMeta, bytes]:
+        """A whole ready artifact in memory, for inputs known to be small (ArtifactTooLarge)."""
+        read = await self.open(id_)
+        if read.meta.size_bytes > max_bytes:
+            await read.chunks.aclose()  # type: ignore[attr-defined]
+            raise ArtifactTooLarge(f"artifact {read.meta.id} is {read.meta.size_bytes} bytes; the limit is {max_bytes}")
+        return read.meta, b"".join([chunk async for chunk in read.chunks])
+
+    def list(self, query: ListQuery) -> ArtifactPage:
+        return self.index.page(query, now_ms())
+
+    def usage(self) -> Usage:
+        totals = self.index.totals(now_ms())
+        cfg = self.config
+        return Usage(
+            generated=totals.get("generated", Totals()), uploaded=totals.get("uploaded", Totals()),
+            max_bytes=cfg.max_bytes, max_objects=cfg.max_objects, default_ttl_hours=cfg.ttl_hours,
+        )  # fmt: skip
+
+    # -- deleting ----------------------------------------------------------------------
+
+    async def delete(self, id_: str) -> ArtifactMeta:
+        """Remove row, then bytes (an open read keeps its file handle and finishes)."""
+        meta = self.index.delete(parse_id(id_))
+        if meta is None:
+            raise ArtifactNotFound(f"no artifact {id_}")
+        self._stored = self._stored + Totals(-meta.size_bytes, -1)
+        await trio.to_thread.run_sync(lambda: self._object_path(meta.id).unlink(missing_ok=True))
+        return meta
+
+    async def sweep_expired(self) -> int:
+        """Delete every artifact whose ``expires_at`` has passed; returns how many."""
+        swept = 0
+        while ids := self.index.expired_ids(now_ms()):
+            for id_ in ids:
+                try:
+                    await self.delete(id_)
+                    swept += 1
+                except ArtifactNotFound:
+                    pass
+        if swept:
+            log.info("swept %d expired artifact(s)", swept)
+        return swept
+
+    async def run_sweeper(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Sweep expired artifacts every ``sweep_interval_s`` (only when a TTL is set)."""
+        task_status.started()
+        if self.config.ttl_hours is None:
+            return
+        while True:
+            try:
+                await self.sweep_expired()
+            except ArtifactUnavailable as exc:
+                log.warning("artifact sweep failed, retrying later: %s", exc)
+            await trio.sleep(self.config.sweep_interval_s)
+
+
+async def _read_chunks(handle: BinaryIO, start: int, length: int) -> AsyncIterator[bytes]:
+    try:
+        await trio.to_thread.run_sync(handle.seek, start)
+        remaining = length
+        while remaining > 0:
+            chunk = await trio.to_thread.run_sync(handle.read, min(READ_CHUNK, remaining))
+            if not chunk:
+                raise ArtifactUnavailable("artifact bytes ended early (the file was truncated)")
+            remaining -= len(chunk)
+            yield chunk
+    finally:
+        handle.close()
+
+
+class ArtifactWriter:
+    """Bytes on their way into the store; see :meth:`ArtifactStore.begin`."""
+
+    def __init__(self, store: ArtifactStore, meta: ArtifactMeta, handle: BinaryIO, max_bytes: int, *, indexed: bool) -> None:
+        self.meta = meta
+        self._store = store
+        self._handle = handle
+        self._max_bytes = max_bytes
+        self._indexed = indexed
+        self._hash = hashlib.sha256()
+        self._buffer = bytearray()
+        self._size = 0
+        self._finished = False
+
+    @property
+    def id(self) -> str:
+        return self.meta.id
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    async def write(self, chunk: bytes) -> None:
+        """Append bytes (413 past ``max_bytes``, 507 past the store's byte quota)."""
+        if self._finished:
+            raise RuntimeError("write after commit or abort")
+        if self._size + len(chunk) > self._max_bytes:
+            raise ArtifactTooLarge(f"upload is over the {self._max_bytes}-byte limit")
+        self._store._check_bytes(len(chunk))
+        self._size += len(chunk)
+        self._store._inflight[self.id] = self._size
+        self._buffer += chunk
+        if len(self._buffer) >= _WRITE_BUFFER:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        data, self._buffer = bytes(self._buffer), bytearray()
+
+        def write() -> None:
+            self._hash.update(data)
+            self._handle.write(data)
+
+        try:
+            await trio.to_thread.run_sync(write)
+        except OSError as exc:
+            raise ArtifactUnavailable(f"cannot write artifact bytes: {exc.strerror}") from exc
+
+    async def commit(self) -> ArtifactMeta:
+        """Make the artifact ready (durably, see the module docstring) and return it."""
+        await self._flush()
+        tmp, final = self._tmp_path, self._store._object_path(self.id)
+
+        def persist() -> None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+
+        try:
+            await trio.to_thread.run_sync(persist)
+        except OSError as exc:
+            raise ArtifactUnavailable(f"cannot store artifact bytes: {exc.strerror}") from exc
+        store, digest = self._store, self._hash.hexdigest()
+        ready = ArtifactMeta(**{**self.meta.to_record(), "state": "ready", "size_bytes": self._size, "digest": digest})
+        try:
+            if self._indexed:
+                if not store.index.mark_ready(self.id, self._size, digest):
+                    raise ArtifactNotFound(f"artifact {self.id} was deleted while it was being written")
+                store._stored = store._stored + Totals(self._size, 0)
+            else:
+                store._insert(ready)
+        except BaseException:
+            final.unlink(missing_ok=True)
+            raise
+        finally:
+            self._release()
+        return ready
+
+    async def abort(self, reason: str = "the write did not complete") -> None:
+        """Discard the bytes; a pending row becomes failed with ``reason``."""
+        if self._finished:
+            return
+        self._release()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._discard)
+        if self._indexed:
+            self._store.index.mark_failed(self.id, reason)
+
+    def _discard(self) -> None:
+        self._handle.close()
+        self._tmp_path.unlink(missing_ok=True)
+        # A commit that failed after its rename (directory fsync, index) left bytes that
+        # no ready row points to: remove them now rather than at the next start.
+        self._store._object_path(self.id).unlink(missing_ok=True)
+
+    @property
+    def _tmp_path(self) -> Path:
+        return self._store._tmp / f"{self.id}.part"
+
+    def _release(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._store._inflight.pop(self.id, None)
+        if not self._indexed:
+            self._store._unindexed_writers -= 1
+
+    async def __aenter__(self) -> ArtifactWriter:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self._finished:
+            await self.abort(f"{type(exc).__name__}: {exc}" if exc is not None else "the writer closed without commit")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

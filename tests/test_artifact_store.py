@@ -1,0 +1,275 @@
+"""The local artifact store: streamed writes, digests, states, listing order, quotas, TTL,
+ranges, restarts, and what a kill -9 mid-upload leaves behind (nothing)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from inclavate import artifacts as artifacts_module
+from inclavate.artifact_types import (
+    ArtifactConfig,
+    ArtifactNotFound,
+    ArtifactNotReady,
+    ArtifactTooLarge,
+    ListQuery,
+    QuotaExceeded,
+)
+from inclavate.artifacts import ArtifactStore
+from inclavate.byte_ranges import RangeNotSatisfiable
+from inclavate.owner_ids import MalformedId, owner_tag, tag_of
+
+OWNER = "12D3KooWOwnerOwnerOwnerOwnerOwnerOwnerOwnerOwnerOwn"
+
+
+async def chunks_of(data: bytes, size: int = 70_000) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def make_store(tmp_path: Path, **config: object) -> ArtifactStore:
+    return ArtifactStore(tmp_path, OWNER, ArtifactConfig(**config))  # type: ignore[arg-type]
+
+
+async def read_whole(store: ArtifactStore, id_: str, range_header: str | None = None) -> bytes:
+    read = await store.open(id_, range_header)
+    return b"".join([c async for c in read.chunks])
+
+
+async def test_streamed_upload_is_stored_with_its_digest(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    data = os.urandom(3 * 1024 * 1024 + 17)  # crosses the write buffer several times
+    meta = await store.create(chunks_of(data), media_type="audio/wav")
+    assert meta.state == "ready" and meta.kind == "uploaded" and meta.size_bytes == len(data)
+    assert meta.digest == hashlib.sha256(data).hexdigest()
+    assert tag_of(meta.id) == owner_tag(OWNER)
+    body = meta.to_json()
+    assert body["created_at"].endswith("Z") and body["expires_at"] is None
+    assert "filename" not in body and "purpose" not in body
+    assert store.meta(meta.id) == meta
+    assert await read_whole(store, meta.id) == data
+    assert list((tmp_path / "artifacts" / "tmp").iterdir()) == []
+
+
+async def test_range_reads(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    data = bytes(range(256)) * 4000
+    meta = await store.create(chunks_of(data))
+    read = await store.open(meta.id, "bytes=1000-300999")
+    assert read.range is not None and read.length == 300000
+    assert b"".join([c async for c in read.chunks]) == data[1000:301000]
+    assert await read_whole(store, meta.id, f"bytes={len(data) - 3}-") == data[-3:]
+    with pytest.raises(RangeNotSatisfiable):
+        await store.open(meta.id, f"bytes=0-{len(data)}")
+
+
+async def test_size_cap_refuses_declared_and_streamed_bytes(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    with pytest.raises(ArtifactTooLarge):
+        await store.create(chunks_of(b""), max_bytes=10, declared_size=11)
+    with pytest.raises(ArtifactTooLarge):
+        await store.create(chunks_of(b"x" * 11, 3), max_bytes=10)
+    assert store.list(ListQuery()).artifacts == []
+    assert list((tmp_path / "artifacts" / "tmp").iterdir()) == []
+    assert store.usage().total.objects == 0
+
+
+async def test_byte_quota_counts_writes_in_flight(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_bytes=100)
+    first = await store.create(chunks_of(b"a" * 60))
+    with pytest.raises(QuotaExceeded):
+        await store.create(chunks_of(b"b" * 41))
+    with pytest.raises(QuotaExceeded):  # known from Content-Length before any byte
+        store.begin(kind="uploaded", declared_size=50)
+    async with store.begin(kind="uploaded") as w1, store.begin(kind="uploaded") as w2:
+        await w1.write(b"c" * 30)
+        with pytest.raises(QuotaExceeded):
+            await w2.write(b"d" * 11)
+        await w1.abort()
+    await store.delete(first.id)
+    await store.create(chunks_of(b"e" * 100))
+    assert store.usage().to_json()["bytes"] == 100
+
+
+async def test_object_quota(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_objects=2)
+    await store.create(chunks_of(b"1"))
+    async with store.begin(kind="generated", pending=True):
+        with pytest.raises(QuotaExceeded):
+            await store.create(chunks_of(b"2"))
+    # the aborted pending output stays as a failed row and still holds its slot
+    assert store.usage().total.objects == 2
+    with pytest.raises(QuotaExceeded):
+        store.begin(kind="uploaded")
+
+
+async def test_listing_order_pages_and_kind_filter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(tmp_path)
+    monkeypatch.setattr(artifacts_module, "now_ms", lambda: 1_000_000)  # all in the same millisecond
+    same_ms = [await store.create(chunks_of(b"u"), kind="uploaded") for _ in range(3)]
+    monkeypatch.setattr(artifacts_module, "now_ms", lambda: 2_000_000)
+    generated = [await store.create(chunks_of(b"gg"), kind="generated") for _ in range(2)]
+    monkeypatch.undo()
+    expected = sorted(generated, key=lambda m: m.id, reverse=True) + sorted(same_ms, key=lambda m: m.id, reverse=True)
+    whole = store.list(ListQuery(limit=100))
+    assert [m.id for m in whole.artifacts] == [m.id for m in expected] and not whole.truncated
+    walked = []
+    for offset in range(0, 5, 2):
+        page = store.list(ListQuery(limit=2, offset=offset))
+        walked += page.artifacts
+        assert page.truncated == (offset + 2 < 5)
+    assert [m.id for m in walked] == [m.id for m in expected]
+    assert {m.kind for m in store.list(ListQuery(kind="generated")).artifacts} == {"generated"}
+    assert len(store.list(ListQuery(kind="uploaded")).artifacts) == 3
+    after = store.list(ListQuery(after=expected[1].sort_key()))
+    assert [m.id for m in after.artifacts] == [m.id for m in expected[2:]]
+    usage = store.usage().to_json()
+    assert usage == {"bytes": 7, "objects": 5, "max_bytes": 0, "max_objects": 0,
+                     "generated": {"bytes": 4, "objects": 2}, "uploaded": {"bytes": 3, "objects": 3}}  # fmt: skip
+
+
+async def test_pending_output_becomes_ready_or_failed(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    async with store.begin(media_type="audio/wav", kind="generated", pending=True) as writer:
+        assert store.meta(writer.id).state == "pending"
+        with pytest.raises(ArtifactNotReady):
+            await store.open(writer.id)
+        await writer.write(b"RIFF")
+        meta = await writer.commit()
+    assert store.meta(meta.id).state == "ready" and await read_whole(store, meta.id) == b"RIFF"
+
+    with pytest.raises(ValueError):
+        async with store.begin(kind="generated", pending=True) as failing:
+            await failing.write(b"half")
+            raise ValueError("generator crashed")
+    failed = store.meta(failing.id)
+    assert failed.state == "failed" and "generator crashed" in (failed.error or "")
+    with pytest.raises(ArtifactNotReady):
+        await store.open(failed.id)
+    await store.delete(failed.id)
+
+
+async def test_delete_during_a_pending_write_wins(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    async with store.begin(kind="generated", pending=True) as writer:
+        await writer.write(b"abc")
+        await store.delete(writer.id)
+        with pytest.raises(ArtifactNotFound):
+            await writer.commit()
+    assert list((tmp_path / "artifacts" / "objects").iterdir()) == []
+    assert store.usage().total.objects == 0
+
+
+async def test_unknown_and_malformed_ids(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    with pytest.raises(ArtifactNotFound):
+        store.meta("1deaf021-07a3-407c-9d6f-1af47c23db18")
+    with pytest.raises(ArtifactNotFound):
+        await store.delete("1deaf021-07a3-407c-9d6f-1af47c23db18")
+    with pytest.raises(MalformedId):
+        await store.open("../index.db")
+
+
+async def test_ttl_expiry_hides_then_sweeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(tmp_path, ttl_hours=1.0)
+    meta = await store.create(chunks_of(b"soon gone"))
+    assert meta.expires_at_ms == meta.created_at_ms + 3_600_000
+    assert store.usage().to_json()["default_ttl_hours"] == 1.0
+    assert await store.sweep_expired() == 0
+    monkeypatch.setattr(artifacts_module, "now_ms", lambda: meta.created_at_ms + 3_600_000)
+    with pytest.raises(ArtifactNotFound):
+        store.meta(meta.id)  # expired reads as gone even before the sweep
+    assert store.list(ListQuery()).artifacts == [] and store.usage().total.objects == 0
+    assert await store.sweep_expired() == 1
+    assert list((tmp_path / "artifacts" / "objects").iterdir()) == []
+
+
+async def test_sweeper_task_runs_on_its_interval(tmp_path: Path) -> None:
+    store = make_store(tmp_path, ttl_hours=0.5 / 3600, sweep_interval_s=0.1)
+    meta = await store.create(chunks_of(b"x"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run_sweeper)
+        with trio.fail_after(10):
+            while (tmp_path / "artifacts" / "objects" / meta.id).exists():
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+
+
+async def test_ready_artifacts_survive_a_restart_byte_for_byte(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    data = os.urandom(2_000_000)
+    meta = await store.create(chunks_of(data), media_type="audio/wav", filename="a.wav", purpose="user_data")
+    store.close()
+    again = make_store(tmp_path)
+    assert again.meta(meta.id) == meta
+    assert await read_whole(again, meta.id) == data
+    assert again.usage().total.bytes == len(data)
+
+
+async def test_restart_cleans_what_a_crash_left(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    kept = await store.create(chunks_of(b"kept"))
+    lost = await store.create(chunks_of(b"lost"))
+    pending = store.begin(kind="generated", pending=True)
+    pending._handle.close()  # its process "dies" here, leaving the temp file
+    store.close()
+    root = tmp_path / "artifacts"
+    (root / "objects" / lost.id).unlink()  # a ready row whose bytes vanished
+    (root / "objects" / "1deaf021-07a3-407c-9d6f-1af47c23db18").write_bytes(b"renamed, never indexed")
+    assert (root / "tmp" / f"{pending.id}.part").exists()
+    again = make_store(tmp_path)
+    assert [m.id for m in again.list(ListQuery()).artifacts if m.state == "ready"] == [kept.id]
+    assert again.meta(pending.id).state == "failed"
+    with pytest.raises(ArtifactNotFound):
+        again.meta(lost.id)
+    assert sorted(p.name for p in (root / "objects").iterdir()) == [kept.id]
+    assert list((root / "tmp").iterdir()) == []
+
+
+CRASHING_UPLOAD = textwrap.dedent(
+    """
+    import sys, trio
+    from pathlib import Path
+    from inclavate.artifacts import ArtifactStore
+
+    async def main():
+        store = ArtifactStore(Path(sys.argv[1]), sys.argv[2])
+        pending = store.begin(kind="generated", pending=True)
+        plain = store.begin(kind="uploaded")
+        for _ in range(3):
+            await pending.write(b"p" * 1_000_000)
+            await plain.write(b"u" * 1_000_000)
+        print(pending.id, plain.id, flush=True)
+        await trio.sleep(60)
+
+    trio.run(main)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_upload_leaves_no_ready_artifact_and_no_orphan(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", CRASHING_UPLOAD, str(tmp_path), OWNER]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            pending_id, plain_id = proc.stdout.readline().split()  # type: ignore[union-attr]
+            assert len(list((tmp_path / "artifacts" / "tmp").iterdir())) == 2
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    store = make_store(tmp_path)
+    rows = store.list(ListQuery()).artifacts
+    assert [(m.id, m.state) for m in rows] == [(pending_id, "failed")]
+    with pytest.raises(ArtifactNotFound):
+        store.meta(plain_id)
+    root = tmp_path / "artifacts"
+    assert list((root / "tmp").iterdir()) == [] and list((root / "objects").iterdir()) == []
