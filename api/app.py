@@ -17,7 +17,16 @@ from quart import Response, jsonify
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
+from api import (
+    routes_admin,
+    routes_audio,
+    routes_chat,
+    routes_generations,
+    routes_metrics,
+    routes_models,
+    routes_nodes,
+    routes_system,
+)
 from api.context import PeerContext
 from api.errors import error_response_parts
 from api.sessions import ActiveSessions
@@ -32,6 +41,8 @@ INSTALLERS: list[Installer] = [
     routes_nodes.install,
     routes_chat.install,
     routes_admin.install,
+    routes_generations.install,
+    routes_audio.install,
 ]
 
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from api.chat_model import ChatModel
 from api.limits import RequestLimits
 from inclavate.catalog import ModelSpec
+from inclavate.generations import GenerationService
 from inclavate.metrics import MinuteArchive
 from inclavate.pipeline import Pipeline
 from inclavate.types import LayerRange, ModelId, NodeId
@@ -24,6 +25,8 @@ class PeerContext(Protocol):
     peer_id: str
     admin_token: str | None
     limits: RequestLimits
+    generations: GenerationService | None
+    """Generation jobs across the swarm; None where generation is not configured (503)."""
 
     def multiaddrs(self) -> list[str]: ...
 

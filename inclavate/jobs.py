@@ -204,16 +204,10 @@ class JobStore:
         with _mapped():
             return int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE state IN ('queued', 'running')").fetchone()[0])
 
-    def next_queued(self, models: set[str]) -> Job | None:
-        """The oldest queued job for one of ``models`` (those a worker can run)."""
-        if not models:
-            return None
-        marks = ",".join("?" * len(models))
+    def next_queued(self) -> Job | None:
+        """The oldest queued job (first in, first out)."""
         with _mapped():
-            row = self._db.execute(
-                f"SELECT * FROM jobs WHERE state = 'queued' AND model IN ({marks}) ORDER BY created_ms, id LIMIT 1",
-                sorted(models),
-            ).fetchone()
+            row = self._db.execute("SELECT * FROM jobs WHERE state = 'queued' ORDER BY created_ms, id LIMIT 1").fetchone()
         return _job(row) if row else None
 
     def overdue(self, now: int) -> list[Job]:

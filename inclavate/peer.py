@@ -17,6 +17,7 @@ and free their KV cache), and leave.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,11 +28,17 @@ from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
 from inclavate import __version__, hardware
+from inclavate.artifact_types import ArtifactConfig
+from inclavate.artifacts import ArtifactStore
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
+from inclavate.generations import GenerationService
 from inclavate.gguf_meta import GgufMetadata, read_metadata
+from inclavate.job_runner import JobRunner, RunnerConfig
+from inclavate.jobs import JobStore
 from inclavate.metrics import MetricsRecorder
 from inclavate.metrics_store import MetricsStore, run_metrics
+from inclavate.peer_http import PeerHttp
 from inclavate.peer_config import PeerConfig, capacity
 from inclavate.pipeline import Pipeline
 from inclavate.ports import port_in_use
@@ -40,6 +47,8 @@ from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from node.gguf_slice import write_vocab_only
 from node.llamacpp_engine import LlamaCppEngine
 from node.errors import EngineError
+from node.generators.chat_reader import ChatModelReader
+from node.generators.loader import installed_generators
 from node.stage import Stage
 from p2p.chain import SwarmPipeline
 from p2p.coverage import ModelCoverage
@@ -94,6 +103,8 @@ class Peer:
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
         self._catalog_cache: tuple[int, Catalog] | None = None
+        self.artifacts: ArtifactStore | None = None
+        self.generations: GenerationService | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -116,12 +127,32 @@ class Peer:
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
         self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
         meta = read_metadata(self._model_path)
+        self.artifacts = ArtifactStore(cfg.data_dir, self.peer_id, ArtifactConfig.from_env(os.environ))
+        jobs = JobStore.in_dir(cfg.data_dir)
         try:
-            await self._serve(meta, task_status)
+            await self._serve(meta, jobs, task_status)
         finally:
             self.metrics_store.close()  # after run_metrics' last save: its task has ended
+            jobs.close()
+            self.artifacts.close()
 
-    async def _serve(self, meta: GgufMetadata, task_status: trio.TaskStatus[Peer]) -> None:
+    def _generation_service(self, jobs: JobStore) -> GenerationService:
+        """This peer's job runner over its installed generators, and the swarm-wide service."""
+        assert self.artifacts is not None
+        runner = JobRunner(
+            jobs, self.artifacts, installed_generators(self.config.home), self.peer_id,
+            read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
+            config=RunnerConfig.from_env(os.environ),
+            fallback=lambda model: ChatModelReader(model) if self.knows_model(model) else None,
+        )  # fmt: skip
+        return GenerationService(self.peer_id, runner, self.artifacts, self.views, PeerHttp(), self._erase_remote_job)
+
+    async def _erase_remote_job(self, owner: str, job_id: str, artifacts: bool) -> dict:
+        assert self.admin_service is not None
+        command = self.admin_service.command("erase_generation", job_id, artifacts=artifacts)
+        return await self.admin_service.send(PeerId(owner), command)
+
+    async def _serve(self, meta: GgufMetadata, jobs: JobStore, task_status: trio.TaskStatus[Peer]) -> None:
         cfg = self.config
         assert self.identity is not None and self._spec is not None
         spec = self._spec
@@ -145,6 +176,10 @@ class Peer:
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
                     self.admin_service.start()
                     self._nursery = nursery
+                    self.generations = self._generation_service(jobs)
+                    await nursery.start(self.generations.runner.run)
+                    assert self.artifacts is not None
+                    await nursery.start(self.artifacts.run_sweeper)
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
@@ -262,6 +297,10 @@ class Peer:
         """Run an admin command addressed to this peer (already authenticated and trusted)."""
         assert self.registry is not None
         target = command.target
+        if command.action == "erase_generation":
+            assert self.generations is not None
+            deleted = await self.generations.runner.erase(target, artifacts=bool(command.args.get("artifacts", True)))
+            return {"artifacts_deleted": deleted}
         if command.action == "force_remove":
             self.registry.ban(target, FORCE_REMOVE_BAN_S)
             if self.legacy is not None:
@@ -325,6 +364,7 @@ class Peer:
             state="Joining", seq=0, ts_ms=0, hardware=hardware.profile(),
             api_url=self.api_urls[0] if self.api_urls else "", started_ms=int(self._started * 1000),
             context_length=self.config.engine.context_length, version=self.version,
+            generators=tuple(self.generations.local_capabilities()) if self.generations else (),
         )  # fmt: skip
 
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:

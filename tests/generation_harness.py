@@ -1,0 +1,78 @@
+"""A generation service over real generators, a real job table and a real artifact store,
+served in-process on loopback (no LLM, no swarm): what the generation and audio route
+tests drive."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from api.app import create_app, serve_api
+from api.limits import RequestLimits
+from inclavate.artifacts import ArtifactStore
+from inclavate.generations import GenerationService
+from inclavate.job_runner import JobRunner, RunnerConfig
+from inclavate.jobs import JobStore
+from inclavate.local_swarm import free_port
+from inclavate.peer_http import PeerHttp
+from node.generators.chat_reader import ChatModelReader
+
+PEER_ID = "12D3KooWGenerationHarnessPeer"
+CHAT_MODEL = "smollm2:135m"
+ADMIN_TOKEN = "secret-token"
+
+
+class GenerationContext:
+    """The slice of ``PeerContext`` the generation and audio routes use."""
+
+    version = "test"
+    peer_id = PEER_ID
+
+    def __init__(self, generations: GenerationService | None, admin_token: str | None) -> None:
+        self.limits = RequestLimits()
+        self.generations = generations
+        self.admin_token = admin_token
+
+    def knows_model(self, model_id: str) -> bool:
+        return model_id == CHAT_MODEL
+
+
+@dataclass
+class Served:
+    url: str
+    service: GenerationService
+    runner: JobRunner
+    artifacts: ArtifactStore
+    jobs: JobStore
+
+
+def build_service(data_dir: Path, generators: dict, config: RunnerConfig) -> GenerationService:
+    jobs = JobStore.in_dir(data_dir)
+    artifacts = ArtifactStore(data_dir, PEER_ID)
+    holder: list[GenerationService] = []
+    runner = JobRunner(jobs, artifacts, generators, PEER_ID,
+                       read_input=lambda artifact_id, limit: holder[0].read_artifact(artifact_id, limit),
+                       config=config, fallback=lambda model: ChatModelReader(model) if model == CHAT_MODEL else None)  # fmt: skip
+    holder.append(GenerationService(PEER_ID, runner, artifacts, lambda: [], PeerHttp()))
+    return holder[0]
+
+
+@asynccontextmanager
+async def serve_generations(data_dir: Path, generators: dict, *, config: RunnerConfig | None = None,
+                            admin_token: str | None = ADMIN_TOKEN) -> AsyncIterator[Served]:  # fmt: skip
+    service = build_service(data_dir, generators, config or RunnerConfig(poll_s=0.1))
+    port = free_port()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.runner.run)
+            await nursery.start(serve_api, create_app(GenerationContext(service, admin_token)), "127.0.0.1", port)
+            yield Served(f"http://127.0.0.1:{port}", service, service.runner, service.artifacts, service.runner.store)
+            nursery.cancel_scope.cancel()
+    finally:
+        await service.http.aclose()
+        service.runner.store.close()
+        service.artifacts.close()
