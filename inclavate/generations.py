@@ -232,17 +232,18 @@ class GenerationService:
         return self._remote_events(url, job_id)
 
     async def _local_events(self, job: Job) -> AsyncIterator[str]:
-        yield json.dumps(job.to_json())
-        version = job.version
+        last = json.dumps(job.to_json())
+        yield last
         while not job.finished:
             await self.runner.wait_changed(1.0)
             current = self.runner.store.get(job.id)
             if current is None:
                 break  # erased by an admin while watched
             job = current
-            if job.version != version:
-                version = job.version
-                yield json.dumps(job.to_json())
+            payload = json.dumps(job.to_json())
+            if payload != last:  # a write that changed nothing a client sees is no event
+                last = payload
+                yield payload
         yield "[DONE]"
 
     async def _remote_events(self, url: str, job_id: str) -> AsyncIterator[str]:
