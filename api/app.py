@@ -19,8 +19,10 @@ from werkzeug.exceptions import HTTPException
 
 from api import (
     routes_admin,
+    routes_artifacts,
     routes_audio,
     routes_chat,
+    routes_files,
     routes_generations,
     routes_metrics,
     routes_models,
@@ -30,6 +32,7 @@ from api import (
 from api.context import PeerContext
 from api.errors import error_response_parts
 from api.sessions import ActiveSessions
+from api.uploads import install_request_class
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ INSTALLERS: list[Installer] = [
     routes_nodes.install,
     routes_chat.install,
     routes_admin.install,
+    routes_artifacts.install,
+    routes_files.install,
     routes_generations.install,
     routes_audio.install,
 ]
@@ -51,6 +56,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None) -> Q
     app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
+    install_request_class(app)  # upload routes raise their own body ceilings
     for install in INSTALLERS:
         install(app, ctx)
 

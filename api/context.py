@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from api.chat_model import ChatModel
 from api.limits import RequestLimits
+from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.catalog import ModelSpec
 from inclavate.generations import GenerationService
 from inclavate.metrics import MinuteArchive
@@ -74,3 +75,8 @@ class PeerContext(Protocol):
     async def legacy_heartbeat(self, node_id: str, body: dict[str, Any]) -> None: ...
 
     async def legacy_leave(self, node_id: str) -> None: ...
+
+    def artifacts(self) -> SwarmArtifacts:
+        """The swarm's artifacts: this peer's store and, through the owner tag of an id,
+        every other peer's (raises ``ServiceUnavailable`` while the store is not open)."""
+        ...

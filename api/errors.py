@@ -174,6 +174,16 @@ def _register_lower_layers() -> None:
     from api.chat_template import TemplateError
     from api.generation import PromptTooLong
     from api.reasoning import ReasoningRequestError
+    from inclavate.artifact_types import (
+        ArtifactNotFound,
+        ArtifactNotReady,
+        ArtifactTooLarge,
+        ArtifactUnavailable,
+        BadArtifactRequest,
+        QuotaExceeded,
+    )
+    from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+    from inclavate.owner_ids import MalformedId
     from inclavate.metrics_store import MetricsStoreError
     from inclavate.store import StoreError
     from node.errors import ContextFull, EngineError, InvalidBatch
@@ -202,6 +212,15 @@ def _register_lower_layers() -> None:
         (EngineError, 503),
         (StoreError, 503),
         (MetricsStoreError, 503),
+        (MalformedId, 400),  # artifacts (inclavate/artifact_types.py draws their tree)
+        (BadArtifactRequest, 400),
+        (RangeMalformed, 400),
+        (ArtifactNotFound, 404),
+        (ArtifactNotReady, 409),
+        (ArtifactTooLarge, 413),
+        (RangeNotSatisfiable, 416),
+        (QuotaExceeded, 507),
+        (ArtifactUnavailable, 503),
         (P2PError, 503),
     ]:
         register(exc_type, status)
@@ -212,18 +231,13 @@ _register_lower_layers()
 
 def _register_generation_errors() -> None:
     """Generation jobs, generators and the peer-to-peer forwarding they use."""
-    from inclavate.artifact_types import (
-        ArtifactNotFound, ArtifactNotReady, ArtifactTooLarge, ArtifactUnavailable, BadArtifactRequest, QuotaExceeded,
-    )  # fmt: skip
     from inclavate.generations import NoGenerator
     from inclavate.job_runner import JobActive, JobFinished, JobNotFound
     from inclavate.jobs import IdempotencyConflict, JobStoreError, QueueFull
-    from inclavate.owner_ids import MalformedId
     from inclavate.peer_http import PeerUnreachable
     from node.generators.base import InvalidParams
 
     for exc_type, status in [
-        (MalformedId, 400),
         (InvalidParams, 400),
         (JobNotFound, 404),
         (JobFinished, 409),
@@ -233,12 +247,6 @@ def _register_generation_errors() -> None:
         (QueueFull, 429),
         (JobStoreError, 503),
         (PeerUnreachable, 503),
-        (BadArtifactRequest, 400),
-        (ArtifactNotFound, 404),
-        (ArtifactNotReady, 409),
-        (ArtifactTooLarge, 413),
-        (QuotaExceeded, 507),
-        (ArtifactUnavailable, 503),
     ]:
         register(exc_type, status)
 

@@ -38,6 +38,10 @@ class RequestLimits:
     max_total_pixels: int = 32_000_000
     """Over all images and video frames of a request: it bounds the vision encoder's work."""
     max_audio_seconds: float = 300.0
+    max_artifact_bytes: int = 512 * MIB
+    """One ``POST /v1/artifacts`` body (the spec's per-upload cap)."""
+    max_file_bytes: int = 64 * MIB
+    """The file part of one ``POST /v1/files`` upload."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -68,6 +68,53 @@ _BODIES: dict[tuple[str, str], dict[str, Any]] = {
 
 _STATUS = {
     ("post", "/v1/chat/completions"): ["200", "400", "413", "422", "503"],
+    ("post", "/v1/artifacts"): ["201", "400", "408", "413", "503", "507"],
+    ("get", "/v1/artifacts"): ["200", "400", "503"],
+    ("get", "/v1/artifacts/usage"): ["200", "503"],
+    ("get", "/v1/artifacts/{artifact_id}"): ["200", "206", "400", "404", "409", "416", "503"],
+    ("get", "/v1/artifacts/{artifact_id}/meta"): ["200", "400", "404", "503"],
+    ("delete", "/v1/artifacts/{artifact_id}"): ["204", "400", "404", "503"],
+    ("post", "/v1/files"): ["201", "400", "408", "413", "503", "507"],
+    ("get", "/v1/files"): ["200", "400", "404", "503"],
+    ("get", "/v1/files/{file_id}"): ["200", "400", "404", "503"],
+    ("get", "/v1/files/{file_id}/content"): ["200", "206", "400", "404", "409", "416", "503"],
+    ("delete", "/v1/files/{file_id}"): ["200", "400", "404", "503"],
+}
+
+_BINARY = {"type": "string", "format": "binary"}
+_UPLOADS: dict[tuple[str, str], dict[str, Any]] = {
+    ("post", "/v1/artifacts"): {"*/*": {"schema": _BINARY}},
+    ("post", "/v1/files"): {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "properties": {"purpose": {"enum": ["assistants", "user_data", "vision"]}, "file": _BINARY},
+                "required": ["purpose", "file"],
+            }
+        }
+    },
+}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+_QUERIES: dict[tuple[str, str], list[dict[str, Any]]] = {
+    ("get", "/v1/artifacts"): [
+        _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}),
+        _query("offset", {"type": "integer", "minimum": 0, "default": 0}),
+        _query("kind", {"enum": ["generated", "uploaded"]}),
+    ],
+    ("get", "/v1/files"): [
+        _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
+        _query("after", {"type": "string", "format": "uuid"}),
+        _query("order", {"enum": ["asc", "desc"]}),
+        _query("purpose", {"type": "string"}),
+    ],
+    ("get", "/v1/artifacts/{artifact_id}"): [
+        {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"}},
+    ],
 }
 
 
@@ -93,15 +140,18 @@ def openapi_document(app: QuartTrio, version: str) -> dict[str, Any]:
                     code: {"description": code} for code in _STATUS.get(key, ["200"])
                 } | {"default": {"description": "error", "content": {"application/json": {"schema": _ERROR}}}},
             }
-            if params:
-                operation["parameters"] = [
-                    {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
-                ]
+            parameters = [
+                {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
+            ] + _QUERIES.get(key, [])
+            if parameters:
+                operation["parameters"] = parameters
             if key in _BODIES:
                 operation["requestBody"] = {
                     "required": True,
                     "content": {"application/json": {"schema": _BODIES[key]}},
                 }
+            if key in _UPLOADS:
+                operation["requestBody"] = {"required": True, "content": _UPLOADS[key]}
             if path.startswith("/admin/"):
                 operation["security"] = [{"adminToken": []}]
             if rule.websocket:

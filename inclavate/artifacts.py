@@ -241,10 +241,7 @@ class ArtifactStore:
     async def read_all(self, id_: str, max_bytes: int) -> tuple[ArtifactMeta, bytes]:
         """A whole ready artifact in memory, for inputs known to be small (ArtifactTooLarge)."""
         read = await self.open(id_)
-        if read.meta.size_bytes > max_bytes:
-            await read.chunks.aclose()  # type: ignore[attr-defined]
-            raise ArtifactTooLarge(f"artifact {read.meta.id} is {read.meta.size_bytes} bytes; the limit is {max_bytes}")
-        return read.meta, b"".join([chunk async for chunk in read.chunks])
+        return read.meta, await read_whole(read, max_bytes)
 
     def list(self, query: ListQuery) -> ArtifactPage:
         return self.index.page(query, now_ms())
@@ -293,6 +290,14 @@ class ArtifactStore:
             except ArtifactUnavailable as exc:
                 log.warning("artifact sweep failed, retrying later: %s", exc)
             await trio.sleep(self.config.sweep_interval_s)
+
+
+async def read_whole(read: ArtifactRead, max_bytes: int) -> bytes:
+    """Every byte of an open read, refused (and the read closed) past ``max_bytes``."""
+    if read.length > max_bytes:
+        await read.chunks.aclose()  # type: ignore[attr-defined]
+        raise ArtifactTooLarge(f"artifact {read.meta.id} is {read.length} bytes; the limit is {max_bytes}")
+    return b"".join([chunk async for chunk in read.chunks])
 
 
 async def _read_chunks(handle: BinaryIO, start: int, length: int) -> AsyncIterator[bytes]:
@@ -356,8 +361,15 @@ class ArtifactWriter:
         except OSError as exc:
             raise ArtifactUnavailable(f"cannot write artifact bytes: {exc.strerror}") from exc
 
-    async def commit(self) -> ArtifactMeta:
-        """Make the artifact ready (durably, see the module docstring) and return it."""
+    async def commit(self, *, purpose: str | None = None) -> ArtifactMeta:
+        """Make the artifact ready (durably, see the module docstring) and return it.
+
+        ``purpose`` sets the Files API's display field of a plain upload, for a multipart
+        body that names it only after the file."""
+        if purpose is not None:
+            if self._indexed:
+                raise ValueError("the purpose of a pending artifact is fixed at begin()")
+            self.meta = ArtifactMeta(**{**self.meta.to_record(), "purpose": purpose})
         await self._flush()
         tmp, final = self._tmp_path, self._store._object_path(self.id)
 

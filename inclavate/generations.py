@@ -25,8 +25,8 @@ from typing import Any
 
 import trio
 
-from inclavate.artifact_types import ArtifactNotFound, ArtifactTooLarge
-from inclavate.artifacts import ArtifactStore
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_types import ArtifactNotFound
 from inclavate.errors import InclavateError, RelayedError
 from inclavate.job_runner import JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, Job, NewJob
@@ -50,7 +50,7 @@ class NoGenerator(InclavateError):
 
 
 class GenerationService:
-    def __init__(self, me: str, runner: JobRunner, artifacts: ArtifactStore, views: Callable[[], list[NodeView]],
+    def __init__(self, me: str, runner: JobRunner, artifacts: SwarmArtifacts, views: Callable[[], list[NodeView]],
                  http: PeerHttp, erase_remote: EraseRemote | None = None) -> None:  # fmt: skip
         self.me = me
         self.runner = runner
@@ -211,7 +211,7 @@ class GenerationService:
             alive = []
             for artifact_id in job.output_artifacts:
                 try:
-                    self.artifacts.meta(artifact_id)
+                    self.artifacts.store.meta(artifact_id)  # a job's outputs are in its own peer's store
                     alive.append(artifact_id)
                 except ArtifactNotFound:
                     pass
@@ -271,19 +271,8 @@ class GenerationService:
 
     async def read_artifact(self, artifact_id: str, max_bytes: int) -> InputMedia:
         """An artifact's bytes from whichever peer holds it (inputs, sync adapters)."""
-        artifact_id = parse_id(artifact_id)
-        peers = {v.record.peer_id: v.record.api_url for v in self._live_peers()}
-        candidates = owner_candidates(artifact_id, [self.me, *peers])
-        if self.me in candidates or not candidates:
-            meta, data = await self.artifacts.read_all(artifact_id, max_bytes)
-            return InputMedia(data, meta.media_type)
-        try:
-            media_type, data = await self.http.content(peers[candidates[0]], f"/v1/artifacts/{artifact_id}", max_bytes)
-        except RelayedError as exc:
-            if exc.status == 413:
-                raise ArtifactTooLarge(str(exc.body.get("error"))) from exc
-            raise ArtifactNotFound(f"artifact {artifact_id}: {exc.body.get('error')}") from exc
-        return InputMedia(data, media_type.split(";")[0].strip())
+        meta, data = await self.artifacts.read_all(artifact_id, max_bytes)
+        return InputMedia(data, meta.media_type)
 
     async def store_upload(self, data: bytes, media_type: str) -> str:
         """Keep an uploaded clip (a transcription's input) as an ``uploaded`` artifact."""
@@ -291,7 +280,7 @@ class GenerationService:
         async def chunks() -> AsyncIterator[bytes]:
             yield data
 
-        meta = await self.artifacts.create(chunks(), media_type=media_type, kind="uploaded", declared_size=len(data))
+        meta = await self.artifacts.store.create(chunks(), media_type=media_type, kind="uploaded", declared_size=len(data))
         return meta.id
 
 

@@ -28,6 +28,7 @@ from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
 from inclavate import __version__, hardware
+from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactConfig
 from inclavate.artifacts import ArtifactStore
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
@@ -59,6 +60,7 @@ from p2p.host import P2PHost, open_host
 from p2p.identity import Identity, load_or_create_identity
 from p2p.latency import LatencyMonitor
 from p2p.admin import AdminCommand, AdminRefused, AdminService
+from p2p.artifacts import RemoteArtifacts, serve_artifacts
 from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
 from p2p.records import NodeRecord, now_ms
@@ -103,7 +105,8 @@ class Peer:
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
         self._catalog_cache: tuple[int, Catalog] | None = None
-        self.artifacts: ArtifactStore | None = None
+        self.artifact_store: ArtifactStore | None = None
+        self._artifacts: SwarmArtifacts | None = None
         self.generations: GenerationService | None = None
 
     # ------------------------------------------------------------------ run
@@ -122,30 +125,32 @@ class Peer:
         self.identity = load_or_create_identity(cfg.data_dir)
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
         self.metrics = MetricsRecorder(state=self.metrics_store.load())
+        artifact_config = ArtifactConfig.from_env(os.environ)  # DPPAN_ARTIFACT_*: a bad value stops us here
         catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
         self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
         meta = read_metadata(self._model_path)
-        self.artifacts = ArtifactStore(cfg.data_dir, self.peer_id, ArtifactConfig.from_env(os.environ))
+        # Opened, and what a crash left cleaned up, before anything is served.
+        self.artifact_store = ArtifactStore(cfg.data_dir, self.peer_id, artifact_config)
         jobs = JobStore.in_dir(cfg.data_dir)
         try:
             await self._serve(meta, jobs, task_status)
         finally:
             self.metrics_store.close()  # after run_metrics' last save: its task has ended
             jobs.close()
-            self.artifacts.close()
+            self.artifact_store.close()
 
     def _generation_service(self, jobs: JobStore) -> GenerationService:
         """This peer's job runner over its installed generators, and the swarm-wide service."""
-        assert self.artifacts is not None
+        assert self.artifact_store is not None and self._artifacts is not None
         runner = JobRunner(
-            jobs, self.artifacts, installed_generators(self.config.home), self.peer_id,
+            jobs, self.artifact_store, installed_generators(self.config.home), self.peer_id,
             read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
             config=RunnerConfig.from_env(os.environ),
             fallback=lambda model: ChatModelReader(model) if self.knows_model(model) else None,
         )  # fmt: skip
-        return GenerationService(self.peer_id, runner, self.artifacts, self.views, PeerHttp(), self._erase_remote_job)
+        return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job)
 
     async def _erase_remote_job(self, owner: str, job_id: str, artifacts: bool) -> dict:
         assert self.admin_service is not None
@@ -175,11 +180,15 @@ class Peer:
                     await nursery.start(self.legacy.run)
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
                     self.admin_service.start()
+                    assert self.artifact_store is not None
+                    serve_artifacts(host, self.artifact_store)
+                    self._artifacts = SwarmArtifacts(
+                        self.artifact_store, RemoteArtifacts(host), self._registry_peers, self._live_peers
+                    )
+                    await nursery.start(self.artifact_store.run_sweeper)
                     self._nursery = nursery
                     self.generations = self._generation_service(jobs)
                     await nursery.start(self.generations.runner.run)
-                    assert self.artifacts is not None
-                    await nursery.start(self.artifacts.run_sweeper)
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
@@ -403,6 +412,18 @@ class Peer:
             return None
         info = self.stage.engine.info
         return NodeId(self.peer_id), info.model_id, info.layers
+
+    def artifacts(self) -> SwarmArtifacts:
+        if self._artifacts is None:
+            raise ServiceUnavailable("artifact storage is not open yet on this peer")
+        return self._artifacts
+
+    def _registry_peers(self) -> list[str]:
+        """Every libp2p peer the registry names (owners of ids, even if now Dead)."""
+        return sorted({v.record.peer_id for v in self.views()})
+
+    def _live_peers(self) -> list[str]:
+        return sorted({v.record.peer_id for v in self.views() if v.state != "Dead"})
 
     def metrics_archive(self) -> MetricsStore:
         assert self.metrics_store is not None

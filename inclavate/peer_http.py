@@ -64,22 +64,6 @@ class PeerHttp:
         except ValueError as exc:
             raise PeerUnreachable(f"peer {base_url} answered something that is not JSON") from exc
 
-    async def content(self, base_url: str, path: str, max_bytes: int) -> tuple[str, bytes]:
-        """GET bytes (an artifact); ``(content type, body)``, refused past ``max_bytes``."""
-        try:
-            async with self._http().stream("GET", base_url + path) as response:
-                if response.status_code >= 400:
-                    _raise_for_error(response.status_code, await response.aread())
-                chunks, size = [], 0
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise RelayedError(413, {"error": f"artifact is over {max_bytes} bytes"})
-                    chunks.append(chunk)
-                return response.headers.get("content-type", "application/octet-stream"), b"".join(chunks)
-        except httpx.HTTPError as exc:
-            raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
-
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str) -> AsyncIterator[AsyncIterator[str]]:
         """An SSE stream from the owner, line by line (errors before the stream opens raise)."""

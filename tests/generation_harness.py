@@ -13,6 +13,7 @@ import trio
 
 from api.app import create_app, serve_api
 from api.limits import RequestLimits
+from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifacts import ArtifactStore
 from inclavate.generations import GenerationService
 from inclavate.job_runner import JobRunner, RunnerConfig
@@ -40,6 +41,10 @@ class GenerationContext:
     def knows_model(self, model_id: str) -> bool:
         return model_id == CHAT_MODEL
 
+    def artifacts(self) -> SwarmArtifacts:
+        assert self.generations is not None
+        return self.generations.artifacts
+
 
 @dataclass
 class Served:
@@ -57,7 +62,7 @@ def build_service(data_dir: Path, generators: dict, config: RunnerConfig) -> Gen
     runner = JobRunner(jobs, artifacts, generators, PEER_ID,
                        read_input=lambda artifact_id, limit: holder[0].read_artifact(artifact_id, limit),
                        config=config, fallback=lambda model: ChatModelReader(model) if model == CHAT_MODEL else None)  # fmt: skip
-    holder.append(GenerationService(PEER_ID, runner, artifacts, lambda: [], PeerHttp()))
+    holder.append(GenerationService(PEER_ID, runner, SwarmArtifacts(artifacts), lambda: [], PeerHttp()))
     return holder[0]
 
 
@@ -70,9 +75,9 @@ async def serve_generations(data_dir: Path, generators: dict, *, config: RunnerC
         async with trio.open_nursery() as nursery:
             await nursery.start(service.runner.run)
             await nursery.start(serve_api, create_app(GenerationContext(service, admin_token)), "127.0.0.1", port)
-            yield Served(f"http://127.0.0.1:{port}", service, service.runner, service.artifacts, service.runner.store)
+            yield Served(f"http://127.0.0.1:{port}", service, service.runner, service.runner.artifacts, service.runner.store)
             nursery.cancel_scope.cancel()
     finally:
         await service.http.aclose()
         service.runner.store.close()
-        service.artifacts.close()
+        service.runner.artifacts.close()

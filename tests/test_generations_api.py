@@ -300,7 +300,7 @@ async def test_understanding_jobs_and_their_error_codes(served: Served) -> None:
 
         done = await run("whisper:tiny.en", {"prompt": "Transcribe."}, [clip])
         assert done["state"] == "completed" and done["modality"] == "text"
-        text = (await served.artifacts.read_all(done["output_artifacts"][0], 1 << 20))[1].decode()
+        text = (await served.service.read_artifact(done["output_artifacts"][0], 1 << 20)).data.decode()
         assert word_error_rate(SENTENCE, text) <= 0.2
         for model, params, inputs, code in [
             ("whisper:tiny.en", {}, [clip], "no_prompt"),

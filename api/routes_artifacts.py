@@ -1,0 +1,93 @@
+"""``/v1/artifacts``: upload, list, usage, read (whole or one range), meta, delete.
+
+Thin: parse the request, call :class:`inclavate.artifact_swarm.SwarmArtifacts` (which finds
+the peer that owns an id), shape the answer. Errors are raised, and mapped to statuses in
+``api/errors.py``; the one exception is 416, which must carry ``Content-Range``.
+"""
+
+from __future__ import annotations
+
+from quart import Response, jsonify, request
+from quart_trio import QuartTrio
+
+from api.context import PeerContext
+from api.downloads import download_response
+from api.errors import BadRequest, error_response_parts
+from api.uploads import RequestChunks, set_body_limit
+from inclavate.artifact_types import (
+    KINDS,
+    LIST_DEFAULT_LIMIT,
+    LIST_MAX_LIMIT,
+    ArtifactKind,
+    ListQuery,
+    media_type_of,
+)
+from inclavate.byte_ranges import RangeNotSatisfiable
+
+
+def whole_number(name: str, raw: str | None, default: int, low: int, high: int) -> int:
+    """A query parameter that must be a whole number in ``[low, high]`` (400 otherwise)."""
+    if raw is None:
+        return default
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 12 or not low <= int(raw) <= high:
+        raise BadRequest(f"{name} must be a whole number from {low} to {high}, not {raw[:40]!r}")
+    return int(raw)
+
+
+def range_refused(exc: RangeNotSatisfiable) -> Response:
+    status, body = error_response_parts(exc)
+    response = jsonify(body)
+    response.status_code = status
+    response.headers["Content-Range"] = f"bytes */{exc.size}"
+    return response
+
+
+def install(app: QuartTrio, ctx: PeerContext) -> None:
+    cap = ctx.limits.max_artifact_bytes
+    set_body_limit(app, "POST", "/v1/artifacts", cap)
+
+    @app.post("/v1/artifacts")
+    async def upload_artifact():  # type: ignore[no-untyped-def]
+        """Upload an artifact: the body, streamed (at most 512 MiB); Content-Type is recorded."""
+        artifacts = ctx.artifacts()
+        media_type = media_type_of(request.headers.get("Content-Type"))
+        meta = await artifacts.store.create(
+            RequestChunks(), media_type=media_type, kind="uploaded", max_bytes=cap, declared_size=request.content_length
+        )
+        return jsonify(meta.to_json()), 201
+
+    @app.get("/v1/artifacts")
+    async def list_artifacts():  # type: ignore[no-untyped-def]
+        """List artifacts, newest first (limit, offset, kind = generated | uploaded)."""
+        limit = whole_number("limit", request.args.get("limit"), LIST_DEFAULT_LIMIT, 1, LIST_MAX_LIMIT)
+        offset = whole_number("offset", request.args.get("offset"), 0, 0, 10**12)
+        raw_kind = request.args.get("kind")
+        # The spec: an unrecognised kind lists both rather than erroring.
+        kind: ArtifactKind | None = raw_kind if raw_kind in KINDS else None  # type: ignore[assignment]
+        page = await ctx.artifacts().list(ListQuery(limit=limit, offset=offset, kind=kind))
+        return jsonify(artifacts=[m.to_json() for m in page.artifacts], truncated=page.truncated)
+
+    @app.get("/v1/artifacts/usage")
+    async def artifact_usage():  # type: ignore[no-untyped-def]
+        """Bytes and objects stored (COUNT/SUM, split by origin) and the ceilings (0 = none)."""
+        return jsonify((await ctx.artifacts().usage()).to_json())
+
+    @app.get("/v1/artifacts/<artifact_id>")
+    async def read_artifact(artifact_id: str):  # type: ignore[no-untyped-def]
+        """The bytes; ``Range: bytes=<start>-<end>`` for one range (206)."""
+        try:
+            read = await ctx.artifacts().open(artifact_id, request.headers.get("Range"))
+        except RangeNotSatisfiable as exc:
+            return range_refused(exc)
+        return download_response(read)
+
+    @app.get("/v1/artifacts/<artifact_id>/meta")
+    async def artifact_meta(artifact_id: str):  # type: ignore[no-untyped-def]
+        """Metadata only, in any state; the upload response's shape."""
+        return jsonify((await ctx.artifacts().meta(artifact_id)).to_json())
+
+    @app.delete("/v1/artifacts/<artifact_id>")
+    async def delete_artifact(artifact_id: str):  # type: ignore[no-untyped-def]
+        """Remove bytes and metadata (204)."""
+        await ctx.artifacts().delete(artifact_id)
+        return Response(status=204)

@@ -1,0 +1,181 @@
+"""The swarm's artifacts seen from one peer: its own store, and every other peer's over
+``/inclavate/artifacts/1``. The API talks only to this (``PeerContext.artifacts()``).
+
+Where an id lives: its owner tag (:mod:`inclavate.owner_ids`) names the peer, so a read,
+a meta or a delete goes straight to the owner: locally when the tag is ours, else to the
+registry peer(s) carrying that tag. No lookup protocol, no replicated index. An id whose
+tag matches no known peer is 404; an owner that is known but does not answer is 503 (the
+artifact may well exist; a 404 would tell a client it is gone for good).
+
+Listing and usage are swarm-wide, as the spec's semantics ask: with no accounts every
+request is the single local principal, and "the caller's own artifacts" are all of them,
+wherever they are stored. A page is a k-way merge: each live peer returns its first
+``offset + limit`` rows in the spec's order (created_at DESC, id DESC), and the merged rows
+``offset .. offset + limit`` are served; ``truncated`` is true when any peer had more. The
+order is total (ids are unique), so offsets stay stable across requests. A peer that does
+not answer within :data:`PEER_TIMEOUT_S` is left out of that page (logged), rather than
+failing the whole listing. Usage sums the peers' COUNT/SUM totals; its ceilings are the
+sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer has none.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import trio
+
+from inclavate.artifact_types import (
+    ArtifactMeta,
+    ArtifactNotFound,
+    ArtifactPage,
+    ArtifactUnavailable,
+    BadArtifactRequest,
+    ListQuery,
+    Usage,
+)
+from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
+from inclavate.owner_ids import owner_candidates, owner_tag, parse_id, tag_of
+
+log = logging.getLogger(__name__)
+
+PEER_TIMEOUT_S = 5.0
+MAX_LIST_WINDOW = 20_000
+"""The deepest row (offset + limit) a swarm-wide listing reaches; see the module doc."""
+
+T = TypeVar("T")
+
+
+class RemoteStores(Protocol):
+    """Other peers' stores (``p2p.artifacts.RemoteArtifacts``)."""
+
+    async def meta(self, peer: str, id_: str) -> ArtifactMeta: ...
+    async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead: ...
+    async def delete(self, peer: str, id_: str) -> None: ...
+    async def list(self, peer: str, query: ListQuery) -> ArtifactPage: ...
+    async def usage(self, peer: str) -> Usage: ...
+
+
+class SwarmArtifacts:
+    def __init__(
+        self,
+        store: ArtifactStore,
+        remote: RemoteStores | None = None,
+        known_peers: Callable[[], list[str]] = list,
+        live_peers: Callable[[], list[str]] = list,
+    ) -> None:
+        """``known_peers``: every peer in the registry (owner lookup); ``live_peers``: those
+        not Dead (listing and usage). Both may include this peer; it is filtered out."""
+        self.store = store
+        self._remote = remote
+        self._known = known_peers
+        self._live = live_peers
+        self._own_tag = owner_tag(store.owner)
+
+    # -- one artifact, wherever it lives ------------------------------------------------
+
+    async def meta(self, id_: str) -> ArtifactMeta:
+        return await self._at_owner(id_, lambda: _async(self.store.meta, id_), lambda p: self._remote_().meta(p, id_))
+
+    async def open(self, id_: str, range_header: str | None = None) -> ArtifactRead:
+        """A ready artifact's bytes (ArtifactNotReady, Range errors, ArtifactNotFound)."""
+        return await self._at_owner(
+            id_, lambda: self.store.open(id_, range_header), lambda p: self._remote_().open(p, id_, range_header)
+        )
+
+    async def read_all(self, id_: str, max_bytes: int) -> tuple[ArtifactMeta, bytes]:
+        """A whole artifact in memory, for small inputs (a generator's clip, a prompt)."""
+        read = await self.open(id_)
+        return read.meta, await read_whole(read, max_bytes)
+
+    async def delete(self, id_: str) -> None:
+        async def local() -> None:
+            await self.store.delete(id_)
+
+        await self._at_owner(id_, local, lambda p: self._remote_().delete(p, id_))
+
+    async def _at_owner(
+        self, id_: str, local: Callable[[], Awaitable[T]], remote: Callable[[str], Awaitable[T]]
+    ) -> T:
+        id_ = parse_id(id_)
+        me = self.store.owner
+        others = [p for p in owner_candidates(id_, self._known()) if p != me] if self._remote else []
+        attempts: list[Callable[[], Awaitable[T]]] = []
+        if tag_of(id_) == self._own_tag:
+            attempts.append(local)
+        attempts += [lambda p=p: remote(p) for p in others]  # type: ignore[misc]
+        unreachable: ArtifactUnavailable | None = None
+        for attempt in attempts:
+            try:
+                return await attempt()
+            except ArtifactNotFound:
+                continue
+            except ArtifactUnavailable as exc:
+                unreachable = exc
+        if unreachable is not None:
+            raise ArtifactUnavailable(f"artifact {id_} is held by a peer that does not answer now: {unreachable}")
+        raise ArtifactNotFound(f"no artifact {id_}")
+
+    def _remote_(self) -> RemoteStores:
+        assert self._remote is not None
+        return self._remote
+
+    # -- the whole swarm ---------------------------------------------------------------
+
+    def _other_live_peers(self) -> list[str]:
+        if self._remote is None:
+            return []
+        return sorted(set(self._live()) - {self.store.owner})
+
+    async def list(self, query: ListQuery) -> ArtifactPage:
+        peers = self._other_live_peers()
+        if not peers:
+            return self.store.list(query)
+        window = query.offset + query.limit
+        if window > MAX_LIST_WINDOW:
+            raise BadArtifactRequest(
+                f"offset + limit may reach at most {MAX_LIST_WINDOW} rows in a swarm-wide listing; "
+                "narrow it with kind, or delete what is no longer needed"
+            )
+        per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
+        pages = [self.store.list(per_peer)] + await self._gather(peers, lambda p: self._remote_().list(p, per_peer))
+        merged = heapq.merge(*(p.artifacts for p in pages), key=ArtifactMeta.sort_key, reverse=not query.ascending)
+        rows = list(merged)
+        return ArtifactPage(rows[query.offset : window], truncated=len(rows) > window or any(p.truncated for p in pages))
+
+    async def usage(self) -> Usage:
+        own = self.store.usage()
+        others = await self._gather(self._other_live_peers(), lambda p: self._remote_().usage(p))
+        total = own
+        for u in others:
+            total = Usage(
+                generated=total.generated + u.generated, uploaded=total.uploaded + u.uploaded,
+                max_bytes=total.max_bytes + u.max_bytes if total.max_bytes and u.max_bytes else 0,
+                max_objects=total.max_objects + u.max_objects if total.max_objects and u.max_objects else 0,
+                default_ttl_hours=own.default_ttl_hours,
+            )  # fmt: skip
+        return total
+
+    async def _gather(self, peers: list[str], ask: Callable[[str], Awaitable[T]]) -> list[T]:
+        """Ask every peer at once; those that fail or time out are left out (logged)."""
+        results: list[T] = []
+
+        async def one(peer: str) -> None:
+            with trio.move_on_after(PEER_TIMEOUT_S):
+                try:
+                    results.append(await ask(peer))
+                except ArtifactUnavailable as exc:
+                    log.warning("artifact listing: peer %s left out: %s", peer, exc)
+                return
+            log.warning("artifact listing: peer %s left out: no answer within %.0f s", peer, PEER_TIMEOUT_S)
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(one, peer)
+        return results
+
+
+async def _async(fn: Callable[[str], T], arg: str) -> T:
+    return fn(arg)

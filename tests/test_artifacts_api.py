@@ -1,0 +1,223 @@
+"""``/v1/artifacts`` over HTTP: uploads, reads and ranges, listing, usage, quotas, TTL,
+restarts, and every error status the spec gives these routes, with hostile inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from artifact_api_helpers import raw_http, serve_store
+
+from api.limits import RequestLimits
+from inclavate.artifact_types import ArtifactConfig
+
+UNKNOWN = "1deaf021-07a3-407c-9d6f-1af47c23db18"
+
+
+async def call(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    return await trio.to_thread.run_sync(lambda: fn(*args, timeout=30, **kwargs))
+
+
+async def upload(base: str, data: bytes, content_type: str | None = "audio/wav") -> dict:
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = await call(httpx.post, f"{base}/v1/artifacts", content=data, headers=headers)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def test_upload_read_meta_delete(tmp_path: Path) -> None:
+    data = os.urandom(300_000)
+    async with serve_store(tmp_path) as (base, _):
+        body = await upload(base, data)
+        assert set(body) == {"id", "media_type", "size_bytes", "digest", "state", "kind", "created_at", "expires_at"}
+        assert body["media_type"] == "audio/wav" and body["size_bytes"] == len(data) and body["state"] == "ready"
+        assert body["digest"] == hashlib.sha256(data).hexdigest() and body["kind"] == "uploaded"
+        assert body["expires_at"] is None and body["created_at"].endswith("Z")
+
+        got = await call(httpx.get, f"{base}/v1/artifacts/{body['id']}")
+        assert got.status_code == 200 and got.content == data
+        assert got.headers["accept-ranges"] == "bytes" and got.headers["content-type"] == "audio/wav"
+        assert got.headers["x-content-type-options"] == "nosniff"
+        assert got.headers["x-dppan-artifact-id"] == body["id"]
+
+        meta = await call(httpx.get, f"{base}/v1/artifacts/{body['id'].upper()}/meta")
+        assert meta.status_code == 200 and meta.json() == body
+
+        gone = await call(httpx.delete, f"{base}/v1/artifacts/{body['id']}")
+        assert gone.status_code == 204 and gone.content == b""
+        for method, suffix in [("GET", ""), ("GET", "/meta"), ("DELETE", "")]:
+            again = await call(httpx.request, method, f"{base}/v1/artifacts/{body['id']}{suffix}")
+            assert again.status_code == 404 and "error" in again.json()
+
+
+async def test_content_type_is_recorded_and_defaults(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, _):
+        assert (await upload(base, b"x", None))["media_type"] == "application/octet-stream"
+        assert (await upload(base, b"x", "Audio/WAV; rate=16000"))["media_type"] == "audio/wav"
+        html = await upload(base, b"<script>alert(1)</script>", "text/html")
+        assert html["media_type"] == "text/html"
+        served = await call(httpx.get, f"{base}/v1/artifacts/{html['id']}")
+        assert served.headers["content-type"] == "application/octet-stream"  # never served as HTML
+        for bad in ["nonsense", "audio/", "a/b/c", "tex t/plain", "audio/wav\x7f"]:
+            refused = await call(httpx.post, f"{base}/v1/artifacts", content=b"x", headers={"Content-Type": bad})
+            assert refused.status_code == 400, bad
+
+
+async def test_range_reads(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 100
+    async with serve_store(tmp_path) as (base, _):
+        id_ = (await upload(base, data))["id"]
+        url = f"{base}/v1/artifacts/{id_}"
+        part = await call(httpx.get, url, headers={"Range": "bytes=10-19"})
+        assert part.status_code == 206 and part.content == data[10:20]
+        assert part.headers["content-range"] == f"bytes 10-19/{len(data)}" and part.headers["content-length"] == "10"
+        tail = await call(httpx.get, url, headers={"Range": f"bytes={len(data) - 5}-"})
+        assert tail.status_code == 206 and tail.content == data[-5:]
+        for header in ["bytes=0-9,20-29", "bytes=-500", f"bytes={len(data)}-", f"bytes=0-{len(data)}"]:
+            refused = await call(httpx.get, url, headers={"Range": header})
+            assert refused.status_code == 416, header
+            assert refused.headers["content-range"] == f"bytes */{len(data)}" and "error" in refused.json()
+        for header in ["bytes=9-1", "bytes=a-b", "pages=1-2", "bytes=" + "1" * 30 + "-", "bytes=0-1" + "0" * 500]:
+            assert (await call(httpx.get, url, headers={"Range": header})).status_code == 400, header
+
+
+async def test_malformed_ids_are_400(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, _):
+        for bad in ["nope", "1deaf021-07a3-407c-9d6f-1af47c23db1g", "%2e%2e%2findex.db", "x" * 5000]:
+            for method, suffix in [("GET", ""), ("GET", "/meta"), ("DELETE", "")]:
+                response = await call(httpx.request, method, f"{base}/v1/artifacts/{bad}{suffix}")
+                assert response.status_code in (400, 404), (bad, suffix)
+                assert response.status_code == 400 or "/" in bad or "%2f" in bad
+        response = await call(httpx.get, f"{base}/v1/artifacts/{UNKNOWN}")
+        assert response.status_code == 404
+
+
+async def test_not_ready_is_409(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, store):
+        async with store.begin(media_type="audio/wav", kind="generated", pending=True) as writer:
+            got = await call(httpx.get, f"{base}/v1/artifacts/{writer.id}")
+            assert got.status_code == 409 and "pending" in got.json()["error"]
+            meta = (await call(httpx.get, f"{base}/v1/artifacts/{writer.id}/meta")).json()
+            assert meta["state"] == "pending" and meta["kind"] == "generated" and meta["digest"] is None
+            await writer.abort("no generator")
+        assert (await call(httpx.get, f"{base}/v1/artifacts/{writer.id}")).status_code == 409
+
+
+async def test_listing_order_paging_kind_and_usage(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, store):
+        uploaded = [(await upload(base, b"u" * (i + 1)))["id"] for i in range(3)]
+        async with store.begin(kind="generated", pending=True) as writer:
+            await writer.write(b"gen")
+            generated = (await writer.commit()).id
+        listed = (await call(httpx.get, f"{base}/v1/artifacts")).json()
+        assert listed["truncated"] is False
+        rows = listed["artifacts"]
+        assert [r["id"] for r in rows][0] == generated and set(r["id"] for r in rows) == {*uploaded, generated}
+        keys = [(r["created_at"], r["id"]) for r in rows]
+        assert keys == sorted(keys, reverse=True)
+        page = (await call(httpx.get, f"{base}/v1/artifacts", params={"limit": 2, "offset": 1})).json()
+        assert [r["id"] for r in page["artifacts"]] == [r["id"] for r in rows[1:3]] and page["truncated"] is True
+        only = (await call(httpx.get, f"{base}/v1/artifacts", params={"kind": "generated"})).json()
+        assert [r["id"] for r in only["artifacts"]] == [generated]
+        typo = (await call(httpx.get, f"{base}/v1/artifacts", params={"kind": "generatd"})).json()
+        assert len(typo["artifacts"]) == 4  # the spec: an unknown kind lists both
+        for bad in [{"limit": 0}, {"limit": 1001}, {"limit": "ten"}, {"offset": -1}, {"limit": "１"}]:
+            assert (await call(httpx.get, f"{base}/v1/artifacts", params=bad)).status_code == 400, bad
+        usage = (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()
+        assert usage == {"bytes": 9, "objects": 4, "max_bytes": 0, "max_objects": 0,
+                         "generated": {"bytes": 3, "objects": 1}, "uploaded": {"bytes": 6, "objects": 3}}  # fmt: skip
+
+
+async def test_quota_full_is_507_and_frees_on_delete(tmp_path: Path) -> None:
+    async with serve_store(tmp_path, ArtifactConfig(max_bytes=1000, max_objects=3)) as (base, _):
+        first = await upload(base, b"a" * 600)
+        full = await call(httpx.post, f"{base}/v1/artifacts", content=b"b" * 500)
+        assert full.status_code == 507 and "full" in full.json()["error"]
+        await upload(base, b"c")
+        await upload(base, b"d")
+        assert (await call(httpx.post, f"{base}/v1/artifacts", content=b"e")).status_code == 507
+        usage = (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()
+        assert (usage["max_bytes"], usage["max_objects"], usage["objects"]) == (1000, 3, 3)
+        await call(httpx.delete, f"{base}/v1/artifacts/{first['id']}")
+        await upload(base, b"f" * 900)
+        assert not any((tmp_path / "artifacts" / "tmp").iterdir())
+
+
+async def test_upload_cap_is_413_by_content_length_and_by_counting(tmp_path: Path) -> None:
+    async with serve_store(tmp_path, limits=RequestLimits(max_artifact_bytes=100_000)) as (base, _):
+        # Content-Length over the cap: refused before the body is read.
+        lying = b"POST /v1/artifacts HTTP/1.1\r\nHost: x\r\nContent-Length: 600000000\r\n\r\n" + b"x" * 10
+        answer = await trio.to_thread.run_sync(raw_http, base, lying)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+        def chunked() -> httpx.Response:
+            def body():  # no Content-Length: the server must count
+                for _ in range(30):
+                    yield b"z" * 10_000
+
+            return httpx.post(f"{base}/v1/artifacts", content=body(), timeout=30)
+
+        try:
+            response = await trio.to_thread.run_sync(chunked)
+            assert response.status_code == 413
+        except httpx.HTTPError:
+            pass  # the server may close before the client finished sending
+        listed = (await call(httpx.get, f"{base}/v1/artifacts")).json()
+        assert listed["artifacts"] == []
+        assert not any((tmp_path / "artifacts" / "tmp").iterdir())
+        await upload(base, b"y" * 100_000)  # exactly the cap is accepted
+
+
+async def test_ttl_expires_and_is_reported(tmp_path: Path) -> None:
+    config = ArtifactConfig(ttl_hours=1.5 / 3600, sweep_interval_s=0.2)
+    async with serve_store(tmp_path, config) as (base, store):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run_sweeper)
+            body = await upload(base, b"short-lived")
+            assert body["expires_at"] is not None
+            usage = (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()
+            assert usage["default_ttl_hours"] == pytest.approx(1.5 / 3600)
+            await trio.sleep(2.0)
+            assert (await call(httpx.get, f"{base}/v1/artifacts/{body['id']}")).status_code == 404
+            assert (await call(httpx.get, f"{base}/v1/artifacts")).json()["artifacts"] == []
+            with trio.fail_after(5):
+                while (tmp_path / "artifacts" / "objects" / body["id"]).exists():
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+
+async def test_no_ttl_means_no_default_ttl_field(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, _):
+        assert "default_ttl_hours" not in (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()
+
+
+async def test_restart_keeps_ready_artifacts_byte_for_byte(tmp_path: Path) -> None:
+    data = os.urandom(1_500_000)
+    async with serve_store(tmp_path) as (base, _):
+        body = await upload(base, data)
+    async with serve_store(tmp_path) as (base, _):
+        again = await call(httpx.get, f"{base}/v1/artifacts/{body['id']}")
+        assert again.status_code == 200 and again.content == data
+        assert (await call(httpx.get, f"{base}/v1/artifacts/{body['id']}/meta")).json() == body
+
+
+async def test_hostile_requests_leave_the_server_serving(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, _):
+        huge_header = b"GET /v1/artifacts HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+        answer = await trio.to_thread.run_sync(raw_http, base, huge_header)
+        assert answer == b"" or answer.split(b" ")[1][:1] == b"4", answer[:100]
+        bad_length = b"POST /v1/artifacts HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"
+        answer = await trio.to_thread.run_sync(raw_http, base, bad_length)
+        assert answer == b"" or answer.split(b" ")[1][:1] == b"4", answer[:100]
+        # a body that stops short of its Content-Length: the upload is dropped, nothing kept
+        short = b"POST /v1/artifacts HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10
+        await trio.to_thread.run_sync(lambda: raw_http(base, short, read_timeout=0.5))
+        with trio.fail_after(10):
+            while any((tmp_path / "artifacts" / "tmp").iterdir()):
+                await trio.sleep(0.05)
+        assert (await call(httpx.get, f"{base}/v1/artifacts")).json()["artifacts"] == []
+        await upload(base, b"still serving")
