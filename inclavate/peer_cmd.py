@@ -43,6 +43,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--admin-peer", action="append", default=[], metavar="PEER_ID",
                    help="trust admin commands signed by this peer; repeatable")  # fmt: skip
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the LAN")
+    p.add_argument("--no-generators", action="store_true",
+                   help="offer no media generators, even for speech models pulled with `pull --speech`")
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
@@ -86,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         admin_peers=tuple(args.admin_peer),
         engine=engine,
         wire_dtype=args.wire_dtype,
+        generators=not args.no_generators,
     )
 
 
