@@ -18,7 +18,7 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
 from api.bodies import decode_json
-from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat
+from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle
 from api.context import PeerContext
 from api.errors import NotFound, error_response_parts
 from api.generation import GenerationResult
@@ -40,7 +40,7 @@ async def _run(job: ChatJob, sessions: ActiveSessions, emit: Any) -> GenerationR
         return await job.generation.run(emit)
 
 
-def _events(app: QuartTrio, job: ChatJob, sessions: ActiveSessions) -> AsyncIterator[dict[str, Any]]:
+def _events(app: QuartTrio, ctx: PeerContext, job: ChatJob, sessions: ActiveSessions) -> AsyncIterator[dict[str, Any]]:
     """Chunks of a streamed generation (errors as ``{"error": ...}``), produced by a task
     in the app's nursery so the response can be cancelled without losing the cleanup."""
     send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
@@ -57,7 +57,8 @@ def _events(app: QuartTrio, job: ChatJob, sessions: ActiveSessions) -> AsyncIter
         with scope:
             try:
                 result = await _run(job, sessions, emit)
-                for final in final_chunks(job, result, "".join(held)):
+                outcome = await settle(ctx, job, result, "".join(held))
+                for final in final_chunks(job, result, outcome):
                     send.send_nowait(("chunk", final))
             except Exception as exc:  # noqa: BLE001 - reported to the client, never raised into the app
                 status, body = error_response_parts(exc)
@@ -96,7 +97,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         if job.request.stream:
 
             async def body() -> AsyncIterator[bytes]:
-                async for item in _events(app, job, sessions):
+                async for item in _events(app, ctx, job, sessions):
                     yield _sse(item)
                 yield b"data: [DONE]\n\n"
 
@@ -106,7 +107,8 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             return response
         collected = Collected()
         result = await _run(job, sessions, collected.add)
-        response = jsonify(completion_body(job, result, collected))
+        outcome = await settle(ctx, job, result, "".join(collected.content))
+        response = jsonify(completion_body(job, result, collected, outcome))
         response.headers.update(headers)
         return response
 
@@ -125,7 +127,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
                 status, body = error_response_parts(exc)
                 await websocket.send(json.dumps({**body, "status": status}))
                 continue
-            async for item in _events(app, job, sessions):
+            async for item in _events(app, ctx, job, sessions):
                 await websocket.send(json.dumps(item, separators=(",", ":")))
             await websocket.send("[DONE]")
 
