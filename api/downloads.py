@@ -11,11 +11,15 @@ only a known-inert set is served as recorded; everything else goes out as
 
 from __future__ import annotations
 
-from quart import Response
 from urllib.parse import quote
 
+from quart import Response, jsonify
+
+from api.errors import error_response_parts
+from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import DEFAULT_MEDIA_TYPE
 from inclavate.artifacts import ArtifactRead
+from inclavate.byte_ranges import RangeNotSatisfiable
 
 INERT_MEDIA_TYPES = frozenset({
     "audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3", "audio/mp4",
@@ -35,6 +39,24 @@ def served_media_type(media_type: str) -> str:
     if media_type not in INERT_MEDIA_TYPES:
         return DEFAULT_MEDIA_TYPE
     return "text/plain; charset=utf-8" if media_type == "text/plain" else media_type
+
+
+async def serve_artifact(artifacts: SwarmArtifacts, id_: str, range_header: str | None, *, attachment: bool) -> Response:
+    """The response to a download request, wherever in the swarm the artifact lives."""
+    try:
+        read = await artifacts.open(id_, range_header)
+    except RangeNotSatisfiable as exc:
+        return range_refused(exc)
+    return download_response(read, attachment_name=(read.meta.filename or read.meta.id) if attachment else None)
+
+
+def range_refused(exc: RangeNotSatisfiable) -> Response:
+    """416 in the usual error shape, with the ``Content-Range: bytes */<size>`` it requires."""
+    status, body = error_response_parts(exc)
+    response = jsonify(body)
+    response.status_code = status
+    response.headers["Content-Range"] = f"bytes */{exc.size}"
+    return response
 
 
 def download_response(read: ArtifactRead, *, attachment_name: str | None = None) -> Response:

@@ -2,7 +2,8 @@
 
 Thin: parse the request, call :class:`inclavate.artifact_swarm.SwarmArtifacts` (which finds
 the peer that owns an id), shape the answer. Errors are raised, and mapped to statuses in
-``api/errors.py``; the one exception is 416, which must carry ``Content-Range``.
+``api/errors.py``; downloads (and their 416, which carries ``Content-Range``) are built in
+``api/downloads.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
 from api.context import PeerContext
-from api.downloads import download_response
-from api.errors import BadRequest, error_response_parts
+from api.downloads import serve_artifact
+from api.errors import BadRequest
 from api.uploads import RequestChunks, set_body_limit
 from inclavate.artifact_types import (
     KINDS,
@@ -22,7 +23,6 @@ from inclavate.artifact_types import (
     ListQuery,
     media_type_of,
 )
-from inclavate.byte_ranges import RangeNotSatisfiable
 
 
 def whole_number(name: str, raw: str | None, default: int, low: int, high: int) -> int:
@@ -32,14 +32,6 @@ def whole_number(name: str, raw: str | None, default: int, low: int, high: int) 
     if not raw.isascii() or not raw.isdigit() or len(raw) > 12 or not low <= int(raw) <= high:
         raise BadRequest(f"{name} must be a whole number from {low} to {high}, not {raw[:40]!r}")
     return int(raw)
-
-
-def range_refused(exc: RangeNotSatisfiable) -> Response:
-    status, body = error_response_parts(exc)
-    response = jsonify(body)
-    response.status_code = status
-    response.headers["Content-Range"] = f"bytes */{exc.size}"
-    return response
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
@@ -75,11 +67,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/v1/artifacts/<artifact_id>")
     async def read_artifact(artifact_id: str):  # type: ignore[no-untyped-def]
         """The bytes; ``Range: bytes=<start>-<end>`` for one range (206)."""
-        try:
-            read = await ctx.artifacts().open(artifact_id, request.headers.get("Range"))
-        except RangeNotSatisfiable as exc:
-            return range_refused(exc)
-        return download_response(read)
+        return await serve_artifact(ctx.artifacts(), artifact_id, request.headers.get("Range"), attachment=False)
 
     @app.get("/v1/artifacts/<artifact_id>/meta")
     async def artifact_meta(artifact_id: str):  # type: ignore[no-untyped-def]

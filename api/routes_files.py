@@ -19,13 +19,12 @@ from quart import jsonify, request
 from quart_trio import QuartTrio
 
 from api.context import PeerContext
-from api.downloads import download_response
+from api.downloads import serve_artifact
 from api.errors import BadRequest, PayloadTooLarge
 from api.multipart import MultipartError, MultipartReader
-from api.routes_artifacts import range_refused, whole_number
+from api.routes_artifacts import whole_number
 from api.uploads import RequestChunks, set_body_limit
 from inclavate.artifact_types import MIB, ArtifactMeta, ListQuery, media_type_of, safe_filename
-from inclavate.byte_ranges import RangeNotSatisfiable
 from inclavate.owner_ids import parse_id
 
 PURPOSES = ("assistants", "user_data", "vision")
@@ -128,11 +127,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/v1/files/<file_id>/content")
     async def file_content(file_id: str):  # type: ignore[no-untyped-def]
         """The bytes, as an attachment with nosniff and an inert media type."""
-        try:
-            read = await ctx.artifacts().open(file_id, request.headers.get("Range"))
-        except RangeNotSatisfiable as exc:
-            return range_refused(exc)
-        return download_response(read, attachment_name=read.meta.filename or read.meta.id)
+        return await serve_artifact(ctx.artifacts(), file_id, request.headers.get("Range"), attachment=True)
 
     @app.delete("/v1/files/<file_id>")
     async def delete_file(file_id: str):  # type: ignore[no-untyped-def]

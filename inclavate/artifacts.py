@@ -43,11 +43,11 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import trio
 
@@ -79,6 +79,15 @@ _WRITE_BUFFER = 1024 * 1024
 """Bytes gathered before one write+hash in a worker thread (fewer thread hops)."""
 
 
+class ByteChunks(Protocol):
+    """An object's bytes as an async iterator; ``aclose`` releases what it holds (a file,
+    a stream) when a reader stops early. Quart's response body calls it, so do we."""
+
+    def __aiter__(self) -> ByteChunks: ...
+    async def __anext__(self) -> bytes: ...
+    async def aclose(self) -> None: ...
+
+
 @dataclass
 class ArtifactRead:
     """An open read: what is served, and the bytes as an async iterator of chunks."""
@@ -86,7 +95,7 @@ class ArtifactRead:
     meta: ArtifactMeta
     range: ByteRange | None
     """None: the whole object (200); otherwise the part served (206)."""
-    chunks: AsyncIterator[bytes]
+    chunks: ByteChunks
 
     @property
     def length(self) -> int:
@@ -236,7 +245,7 @@ class ArtifactStore:
         except OSError as exc:
             raise ArtifactUnavailable(f"cannot read artifact {meta.id}: {exc.strerror}") from exc
         start, length = (byte_range.start, byte_range.length) if byte_range else (0, meta.size_bytes)
-        return ArtifactRead(meta, byte_range, _read_chunks(handle, start, length))
+        return ArtifactRead(meta, byte_range, FileChunks(handle, start, length))
 
     async def read_all(self, id_: str, max_bytes: int) -> tuple[ArtifactMeta, bytes]:
         """A whole ready artifact in memory, for inputs known to be small (ArtifactTooLarge)."""
@@ -294,24 +303,43 @@ class ArtifactStore:
 
 async def read_whole(read: ArtifactRead, max_bytes: int) -> bytes:
     """Every byte of an open read, refused (and the read closed) past ``max_bytes``."""
-    if read.length > max_bytes:
-        await read.chunks.aclose()  # type: ignore[attr-defined]
-        raise ArtifactTooLarge(f"artifact {read.meta.id} is {read.length} bytes; the limit is {max_bytes}")
-    return b"".join([chunk async for chunk in read.chunks])
-
-
-async def _read_chunks(handle: BinaryIO, start: int, length: int) -> AsyncIterator[bytes]:
     try:
-        await trio.to_thread.run_sync(handle.seek, start)
-        remaining = length
-        while remaining > 0:
-            chunk = await trio.to_thread.run_sync(handle.read, min(READ_CHUNK, remaining))
-            if not chunk:
-                raise ArtifactUnavailable("artifact bytes ended early (the file was truncated)")
-            remaining -= len(chunk)
-            yield chunk
+        if read.length > max_bytes:
+            raise ArtifactTooLarge(f"artifact {read.meta.id} is {read.length} bytes; the limit is {max_bytes}")
+        return b"".join([chunk async for chunk in read.chunks])
     finally:
-        handle.close()
+        await read.chunks.aclose()
+
+
+class FileChunks:
+    """``length`` bytes of an open file from ``start``, read in a worker thread."""
+
+    def __init__(self, handle: BinaryIO, start: int, length: int) -> None:
+        self._handle = handle
+        self._start = start
+        self._remaining = length
+        self._positioned = False
+
+    def __aiter__(self) -> FileChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._remaining <= 0:
+            await self.aclose()
+            raise StopAsyncIteration
+        if not self._positioned:
+            await trio.to_thread.run_sync(self._handle.seek, self._start)
+            self._positioned = True
+        chunk = await trio.to_thread.run_sync(self._handle.read, min(READ_CHUNK, self._remaining))
+        if not chunk:
+            await self.aclose()
+            raise ArtifactUnavailable("artifact bytes ended early (the file was truncated)")
+        self._remaining -= len(chunk)
+        return chunk
+
+    async def aclose(self) -> None:
+        self._remaining = 0
+        self._handle.close()
 
 
 class ArtifactWriter:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import trio
@@ -135,10 +134,13 @@ async def _answer(stream: FramedStream, store: LocalArtifacts, raw: bytes) -> No
         return
     header = {"ok": True, "artifact": read.meta.to_record(),
               "range": [read.range.start, read.range.end] if read.range else None}  # fmt: skip
-    await _send(stream, header)
-    async for chunk in read.chunks:  # an error here propagates: the host resets the stream
-        await stream.send(chunk, timeout=_DATA_TIMEOUT)
-    await stream.send(b"", timeout=_DATA_TIMEOUT)
+    try:
+        await _send(stream, header)
+        async for chunk in read.chunks:  # an error here propagates: the host resets the stream
+            await stream.send(chunk, timeout=_DATA_TIMEOUT)
+        await stream.send(b"", timeout=_DATA_TIMEOUT)
+    finally:
+        await read.chunks.aclose()
 
 
 async def _run(store: LocalArtifacts, request: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +275,7 @@ class RemoteArtifacts:
             await stream.reset()
             raise
         length = byte_range.length if byte_range else meta.size_bytes
-        return ArtifactRead(meta, byte_range, _remote_chunks(stream, peer, length))
+        return ArtifactRead(meta, byte_range, RemoteChunks(stream, peer, length))
 
     async def _open_stream(self, peer: str) -> FramedStream:
         try:
@@ -337,20 +339,41 @@ def _meta_of(record: object, peer: str) -> ArtifactMeta:
         raise ArtifactUnavailable(f"peer {peer} sent malformed artifact metadata: {exc}") from exc
 
 
-async def _remote_chunks(stream: FramedStream, peer: str, length: int) -> AsyncIterator[bytes]:
-    received, complete = 0, False
-    try:
-        while chunk := await stream.receive(timeout=_DATA_TIMEOUT):
-            received += len(chunk)
-            if len(chunk) > READ_CHUNK or received > length:
-                raise ProtocolError(f"peer {peer} sent more bytes than the artifact holds")
-            yield chunk
-        if received != length:
-            raise ProtocolError(f"peer {peer} ended the artifact after {received} of {length} bytes")
-        complete = True
-    except P2PError as exc:
-        raise ArtifactUnavailable(f"reading from the owner peer {peer} failed: {exc}") from exc
-    finally:
-        # Read to the end: close politely. Abandoned half way (client gone) or broken: reset,
-        # so the owner stops sending at once.
-        await (stream.close() if complete else stream.reset())
+class RemoteChunks:
+    """An artifact's bytes as they arrive from its owner, checked against the announced
+    length. Read to the end, the stream is closed politely; abandoned half way (the HTTP
+    client left) or broken, it is reset, so the owner stops sending at once."""
+
+    def __init__(self, stream: FramedStream, peer: str, length: int) -> None:
+        self._stream = stream
+        self._peer = peer
+        self._length = length
+        self._received = 0
+        self._complete = False
+
+    def __aiter__(self) -> RemoteChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._complete:
+            raise StopAsyncIteration
+        try:
+            chunk = await self._stream.receive(timeout=_DATA_TIMEOUT)
+            self._received += len(chunk)
+            if len(chunk) > READ_CHUNK or self._received > self._length:
+                raise ProtocolError(f"peer {self._peer} sent more bytes than the artifact holds")
+            if not chunk and self._received != self._length:
+                raise ProtocolError(f"peer {self._peer} ended the artifact after {self._received} of {self._length} bytes")
+        except P2PError as exc:
+            await self.aclose()
+            raise ArtifactUnavailable(f"reading from the owner peer {self._peer} failed: {exc}") from exc
+        if not chunk:
+            self._complete = True
+            await self._stream.close()
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        if not self._complete:
+            self._complete = True
+            await self._stream.reset()

@@ -19,7 +19,7 @@ UNKNOWN = "1deaf021-07a3-407c-9d6f-1af47c23db18"
 
 
 async def call(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-    return await trio.to_thread.run_sync(lambda: fn(*args, timeout=30, **kwargs))
+    return await trio.to_thread.run_sync(lambda: fn(*args, timeout=90, **kwargs))
 
 
 async def upload(base: str, data: bytes, content_type: str | None = "audio/wav") -> dict:
@@ -221,3 +221,16 @@ async def test_hostile_requests_leave_the_server_serving(tmp_path: Path) -> None
                 await trio.sleep(0.05)
         assert (await call(httpx.get, f"{base}/v1/artifacts")).json()["artifacts"] == []
         await upload(base, b"still serving")
+
+
+async def test_openapi_describes_the_artifact_and_file_routes(tmp_path: Path) -> None:
+    async with serve_store(tmp_path) as (base, _):
+        doc = (await call(httpx.get, f"{base}/openapi.json")).json()
+    paths = doc["paths"]
+    assert set(paths["/v1/artifacts"]) == {"get", "post"} and set(paths["/v1/files"]) == {"get", "post"}
+    assert set(paths["/v1/artifacts/{artifact_id}"]) == {"get", "delete"}
+    assert {"206", "416", "409"} <= set(paths["/v1/artifacts/{artifact_id}"]["get"]["responses"])
+    assert "507" in paths["/v1/artifacts"]["post"]["responses"]
+    assert "multipart/form-data" in paths["/v1/files"]["post"]["requestBody"]["content"]
+    for path in ["/v1/artifacts/usage", "/v1/artifacts/{artifact_id}/meta", "/v1/files/{file_id}", "/v1/files/{file_id}/content"]:
+        assert "get" in paths[path], path

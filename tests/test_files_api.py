@@ -15,7 +15,7 @@ from api.limits import RequestLimits
 
 
 def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=90)
 
 
 async def in_thread(fn):  # type: ignore[no-untyped-def]

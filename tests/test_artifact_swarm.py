@@ -1,0 +1,184 @@
+"""Artifacts across peers, in process: two libp2p hosts, each with its own store, serving
+``/inclavate/artifacts/1``; every operation through the peer that does not hold the bytes,
+and what a hostile asker or a hostile owner gets."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_types import ArtifactConfig, ArtifactNotFound, ArtifactNotReady, ArtifactUnavailable, ListQuery
+from inclavate.artifacts import ArtifactStore
+from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+from inclavate.owner_ids import MalformedId, new_id
+from inclavate.types import PeerId
+from p2p.artifacts import PROTOCOL, RemoteArtifacts, serve_artifacts
+from p2p.errors import P2PError
+from p2p.framing import FramedStream
+from p2p.host import P2PHost, open_host
+from p2p.identity import Identity
+
+
+@dataclass
+class Node:
+    host: P2PHost
+    store: ArtifactStore
+    swarm: SwarmArtifacts
+
+
+async def chunks(data: bytes) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), 100_000):
+        yield data[i : i + 100_000]
+
+
+@asynccontextmanager
+async def two_peers(tmp_path: Path, config: ArtifactConfig | None = None) -> AsyncIterator[tuple[Node, Node]]:
+    async with AsyncExitStack() as stack:
+        hosts = [await stack.enter_async_context(open_host(Identity.generate(), listen_host="127.0.0.1")) for _ in range(2)]
+        peers = [h.peer_id for h in hosts]
+        nodes = []
+        for i, host in enumerate(hosts):
+            store = ArtifactStore(tmp_path / f"peer{i}", host.peer_id, config)
+            stack.callback(store.close)
+            serve_artifacts(host, store)
+            nodes.append(Node(host, store, SwarmArtifacts(store, RemoteArtifacts(host), lambda: peers, lambda: peers)))
+        await hosts[0].connect(hosts[1].multiaddrs()[0])
+        yield nodes[0], nodes[1]
+
+
+async def read(swarm: SwarmArtifacts, id_: str, range_header: str | None = None) -> bytes:
+    opened = await swarm.open(id_, range_header)
+    return b"".join([c async for c in opened.chunks])
+
+
+async def test_every_operation_through_the_other_peer(tmp_path: Path) -> None:
+    data = os.urandom(1_300_000)  # several 256 KiB frames
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            meta = await a.store.create(chunks(data), media_type="audio/wav", filename="x.wav", purpose="vision")
+            assert await b.swarm.meta(meta.id) == meta
+            assert await read(b.swarm, meta.id) == data
+            part = await b.swarm.open(meta.id, "bytes=1000-1999")
+            assert part.range is not None and part.range.content_range() == f"bytes 1000-1999/{len(data)}"
+            assert b"".join([c async for c in part.chunks]) == data[1000:2000]
+            with pytest.raises(RangeNotSatisfiable) as info:
+                await b.swarm.open(meta.id, "bytes=0-1,5-6")
+            assert info.value.size == len(data)
+            with pytest.raises(RangeMalformed):
+                await b.swarm.open(meta.id, "bytes=z")
+            # an abandoned remote read does not wedge the owner
+            half = await b.swarm.open(meta.id)
+            await half.chunks.__anext__()
+            await half.chunks.aclose()
+            assert await read(b.swarm, meta.id, "bytes=0-0") == data[:1]
+
+            await b.store.create(chunks(b"held by b"), kind="generated")
+            listed = await a.swarm.list(ListQuery())
+            assert [m.id for m in listed.artifacts] == [m.id for m in (await b.swarm.list(ListQuery())).artifacts]
+            keys = [m.sort_key() for m in listed.artifacts]
+            assert len(keys) == 2 and keys == sorted(keys, reverse=True)
+            page = await a.swarm.list(ListQuery(limit=1, offset=1))
+            assert [m.id for m in page.artifacts] == [listed.artifacts[1].id] and not page.truncated
+            assert (await a.swarm.list(ListQuery(limit=1))).truncated
+            assert [m.kind for m in (await a.swarm.list(ListQuery(kind="generated"))).artifacts] == ["generated"]
+            assert [m.id for m in (await b.swarm.list(ListQuery(files_only=True))).artifacts] == [meta.id]
+            usage = (await a.swarm.usage()).to_json()
+            assert usage["objects"] == 2 and usage["bytes"] == len(data) + 9
+            assert usage["uploaded"] == {"bytes": len(data), "objects": 1}
+
+            await b.swarm.delete(meta.id)
+            with pytest.raises(ArtifactNotFound):
+                a.store.meta(meta.id)
+            with pytest.raises(ArtifactNotFound):
+                await b.swarm.delete(meta.id)
+
+
+async def test_states_and_unknown_owners(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            async with a.store.begin(kind="generated", pending=True) as writer:
+                assert (await b.swarm.meta(writer.id)).state == "pending"
+                with pytest.raises(ArtifactNotReady):
+                    await b.swarm.open(writer.id)
+            with pytest.raises(ArtifactNotFound):  # nobody carries this tag
+                await b.swarm.meta("1deaf021-07a3-407c-9d6f-1af47c23db18")
+            with pytest.raises(MalformedId):
+                await b.swarm.meta("../../x")
+            # an owner that the registry names but that does not answer: 503, not 404
+            ghost = Identity.generate().peer_id
+            lonely = SwarmArtifacts(b.store, RemoteArtifacts(b.host), lambda: [ghost], lambda: [])
+            with pytest.raises(ArtifactUnavailable):
+                await lonely.meta(new_id(ghost))
+
+
+async def test_swarm_listing_depth_is_bounded(tmp_path: Path) -> None:
+    async with two_peers(tmp_path) as (a, _):
+        from api.errors import error_response_parts
+
+        with pytest.raises(Exception) as info:
+            await a.swarm.list(ListQuery(limit=1000, offset=100_000))
+        assert error_response_parts(info.value)[0] == 400
+
+
+async def raw_request(asker: P2PHost, owner: P2PHost, payload: bytes) -> dict | None:
+    stream = await asker.new_stream(owner.peer_id, PROTOCOL, timeout=5)
+    async with stream:
+        await stream.send(payload, timeout=5)
+        try:
+            return json.loads(await stream.receive(timeout=5))
+        except P2PError:
+            return None
+
+
+async def test_hostile_requests_are_refused_and_contained(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            meta = await a.store.create(chunks(b"precious"))
+            refusals = [
+                b"not json",
+                b"[]",
+                json.dumps({"op": "format_disk"}).encode(),
+                json.dumps({"op": "read", "id": "../../index.db"}).encode(),
+                json.dumps({"op": "read", "id": meta.id, "range": "x" * 300}).encode(),
+                json.dumps({"op": "list", "limit": 10**9}).encode(),
+                json.dumps({"op": "list", "limit": True}).encode(),
+                json.dumps({"op": "list", "limit": 5, "after": [-1, meta.id]}).encode(),
+                json.dumps({"op": "list", "limit": 5, "kind": {"$ne": 1}}).encode(),
+                json.dumps({"op": "delete", "id": 12}).encode(),
+            ]
+            for payload in refusals:
+                answer = await raw_request(b.host, a.host, payload)
+                assert answer is not None and answer["ok"] is False, payload
+                assert answer["error"] in ("bad_request", "malformed_id", "malformed_range"), answer
+            # a request frame over 4 KiB: the owner resets the stream, nothing else happens
+            assert await raw_request(b.host, a.host, b"{" + b" " * 10_000 + b"}") is None
+            assert await read(b.swarm, meta.id) == b"precious"
+            assert a.store.meta(meta.id).ready
+
+
+async def test_a_lying_owner_is_caught(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            real = await a.store.create(chunks(b"12345"))
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                record = {**real.to_record(), "id": request["id"]}
+                await stream.send(json.dumps({"ok": True, "artifact": record, "range": None}).encode(), timeout=5)
+                await stream.send(b"123456789", timeout=5)  # more than the 5 bytes announced
+                await stream.send(b"", timeout=5)
+
+            a.host.set_stream_handler(PROTOCOL, liar)
+            opened = await b.swarm.open(real.id)
+            with pytest.raises(ArtifactUnavailable):
+                async for _ in opened.chunks:
+                    pass
