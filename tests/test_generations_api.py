@@ -321,3 +321,13 @@ async def test_a_restart_resumes_the_interrupted_job(tmp_path: Path, speech_gene
     async with serve_generations(tmp_path, speech_generators) as s, client(s) as http:
         done = await wait_state(http, job["id"], ("completed", "failed"), timeout=120)
     assert done["state"] == "completed" and len(done["output_artifacts"]) == 1
+
+
+async def test_openapi_describes_the_generation_and_audio_routes(served: Served) -> None:
+    async with client(served) as http:
+        paths = (await http.get("/openapi.json")).json()["paths"]
+    assert set(paths["/v1/generations/{job_id}"]) == {"get", "delete"}
+    assert "429" in paths["/v1/generations"]["post"]["responses"]
+    assert "504" in paths["/v1/audio/speech"]["post"]["responses"]
+    assert "multipart/form-data" in paths["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]
+    assert paths["/admin/generations/{job_id}"]["delete"]["security"] == [{"adminToken": []}]
