@@ -21,6 +21,7 @@ from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
 from api.generation_request import default_deadline_s
 from api.routes_generations import service
+from api.uploads import set_body_limit
 from inclavate.generations import GenerationService, NoGenerator
 from inclavate.jobs import NewJob
 
@@ -126,6 +127,9 @@ def _headers(job: dict[str, Any]) -> dict[str, str]:
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
+    # A clip may be 64 MiB, above the app-wide (chat) body limit; multipart arrives whole.
+    set_body_limit(app, "POST", "/v1/audio/transcriptions", MAX_CLIP_BYTES + MULTIPART_OVERHEAD)
+
     @app.errorhandler(_TimedOut)
     async def _on_timeout(exc: _TimedOut) -> Response:
         response = jsonify(exc.body())
@@ -199,7 +203,6 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         length = request.content_length
         if length is not None and length > MAX_CLIP_BYTES + MULTIPART_OVERHEAD:
             raise PayloadTooLarge(f"the upload is {length} bytes; a clip may be at most 64 MiB")
-        request.max_content_length = MAX_CLIP_BYTES + MULTIPART_OVERHEAD
         form = await request.form
         files = await request.files
         model = form.get("model", "").strip()

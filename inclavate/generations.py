@@ -69,7 +69,11 @@ class GenerationService:
         entries = {e["model"]: e for e in self.local_capabilities()}
         for view in self._live_peers():
             for entry in view.record.generators:
-                entries.setdefault(entry["model"], dict(entry))
+                advertised = dict(entry)
+                if "ready" in advertised:  # understanding entries: servable only from a Ready peer
+                    advertised["ready"] = bool(advertised["ready"]) and view.state == "Ready"
+                if entries.get(advertised["model"], {}).get("ready") is False or advertised["model"] not in entries:
+                    entries[advertised["model"]] = advertised
         return list(entries.values())
 
     def _live_peers(self) -> list[NodeView]:

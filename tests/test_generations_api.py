@@ -164,6 +164,9 @@ async def test_transcription_errors(served: Served, speech_generators: dict) -> 
     junk = await post({"file": ("a.wav", b"not a wav at all" * 10, "audio/wav")}, {"model": "whisper:tiny.en"})
     assert junk.status_code == 400 and "cannot be decoded" in junk.json()["error"]
     assert (await post(ok_file, {"model": "piper:joe"})).status_code == 422
+    # Above the chat body limit (24 MiB) but within a clip's 64 MiB: accepted, then judged.
+    large = await post({"file": ("a.wav", b"junk" * (10 * 1024 * 1024), "audio/wav")}, {"model": "whisper:tiny.en"})
+    assert large.status_code == 400 and "cannot be decoded" in large.json()["error"]
     big = await post({"file": ("a.wav", b"RIFF" + bytes(64 * 1024 * 1024 + 1024 * 1024 + 10), "audio/wav")},
                      {"model": "whisper:tiny.en"})  # fmt: skip
     assert big.status_code == 413

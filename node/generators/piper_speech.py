@@ -99,6 +99,8 @@ class PiperSpeech:
         self.check(task.modality, params, len(task.inputs))
         from piper import SynthesisConfig
 
+        if cancelled():
+            raise GenerationCancelled()
         progress("loading", 0.0)
         voice = self._loaded()
         speed = params.get("speed") or 1.0

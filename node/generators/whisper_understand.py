@@ -60,6 +60,8 @@ class WhisperUnderstand:
         optional_int(params, "max_tokens", 1, 32768)
 
     def run(self, task: GenerationTask, cancelled: CancelCheck, progress: ProgressReport) -> GeneratorOutput:
+        if cancelled():
+            raise GenerationCancelled()
         progress("reading_input", 0.0)
         for media in task.inputs:
             if media.media_type.split(";")[0].strip().lower() not in AUDIO_TYPES:
