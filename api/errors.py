@@ -18,7 +18,9 @@ shapes (and the rule that tracebacks never reach a client) live in exactly one m
         └── MediaError            400 or 413, the media envelope (see MediaCode)
 
 Errors from other packages are not ApiErrors; :func:`register` maps their types to a status
-(``ModelNotFound`` -> 422 and ``ConfigError`` -> 400 are registered here).
+(``ModelNotFound`` -> 422 and ``ConfigError`` -> 400 are registered here, the lower layers'
+in :func:`_register_lower_layers`, the artifact store's among them: 400 malformed id or
+range, 404, 409 not ready, 413, 416, 507 store full, 503 unreachable).
 """
 
 from __future__ import annotations

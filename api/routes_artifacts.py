@@ -26,12 +26,13 @@ from inclavate.artifact_types import (
 
 
 def whole_number(name: str, raw: str | None, default: int, low: int, high: int) -> int:
-    """A query parameter that must be a whole number in ``[low, high]`` (400 otherwise)."""
+    """A query parameter that must be a whole number >= ``low`` (400 otherwise); values
+    past ``high`` are served as ``high``, the documented maximum."""
     if raw is None:
         return default
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 12 or not low <= int(raw) <= high:
-        raise BadRequest(f"{name} must be a whole number from {low} to {high}, not {raw[:40]!r}")
-    return int(raw)
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 15 or int(raw) < low:
+        raise BadRequest(f"{name} must be a whole number of at least {low} (at most {high} is served), not {raw[:40]!r}")
+    return min(int(raw), high)
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
@@ -52,7 +53,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def list_artifacts():  # type: ignore[no-untyped-def]
         """List artifacts, newest first (limit, offset, kind = generated | uploaded)."""
         limit = whole_number("limit", request.args.get("limit"), LIST_DEFAULT_LIMIT, 1, LIST_MAX_LIMIT)
-        offset = whole_number("offset", request.args.get("offset"), 0, 0, 10**12)
+        offset = whole_number("offset", request.args.get("offset"), 0, 0, 10**15)
         raw_kind = request.args.get("kind")
         # The spec: an unrecognised kind lists both rather than erroring.
         kind: ArtifactKind | None = raw_kind if raw_kind in KINDS else None  # type: ignore[assignment]

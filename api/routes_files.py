@@ -24,7 +24,7 @@ from api.errors import BadRequest, PayloadTooLarge
 from api.multipart import MultipartError, MultipartReader
 from api.routes_artifacts import whole_number
 from api.uploads import RequestChunks, set_body_limit
-from inclavate.artifact_types import MIB, ArtifactMeta, ListQuery, media_type_of, safe_filename
+from inclavate.artifact_types import MAX_PURPOSE_CHARS, MIB, ArtifactMeta, ListQuery, media_type_of, safe_filename
 from inclavate.owner_ids import parse_id
 
 PURPOSES = ("assistants", "user_data", "vision")
@@ -110,7 +110,10 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             raise BadRequest("order must be asc or desc")
         after = request.args.get("after")
         cursor = (await ctx.artifacts().meta(after)).sort_key() if after else None
-        query = ListQuery(limit=limit, files_only=True, purpose=request.args.get("purpose"), after=cursor,
+        purpose = request.args.get("purpose")
+        if purpose is not None and len(purpose) > MAX_PURPOSE_CHARS:
+            raise BadRequest(f"purpose is at most {MAX_PURPOSE_CHARS} characters")
+        query = ListQuery(limit=limit, files_only=True, purpose=purpose, after=cursor,
                           ascending=order == "asc")  # fmt: skip
         page = await ctx.artifacts().list(query)
         data = [file_object(m) for m in page.artifacts]

@@ -56,9 +56,9 @@ class RequestChunks:
     """The request body as it arrives, never buffered whole (an async iterator; a class
     rather than a generator so that abandoning it half way leaves nothing to finalize)."""
 
-    def __init__(self, idle_timeout: float = UPLOAD_IDLE_TIMEOUT_S) -> None:
+    def __init__(self, idle_timeout: float | None = None) -> None:
         self._body = request.body.__aiter__()
-        self._idle_timeout = idle_timeout
+        self._idle_timeout = UPLOAD_IDLE_TIMEOUT_S if idle_timeout is None else idle_timeout
 
     def __aiter__(self) -> RequestChunks:
         return self

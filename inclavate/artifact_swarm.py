@@ -31,19 +31,19 @@ from inclavate.artifact_types import (
     ArtifactMeta,
     ArtifactNotFound,
     ArtifactPage,
+    SWARM_LIST_WINDOW,
     ArtifactUnavailable,
     BadArtifactRequest,
     ListQuery,
     Usage,
 )
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
+from inclavate.errors import InclavateError
 from inclavate.owner_ids import owner_candidates, owner_tag, parse_id, tag_of
 
 log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 5.0
-MAX_LIST_WINDOW = 20_000
-"""The deepest row (offset + limit) a swarm-wide listing reaches; see the module doc."""
 
 T = TypeVar("T")
 
@@ -134,9 +134,9 @@ class SwarmArtifacts:
         if not peers:
             return self.store.list(query)
         window = query.offset + query.limit
-        if window > MAX_LIST_WINDOW:
+        if window > SWARM_LIST_WINDOW:
             raise BadArtifactRequest(
-                f"offset + limit may reach at most {MAX_LIST_WINDOW} rows in a swarm-wide listing; "
+                f"offset + limit may reach at most {SWARM_LIST_WINDOW} rows in a swarm-wide listing; "
                 "narrow it with kind, or delete what is no longer needed"
             )
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
@@ -166,7 +166,7 @@ class SwarmArtifacts:
             with trio.move_on_after(PEER_TIMEOUT_S):
                 try:
                     results.append(await ask(peer))
-                except ArtifactUnavailable as exc:
+                except InclavateError as exc:  # nothing may escape the nursery as a group
                     log.warning("artifact listing: peer %s left out: %s", peer, exc)
                 return
             log.warning("artifact listing: peer %s left out: no answer within %.0f s", peer, PEER_TIMEOUT_S)

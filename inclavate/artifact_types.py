@@ -35,8 +35,13 @@ FILE_MAX_BYTES = 64 * MIB
 """One ``POST /v1/files`` upload."""
 DEFAULT_MEDIA_TYPE = "application/octet-stream"
 MAX_FILENAME_CHARS = 255
+MAX_PURPOSE_CHARS = 64
+MAX_MEDIA_TYPE_CHARS = 255
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
+SWARM_LIST_WINDOW = 20_000
+"""The deepest row (offset + limit) a swarm-wide listing reaches: each peer ships its first
+``offset + limit`` rows to the peer that merges them."""
 
 ArtifactKind = Literal["uploaded", "generated"]
 ArtifactState = Literal["pending", "ready", "failed"]
@@ -148,12 +153,12 @@ class ArtifactMeta:
         """Rebuild from :meth:`to_record`; strict, since the wire form comes from other peers."""
         try:
             meta = cls(
-                id=_text(row["id"], 36), media_type=_text(row["media_type"], 255),
+                id=_text(row["id"], 36), media_type=_text(row["media_type"], MAX_MEDIA_TYPE_CHARS),
                 size_bytes=_count(row["size_bytes"]), digest=_optional_text(row.get("digest"), 64),
                 state=row["state"], kind=row["kind"], created_at_ms=_count(row["created_at_ms"]),
                 expires_at_ms=_optional_count(row.get("expires_at_ms")),
                 filename=_optional_text(row.get("filename"), MAX_FILENAME_CHARS),
-                purpose=_optional_text(row.get("purpose"), 64), error=_optional_text(row.get("error"), 1000),
+                purpose=_optional_text(row.get("purpose"), MAX_PURPOSE_CHARS), error=_optional_text(row.get("error"), 1000),
             )  # fmt: skip
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not an artifact record: {exc}") from exc
@@ -217,6 +222,16 @@ class Totals:
     def to_json(self) -> dict[str, int]:
         return {"bytes": self.bytes, "objects": self.objects}
 
+    @classmethod
+    def from_json(cls, value: object) -> Totals:
+        """Strict, for what other peers send (ValueError)."""
+        try:
+            if not isinstance(value, dict):
+                raise TypeError("expected an object")
+            return cls(_count(value["bytes"]), _count(value["objects"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a bytes/objects pair: {exc}") from exc
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -240,6 +255,17 @@ class Usage:
         if self.default_ttl_hours is not None:
             body["default_ttl_hours"] = self.default_ttl_hours
         return body
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Usage:
+        """Strict, for what other peers send (ValueError); the TTL is the reader's own."""
+        try:
+            return cls(
+                generated=Totals.from_json(body["generated"]), uploaded=Totals.from_json(body["uploaded"]),
+                max_bytes=_count(body["max_bytes"]), max_objects=_count(body["max_objects"]),
+            )  # fmt: skip
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a usage answer: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -39,21 +39,19 @@ uploads cannot together overshoot ``max_bytes``; an object slot is taken at ``be
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import shutil
 from collections.abc import AsyncIterable
-from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import BinaryIO, Protocol
 
 import trio
 
 from inclavate.artifact_index import ArtifactIndex
 from inclavate.artifact_types import (
     DEFAULT_MEDIA_TYPE,
+    MAX_FILENAME_CHARS,
+    MAX_MEDIA_TYPE_CHARS,
+    MAX_PURPOSE_CHARS,
     UPLOAD_MAX_BYTES,
     ArtifactConfig,
     ArtifactKind,
@@ -63,43 +61,21 @@ from inclavate.artifact_types import (
     ArtifactPage,
     ArtifactTooLarge,
     ArtifactUnavailable,
+    BadArtifactRequest,
     ListQuery,
     QuotaExceeded,
     Totals,
     Usage,
     now_ms,
 )
-from inclavate.byte_ranges import ByteRange, parse_range
+from inclavate.artifact_reads import READ_CHUNK, ArtifactRead, ByteChunks, FileChunks, read_whole
+from inclavate.artifact_writer import ArtifactWriter
+from inclavate.byte_ranges import parse_range
 from inclavate.owner_ids import new_id, parse_id
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK = 256 * 1024
-_WRITE_BUFFER = 1024 * 1024
-"""Bytes gathered before one write+hash in a worker thread (fewer thread hops)."""
-
-
-class ByteChunks(Protocol):
-    """An object's bytes as an async iterator; ``aclose`` releases what it holds (a file,
-    a stream) when a reader stops early. Quart's response body calls it, so do we."""
-
-    def __aiter__(self) -> ByteChunks: ...
-    async def __anext__(self) -> bytes: ...
-    async def aclose(self) -> None: ...
-
-
-@dataclass
-class ArtifactRead:
-    """An open read: what is served, and the bytes as an async iterator of chunks."""
-
-    meta: ArtifactMeta
-    range: ByteRange | None
-    """None: the whole object (200); otherwise the part served (206)."""
-    chunks: ByteChunks
-
-    @property
-    def length(self) -> int:
-        return self.range.length if self.range is not None else self.meta.size_bytes
+__all__ = ["ArtifactRead", "ArtifactStore", "ArtifactWriter", "ByteChunks", "READ_CHUNK", "read_whole"]
 
 
 class ArtifactStore:
@@ -158,6 +134,10 @@ class ArtifactStore:
         ``declared_size`` (a Content-Length) over ``max_bytes`` (413) or over the space
         the quota leaves (507), and a store at its object ceiling (507).
         """
+        for name, value, limit in (("media type", media_type, MAX_MEDIA_TYPE_CHARS),
+                                   ("filename", filename, MAX_FILENAME_CHARS), ("purpose", purpose, MAX_PURPOSE_CHARS)):  # fmt: skip
+            if value is not None and len(value) > limit:
+                raise BadArtifactRequest(f"{name} is longer than {limit} characters")
         if declared_size is not None and declared_size > max_bytes:
             raise ArtifactTooLarge(f"{declared_size} bytes is over the {max_bytes}-byte limit of one upload")
         cfg = self.config
@@ -171,13 +151,13 @@ class ArtifactStore:
             created_at_ms=created, expires_at_ms=created + ttl if ttl is not None else None,
             filename=filename, purpose=purpose,
         )  # fmt: skip
-        handle = open(self._tmp / f"{meta.id}.part", "xb")  # noqa: SIM115 - owned by the writer
+        handle = open(self.tmp_path(meta.id), "xb")  # noqa: SIM115 - owned by the writer
         if pending:
             try:
                 self._insert(meta)
             except BaseException:
                 handle.close()
-                (self._tmp / f"{meta.id}.part").unlink(missing_ok=True)
+                self.tmp_path(meta.id).unlink(missing_ok=True)
                 raise
         else:
             self._unindexed_writers += 1
@@ -220,8 +200,33 @@ class ArtifactStore:
         self.index.insert(meta)
         self._stored = self._stored + Totals(meta.size_bytes, 1)
 
-    def _object_path(self, id_: str) -> Path:
+    # -- the writer's ledger (inclavate.artifact_writer.Ledger) ----------------------------
+
+    def tmp_path(self, id_: str) -> Path:
+        return self._tmp / f"{id_}.part"
+
+    def object_path(self, id_: str) -> Path:
         return self._objects / id_
+
+    def reserve(self, id_: str, total_bytes: int) -> None:
+        self._check_bytes(total_bytes - self._inflight.get(id_, 0))
+        self._inflight[id_] = total_bytes
+
+    def publish(self, meta: ArtifactMeta, *, indexed: bool) -> None:
+        if not indexed:
+            self._insert(meta)
+        elif self.index.mark_ready(meta.id, meta.size_bytes, meta.digest or ""):
+            self._stored = self._stored + Totals(meta.size_bytes, 0)
+        else:
+            raise ArtifactNotFound(f"artifact {meta.id} was deleted while it was being written")
+
+    def fail(self, id_: str, reason: str) -> None:
+        self.index.mark_failed(id_, reason)
+
+    def release(self, id_: str, *, indexed: bool) -> None:
+        self._inflight.pop(id_, None)
+        if not indexed:
+            self._unindexed_writers -= 1
 
     # -- reading -----------------------------------------------------------------------
 
@@ -239,7 +244,7 @@ class ArtifactStore:
             raise ArtifactNotReady(f"artifact {meta.id} is {meta.state}; only ready artifacts can be read")
         byte_range = parse_range(range_header, meta.size_bytes)
         try:
-            handle = await trio.to_thread.run_sync(open, self._object_path(meta.id), "rb")
+            handle = await trio.to_thread.run_sync(open, self.object_path(meta.id), "rb")
         except FileNotFoundError:  # deleted between the row lookup and the open
             raise ArtifactNotFound(f"no artifact {id_}") from None
         except OSError as exc:
@@ -271,7 +276,7 @@ class ArtifactStore:
         if meta is None:
             raise ArtifactNotFound(f"no artifact {id_}")
         self._stored = self._stored + Totals(-meta.size_bytes, -1)
-        await trio.to_thread.run_sync(lambda: self._object_path(meta.id).unlink(missing_ok=True))
+        await trio.to_thread.run_sync(lambda: self.object_path(meta.id).unlink(missing_ok=True))
         return meta
 
     async def sweep_expired(self) -> int:
@@ -299,177 +304,3 @@ class ArtifactStore:
             except ArtifactUnavailable as exc:
                 log.warning("artifact sweep failed, retrying later: %s", exc)
             await trio.sleep(self.config.sweep_interval_s)
-
-
-async def read_whole(read: ArtifactRead, max_bytes: int) -> bytes:
-    """Every byte of an open read, refused (and the read closed) past ``max_bytes``."""
-    try:
-        if read.length > max_bytes:
-            raise ArtifactTooLarge(f"artifact {read.meta.id} is {read.length} bytes; the limit is {max_bytes}")
-        return b"".join([chunk async for chunk in read.chunks])
-    finally:
-        await read.chunks.aclose()
-
-
-class FileChunks:
-    """``length`` bytes of an open file from ``start``, read in a worker thread."""
-
-    def __init__(self, handle: BinaryIO, start: int, length: int) -> None:
-        self._handle = handle
-        self._start = start
-        self._remaining = length
-        self._positioned = False
-
-    def __aiter__(self) -> FileChunks:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._remaining <= 0:
-            await self.aclose()
-            raise StopAsyncIteration
-        if not self._positioned:
-            await trio.to_thread.run_sync(self._handle.seek, self._start)
-            self._positioned = True
-        chunk = await trio.to_thread.run_sync(self._handle.read, min(READ_CHUNK, self._remaining))
-        if not chunk:
-            await self.aclose()
-            raise ArtifactUnavailable("artifact bytes ended early (the file was truncated)")
-        self._remaining -= len(chunk)
-        return chunk
-
-    async def aclose(self) -> None:
-        self._remaining = 0
-        self._handle.close()
-
-
-class ArtifactWriter:
-    """Bytes on their way into the store; see :meth:`ArtifactStore.begin`."""
-
-    def __init__(self, store: ArtifactStore, meta: ArtifactMeta, handle: BinaryIO, max_bytes: int, *, indexed: bool) -> None:
-        self.meta = meta
-        self._store = store
-        self._handle = handle
-        self._max_bytes = max_bytes
-        self._indexed = indexed
-        self._hash = hashlib.sha256()
-        self._buffer = bytearray()
-        self._size = 0
-        self._finished = False
-
-    @property
-    def id(self) -> str:
-        return self.meta.id
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    async def write(self, chunk: bytes) -> None:
-        """Append bytes (413 past ``max_bytes``, 507 past the store's byte quota)."""
-        if self._finished:
-            raise RuntimeError("write after commit or abort")
-        if self._size + len(chunk) > self._max_bytes:
-            raise ArtifactTooLarge(f"upload is over the {self._max_bytes}-byte limit")
-        self._store._check_bytes(len(chunk))
-        self._size += len(chunk)
-        self._store._inflight[self.id] = self._size
-        self._buffer += chunk
-        if len(self._buffer) >= _WRITE_BUFFER:
-            await self._flush()
-
-    async def _flush(self) -> None:
-        data, self._buffer = bytes(self._buffer), bytearray()
-
-        def write() -> None:
-            self._hash.update(data)
-            self._handle.write(data)
-
-        try:
-            await trio.to_thread.run_sync(write)
-        except OSError as exc:
-            raise ArtifactUnavailable(f"cannot write artifact bytes: {exc.strerror}") from exc
-
-    async def commit(self, *, purpose: str | None = None) -> ArtifactMeta:
-        """Make the artifact ready (durably, see the module docstring) and return it.
-
-        ``purpose`` sets the Files API's display field of a plain upload, for a multipart
-        body that names it only after the file."""
-        if purpose is not None:
-            if self._indexed:
-                raise ValueError("the purpose of a pending artifact is fixed at begin()")
-            self.meta = ArtifactMeta(**{**self.meta.to_record(), "purpose": purpose})
-        await self._flush()
-        tmp, final = self._tmp_path, self._store._object_path(self.id)
-
-        def persist() -> None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-
-        try:
-            await trio.to_thread.run_sync(persist)
-        except OSError as exc:
-            raise ArtifactUnavailable(f"cannot store artifact bytes: {exc.strerror}") from exc
-        store, digest = self._store, self._hash.hexdigest()
-        ready = ArtifactMeta(**{**self.meta.to_record(), "state": "ready", "size_bytes": self._size, "digest": digest})
-        try:
-            if self._indexed:
-                if not store.index.mark_ready(self.id, self._size, digest):
-                    raise ArtifactNotFound(f"artifact {self.id} was deleted while it was being written")
-                store._stored = store._stored + Totals(self._size, 0)
-            else:
-                store._insert(ready)
-        except BaseException:
-            final.unlink(missing_ok=True)
-            raise
-        finally:
-            self._release()
-        return ready
-
-    async def abort(self, reason: str = "the write did not complete") -> None:
-        """Discard the bytes; a pending row becomes failed with ``reason``."""
-        if self._finished:
-            return
-        self._release()
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._discard)
-        if self._indexed:
-            self._store.index.mark_failed(self.id, reason)
-
-    def _discard(self) -> None:
-        self._handle.close()
-        self._tmp_path.unlink(missing_ok=True)
-        # A commit that failed after its rename (directory fsync, index) left bytes that
-        # no ready row points to: remove them now rather than at the next start.
-        self._store._object_path(self.id).unlink(missing_ok=True)
-
-    @property
-    def _tmp_path(self) -> Path:
-        return self._store._tmp / f"{self.id}.part"
-
-    def _release(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self._store._inflight.pop(self.id, None)
-        if not self._indexed:
-            self._store._unindexed_writers -= 1
-
-    async def __aenter__(self) -> ArtifactWriter:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if not self._finished:
-            await self.abort(f"{type(exc).__name__}: {exc}" if exc is not None else "the writer closed without commit")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

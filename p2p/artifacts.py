@@ -1,88 +1,63 @@
 """``/inclavate/artifacts/1``: reach the artifact store of the peer that owns an id.
 
 Any peer serves the artifact API; the bytes stay on the peer that created them (the id's
-owner tag says which, :mod:`inclavate.owner_ids`). The serving peer asks the owner over
-this protocol, one request per stream:
+owner tag says which, :mod:`inclavate.owner_ids`), and the peer that got the request asks
+the owner over this protocol. The messages are in :mod:`p2p.artifact_wire`.
 
-* request: one JSON frame of at most 4 KiB, ``{"op": ..., ...}``::
-
-      {"op": "meta",   "id": ID}
-      {"op": "read",   "id": ID, "range": RANGE_HEADER | null}
-      {"op": "delete", "id": ID}
-      {"op": "list",   "limit": N, "kind": K|null, "files_only": B, "purpose": P|null,
-                       "after": [MS, ID]|null, "ascending": B}
-      {"op": "usage"}
-
-* answer: one JSON frame ``{"ok": true, ...}`` or ``{"ok": false, "error": CODE,
-  "message": TEXT[, "size": N]}``, CODE naming one of our exception types (:data:`_ERRORS`);
-* a ``read`` that succeeded is followed by the bytes in frames of at most 256 KiB and an
-  empty frame that marks the end. An owner that fails mid-object resets the stream, so a
-  reader never takes a short object for a whole one.
-
-Both ends validate: the owner decodes each request strictly (sizes, types, ranges of
-numbers) and serves at most :data:`MAX_CONCURRENT` streams at once (more are answered
-``busy``); the asker checks answers with :meth:`ArtifactMeta.from_record` and counts the
-bytes against the announced length. Any swarm peer may ask: the spec's ownership is a
-single local principal, the same one any HTTP client of any peer already is.
+The owner serves at most :data:`MAX_CONCURRENT` streams at once (more are refused as
+``unavailable``, so the asker answers 503 rather than queueing), and an owner that fails
+mid-object resets the stream, so a reader never takes a short object for a whole one. The
+asker counts the bytes against the announced length and resets the stream when its reader
+stops early (the HTTP client left), so the owner stops sending at once. Any swarm peer may
+ask: the spec's ownership is a single local principal, the same one any HTTP client of any
+peer already is.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Protocol
 
 import trio
 
 from inclavate.artifact_types import (
-    KINDS,
     ArtifactError,
     ArtifactMeta,
-    ArtifactNotFound,
-    ArtifactNotReady,
     ArtifactPage,
-    ArtifactTooLarge,
     ArtifactUnavailable,
-    BadArtifactRequest,
     ListQuery,
-    QuotaExceeded,
-    Totals,
     Usage,
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactRead
-from inclavate.byte_ranges import MAX_HEADER_CHARS, ByteRange, RangeMalformed, RangeNotSatisfiable
-from inclavate.errors import InclavateError
-from inclavate.owner_ids import MalformedId, parse_id
+from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+from inclavate.owner_ids import MalformedId
 from inclavate.types import PeerId
+from p2p.artifact_wire import (
+    MAX_ANSWER_BYTES,
+    MAX_REQUEST_BYTES,
+    PROTOCOL,
+    decode_answer,
+    decode_meta,
+    decode_page,
+    decode_range,
+    decode_request,
+    decode_usage,
+    encode,
+    list_request,
+    refusal,
+)
 from p2p.errors import P2PError, ProtocolError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/inclavate/artifacts/1"
-MAX_REQUEST_BYTES = 4096
-MAX_LIST_WINDOW = 20_000
-"""Rows one peer returns for one listing (a merged listing asks each peer for
-``offset + limit`` rows; a deeper offset is refused at the API)."""
-MAX_ANSWER_BYTES = MAX_LIST_WINDOW * 1024 + 4096
+__all__ = ["MAX_CONCURRENT", "PROTOCOL", "RemoteArtifacts", "RemoteChunks", "serve_artifacts"]
+
 MAX_CONCURRENT = 16
 _REQUEST_TIMEOUT = 10.0
 _ANSWER_TIMEOUT = 30.0
 _DATA_TIMEOUT = 30.0
-
-_ERRORS: dict[str, type[InclavateError]] = {
-    "not_found": ArtifactNotFound,
-    "not_ready": ArtifactNotReady,
-    "too_large": ArtifactTooLarge,
-    "quota": QuotaExceeded,
-    "bad_request": BadArtifactRequest,
-    "malformed_id": MalformedId,
-    "malformed_range": RangeMalformed,
-    "unsatisfiable_range": RangeNotSatisfiable,
-    "unavailable": ArtifactUnavailable,
-}
-_CODES = {cls: code for code, cls in _ERRORS.items()}
 
 
 class LocalArtifacts(Protocol):
@@ -121,16 +96,13 @@ def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
 async def _answer(stream: FramedStream, store: LocalArtifacts, raw: bytes) -> None:
     try:
         request = decode_request(raw)
-        op = request["op"]
-        if op == "read":
+        if request["op"] == "read":
             read = await store.open(request["id"], request["range"])
         else:
-            answer = await _run(store, request)
+            await _send(stream, {"ok": True, **await _run(store, request)})
+            return
     except (ArtifactError, MalformedId, RangeMalformed, RangeNotSatisfiable) as exc:
-        await _send(stream, _error_answer(exc))
-        return
-    if op != "read":
-        await _send(stream, {"ok": True, **answer})
+        await _send(stream, refusal(exc))
         return
     header = {"ok": True, "artifact": read.meta.to_record(),
               "range": [read.range.start, read.range.end] if read.range else None}  # fmt: skip
@@ -151,69 +123,14 @@ async def _run(store: LocalArtifacts, request: dict[str, Any]) -> dict[str, Any]
         await store.delete(request["id"])
         return {}
     if op == "usage":
-        usage = store.usage()
-        return {"generated": usage.generated.to_json(), "uploaded": usage.uploaded.to_json(),
-                "max_bytes": usage.max_bytes, "max_objects": usage.max_objects}  # fmt: skip
+        usage = store.usage().to_json()
+        return {k: usage[k] for k in ("generated", "uploaded", "max_bytes", "max_objects")}
     page = store.list(request["query"])
     return {"artifacts": [m.to_record() for m in page.artifacts], "truncated": page.truncated}
 
 
-def _error_answer(exc: InclavateError) -> dict[str, Any]:
-    code = next((c for cls, c in _CODES.items() if isinstance(exc, cls)), "unavailable")
-    answer: dict[str, Any] = {"ok": False, "error": code, "message": str(exc)[:1000]}
-    if isinstance(exc, RangeNotSatisfiable):
-        answer["size"] = exc.size
-    return answer
-
-
-def decode_request(raw: bytes) -> dict[str, Any]:
-    """A request, typed and bounded, or :class:`BadArtifactRequest`/:class:`MalformedId`."""
-    if len(raw) > MAX_REQUEST_BYTES:
-        raise BadArtifactRequest("request too large")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadArtifactRequest(f"request is not JSON: {exc}") from exc
-    if not isinstance(body, dict) or body.get("op") not in ("meta", "read", "delete", "list", "usage"):
-        raise BadArtifactRequest("request must be an object with a known op")
-    op = body["op"]
-    if op in ("meta", "read", "delete"):
-        out: dict[str, Any] = {"op": op, "id": parse_id(_str(body.get("id"), 36, "id"))}
-        if op == "read":
-            header = body.get("range")
-            out["range"] = None if header is None else _str(header, MAX_HEADER_CHARS, "range")
-        return out
-    if op == "usage":
-        return {"op": op}
-    limit = body.get("limit")
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_WINDOW:
-        raise BadArtifactRequest(f"limit must be a whole number from 1 to {MAX_LIST_WINDOW}")
-    kind = body.get("kind")
-    if kind is not None and kind not in KINDS:
-        raise BadArtifactRequest("unknown kind")
-    purpose = body.get("purpose")
-    after = body.get("after")
-    if after is not None:
-        if not (isinstance(after, list) and len(after) == 2 and isinstance(after[0], int)
-                and not isinstance(after[0], bool) and 0 <= after[0] < 2**63):  # fmt: skip
-            raise BadArtifactRequest("after must be [created_at_ms, id]")
-        after = (after[0], parse_id(_str(after[1], 36, "after id")))
-    query = ListQuery(
-        limit=limit, kind=kind, files_only=body.get("files_only") is True,
-        purpose=None if purpose is None else _str(purpose, 64, "purpose"),
-        after=after, ascending=body.get("ascending") is True,
-    )  # fmt: skip
-    return {"op": op, "query": query}
-
-
-def _str(value: object, limit: int, what: str) -> str:
-    if not isinstance(value, str) or len(value) > limit:
-        raise BadArtifactRequest(f"{what} must be a string of at most {limit} characters")
-    return value
-
-
 async def _send(stream: FramedStream, answer: dict[str, Any]) -> None:
-    await stream.send(json.dumps(answer).encode(), timeout=_ANSWER_TIMEOUT)
+    await stream.send(encode(answer), timeout=_ANSWER_TIMEOUT)
 
 
 # -- the asking side ------------------------------------------------------------------
@@ -228,46 +145,25 @@ class RemoteArtifacts:
 
     async def meta(self, peer: str, id_: str) -> ArtifactMeta:
         answer = await self._call(peer, {"op": "meta", "id": id_})
-        return _meta_of(answer.get("artifact"), peer)
+        return decode_meta(answer.get("artifact"), peer)
 
     async def delete(self, peer: str, id_: str) -> None:
         await self._call(peer, {"op": "delete", "id": id_})
 
     async def usage(self, peer: str) -> Usage:
-        answer = await self._call(peer, {"op": "usage"})
-        try:
-            return Usage(
-                generated=_totals(answer["generated"]), uploaded=_totals(answer["uploaded"]),
-                max_bytes=_count(answer["max_bytes"]), max_objects=_count(answer["max_objects"]),
-            )  # fmt: skip
-        except (KeyError, TypeError) as exc:
-            raise ArtifactUnavailable(f"peer {peer} sent a malformed usage answer") from exc
+        return decode_usage(await self._call(peer, {"op": "usage"}), peer)
 
     async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
-        request = {
-            "op": "list", "limit": query.limit, "kind": query.kind, "files_only": query.files_only,
-            "purpose": query.purpose, "after": list(query.after) if query.after else None, "ascending": query.ascending,
-        }  # fmt: skip
-        answer = await self._call(peer, request)
-        rows = answer.get("artifacts")
-        if not isinstance(rows, list) or len(rows) > query.limit:
-            raise ArtifactUnavailable(f"peer {peer} sent a malformed listing")
-        return ArtifactPage([_meta_of(r, peer) for r in rows], truncated=answer.get("truncated") is True)
+        return decode_page(await self._call(peer, list_request(query)), peer, query.limit)
 
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead:
         """Open a read on the owner; the returned chunks hold the stream until exhausted."""
         stream = await self._open_stream(peer)
         try:
-            await stream.send(json.dumps({"op": "read", "id": id_, "range": range_header}).encode(), timeout=_REQUEST_TIMEOUT)
-            answer = _check(await _receive_json(stream, peer), peer)
-            meta = _meta_of(answer.get("artifact"), peer)
-            span = answer.get("range")
-            byte_range = None
-            if span is not None:
-                if not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)
-                        and 0 <= span[0] <= span[1] < meta.size_bytes):  # fmt: skip
-                    raise ArtifactUnavailable(f"peer {peer} sent a malformed range")
-                byte_range = ByteRange(span[0], span[1], meta.size_bytes)
+            await stream.send(encode({"op": "read", "id": id_, "range": range_header}), timeout=_REQUEST_TIMEOUT)
+            answer = decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer)
+            meta = decode_meta(answer.get("artifact"), peer)
+            byte_range = decode_range(answer.get("range"), meta, peer)
         except P2PError as exc:
             await stream.reset()
             raise ArtifactUnavailable(f"the owner peer {peer} did not answer: {exc}") from exc
@@ -287,56 +183,10 @@ class RemoteArtifacts:
         stream = await self._open_stream(peer)
         try:
             async with stream:
-                await stream.send(json.dumps(request).encode(), timeout=_REQUEST_TIMEOUT)
-                return _check(await _receive_json(stream, peer), peer)
+                await stream.send(encode(request), timeout=_REQUEST_TIMEOUT)
+                return decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer)
         except P2PError as exc:
             raise ArtifactUnavailable(f"the owner peer {peer} did not answer: {exc}") from exc
-
-
-async def _receive_json(stream: FramedStream, peer: str) -> dict[str, Any]:
-    raw = await stream.receive(timeout=_ANSWER_TIMEOUT)
-    try:
-        answer = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        answer = None
-    if not isinstance(answer, dict):
-        raise ArtifactUnavailable(f"peer {peer} sent a malformed answer")
-    return answer
-
-
-def _check(answer: dict[str, Any], peer: str) -> dict[str, Any]:
-    """The answer if ok; the owner's refusal raised as our own exception type otherwise."""
-    if answer.get("ok") is True:
-        return answer
-    code, message = answer.get("error"), str(answer.get("message", "refused"))[:1000]
-    cls = _ERRORS.get(code) if isinstance(code, str) else None
-    if cls is RangeNotSatisfiable:
-        size = answer.get("size")
-        raise RangeNotSatisfiable(message, size if isinstance(size, int) and size >= 0 else 0)
-    if cls is None:
-        raise ArtifactUnavailable(f"peer {peer} refused: {message}")
-    raise cls(message)
-
-
-def _count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise TypeError("expected a non-negative integer")
-    return value
-
-
-def _totals(value: object) -> Totals:
-    if not isinstance(value, dict):
-        raise TypeError("expected an object")
-    return Totals(_count(value["bytes"]), _count(value["objects"]))
-
-
-def _meta_of(record: object, peer: str) -> ArtifactMeta:
-    try:
-        if not isinstance(record, dict):
-            raise ValueError("not an object")
-        return ArtifactMeta.from_record(record)
-    except ValueError as exc:
-        raise ArtifactUnavailable(f"peer {peer} sent malformed artifact metadata: {exc}") from exc
 
 
 class RemoteChunks:

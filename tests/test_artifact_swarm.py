@@ -15,7 +15,14 @@ import pytest
 import trio
 
 from inclavate.artifact_swarm import SwarmArtifacts
-from inclavate.artifact_types import ArtifactConfig, ArtifactNotFound, ArtifactNotReady, ArtifactUnavailable, ListQuery
+from inclavate.artifact_types import (
+    ArtifactConfig,
+    ArtifactNotFound,
+    ArtifactNotReady,
+    ArtifactUnavailable,
+    BadArtifactRequest,
+    ListQuery,
+)
 from inclavate.artifacts import ArtifactStore
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.owner_ids import MalformedId, new_id
@@ -182,3 +189,48 @@ async def test_a_lying_owner_is_caught(tmp_path: Path) -> None:
             with pytest.raises(ArtifactUnavailable):
                 async for _ in opened.chunks:
                     pass
+
+
+async def test_a_peer_refusing_its_part_of_a_listing_is_left_out(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            mine = await a.store.create(chunks(b"x"))
+
+            async def refuse(stream: FramedStream, remote: PeerId) -> None:
+                await stream.receive(timeout=5)
+                await stream.send(json.dumps({"ok": False, "error": "bad_request", "message": "no"}).encode(), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, refuse)
+            assert [m.id for m in (await a.swarm.list(ListQuery())).artifacts] == [mine.id]
+            assert (await a.swarm.usage()).total.objects == 1
+
+
+async def test_oversized_display_fields_are_refused_at_creation(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path, Identity.generate().peer_id)
+    try:
+        for fields in [{"purpose": "p" * 65}, {"filename": "f" * 256}, {"media_type": "a/" + "b" * 300}]:
+            with pytest.raises(BadArtifactRequest):
+                await store.create(chunks(b"x"), **fields)  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+async def test_an_owner_serves_a_bounded_number_of_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import p2p.artifacts
+
+    monkeypatch.setattr(p2p.artifacts, "MAX_CONCURRENT", 1)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(os.urandom(6_000_000)))  # more than the stream window
+            held = await b.swarm.open(big.id)
+            await held.chunks.__anext__()  # the owner is now blocked sending the rest
+            with pytest.raises(ArtifactUnavailable, match="busy"):
+                await b.swarm.meta(big.id)
+            await held.chunks.aclose()
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        assert (await b.swarm.meta(big.id)).id == big.id
+                        break
+                    except ArtifactUnavailable:
+                        await trio.sleep(0.05)

@@ -125,8 +125,12 @@ async def test_listing_order_paging_kind_and_usage(tmp_path: Path) -> None:
         assert [r["id"] for r in only["artifacts"]] == [generated]
         typo = (await call(httpx.get, f"{base}/v1/artifacts", params={"kind": "generatd"})).json()
         assert len(typo["artifacts"]) == 4  # the spec: an unknown kind lists both
-        for bad in [{"limit": 0}, {"limit": 1001}, {"limit": "ten"}, {"offset": -1}, {"limit": "１"}]:
+        for bad in [{"limit": 0}, {"limit": "ten"}, {"offset": -1}, {"limit": "１"}, {"offset": "1e3"}, {"limit": "9" * 40}]:
             assert (await call(httpx.get, f"{base}/v1/artifacts", params=bad)).status_code == 400, bad
+        capped = await call(httpx.get, f"{base}/v1/artifacts", params={"limit": 5000})  # served as the max, 1000
+        assert capped.status_code == 200 and len(capped.json()["artifacts"]) == 4
+        head = await call(httpx.head, f"{base}/v1/artifacts/{generated}")
+        assert head.status_code == 200 and head.headers["content-length"] == "3" and head.content == b""
         usage = (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()
         assert usage == {"bytes": 9, "objects": 4, "max_bytes": 0, "max_objects": 0,
                          "generated": {"bytes": 3, "objects": 1}, "uploaded": {"bytes": 6, "objects": 3}}  # fmt: skip
@@ -234,3 +238,62 @@ async def test_openapi_describes_the_artifact_and_file_routes(tmp_path: Path) ->
     assert "multipart/form-data" in paths["/v1/files"]["post"]["requestBody"]["content"]
     for path in ["/v1/artifacts/usage", "/v1/artifacts/{artifact_id}/meta", "/v1/files/{file_id}", "/v1/files/{file_id}/content"]:
         assert "get" in paths[path], path
+
+
+async def test_an_idle_upload_is_dropped_with_408(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import api.uploads
+
+    monkeypatch.setattr(api.uploads, "UPLOAD_IDLE_TIMEOUT_S", 0.5)
+    async with serve_store(tmp_path) as (base, _):
+        stalled = b"POST /v1/artifacts HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 10
+        answer = await trio.to_thread.run_sync(raw_http, base, stalled)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+        assert (await call(httpx.get, f"{base}/v1/artifacts")).json()["artifacts"] == []
+        assert not any((tmp_path / "artifacts" / "tmp").iterdir())
+
+
+async def test_a_full_disk_is_507(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from inclavate import artifact_writer
+
+    async with serve_store(tmp_path) as (base, _):
+        real_fsync = artifact_writer.os.fsync
+
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(artifact_writer.os, "fsync", full)
+        response = await call(httpx.post, f"{base}/v1/artifacts", content=b"x" * 1000)
+        assert response.status_code == 507 and "disk is full" in response.json()["error"]
+        monkeypatch.setattr(artifact_writer.os, "fsync", real_fsync)
+        assert (await call(httpx.get, f"{base}/v1/artifacts")).json()["artifacts"] == []
+        assert not any((tmp_path / "artifacts" / "tmp").iterdir())
+        assert not any((tmp_path / "artifacts" / "objects").iterdir())
+
+
+async def test_no_artifact_storage_is_503(tmp_path: Path) -> None:
+    from artifact_api_helpers import ArtifactContext
+
+    from api.app import create_app, serve_api
+    from api.errors import ServiceUnavailable
+    from inclavate.artifacts import ArtifactStore
+    from inclavate.local_swarm import free_port
+
+    class NotYet(ArtifactContext):
+        def artifacts(self):  # type: ignore[no-untyped-def]
+            raise ServiceUnavailable("artifact storage is not open yet on this peer")
+
+    store = ArtifactStore(tmp_path, "12D3KooWx")
+    port = free_port()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, create_app(NotYet(store)), "127.0.0.1", port)  # type: ignore[arg-type]
+            base = f"http://127.0.0.1:{port}"
+            for method, path in [("POST", "/v1/artifacts"), ("GET", "/v1/artifacts"), ("GET", "/v1/artifacts/usage"),
+                                 ("GET", f"/v1/artifacts/{UNKNOWN}"), ("GET", f"/v1/artifacts/{UNKNOWN}/meta"),
+                                 ("DELETE", f"/v1/artifacts/{UNKNOWN}"), ("GET", "/v1/files"), ("POST", "/v1/files")]:  # fmt: skip
+                assert (await call(httpx.request, method, base + path)).status_code == 503, path
+            nursery.cancel_scope.cancel()
+    finally:
+        store.close()

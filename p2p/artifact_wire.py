@@ -1,0 +1,195 @@
+"""The messages of ``/inclavate/artifacts/1``, encoded and decoded strictly on both ends.
+
+One request per stream:
+
+* request: one JSON frame of at most 4 KiB, ``{"op": ..., ...}``::
+
+      {"op": "meta",   "id": ID}
+      {"op": "read",   "id": ID, "range": RANGE_HEADER | null}
+      {"op": "delete", "id": ID}
+      {"op": "list",   "limit": N, "kind": K|null, "files_only": B, "purpose": P|null,
+                       "after": [MS, ID]|null, "ascending": B}
+      {"op": "usage"}
+
+* answer: one JSON frame ``{"ok": true, ...}`` or ``{"ok": false, "error": CODE,
+  "message": TEXT[, "size": N]}``, CODE naming one of our exception types (:data:`ERRORS`),
+  so the asking side raises the very error the owner's store raised (a remote 404, 409 or
+  416 is the local one);
+* a ``read`` that succeeded is followed by the bytes in frames of at most 256 KiB and an
+  empty frame that marks the end.
+
+Decoders return typed values or raise: the owner's :func:`decode_request` raises
+:class:`BadArtifactRequest` / :class:`MalformedId` (answered as a refusal), the asker's
+decoders raise :class:`ArtifactUnavailable` (a peer that sends garbage is a peer we cannot
+use), never a bare ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from inclavate.artifact_types import (
+    KINDS,
+    MAX_PURPOSE_CHARS,
+    SWARM_LIST_WINDOW,
+    ArtifactMeta,
+    ArtifactNotFound,
+    ArtifactNotReady,
+    ArtifactPage,
+    ArtifactTooLarge,
+    ArtifactUnavailable,
+    BadArtifactRequest,
+    ListQuery,
+    QuotaExceeded,
+    Usage,
+)
+from inclavate.byte_ranges import MAX_HEADER_CHARS, ByteRange, RangeMalformed, RangeNotSatisfiable
+from inclavate.errors import InclavateError
+from inclavate.owner_ids import MalformedId, parse_id
+
+PROTOCOL = "/inclavate/artifacts/1"
+MAX_REQUEST_BYTES = 4096
+MAX_ANSWER_BYTES = SWARM_LIST_WINDOW * 1024 + 4096
+OPS = ("meta", "read", "delete", "list", "usage")
+
+ERRORS: dict[str, type[InclavateError]] = {
+    "not_found": ArtifactNotFound,
+    "not_ready": ArtifactNotReady,
+    "too_large": ArtifactTooLarge,
+    "quota": QuotaExceeded,
+    "bad_request": BadArtifactRequest,
+    "malformed_id": MalformedId,
+    "malformed_range": RangeMalformed,
+    "unsatisfiable_range": RangeNotSatisfiable,
+    "unavailable": ArtifactUnavailable,
+}
+_CODES = {cls: code for code, cls in ERRORS.items()}
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+# -- the owner decodes requests and encodes refusals ----------------------------------
+
+
+def decode_request(raw: bytes) -> dict[str, Any]:
+    """``{"op", "id"[, "range"]}``, ``{"op": "list", "query": ListQuery}`` or ``{"op": "usage"}``."""
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise BadArtifactRequest("request too large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadArtifactRequest(f"request is not JSON: {exc}") from exc
+    if not isinstance(body, dict) or body.get("op") not in OPS:
+        raise BadArtifactRequest("request must be an object with a known op")
+    op = body["op"]
+    if op in ("meta", "read", "delete"):
+        out: dict[str, Any] = {"op": op, "id": parse_id(_str(body.get("id"), 36, "id"))}
+        if op == "read":
+            header = body.get("range")
+            out["range"] = None if header is None else _str(header, MAX_HEADER_CHARS, "range")
+        return out
+    if op == "usage":
+        return {"op": op}
+    return {"op": op, "query": _decode_query(body)}
+
+
+def _decode_query(body: dict[str, Any]) -> ListQuery:
+    limit = body.get("limit")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= SWARM_LIST_WINDOW:
+        raise BadArtifactRequest(f"limit must be a whole number from 1 to {SWARM_LIST_WINDOW}")
+    kind = body.get("kind")
+    if kind is not None and kind not in KINDS:
+        raise BadArtifactRequest("unknown kind")
+    purpose = body.get("purpose")
+    after = body.get("after")
+    if after is not None:
+        if not (isinstance(after, list) and len(after) == 2 and isinstance(after[0], int)
+                and not isinstance(after[0], bool) and 0 <= after[0] < 2**63):  # fmt: skip
+            raise BadArtifactRequest("after must be [created_at_ms, id]")
+        after = (after[0], parse_id(_str(after[1], 36, "after id")))
+    return ListQuery(
+        limit=limit, kind=kind, files_only=body.get("files_only") is True,
+        purpose=None if purpose is None else _str(purpose, MAX_PURPOSE_CHARS, "purpose"),
+        after=after, ascending=body.get("ascending") is True,
+    )  # fmt: skip
+
+
+def _str(value: object, limit: int, what: str) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise BadArtifactRequest(f"{what} must be a string of at most {limit} characters")
+    return value
+
+
+def refusal(exc: InclavateError) -> dict[str, Any]:
+    """The answer that makes the asker raise ``exc``'s type with its message."""
+    code = next((c for cls, c in _CODES.items() if isinstance(exc, cls)), "unavailable")
+    answer: dict[str, Any] = {"ok": False, "error": code, "message": str(exc)[:1000]}
+    if isinstance(exc, RangeNotSatisfiable):
+        answer["size"] = exc.size
+    return answer
+
+
+# -- the asker encodes requests and decodes answers -----------------------------------
+
+
+def list_request(query: ListQuery) -> dict[str, Any]:
+    return {
+        "op": "list", "limit": query.limit, "kind": query.kind, "files_only": query.files_only,
+        "purpose": query.purpose, "after": list(query.after) if query.after else None, "ascending": query.ascending,
+    }  # fmt: skip
+
+
+def decode_answer(raw: bytes, peer: str) -> dict[str, Any]:
+    """The answer if ok; the owner's refusal raised as our own exception type otherwise."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        answer = None
+    if not isinstance(answer, dict):
+        raise ArtifactUnavailable(f"peer {peer} sent a malformed answer")
+    if answer.get("ok") is True:
+        return answer
+    code, message = answer.get("error"), str(answer.get("message", "refused"))[:1000]
+    cls = ERRORS.get(code) if isinstance(code, str) else None
+    if cls is RangeNotSatisfiable:
+        size = answer.get("size")
+        raise RangeNotSatisfiable(message, size if isinstance(size, int) and size >= 0 else 0)
+    if cls is None:
+        raise ArtifactUnavailable(f"peer {peer} refused: {message}")
+    raise cls(message)
+
+
+def decode_meta(record: object, peer: str) -> ArtifactMeta:
+    try:
+        if not isinstance(record, dict):
+            raise ValueError("not an object")
+        return ArtifactMeta.from_record(record)
+    except ValueError as exc:
+        raise ArtifactUnavailable(f"peer {peer} sent malformed artifact metadata: {exc}") from exc
+
+
+def decode_page(answer: dict[str, Any], peer: str, limit: int) -> ArtifactPage:
+    rows = answer.get("artifacts")
+    if not isinstance(rows, list) or len(rows) > limit:
+        raise ArtifactUnavailable(f"peer {peer} sent a malformed listing")
+    return ArtifactPage([decode_meta(r, peer) for r in rows], truncated=answer.get("truncated") is True)
+
+
+def decode_usage(answer: dict[str, Any], peer: str) -> Usage:
+    try:
+        return Usage.from_json(answer)
+    except ValueError as exc:
+        raise ArtifactUnavailable(f"peer {peer} sent a malformed usage answer: {exc}") from exc
+
+
+def decode_range(span: object, meta: ArtifactMeta, peer: str) -> ByteRange | None:
+    """The range the owner says it serves, which must lie inside the object."""
+    if span is None:
+        return None
+    if not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in span)
+            and 0 <= span[0] <= span[1] < meta.size_bytes):  # fmt: skip
+        raise ArtifactUnavailable(f"peer {peer} sent a malformed range")
+    return ByteRange(span[0], span[1], meta.size_bytes)
