@@ -8,17 +8,14 @@ generator checks it); everything else is checked here, each failure a 400 naming
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 from api.errors import BadRequest
+from inclavate.generation_settings import MAX_DEADLINE_S
 from inclavate.jobs import NewJob
 from inclavate.owner_ids import MalformedId, parse_id
 
 MODALITIES = ("audio", "image", "video", "text")
-MAX_DEADLINE_S = 24 * 3600
-DEFAULT_DEADLINE_ENV = "DPPAN_GENERATION_DEADLINE_SECS"
-DEFAULT_DEADLINE_S = 600.0
 MAX_INPUT_ARTIFACTS = 16
 MAX_KEY_CHARS = 255
 MAX_MODEL_CHARS = 200
@@ -26,17 +23,7 @@ LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
 
 
-def default_deadline_s() -> float:
-    """``DPPAN_GENERATION_DEADLINE_SECS`` (default 600), at most 24 hours."""
-    raw = os.environ.get(DEFAULT_DEADLINE_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_DEADLINE_S
-    except ValueError:
-        value = DEFAULT_DEADLINE_S
-    return value if 0 < value <= MAX_DEADLINE_S else DEFAULT_DEADLINE_S
-
-
-def parse_generation(body: object) -> NewJob:
+def parse_generation(body: object, default_deadline_s: float) -> NewJob:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
@@ -60,7 +47,7 @@ def parse_generation(body: object) -> NewJob:
         seed=seed,
         input_artifacts=parse_artifact_ids(body.get("input_artifacts")),
         idempotency_key=_key(body.get("idempotency_key")),
-        deadline_s=_deadline(body.get("deadline_seconds")),
+        deadline_s=_deadline(body.get("deadline_seconds"), default_deadline_s),
     )
 
 
@@ -83,9 +70,9 @@ def _key(value: Any) -> str | None:
     return value
 
 
-def _deadline(value: Any) -> float:
+def _deadline(value: Any, default: float) -> float:
     if value is None:
-        return default_deadline_s()
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise BadRequest("deadline_seconds must be a positive number")
     if value > MAX_DEADLINE_S:

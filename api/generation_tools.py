@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.chat_request import ChatRequest
-from api.generation_request import default_deadline_s
 from api.tool_calls import ParsedToolCall
 from inclavate.errors import InclavateError
 from inclavate.generations import GenerationService
@@ -91,7 +90,7 @@ async def start_generations(
             remaining.append(call)
             continue
         try:
-            job = await service.submit(NewJob("audio", tool.model, params, deadline_s=default_deadline_s()),
+            job = await service.submit(NewJob("audio", tool.model, params, deadline_s=service.settings.default_deadline_s),
                                        local_only=False, known_chat_model=False)  # fmt: skip
         except InclavateError:
             remaining.append(call)  # e.g. the queue is full: the caller can run the call itself

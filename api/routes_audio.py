@@ -10,7 +10,6 @@ running) and answers with the artifact's bytes, naming the artifact and job in
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 from quart import Response, jsonify, request
@@ -19,7 +18,6 @@ from quart_trio import QuartTrio
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
-from api.generation_request import default_deadline_s
 from api.routes_generations import service
 from api.uploads import set_body_limit
 from inclavate.generations import GenerationService, NoGenerator
@@ -27,11 +25,6 @@ from inclavate.jobs import NewJob
 
 ARTIFACT_HEADER = "x-dppan-artifact-id"
 JOB_HEADER = "x-dppan-job-id"
-SPEECH_TIMEOUT_ENV = "DPPAN_SPEECH_SYNC_TIMEOUT_SECS"
-MUSIC_TIMEOUT_ENV = "DPPAN_MUSIC_SYNC_TIMEOUT_SECS"
-TRANSCRIPTION_TIMEOUT_ENV = "DPPAN_TRANSCRIPTION_SYNC_TIMEOUT_SECS"
-DEFAULT_SYNC_TIMEOUT_S = 120.0
-
 MAX_CLIP_BYTES = 64 * 1024 * 1024
 MULTIPART_OVERHEAD = 1024 * 1024
 """Room for the form's other fields and boundaries around a clip of the maximum size."""
@@ -40,15 +33,6 @@ REFUSED_FORMATS = ("verbose_json", "srt", "vtt")
 DEFAULT_TRANSCRIPTION_PROMPT = "Transcribe this audio."
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 MAX_SPEECH_BYTES = 256 * 1024 * 1024
-
-
-def sync_timeout(env: str) -> float:
-    raw = os.environ.get(env, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_SYNC_TIMEOUT_S
-    except ValueError:
-        return DEFAULT_SYNC_TIMEOUT_S
-    return value if math.isfinite(value) and value > 0 else DEFAULT_SYNC_TIMEOUT_S
 
 
 def _capability(generations: GenerationService, model: str, want: str) -> dict[str, Any]:
@@ -89,9 +73,9 @@ def _wav_only(body: dict[str, Any]) -> None:
         raise BadRequest(f"response_format {fmt!r} is not available: this deployment produces wav only")
 
 
-async def _finished(generations: GenerationService, job: dict[str, Any], timeout_env: str) -> dict[str, Any]:
+async def _finished(generations: GenerationService, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Wait for the job within the route's bound: the finished job, or 504 naming it."""
-    done = await generations.wait_finished(job["id"], sync_timeout(timeout_env))
+    done = await generations.wait_finished(job["id"], timeout_s)
     if done is None:
         raise _TimedOut(job["id"])
     if done["state"] != "completed" or not done["output_artifacts"]:
@@ -172,9 +156,9 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         if language is not None and entry.get("languages") and language.split("-")[0].lower() not in entry["languages"]:
             raise BadRequest(f"{model} speaks {', '.join(entry['languages'])}, not {language!r}")
         _string(body, "instruct")  # accepted; only instruction-tuned checkpoints act on it
-        new = NewJob(modality="audio", model=model, params=params, deadline_s=default_deadline_s())
+        new = NewJob(modality="audio", model=model, params=params, deadline_s=generations.settings.default_deadline_s)
         job = await generations.submit(new, local_only=False, known_chat_model=False)
-        done = await _finished(generations, job, SPEECH_TIMEOUT_ENV)
+        done = await _finished(generations, job, generations.settings.speech_sync_timeout_s)
         media = await generations.read_artifact(done["output_artifacts"][0], MAX_SPEECH_BYTES)
         return Response(media.data, status=200, content_type="audio/wav", headers=_headers(done))
 
@@ -233,9 +217,9 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             params["language"] = form["language"][:16]
         input_id = await generations.store_upload(data, media_type)
         new = NewJob(modality="text", model=model, params=params, input_artifacts=(input_id,),
-                     deadline_s=default_deadline_s())  # fmt: skip
+                     deadline_s=generations.settings.default_deadline_s)  # fmt: skip
         job = await generations.submit(new, local_only=False, known_chat_model=False)
-        done = await _finished(generations, job, TRANSCRIPTION_TIMEOUT_ENV)
+        done = await _finished(generations, job, generations.settings.transcription_sync_timeout_s)
         text = (await generations.read_artifact(done["output_artifacts"][0], MAX_OUTPUT_BYTES)).data.decode(errors="replace")
         if fmt == "text":
             return Response(text, status=200, content_type="text/plain; charset=utf-8", headers=_headers(done))

@@ -44,7 +44,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def generation_submit():  # type: ignore[no-untyped-def]
         """Queue a generation job (202: durably queued, not finished)."""
         generations = service(ctx)
-        new = parse_generation(await json_object())
+        new = parse_generation(await json_object(), generations.settings.default_deadline_s)
         job = await generations.submit(new, local_only=forwarded(), known_chat_model=ctx.knows_model(new.model))
         response = jsonify(job)
         response.status_code = 202

@@ -28,6 +28,7 @@ import trio
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactNotFound
 from inclavate.errors import InclavateError, RelayedError
+from inclavate.generation_settings import GenerationSettings
 from inclavate.job_runner import JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, Job, NewJob
 from inclavate.owner_ids import owner_candidates, parse_id
@@ -37,7 +38,6 @@ from p2p.registry import NodeView
 
 log = logging.getLogger(__name__)
 
-MAX_DEADLINE_S = 24 * 3600
 POLL_S = 0.5
 """How often a sync adapter polls a job that runs on another peer."""
 
@@ -51,8 +51,10 @@ class NoGenerator(InclavateError):
 
 class GenerationService:
     def __init__(self, me: str, runner: JobRunner, artifacts: SwarmArtifacts, views: Callable[[], list[NodeView]],
-                 http: PeerHttp, erase_remote: EraseRemote | None = None) -> None:  # fmt: skip
+                 http: PeerHttp, erase_remote: EraseRemote | None = None,
+                 settings: GenerationSettings = GenerationSettings()) -> None:  # fmt: skip
         self.me = me
+        self.settings = settings
         self.runner = runner
         self.artifacts = artifacts
         self._views = views

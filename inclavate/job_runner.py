@@ -27,7 +27,7 @@ import trio
 
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound, ArtifactNotReady, ArtifactTooLarge
 from inclavate.artifacts import ArtifactStore
-from inclavate.errors import ConfigError, InclavateError
+from inclavate.errors import InclavateError
 from inclavate.jobs import Job, JobStore, NewJob, now_ms
 from inclavate.owner_ids import new_id
 from node.generators.base import (
@@ -66,10 +66,6 @@ class JobActive(InclavateError):
     """The job is queued or running; cancel it before erasing it (409)."""
 
 
-WORKERS_ENV = "DPPAN_GENERATION_WORKERS"
-QUEUE_ENV = "DPPAN_GENERATION_QUEUE_MAX"
-
-
 @dataclass(frozen=True)
 class RunnerConfig:
     workers: int = 1
@@ -77,20 +73,6 @@ class RunnerConfig:
     max_active: int = 32
     """Queued plus running jobs accepted before submissions get 429."""
     poll_s: float = 1.0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> RunnerConfig:
-        """``DPPAN_GENERATION_WORKERS`` (default 1) and ``DPPAN_GENERATION_QUEUE_MAX`` (32)."""
-        return cls(workers=_env_int(env, WORKERS_ENV, 1, 64), max_active=_env_int(env, QUEUE_ENV, 32, 100_000))
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int, high: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or not 1 <= int(raw) <= high:
-        raise ConfigError(f"{name}={raw!r} must be a whole number from 1 to {high}")
-    return int(raw)
 
 
 class JobRunner:

