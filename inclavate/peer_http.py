@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -71,7 +71,8 @@ class PeerHttp:
             async with self._http().stream("GET", base_url + path, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as response:
                 if response.status_code >= 400:
                     _raise_for_error(response.status_code, await response.aread())
-                yield response.aiter_lines()
+                async with aclosing(response.aiter_lines()) as lines:
+                    yield lines
         except httpx.HTTPError as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
 

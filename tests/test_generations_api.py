@@ -333,3 +333,33 @@ async def test_openapi_describes_the_generation_and_audio_routes(served: Served)
     assert "504" in paths["/v1/audio/speech"]["post"]["responses"]
     assert "multipart/form-data" in paths["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]
     assert paths["/admin/generations/{job_id}"]["delete"]["security"] == [{"adminToken": []}]
+
+
+async def test_disconnecting_from_events_does_not_cancel(served: Served) -> None:
+    async with client(served) as http:
+        job = await submit(http, params={"text": "One sentence. And another one."})
+
+        def watch_briefly() -> None:  # a sync client: leaving early leaves no async generator behind
+            with httpx.stream("GET", f"{served.url}/v1/generations/{job['id']}/events", timeout=30) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        return  # the watcher leaves after the first event
+
+        await trio.to_thread.run_sync(watch_briefly)
+        assert (await wait_state(http, job["id"], ("completed", "cancelled")))["state"] == "completed"
+
+
+async def test_input_too_large_and_publish_failed(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inclavate import job_runner
+    from inclavate.artifact_types import ArtifactConfig
+
+    async with client(served) as http:
+        clip = await served.service.store_upload(b"RIFF" + bytes(100), "audio/wav")
+        monkeypatch.setattr(job_runner, "MAX_INPUT_BYTES", 50)
+        body = {"model": "whisper:tiny.en", "modality": "text", "params": {"prompt": "x"}, "input_artifacts": [clip]}
+        job = (await http.post("/v1/generations", json=body)).json()
+        assert (await wait_state(http, job["id"], ("failed", "completed")))["error_code"] == "input_too_large"
+        served.artifacts.config = ArtifactConfig(max_objects=1)  # the store is full: the output cannot be kept
+        job = await submit(http, params={"text": "Hi."})
+        failed = await wait_state(http, job["id"], ("failed", "completed"))
+        assert (failed["state"], failed["error_code"]) == ("failed", "publish_failed")
