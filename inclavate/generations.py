@@ -137,15 +137,22 @@ class GenerationService:
     # -- one job -------------------------------------------------------------------------
 
     def _owner_url(self, job_id: str) -> str | None:
-        """None when the id is ours; the owner's API URL otherwise (JobNotFound if no live
-        peer carries the id's tag)."""
-        peers = {v.record.peer_id: v.record.api_url for v in self._live_peers()}
-        candidates = owner_candidates(job_id, [self.me, *peers])
+        """None when the id is ours; the owner's API URL otherwise. An id whose tag names no
+        peer in the registry is JobNotFound (404); an owner the registry knows but believes
+        Dead is PeerUnreachable (503: the job may well exist)."""
+        known: dict[str, NodeView] = {}
+        for view in self._views():
+            if not view.record.relayed and view.record.peer_id != self.me:
+                known.setdefault(view.record.peer_id, view)
+        candidates = owner_candidates(job_id, [self.me, *known])
         if self.me in candidates and (self.runner.store.get(job_id) is not None or len(candidates) == 1):
             return None
-        for peer in candidates:
-            if peer != self.me:
-                return peers[peer]
+        others = [known[p] for p in candidates if p != self.me]
+        for view in others:
+            if view.state != "Dead" and view.record.api_url:
+                return view.record.api_url
+        if others:
+            raise PeerUnreachable(f"job {job_id} is held by peer {others[0].record.peer_id}, which is not reachable now")
         raise JobNotFound(f"no generation job {job_id}")
 
     async def get(self, job_id: str, *, local_only: bool) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from inclavate.generations import GenerationService, NoGenerator
 from inclavate.job_runner import JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, JobStore, NewJob
 from inclavate.owner_ids import new_id
+from inclavate.peer_http import PeerUnreachable
 
 ME, OTHER = "12D3KooWme", "12D3KooWother"
 REMOTE_ENTRY = {"modality": "audio", "model": "piper:joe", "builtin_voices": ["joe"], "requires_speaker": False}
@@ -86,5 +87,7 @@ async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
     assert service.http.calls[-1][:3] == ("http://other", "GET", f"/v1/generations/{theirs}")  # type: ignore[attr-defined]
     with pytest.raises(JobNotFound):
         await service.get(new_id(ME), local_only=False)
-    with pytest.raises(JobNotFound):  # a tag no live peer carries
+    with pytest.raises(JobNotFound):  # a tag no peer in the registry carries
         await service.get(new_id("12D3KooWstranger"), local_only=False)
+    with pytest.raises(PeerUnreachable):  # its owner is known but Dead: the job may exist
+        await service.get(new_id("12D3KooWdead"), local_only=False)
