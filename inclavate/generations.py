@@ -74,7 +74,8 @@ class GenerationService:
                 advertised = dict(entry)
                 if "ready" in advertised:  # understanding entries: servable only from a Ready peer
                     advertised["ready"] = bool(advertised["ready"]) and view.state == "Ready"
-                if entries.get(advertised["model"], {}).get("ready") is False or advertised["model"] not in entries:
+                current = entries.get(advertised["model"])
+                if current is None or current.get("ready") is False:  # first, or better than unready
                     entries[advertised["model"]] = advertised
         return list(entries.values())
 
