@@ -72,7 +72,9 @@ async def prepare_chat(ctx: PeerContext, body: object) -> ChatJob:
         raise UnknownModel(f"model {request.model!r} is not in the registry")
     chat = await ctx.chat_model(request.model)
     require_modalities(request, chat.input_modalities)
-    generation_tools = offered_tools(ctx.generations.capabilities(), request) if ctx.generations else ()
+    generation_tools: tuple[GenerationTool, ...] = ()
+    if ctx.generations is not None and request.tool_choice is not None and chat.supports_tools:
+        generation_tools = offered_tools(ctx.generations.capabilities(), request)
     tools = [t.to_openai() for t in request.tools] + [t.to_openai() for t in generation_tools] or None
     tool_choice = None if request.tool_choice is None else request.tool_choice.mode
     prompt = chat.prepare(

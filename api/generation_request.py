@@ -7,6 +7,7 @@ generator checks it); everything else is checked here, each failure a 400 naming
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -19,6 +20,8 @@ MODALITIES = ("audio", "image", "video", "text")
 MAX_INPUT_ARTIFACTS = 16
 MAX_KEY_CHARS = 255
 MAX_MODEL_CHARS = 200
+MAX_PARAMS_BYTES = 64 * 1024
+"""``params`` is stored with the job and returned by every read and listing: kept small."""
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
 
@@ -37,6 +40,8 @@ def parse_generation(body: object, default_deadline_s: float) -> NewJob:
         params = {}
     if not isinstance(params, dict):
         raise BadRequest("params must be a JSON object")
+    if len(json.dumps(params)) > MAX_PARAMS_BYTES:
+        raise BadRequest(f"params take more than {MAX_PARAMS_BYTES} bytes")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise BadRequest("seed must be a non-negative integer")

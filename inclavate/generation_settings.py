@@ -13,6 +13,7 @@ variable                                   default   meaning
 ``DPPAN_TRANSCRIPTION_SYNC_TIMEOUT_SECS``  120       the same for ``/v1/audio/transcriptions``
 ``DPPAN_GENERATION_WORKERS``               1         jobs this peer runs at once
 ``DPPAN_GENERATION_QUEUE_MAX``             32        queued + running jobs accepted; more is 429
+``DPPAN_GENERATION_HISTORY_MAX``           10000     finished job records kept (oldest forgotten)
 =========================================  ========  ==============================================
 """
 
@@ -35,6 +36,7 @@ class GenerationSettings:
     transcription_sync_timeout_s: float = 120.0
     workers: int = 1
     max_active: int = 32
+    history_max: int = 10_000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> GenerationSettings:
@@ -45,6 +47,7 @@ class GenerationSettings:
             transcription_sync_timeout_s=_seconds(env, "DPPAN_TRANSCRIPTION_SYNC_TIMEOUT_SECS", 120.0),
             workers=_count(env, "DPPAN_GENERATION_WORKERS", 1, 64),
             max_active=_count(env, "DPPAN_GENERATION_QUEUE_MAX", 32, 100_000),
+            history_max=_count(env, "DPPAN_GENERATION_HISTORY_MAX", 10_000, 10_000_000),
         )
 
 

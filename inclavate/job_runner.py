@@ -73,6 +73,8 @@ class RunnerConfig:
     max_active: int = 32
     """Queued plus running jobs accepted before submissions get 429."""
     poll_s: float = 1.0
+    history_max: int = 10_000
+    """Finished job records kept; older ones are forgotten (the table cannot grow forever)."""
 
 
 class JobRunner:
@@ -271,6 +273,8 @@ class JobRunner:
 
     async def _deadlines(self) -> None:
         while True:
+            if self.store.prune_finished(self.config.history_max):
+                self._notify()
             for job in self.store.overdue(now_ms()):
                 if job.state == "queued":
                     self._settle(job.id, "expired", error_code="deadline_exceeded",

@@ -267,6 +267,17 @@ class JobStore:
         with _mapped():
             return self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
 
+    def prune_finished(self, keep: int) -> int:
+        """Forget the oldest finished jobs beyond the newest ``keep`` (their artifacts stay,
+        under the artifact store's own retention); returns how many went."""
+        with _mapped():
+            return self._db.execute(
+                "DELETE FROM jobs WHERE state NOT IN ('queued', 'running') AND id NOT IN ("
+                " SELECT id FROM jobs WHERE state NOT IN ('queued', 'running')"
+                " ORDER BY created_ms DESC, id DESC LIMIT ?)",
+                (keep,),
+            ).rowcount
+
     def recover(self, now: int) -> list[str]:
         """After a restart: expire what is overdue, re-queue or fail what was running.
         Returns the ids that were re-queued."""

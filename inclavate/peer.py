@@ -149,7 +149,7 @@ class Peer:
         runner = JobRunner(
             jobs, self.artifact_store, installed_generators(self.config.home) if self.config.generators else {}, self.peer_id,
             read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
-            config=RunnerConfig(workers=settings.workers, max_active=settings.max_active),
+            config=RunnerConfig(workers=settings.workers, max_active=settings.max_active, history_max=settings.history_max),
             fallback=lambda model: ChatModelReader(model) if self.knows_model(model) else None,
         )  # fmt: skip
         return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job,

@@ -26,6 +26,7 @@ def test_a_full_body_parses() -> None:
         ({"modality": "audio"}, "model"),
         ({"model": "m", "modality": "smell"}, "modality"),
         ({"model": "m", "modality": "audio", "params": [1]}, "params"),
+        ({"model": "m", "modality": "audio", "params": {"text": "x" * 70_000}}, "params take more"),
         ({"model": "m", "modality": "audio", "seed": -1}, "seed"),
         ({"model": "m", "modality": "audio", "seed": True}, "seed"),
         ({"model": "m", "modality": "audio", "input_artifacts": ["../etc"]}, "input_artifacts"),

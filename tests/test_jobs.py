@@ -101,3 +101,12 @@ def test_restart_expires_overdue_and_settles_cancel_requests(store: JobStore) ->
     assert store.get("late").state == "expired" and store.get("late").error_code == "deadline_exceeded"
     assert store.get("stop").state == "cancelled"
     assert store.active_count() == 0
+
+
+def test_only_the_newest_finished_jobs_are_kept(store: JobStore) -> None:
+    for n in range(5):
+        store.create(f"j{n}", new(), max_active=10, now=T0 + n)
+    for n in range(4):
+        store.finish(f"j{n}", "completed", T0 + 10)
+    assert store.prune_finished(keep=2) == 2
+    assert [j.id for j in store.list(10, 0)] == ["j4", "j3", "j2"]  # j4 is still queued: never pruned
