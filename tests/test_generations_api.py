@@ -363,3 +363,43 @@ async def test_input_too_large_and_publish_failed(served: Served, monkeypatch: p
         job = await submit(http, params={"text": "Hi."})
         failed = await wait_state(http, job["id"], ("failed", "completed"))
         assert (failed["state"], failed["error_code"]) == ("failed", "publish_failed")
+
+
+async def test_without_generation_every_route_is_503() -> None:
+    from api.app import create_app, serve_api
+    from generation_harness import GenerationContext
+    from inclavate.local_swarm import free_port
+
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_api, create_app(GenerationContext(None, ADMIN_TOKEN)), "127.0.0.1", port)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            for method, path, kwargs in [
+                ("GET", "/v1/generations/capabilities", {}),
+                ("POST", "/v1/generations", {"json": {"model": "piper:joe", "modality": "audio"}}),
+                ("GET", "/v1/generations", {}),
+                ("GET", f"/v1/generations/{UNKNOWN_ID}", {}),
+                ("GET", f"/v1/generations/{UNKNOWN_ID}/events", {}),
+                ("DELETE", f"/v1/generations/{UNKNOWN_ID}", {}),
+                ("POST", "/v1/audio/speech", {"json": {"model": "piper:joe", "input": "hi"}}),
+                ("POST", "/v1/audio/music", {"json": {"model": "m", "input": "lofi"}}),
+                ("POST", "/v1/audio/transcriptions", {"data": {"model": "whisper:tiny.en"}}),
+            ]:
+                response = await http.request(method, path, **kwargs)
+                assert response.status_code == 503, (method, path, response.text)
+        nursery.cancel_scope.cancel()
+
+
+async def test_audio_routes_share_the_queue_bound_and_the_wait_bound(tmp_path: Path, speech_generators: dict) -> None:
+    settings = GenerationSettings(transcription_sync_timeout_s=0.05)
+    config = RunnerConfig(max_active=1, poll_s=0.1)
+    async with serve_generations(tmp_path, speech_generators, config=config, settings=settings) as s, client(s) as http:
+        clip = (await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": SENTENCE})).content
+        files = {"file": ("a.wav", clip, "audio/wav")}
+        slow = await http.post("/v1/audio/transcriptions", files=files, data={"model": "whisper:tiny.en"})
+        assert slow.status_code == 504 and slow.headers["x-dppan-job-id"] in slow.json()["error"]
+        await wait_state(http, slow.headers["x-dppan-job-id"], ("completed",))  # it kept running
+        busy = await submit(http, params={"text": LONG_TEXT})
+        assert (await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": "hi"})).status_code == 429
+        assert (await http.post("/v1/audio/transcriptions", files=files, data={"model": "whisper:tiny.en"})).status_code == 429
+        await http.delete(f"/v1/generations/{busy['id']}")
