@@ -8,6 +8,14 @@ to disk and have their own caps (512 MiB artifacts, 64 MiB files). So the app's 
 class looks the route's ceiling up by method and exact path when it is built. The upload
 handlers still check ``Content-Length`` first and count bytes as they arrive: this only
 stops Quart from refusing them first, or from buffering past their cap.
+
+Backpressure. Quart's ASGI loop moves every body message into the request's buffer as
+fast as the client sends, whether or not the handler keeps up; a 300 MB upload raised a
+peer's peak RSS by ~80 MB that way (and a slow disk would make it grow without bound).
+The app's connection class here waits, after each message, while a handler that streams
+the body (:class:`RequestChunks`) is more than :data:`HIGH_WATER_BYTES` behind, so the
+socket (and the client) slow down instead. A handler that reads the body whole never
+streams, so it is never waited for.
 """
 
 from __future__ import annotations
@@ -18,11 +26,57 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
+from quart_trio.asgi import TrioASGIHTTPConnection
+from quart_trio.wrappers.request import TrioBody, TrioRequest
+
 from api.errors import ApiError
-from quart_trio.wrappers.request import TrioRequest
+
+HIGH_WATER_BYTES = 4 * 1024 * 1024
+"""How far a streaming handler may fall behind the socket before the socket waits."""
+
+
+class StreamedBody(TrioBody):
+    """Quart's body buffer, plus a wait for a streaming reader to catch up."""
+
+    def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
+        super().__init__(expected_content_length, max_content_length)
+        self.streaming = False
+        self._taken = trio.Event()
+
+    async def __anext__(self) -> bytes:
+        self.streaming = True
+        try:
+            return await super().__anext__()
+        finally:
+            self._taken.set()
+
+    async def caught_up(self) -> None:
+        """Return once a streaming reader holds at most HIGH_WATER_BYTES unread."""
+        while self.streaming and len(self._data) > HIGH_WATER_BYTES and self._must_raise is None:
+            self._taken = trio.Event()
+            await self._taken.wait()
+
+
+class BackpressureConnection(TrioASGIHTTPConnection):
+    async def handle_messages(  # type: ignore[override]
+        self, nursery: trio.Nursery, request: TrioRequest, receive: Any
+    ) -> None:
+        # Quart's loop (quart.asgi.ASGIHTTPConnection.handle_messages), plus the wait.
+        while True:
+            message = await receive()
+            if message["type"] == "http.request":
+                request.body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    request.body.set_complete()
+                elif isinstance(request.body, StreamedBody):
+                    await request.body.caught_up()
+            elif message["type"] == "http.disconnect":
+                break
+        nursery.cancel_scope.cancel()
 
 
 class BodyLimitedRequest(TrioRequest):
+    body_class = StreamedBody
     body_limits: ClassVar[dict[tuple[str, str], int]] = {}
 
     def __init__(self, method: str, scheme: str, path: str, *args: Any, max_content_length: int | None = None, **kwargs: Any) -> None:
@@ -31,8 +85,10 @@ class BodyLimitedRequest(TrioRequest):
 
 
 def install_request_class(app: QuartTrio) -> None:
-    """Give ``app`` its own request class (with its own table of route ceilings)."""
+    """Give ``app`` its own request class (with its own table of route ceilings), and the
+    connection class that applies backpressure to streamed bodies."""
     app.request_class = type("InclavateRequest", (BodyLimitedRequest,), {"body_limits": {}})
+    app.asgi_http_class = BackpressureConnection
 
 
 def set_body_limit(app: QuartTrio, method: str, path: str, limit: int) -> None:

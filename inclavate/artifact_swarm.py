@@ -20,6 +20,7 @@ sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer h
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections.abc import Awaitable, Callable
@@ -102,10 +103,8 @@ class SwarmArtifacts:
         id_ = parse_id(id_)
         me = self.store.owner
         others = [p for p in owner_candidates(id_, self._known()) if p != me] if self._remote else []
-        attempts: list[Callable[[], Awaitable[T]]] = []
-        if tag_of(id_) == self._own_tag:
-            attempts.append(local)
-        attempts += [lambda p=p: remote(p) for p in others]  # type: ignore[misc]
+        attempts: list[Callable[[], Awaitable[T]]] = [local] if tag_of(id_) == self._own_tag else []
+        attempts += [functools.partial(remote, p) for p in others]
         unreachable: ArtifactUnavailable | None = None
         for attempt in attempts:
             try:
