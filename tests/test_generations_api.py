@@ -317,7 +317,7 @@ async def test_understanding_jobs_and_their_error_codes(served: Served) -> None:
 
 async def test_a_restart_resumes_the_interrupted_job(tmp_path: Path, speech_generators: dict) -> None:
     async with serve_generations(tmp_path, speech_generators) as s, client(s) as http:
-        job = await submit(http, params={"text": " ".join(LONG_TEXT.split()[:60])})
+        job = await submit(http, params={"text": " ".join(LONG_TEXT.split()[:36])})
         await wait_state(http, job["id"], ("running",))
     # The service above was torn down mid-generation (its worker cancelled): the row says running.
     async with serve_generations(tmp_path, speech_generators) as s, client(s) as http:
