@@ -25,9 +25,3 @@ def encode_wav(pcm: bytes, sample_rate: int, channels: int = 1) -> bytes:
         out.setframerate(sample_rate)
         out.writeframes(pcm)
     return buffer.getvalue()
-
-
-def wav_duration(data: bytes) -> float:
-    """Seconds of audio in a WAV file (raises ``wave.Error``/``EOFError`` if it is not one)."""
-    with wave.open(io.BytesIO(data), "rb") as clip:
-        return clip.getnframes() / clip.getframerate()
