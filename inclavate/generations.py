@@ -84,8 +84,10 @@ class GenerationService:
         seen: dict[str, NodeView] = {}
         for view in self._views():
             record = view.record
-            if record.peer_id == self.me or record.relayed or view.state == "Dead" or not record.api_url:
+            if record.peer_id == self.me or record.relayed or view.state == "Dead":
                 continue
+            if not record.api_url.startswith(("http://", "https://")):
+                continue  # requests are forwarded only to an HTTP API
             seen.setdefault(record.peer_id, view)
         return [seen[p] for p in sorted(seen)]
 
@@ -150,7 +152,7 @@ class GenerationService:
             return None
         others = [known[p] for p in candidates if p != self.me]
         for view in others:
-            if view.state != "Dead" and view.record.api_url:
+            if view.state != "Dead" and view.record.api_url.startswith(("http://", "https://")):
                 return view.record.api_url
         if others:
             raise PeerUnreachable(f"job {job_id} is held by peer {others[0].record.peer_id}, which is not reachable now")

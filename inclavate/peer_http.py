@@ -28,6 +28,8 @@ FORWARDED_HEADER = "x-inclavate-forwarded"
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
 MAX_RELAYED_ERROR_BYTES = 64 * 1024
+MAX_ANSWER_BYTES = 32 * 1024 * 1024
+"""A listing of 1000 jobs with large params fits; anything bigger is not a peer's answer."""
 
 
 class PeerUnreachable(InclavateError):
@@ -51,16 +53,22 @@ class PeerHttp:
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None,
                    params: Mapping[str, Any] | None = None, timeout: float | None = None) -> tuple[int, Any]:  # fmt: skip
-        """A forwarded JSON request; ``(status, decoded body)`` for 2xx, else raises."""
+        """A forwarded JSON request; ``(status, decoded body)`` for 2xx, else raises. The
+        answer is read up to :data:`MAX_ANSWER_BYTES` (a peer's answer is hostile input too)."""
         try:
-            response = await self._http().request(
+            async with self._http().stream(
                 method, base_url + path, json=body, params=params, timeout=timeout or httpx.USE_CLIENT_DEFAULT
-            )
+            ) as response:
+                raw = bytearray()
+                async for chunk in response.aiter_bytes():
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER_BYTES:
+                        raise PeerUnreachable(f"peer {base_url} answered more than {MAX_ANSWER_BYTES} bytes")
         except httpx.HTTPError as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
-        _raise_for_error(response.status_code, response.content)
+        _raise_for_error(response.status_code, bytes(raw))
         try:
-            return response.status_code, response.json() if response.content else None
+            return response.status_code, json.loads(raw) if raw else None
         except ValueError as exc:
             raise PeerUnreachable(f"peer {base_url} answered something that is not JSON") from exc
 
