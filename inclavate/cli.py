@@ -165,6 +165,9 @@ def _models(args: argparse.Namespace) -> int:
         pulled = "yes" if store.is_pulled(spec) else "no"
         numbers = (str(spec.n_layers), str(spec.d_model))
         rows.append((spec.model_id, spec.arch, *numbers, spec.quant_type, spec.source, pulled))
+    speech = SpeechStore(home)
+    for voice in SpeechCatalog.load().all():  # speech models: ARCH is the engine, no layers
+        rows.append((voice.model_id, voice.engine, "-", "-", "-", "catalog", "yes" if speech.is_pulled(voice) else "no"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

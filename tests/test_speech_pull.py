@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pull_cli import home  # noqa: F401 - the same private INCLAVATE_HOME fixture (autouse)
+from test_pull_cli import home, models_rows  # noqa: F401 - home: the same private INCLAVATE_HOME fixture (autouse)
 
 from inclavate.cli import main
 from inclavate.errors import ConfigError
@@ -40,10 +40,14 @@ def test_bad_entries_are_refused_naming_the_problem(entry: str, message: str) ->
 
 @pytest.mark.slow
 def test_pull_installs_verifies_and_repairs(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    assert models_rows(capsys.readouterr().out)["piper:joe"] == ["piper", "-", "-", "-", "catalog", "no"]
     assert main(["pull", "--speech", "piper:joe"]) == 0
     assert "piper:joe: downloaded, sha256 verified" in capsys.readouterr().out
     assert main(["pull", "piper:joe"]) == 0  # plain pull finds speech models too
     assert "already pulled" in capsys.readouterr().out
+    assert main(["models"]) == 0
+    assert models_rows(capsys.readouterr().out)["piper:joe"][-1] == "yes"
     store, spec = SpeechStore(home), SpeechCatalog.load().get("piper:joe")
     assert store.is_pulled(spec) and not (store.model_dir("piper:joe") / ".incoming").exists()
     generators = installed_generators(home)
