@@ -7,11 +7,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from api.app import create_app, serve_api
+from api.chat_completion import complete_turn
 from api.limits import RequestLimits
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifacts import ArtifactStore
@@ -57,22 +60,29 @@ class Served:
 
 
 def build_service(data_dir: Path, generators: dict, config: RunnerConfig,
-                  settings: GenerationSettings = GenerationSettings()) -> GenerationService:  # fmt: skip
+                  settings: GenerationSettings = GenerationSettings(), chat: Any = None) -> GenerationService:  # fmt: skip
     jobs = JobStore.in_dir(data_dir)
     artifacts = ArtifactStore(data_dir, PEER_ID)
     holder: list[GenerationService] = []
     runner = JobRunner(jobs, artifacts, generators, PEER_ID,
                        read_input=lambda artifact_id, limit: holder[0].read_artifact(artifact_id, limit),
-                       config=config, fallback=lambda model: ChatModelReader(model) if model == CHAT_MODEL else None)  # fmt: skip
+                       config=config, fallback=lambda model: _reader(model, chat))  # fmt: skip
     holder.append(GenerationService(PEER_ID, runner, SwarmArtifacts(artifacts), lambda: [], PeerHttp(), settings=settings))
     return holder[0]
+
+
+def _reader(model: str, chat: Any) -> ChatModelReader | None:
+    """Chat models read text inputs through ``chat`` (a LocalContext with the real model)."""
+    if model != CHAT_MODEL:
+        return None
+    return ChatModelReader(model, partial(complete_turn, chat) if chat is not None else None)
 
 
 @asynccontextmanager
 async def serve_generations(data_dir: Path, generators: dict, *, config: RunnerConfig | None = None,
                             admin_token: str | None = ADMIN_TOKEN,
-                            settings: GenerationSettings = GenerationSettings()) -> AsyncIterator[Served]:  # fmt: skip
-    service = build_service(data_dir, generators, config or RunnerConfig(poll_s=0.1), settings)
+                            settings: GenerationSettings = GenerationSettings(), chat: Any = None) -> AsyncIterator[Served]:  # fmt: skip
+    service = build_service(data_dir, generators, config or RunnerConfig(poll_s=0.1), settings, chat)
     port = free_port()
     try:
         async with trio.open_nursery() as nursery:

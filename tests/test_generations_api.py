@@ -403,3 +403,22 @@ async def test_audio_routes_share_the_queue_bound_and_the_wait_bound(tmp_path: P
         assert (await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": "hi"})).status_code == 429
         assert (await http.post("/v1/audio/transcriptions", files=files, data={"model": "whisper:tiny.en"})).status_code == 429
         await http.delete(f"/v1/generations/{busy['id']}")
+
+
+async def test_a_chat_model_reads_text_inputs_as_a_job(tmp_path: Path, speech_generators: dict, smollm2, slice_cache) -> None:  # type: ignore[no-untyped-def]
+    from local_context import LocalContext
+
+    chat = LocalContext(CHAT_MODEL, smollm2.path, slice_cache)
+    try:
+        async with serve_generations(tmp_path, speech_generators, chat=chat) as s, client(s) as http:
+            note = await s.service.store_upload(b"The meeting moved to Tuesday at noon.", "text/plain")
+            body = {"model": CHAT_MODEL, "modality": "text", "input_artifacts": [note],
+                    "params": {"prompt": "When is the meeting?", "max_tokens": 12}}  # fmt: skip
+            job = (await http.post("/v1/generations", json=body)).json()
+            done = await wait_state(http, job["id"], ("completed", "failed"))
+            assert done["state"] == "completed", done
+            answer = (await s.service.read_artifact(done["output_artifacts"][0], 1 << 20)).data.decode()
+            assert answer.strip()
+            assert chat.open_sessions()["stage"] == 0  # the turn freed its KV cache
+    finally:
+        chat.close()
