@@ -20,9 +20,11 @@ from werkzeug.exceptions import HTTPException
 from api import (
     routes_admin,
     routes_artifacts,
+    routes_audio,
     routes_chat,
     routes_dashboard,
     routes_files,
+    routes_generations,
     routes_metrics,
     routes_models,
     routes_nodes,
@@ -46,6 +48,8 @@ INSTALLERS: list[Installer] = [
     routes_artifacts.install,
     routes_files.install,
     routes_dashboard.install,
+    routes_generations.install,
+    routes_audio.install,
 ]
 
 

@@ -19,6 +19,7 @@ from api.content import TextPart
 from api.context import PeerContext
 from api.errors import UnknownModel
 from api.generation import Generation, GenerationResult
+from api.generation_tools import GenerationTool, offered_tools, start_generations
 from api.media import require_modalities
 from api.reasoning_split import Delta
 from api.tool_calls import ParsedToolCall, extract_tool_calls
@@ -33,6 +34,8 @@ class ChatJob:
     generation: Generation
     session_id: SessionId
     created: int = field(default_factory=lambda: int(time.time()))
+    generation_tools: tuple[GenerationTool, ...] = ()
+    """Generators offered as tools because the request set ``tool_choice``."""
 
     @property
     def completion_id(self) -> str:
@@ -41,7 +44,7 @@ class ChatJob:
     @property
     def buffers_content(self) -> bool:
         """With tools offered, content is held to the end: it may turn out to be a call."""
-        return bool(self.request.tools) and self.chat.supports_tools
+        return bool(self.request.tools or self.generation_tools) and self.chat.supports_tools
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
@@ -69,7 +72,10 @@ async def prepare_chat(ctx: PeerContext, body: object) -> ChatJob:
         raise UnknownModel(f"model {request.model!r} is not in the registry")
     chat = await ctx.chat_model(request.model)
     require_modalities(request, chat.input_modalities)
-    tools = [t.to_openai() for t in request.tools] or None
+    generation_tools: tuple[GenerationTool, ...] = ()
+    if ctx.generations is not None and request.tool_choice is not None and chat.supports_tools:
+        generation_tools = offered_tools(ctx.generations.capabilities(), request)
+    tools = [t.to_openai() for t in request.tools] + [t.to_openai() for t in generation_tools] or None
     tool_choice = None if request.tool_choice is None else request.tool_choice.mode
     prompt = chat.prepare(
         [template_message(m) for m in request.messages],
@@ -89,7 +95,7 @@ async def prepare_chat(ctx: PeerContext, body: object) -> ChatJob:
     )
     session_id = SessionId(uuid.uuid4().hex)
     generation = Generation(pipeline, chat.tokenizer, session_id, params, prompt.splitter)
-    return ChatJob(request, chat, prompt, generation, session_id)
+    return ChatJob(request, chat, prompt, generation, session_id, generation_tools=generation_tools)
 
 
 @dataclass
@@ -114,6 +120,28 @@ def finish_and_calls(job: ChatJob, result: GenerationResult, content: str) -> tu
     return content, result.finish_reason, []
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a finished reply is reported: content, finish_reason, the tool calls handed back
+    and the generation jobs its generation-tool calls started."""
+
+    content: str
+    finish_reason: str
+    calls: list[ParsedToolCall]
+    generated: list[dict[str, Any]]
+
+
+async def settle(ctx: PeerContext, job: ChatJob, result: GenerationResult, content: str) -> Outcome:
+    """Start the generations the reply asked for (see :mod:`api.generation_tools`)."""
+    content, finish, calls = finish_and_calls(job, result, content)
+    generated: list[dict[str, Any]] = []
+    if calls and job.generation_tools and ctx.generations is not None:
+        calls, generated = await start_generations(ctx.generations, job.generation_tools, calls, job.request)
+        if not calls:
+            finish = "stop"  # every call became a job: nothing is left for the caller to run
+    return Outcome(content, finish, calls, generated)
+
+
 def usage(result: GenerationResult) -> dict[str, int]:
     return {
         "prompt_tokens": result.prompt_tokens,
@@ -122,18 +150,21 @@ def usage(result: GenerationResult) -> dict[str, int]:
     }
 
 
-def completion_body(job: ChatJob, result: GenerationResult, collected: Collected) -> dict[str, Any]:
-    content, finish, calls = finish_and_calls(job, result, "".join(collected.content))
+def completion_body(job: ChatJob, result: GenerationResult, collected: Collected, outcome: Outcome) -> dict[str, Any]:
+    content, calls = outcome.content, outcome.calls
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if collected.reasoning:
         message["reasoning_content"] = "".join(collected.reasoning)
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
-    return {
+    body = {
         **_envelope(job, "chat.completion"),
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": message, "finish_reason": outcome.finish_reason}],
         "usage": usage(result),
     }
+    if outcome.generated:
+        body["generated"] = outcome.generated
+    return body
 
 
 def _envelope(job: ChatJob, kind: str) -> dict[str, Any]:
@@ -152,15 +183,18 @@ def delta_chunk(job: ChatJob, delta: Delta) -> dict[str, Any]:
     return chunk(job, {key: delta.text})
 
 
-def final_chunks(job: ChatJob, result: GenerationResult, held_content: str) -> list[dict[str, Any]]:
-    """The closing chunks: held-back content or tool calls, ``finish_reason``, usage."""
+def final_chunks(job: ChatJob, result: GenerationResult, outcome: Outcome) -> list[dict[str, Any]]:
+    """The closing chunks: held-back content or tool calls, ``finish_reason`` (carrying the
+    ``generated`` jobs, if any), usage."""
     out = []
-    content, finish, calls = finish_and_calls(job, result, held_content)
-    if calls:
-        out.append(chunk(job, {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}))
-    elif content:
-        out.append(chunk(job, {"content": content}))
-    out.append(chunk(job, {}, finish))
+    if outcome.calls:
+        out.append(chunk(job, {"tool_calls": [c.to_openai(i) for i, c in enumerate(outcome.calls)]}))
+    elif outcome.content:
+        out.append(chunk(job, {"content": outcome.content}))
+    closing = chunk(job, {}, outcome.finish_reason)
+    if outcome.generated:
+        closing["generated"] = outcome.generated
+    out.append(closing)
     if job.request.include_usage:
         out.append({**chunk(job, {}), "choices": [], "usage": usage(result)})
     return out

@@ -13,6 +13,7 @@ from api.chat_model import ChatModel
 from api.limits import RequestLimits
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.catalog import ModelSpec
+from inclavate.generations import GenerationService
 from inclavate.metrics import MinuteArchive
 from inclavate.pipeline import Pipeline
 from inclavate.types import LayerRange, ModelId, NodeId, SessionId
@@ -26,6 +27,8 @@ class PeerContext(Protocol):
     peer_id: str
     admin_token: str | None
     limits: RequestLimits
+    generations: GenerationService | None
+    """Generation jobs across the swarm; None where generation is not configured (503)."""
 
     def multiaddrs(self) -> list[str]: ...
 

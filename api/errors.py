@@ -7,12 +7,14 @@ shapes (and the rule that tracebacks never reach a client) live in exactly one m
     InclavateError
     └── ApiError                  a request that cannot be served; carries its status
         ├── BadRequest            400  {"error": "..."}
+        ├── Unauthorized          401
         ├── Forbidden             403
         ├── NotFound              404
         ├── Conflict              409
         ├── UnknownModel          422
         ├── PayloadTooLarge       413
         ├── ServiceUnavailable    503
+        ├── GatewayTimeout        504
         └── MediaError            400 or 413, the media envelope (see MediaCode)
 
 Errors from other packages are not ApiErrors; :func:`register` maps their types to a status
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from inclavate.errors import ConfigError, InclavateError, ModelNotFound
+from inclavate.errors import ConfigError, InclavateError, ModelNotFound, RelayedError
 
 __all__ = [
     "ApiError",
@@ -39,6 +41,8 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "ServiceUnavailable",
+    "GatewayTimeout",
+    "Unauthorized",
     "UnknownModel",
     "error_response_parts",
     "register",
@@ -63,6 +67,10 @@ class BadRequest(ApiError):
     status = 400
 
 
+class Unauthorized(ApiError):
+    status = 401
+
+
 class Forbidden(ApiError):
     status = 403
 
@@ -85,6 +93,12 @@ class PayloadTooLarge(ApiError):
 
 class ServiceUnavailable(ApiError):
     status = 503
+
+
+class GatewayTimeout(ApiError):
+    """A bounded wait ran out; the work goes on (the message says where to look)."""
+
+    status = 504
 
 
 class MediaCode(StrEnum):
@@ -217,10 +231,37 @@ def _register_lower_layers() -> None:
 _register_lower_layers()
 
 
+def _register_generation_errors() -> None:
+    """Generation jobs, generators and the peer-to-peer forwarding they use."""
+    from inclavate.generations import NoGenerator
+    from inclavate.job_runner import JobActive, JobFinished, JobNotFound
+    from inclavate.jobs import IdempotencyConflict, JobStoreError, QueueFull
+    from inclavate.peer_http import PeerUnreachable
+    from node.generators.base import InvalidParams
+
+    for exc_type, status in [
+        (InvalidParams, 400),
+        (JobNotFound, 404),
+        (JobFinished, 409),
+        (JobActive, 409),
+        (IdempotencyConflict, 409),
+        (NoGenerator, 422),
+        (QueueFull, 429),
+        (JobStoreError, 503),
+        (PeerUnreachable, 503),
+    ]:
+        register(exc_type, status)
+
+
+_register_generation_errors()
+
+
 def error_response_parts(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and JSON body for any exception a handler let escape."""
     if isinstance(exc, ApiError):
         return exc.status, exc.body()
+    if isinstance(exc, RelayedError):
+        return exc.status, exc.body
     for cls in type(exc).__mro__:
         entry = _registry.get(cls)
         if entry is not None:

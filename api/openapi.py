@@ -62,8 +62,39 @@ CHAT_REQUEST = {
     "required": ["model", "messages"],
 }
 
+GENERATION_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "modality": {"enum": ["audio", "image", "video", "text"]},
+        "params": {"type": "object"},
+        "seed": {"type": "integer", "minimum": 0},
+        "input_artifacts": {"type": "array", "items": {"type": "string", "format": "uuid"}, "maxItems": 16},
+        "idempotency_key": {"type": "string", "maxLength": 255},
+        "deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400},
+    },
+    "required": ["model", "modality"],
+}
+
+SPEECH_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"type": "string"},
+        "voice": {"type": "string"},
+        "response_format": {"enum": ["wav"]},
+        "speed": {"type": "number"},
+        "language": {"type": "string"},
+        "instruct": {"type": "string"},
+        "max_duration_seconds": {"type": "number", "exclusiveMinimum": 0},
+    },
+    "required": ["model", "input"],
+}
+
 _BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): CHAT_REQUEST,
+    ("post", "/v1/generations"): GENERATION_REQUEST,
+    ("post", "/v1/audio/speech"): SPEECH_REQUEST,
 }
 
 _STATUS = {
@@ -79,6 +110,16 @@ _STATUS = {
     ("get", "/v1/files/{file_id}"): ["200", "400", "404", "503"],
     ("get", "/v1/files/{file_id}/content"): ["200", "206", "400", "404", "409", "416", "503"],
     ("delete", "/v1/files/{file_id}"): ["200", "400", "404", "503"],
+    ("get", "/v1/generations/capabilities"): ["200", "503"],
+    ("post", "/v1/generations"): ["202", "400", "409", "422", "429", "503"],
+    ("get", "/v1/generations"): ["200", "400", "503"],
+    ("get", "/v1/generations/{job_id}"): ["200", "400", "404", "503"],
+    ("get", "/v1/generations/{job_id}/events"): ["200", "400", "404", "503"],
+    ("delete", "/v1/generations/{job_id}"): ["200", "400", "404", "409", "503"],
+    ("delete", "/admin/generations/{job_id}"): ["200", "401", "404", "409", "500", "503"],
+    ("post", "/v1/audio/speech"): ["200", "400", "422", "429", "503", "504"],
+    ("post", "/v1/audio/music"): ["200", "400", "422", "429", "503", "504"],
+    ("post", "/v1/audio/transcriptions"): ["200", "400", "413", "429", "503", "504"],
 }
 
 _BINARY = {"type": "string", "format": "binary"}
@@ -90,6 +131,22 @@ _UPLOADS: dict[tuple[str, str], dict[str, Any]] = {
                 "type": "object",
                 "properties": {"purpose": {"enum": ["assistants", "user_data", "vision"]}, "file": _BINARY},
                 "required": ["purpose", "file"],
+            }
+        }
+    },
+    ("post", "/v1/audio/transcriptions"): {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "file": _BINARY,
+                    "model": {"type": "string"},
+                    "response_format": {"enum": ["json", "text"]},
+                    "prompt": {"type": "string"},
+                    "language": {"type": "string"},
+                    "temperature": {"type": "number"},
+                },
+                "required": ["file", "model"],
             }
         }
     },

@@ -19,7 +19,7 @@ from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
 from api.bodies import decode_json
-from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat
+from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle
 from api.context import PeerContext
 from api.errors import NotFound, error_response_parts
 from api.generation import GenerationResult
@@ -82,7 +82,8 @@ def _events(app: QuartTrio, job: ChatJob, tracking: _Tracking) -> AsyncIterator[
         with scope:
             try:
                 result = await _run(job, tracking, emit)
-                for final in final_chunks(job, result, "".join(held)):
+                outcome = await settle(tracking.ctx, job, result, "".join(held))
+                for final in final_chunks(job, result, outcome):
                     send.send_nowait(("chunk", final))
             except Exception as exc:  # noqa: BLE001 - reported to the client, never raised into the app
                 status, body = error_response_parts(exc)
@@ -132,7 +133,8 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             return response
         collected = Collected()
         result = await _run(job, tracking, collected.add)
-        response = jsonify(completion_body(job, result, collected))
+        outcome = await settle(ctx, job, result, "".join(collected.content))
+        response = jsonify(completion_body(job, result, collected, outcome))
         response.headers.update(headers)
         return response
 

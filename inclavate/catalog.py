@@ -120,7 +120,7 @@ def parse_catalog(text: str, origin: str, source: Literal["catalog", "local"]) -
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{origin}: invalid TOML: {exc}") from exc
-    extra = set(document) - {"models"}
+    extra = set(document) - {"models", "speech"}  # speech: inclavate/speech_catalog.py
     if extra:
         raise ConfigError(f"{origin}: unknown top-level keys {sorted(extra)} (entries go under [models.\"ID\"])")
     models = document.get("models", {})

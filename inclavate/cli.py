@@ -24,6 +24,8 @@ from inclavate.catalog import Catalog, ModelSpec
 from inclavate.config import inclavate_home
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.progress import Progress
+from inclavate.speech_catalog import SpeechCatalog
+from inclavate.speech_store import SpeechStore
 from inclavate.store import ModelStore, PullResult, PullStatus
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ def add_pull_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "model", metavar="MODEL_ID|FILE", help="a catalog id (smollm2:135m) or, with --as, a .gguf path"
     )
     parser.add_argument("--as", dest="name", metavar="NAME", help="register FILE as local model NAME (e.g. mymodel:q4)")
+    parser.add_argument("--speech", action="store_true",
+                        help="MODEL_ID is a speech model (piper:joe, whisper:tiny.en); plain pull also finds them")
     parser.set_defaults(handler=_pull)
 
 
@@ -130,6 +134,8 @@ def _pull(args: argparse.Namespace) -> int:
     if _looks_like_file(args.model):
         raise ConfigError(f"{args.model} looks like a file; to use a local GGUF give it a name: "
                           f"inclavate pull {args.model} --as NAME")  # fmt: skip
+    if args.speech or (args.model not in catalog and args.model in SpeechCatalog.load()):
+        return _pull_speech(home, args.model, progress)
     spec = catalog.get(args.model)
     try:
         result = store.pull(spec, progress)
@@ -137,6 +143,15 @@ def _pull(args: argparse.Namespace) -> int:
         print("interrupted: the partial download is kept and resumes on the next pull", file=sys.stderr)
         return 130
     print(_describe(spec, result))
+    return 0
+
+
+def _pull_speech(home: Path, model_id: str, progress: Progress) -> int:
+    spec = SpeechCatalog.load().get(model_id)
+    store = SpeechStore(home)
+    status = store.pull(spec, progress)
+    verb = "already pulled" if status is PullStatus.ALREADY_PULLED else "downloaded, sha256 verified"
+    print(f"{spec.model_id}: {verb} ({spec.engine}, {len(spec.files)} files) at {store.model_dir(spec.model_id)}")
     return 0
 
 
@@ -160,6 +175,9 @@ def _models(args: argparse.Namespace) -> int:
         pulled = "yes" if store.is_pulled(spec) else "no"
         numbers = (str(spec.n_layers), str(spec.d_model))
         rows.append((spec.model_id, spec.arch, *numbers, spec.quant_type, spec.source, pulled))
+    speech = SpeechStore(home)
+    for voice in SpeechCatalog.load().all():  # speech models: ARCH is the engine, no layers
+        rows.append((voice.model_id, voice.engine, "-", "-", "-", "catalog", "yes" if speech.is_pulled(voice) else "no"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

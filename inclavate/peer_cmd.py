@@ -47,6 +47,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
                    help="what runs the layers: mlx (Apple Silicon), llamacpp, or auto (default: "
                    "mlx on macOS arm64, llamacpp elsewhere)")  # fmt: skip
+    p.add_argument("--no-generators", action="store_true",
+                   help="offer no media generators, even for speech models pulled with `pull --speech`")
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
@@ -91,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         engine=engine,
         engine_kind=resolve_engine(args.engine),
         wire_dtype=args.wire_dtype,
+        generators=not args.no_generators,
     )
 
 

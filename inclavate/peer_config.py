@@ -48,6 +48,8 @@ class PeerConfig:
     """How long a peer with bootstrap addresses waits to learn the swarm before placing."""
     drain_s: float = 3.0
     """On shutdown, how long in-flight generations may run on before they are failed."""
+    generators: bool = True
+    """Offer the speech models installed in ``home`` as generators (``--no-generators``)."""
     inline_tokens: int = 8
     """Stage batches of at most this many tokens (decode steps) run on the event loop
     thread: a worker-thread round trip added ~10% to every step (measured, 2-core VM)."""

@@ -37,7 +37,7 @@ PROTOCOL = "/inclavate/admin/1"
 MAX_SKEW_MS = 60_000
 _NONCE_MEMORY_S = 300.0
 
-Action = Literal["reassign", "set_state", "force_remove"]
+Action = Literal["reassign", "set_state", "force_remove", "erase_generation"]
 
 
 class AdminRefused(P2PError):

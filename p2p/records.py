@@ -107,6 +107,10 @@ class NodeRecord:
     version: str = ""
     engine: str = "llamacpp"
     """The engine that runs this node's range ("llamacpp" or "mlx"); informational."""
+    generators: tuple[dict[str, Any], ...] = ()
+    """Media generators this peer runs (their ``/v1/generations/capabilities`` entries),
+    so any peer can list the swarm's generators and send a job where one runs. Bounded
+    by :func:`check_generators`."""
 
     @property
     def layers(self) -> LayerRange:
@@ -120,6 +124,7 @@ class NodeRecord:
         data["multiaddrs"] = list(self.multiaddrs)
         data["samples"] = [dataclasses.asdict(s) for s in self.samples]
         data["buckets"] = [dataclasses.asdict(b) for b in self.buckets]
+        data["generators"] = [dict(g) for g in self.generators]
         return data
 
     @classmethod
@@ -133,6 +138,7 @@ class NodeRecord:
             fields["samples"] = tuple(MetricSample(**s) for s in fields.get("samples", ()))
             fields["buckets"] = tuple(MinuteBucket(**b) for b in fields.get("buckets", ()))
             fields["multiaddrs"] = tuple(fields.get("multiaddrs", ()))
+            fields["generators"] = tuple(fields.get("generators", ()))
             record = cls(**fields)
         except (TypeError, ValueError) as exc:
             raise InvalidRecord(f"malformed record: {exc}") from exc
@@ -148,6 +154,42 @@ class NodeRecord:
             raise InvalidRecord(f"bad engine name {str(self.engine)[:40]!r}")
         if not self.relayed and self.node_id != self.peer_id:
             raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node")
+        check_generators(self.generators)
+
+
+MAX_GENERATORS = 8
+MAX_GENERATORS_BYTES = 4096
+_GENERATOR_KEYS = {
+    "modality": str, "model": str, "kind": str, "ready": bool, "requires_speaker": bool,
+    "requires_reference_text": bool, "voices": list, "builtin_voices": list, "languages": list,
+    "input_modalities": list, "speed_range": dict, "limits": dict,
+}  # fmt: skip
+
+
+def check_generators(generators: tuple[Any, ...]) -> None:
+    """A record's generator list is small and shaped like capability entries: at most
+    :data:`MAX_GENERATORS` objects, known keys of the right JSON types, lists of short
+    strings, numbers in ``speed_range``/``limits``, 4 KB in all. Anything else is refused
+    (the whole record), since these entries are served to clients as they are."""
+    if len(generators) > MAX_GENERATORS:
+        raise InvalidRecord(f"more than {MAX_GENERATORS} generators")
+    if len(json.dumps(list(generators), separators=(",", ":"))) > MAX_GENERATORS_BYTES:
+        raise InvalidRecord(f"generators take more than {MAX_GENERATORS_BYTES} bytes")
+    for entry in generators:
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str) or not isinstance(entry.get("modality"), str):
+            raise InvalidRecord("a generator entry is an object with model and modality")
+        for key, value in entry.items():
+            kind = _GENERATOR_KEYS.get(key)
+            if kind is None or not isinstance(value, kind):
+                raise InvalidRecord(f"generator field {key!r} is unknown or of the wrong type")
+            if isinstance(value, str) and len(value) > 100:
+                raise InvalidRecord(f"generator field {key!r} is too long")
+            if isinstance(value, list) and not all(isinstance(v, str) and len(v) <= 64 for v in value):
+                raise InvalidRecord(f"generator field {key!r} must list short strings")
+            if isinstance(value, dict) and not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
+            ):
+                raise InvalidRecord(f"generator field {key!r} must map names to numbers")
 
 
 def canonical_bytes(record: NodeRecord) -> bytes:

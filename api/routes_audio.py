@@ -1,0 +1,236 @@
+"""OpenAI-compatible audio: ``/v1/audio/speech``, ``/v1/audio/music``, ``/v1/audio/transcriptions``.
+
+Thin adapters over generation jobs (same queue, limits and ownership): each checks OpenAI's
+fields against the generator's capabilities, submits a job, waits for it within a bounded
+time (``DPPAN_*_SYNC_TIMEOUT_SECS``; running out is a 504 that names the job, which keeps
+running) and answers with the artifact's bytes, naming the artifact and job in
+``x-dppan-artifact-id`` / ``x-dppan-job-id``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from quart import Response, jsonify, request
+from quart_trio import QuartTrio
+
+from api.bodies import json_object
+from api.context import PeerContext
+from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
+from api.routes_generations import service
+from api.uploads import set_body_limit
+from inclavate.generations import GenerationService, NoGenerator
+from inclavate.jobs import NewJob
+
+ARTIFACT_HEADER = "x-dppan-artifact-id"
+JOB_HEADER = "x-dppan-job-id"
+MAX_CLIP_BYTES = 64 * 1024 * 1024
+MULTIPART_OVERHEAD = 1024 * 1024
+"""Room for the form's other fields and boundaries around a clip of the maximum size."""
+AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3")
+REFUSED_FORMATS = ("verbose_json", "srt", "vtt")
+DEFAULT_TRANSCRIPTION_PROMPT = "Transcribe this audio."
+MAX_OUTPUT_BYTES = 4 * 1024 * 1024
+MAX_SPEECH_BYTES = 256 * 1024 * 1024
+
+
+def _capability(generations: GenerationService, model: str, want: str) -> dict[str, Any]:
+    for entry in generations.capabilities():
+        if entry.get("model") != model:
+            continue
+        if want == "speech" and entry.get("modality") == "audio" and entry.get("kind") is None:
+            return entry
+        if want == "transcribe" and entry.get("kind") == "understand" and "audio" in entry.get("input_modalities", []):
+            return entry
+    kind = {"speech": "speech", "transcribe": "audio-understanding"}[want]
+    raise NoGenerator(f"no {kind} generator named {model!r}; GET /v1/generations/capabilities lists them")
+
+
+def _string(body: dict[str, Any], key: str, *, required: bool = False, max_length: int = 4096) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise BadRequest(f"{key} is required")
+        return None
+    if not isinstance(value, str) or (required and not value.strip()) or len(value) > max_length:
+        raise BadRequest(f"{key} must be a {'non-empty ' if required else ''}string of at most {max_length} characters")
+    return value
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"{key} must be a positive number")
+    return float(value)
+
+
+def _wav_only(body: dict[str, Any]) -> None:
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != "wav":
+        raise BadRequest(f"response_format {fmt!r} is not available: this deployment produces wav only")
+
+
+async def _finished(generations: GenerationService, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Wait for the job within the route's bound: the finished job, or 504 naming it."""
+    done = await generations.wait_finished(job["id"], timeout_s)
+    if done is None:
+        raise _TimedOut(job["id"])
+    if done["state"] != "completed" or not done["output_artifacts"]:
+        raise _JobDidNotComplete(done)
+    return done
+
+
+class _TimedOut(GatewayTimeout):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"the wait ran out; job {job_id} keeps running: poll GET /v1/generations/{job_id}")
+        self.job_id = job_id
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.message, "job_id": self.job_id}
+
+
+class _JobDidNotComplete(ApiError):
+    """The job ended without output: failed (with its error_code), cancelled or expired."""
+
+    status = 500
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        code = job.get("error_code") or job["state"]
+        super().__init__(f"generation job {job['id']} {job['state']} ({code}): {job.get('error_message') or ''}".strip())
+        self.job = job
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.message, "job_id": self.job["id"], "error_code": self.job.get("error_code")}
+
+
+def _headers(job: dict[str, Any]) -> dict[str, str]:
+    return {ARTIFACT_HEADER: job["output_artifacts"][0], JOB_HEADER: job["id"]}
+
+
+def install(app: QuartTrio, ctx: PeerContext) -> None:
+    # A clip may be 64 MiB, above the app-wide (chat) body limit; multipart arrives whole.
+    set_body_limit(app, "POST", "/v1/audio/transcriptions", MAX_CLIP_BYTES + MULTIPART_OVERHEAD)
+
+    @app.errorhandler(_TimedOut)
+    async def _on_timeout(exc: _TimedOut) -> Response:
+        response = jsonify(exc.body())
+        response.status_code = 504
+        response.headers[JOB_HEADER] = exc.job_id
+        return response
+
+    @app.post("/v1/audio/speech")
+    async def audio_speech():  # type: ignore[no-untyped-def]
+        """Speak ``input`` with a speech generator; answers the WAV itself."""
+        generations = service(ctx)
+        body = await json_object()
+        model = _string(body, "model", required=True, max_length=200)
+        text = _string(body, "input", required=True)
+        _wav_only(body)
+        assert model is not None
+        entry = _capability(generations, model, "speech")
+        params: dict[str, Any] = {"text": text}
+        voice = _string(body, "voice", max_length=100)
+        if voice is not None:
+            names = [*entry.get("voices", []), *entry.get("builtin_voices", [])]
+            if voice not in names:
+                known = f"voices here: {', '.join(names)}" if names else f"{model} has no voices to choose from"
+                raise BadRequest(f"unknown voice {voice!r}; {known}")
+            params["voice"] = voice
+        if body.get("speaker_artifact") is not None and not entry.get("requires_speaker"):
+            raise BadRequest(f"speaker_unsupported: {model} takes no speaker clip")
+        if body.get("reference_text") is not None and not entry.get("requires_reference_text"):
+            raise BadRequest(f"{model} does not take reference_text")
+        speed = _number(body, "speed")
+        bounds = entry.get("speed_range")
+        if speed is not None and bounds is not None:
+            if not bounds["min"] <= speed <= bounds["max"]:
+                raise BadRequest(f"speed must be within {bounds['min']}-{bounds['max']} for {model}, got {speed:g}")
+            params["speed"] = speed
+        for key in ("max_duration_seconds",):
+            if (value := _number(body, key)) is not None:
+                params[key] = value
+        language = _string(body, "language", max_length=16)
+        if language is not None and entry.get("languages") and language.split("-")[0].lower() not in entry["languages"]:
+            raise BadRequest(f"{model} speaks {', '.join(entry['languages'])}, not {language!r}")
+        _string(body, "instruct")  # accepted; only instruction-tuned checkpoints act on it
+        new = NewJob(modality="audio", model=model, params=params, deadline_s=generations.settings.default_deadline_s)
+        job = await generations.submit(new, local_only=False, known_chat_model=False)
+        done = await _finished(generations, job, generations.settings.speech_sync_timeout_s)
+        media = await generations.read_artifact(done["output_artifacts"][0], MAX_SPEECH_BYTES)
+        return Response(media.data, status=200, content_type="audio/wav", headers=_headers(done))
+
+    @app.post("/v1/audio/music")
+    async def audio_music():  # type: ignore[no-untyped-def]
+        """Generate a song (no music generator is configured in this build: 422)."""
+        service(ctx)
+        body = await json_object()
+        _string(body, "model", required=True, max_length=200)
+        _string(body, "input", required=True)
+        _string(body, "lyrics", max_length=16384)
+        _wav_only(body)
+        _number(body, "duration_seconds")
+        steps = body.get("steps")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000):
+            raise BadRequest("steps must be an integer from 1 to 1000")
+        stems = body.get("stems", "mix")
+        if stems not in ("mix", "vocal", "instrumental"):
+            raise BadRequest("stems must be mix, vocal or instrumental")
+        raise NoGenerator(f"no music generator is configured: {body['model']!r} cannot generate music here")
+
+    @app.post("/v1/audio/transcriptions")
+    async def audio_transcriptions():  # type: ignore[no-untyped-def]
+        """Transcribe an uploaded clip (multipart) with an audio-understanding generator."""
+        generations = service(ctx)
+        length = request.content_length
+        if length is not None and length > MAX_CLIP_BYTES + MULTIPART_OVERHEAD:
+            raise PayloadTooLarge(f"the upload is {length} bytes; a clip may be at most 64 MiB")
+        form = await request.form
+        files = await request.files
+        model = form.get("model", "").strip()
+        if not model:
+            raise BadRequest("model is required: an understanding generator that reads audio")
+        fmt = form.get("response_format", "json")
+        if fmt in REFUSED_FORMATS:
+            raise BadRequest(f"response_format {fmt!r} is refused: this path produces a flat transcript without "
+                             "language, duration or segment timestamps; use json or text")  # fmt: skip
+        if fmt not in ("json", "text"):
+            raise BadRequest(f"response_format must be json or text, not {fmt!r}")
+        upload = files.get("file")
+        if upload is None:
+            raise BadRequest("file is required: the clip to transcribe")
+        media_type = (upload.mimetype or "").lower()
+        if not media_type or "content-type" not in {k.lower() for k in upload.headers.keys()}:
+            raise BadRequest("the file part needs a Content-Type (audio/wav or audio/mpeg)")
+        if media_type not in AUDIO_TYPES:
+            raise BadRequest(f"audio format {media_type!r} is not accepted; use one of {', '.join(AUDIO_TYPES)}")
+        data = upload.read(MAX_CLIP_BYTES + 1)
+        if len(data) > MAX_CLIP_BYTES:
+            raise PayloadTooLarge("the clip is over 64 MiB")
+        if not _decodable(data, media_type):
+            raise BadRequest(f"the file cannot be decoded as {media_type}")
+        _capability(generations, model, "transcribe")
+        params: dict[str, Any] = {"prompt": form.get("prompt") or DEFAULT_TRANSCRIPTION_PROMPT}
+        if form.get("language"):
+            params["language"] = form["language"][:16]
+        input_id = await generations.store_upload(data, media_type)
+        new = NewJob(modality="text", model=model, params=params, input_artifacts=(input_id,),
+                     deadline_s=generations.settings.default_deadline_s)  # fmt: skip
+        job = await generations.submit(new, local_only=False, known_chat_model=False)
+        done = await _finished(generations, job, generations.settings.transcription_sync_timeout_s)
+        text = (await generations.read_artifact(done["output_artifacts"][0], MAX_OUTPUT_BYTES)).data.decode(errors="replace")
+        if fmt == "text":
+            return Response(text, status=200, content_type="text/plain; charset=utf-8", headers=_headers(done))
+        response = jsonify(text=text)
+        response.headers.update(_headers(done))
+        return response
+
+
+def _decodable(data: bytes, media_type: str) -> bool:
+    """The container matches its declared type (a cheap check before any job exists):
+    RIFF/WAVE for the WAV types; an ID3 tag or an MPEG audio frame sync for MP3."""
+    if media_type in ("audio/mpeg", "audio/mp3"):
+        return data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
+    return len(data) > 44 and data[:4] == b"RIFF" and data[8:12] == b"WAVE"

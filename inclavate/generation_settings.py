@@ -1,0 +1,73 @@
+"""The ``DPPAN_*`` variables of generation jobs and the audio adapters, read once at start.
+
+A value that cannot be read stops the peer with a message naming it (as the artifact
+variables do): a deadline or a queue bound silently replaced by its default would be found
+only when it mattered.
+
+=========================================  ========  ==============================================
+variable                                   default   meaning
+=========================================  ========  ==============================================
+``DPPAN_GENERATION_DEADLINE_SECS``         600       a job's deadline unless it asks for another
+``DPPAN_SPEECH_SYNC_TIMEOUT_SECS``         120       ``/v1/audio/speech`` waits this long, then 504
+``DPPAN_MUSIC_SYNC_TIMEOUT_SECS``          120       the same for ``/v1/audio/music``
+``DPPAN_TRANSCRIPTION_SYNC_TIMEOUT_SECS``  120       the same for ``/v1/audio/transcriptions``
+``DPPAN_GENERATION_WORKERS``               1         jobs this peer runs at once
+``DPPAN_GENERATION_QUEUE_MAX``             32        queued + running jobs accepted; more is 429
+``DPPAN_GENERATION_HISTORY_MAX``           10000     finished job records kept (oldest forgotten)
+=========================================  ========  ==============================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from inclavate.errors import ConfigError
+
+MAX_DEADLINE_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    default_deadline_s: float = 600.0
+    speech_sync_timeout_s: float = 120.0
+    music_sync_timeout_s: float = 120.0
+    transcription_sync_timeout_s: float = 120.0
+    workers: int = 1
+    max_active: int = 32
+    history_max: int = 10_000
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> GenerationSettings:
+        return cls(
+            default_deadline_s=_seconds(env, "DPPAN_GENERATION_DEADLINE_SECS", 600.0, MAX_DEADLINE_S),
+            speech_sync_timeout_s=_seconds(env, "DPPAN_SPEECH_SYNC_TIMEOUT_SECS", 120.0),
+            music_sync_timeout_s=_seconds(env, "DPPAN_MUSIC_SYNC_TIMEOUT_SECS", 120.0),
+            transcription_sync_timeout_s=_seconds(env, "DPPAN_TRANSCRIPTION_SYNC_TIMEOUT_SECS", 120.0),
+            workers=_count(env, "DPPAN_GENERATION_WORKERS", 1, 64),
+            max_active=_count(env, "DPPAN_GENERATION_QUEUE_MAX", 32, 100_000),
+            history_max=_count(env, "DPPAN_GENERATION_HISTORY_MAX", 10_000, 10_000_000),
+        )
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float, high: float = 7 * 24 * 3600.0) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= high:  # NaN fails too
+        raise ConfigError(f"{name}={raw!r} must be a number of seconds above 0 and at most {high:g}")
+    return value
+
+
+def _count(env: Mapping[str, str], name: str, default: int, high: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= high:
+        raise ConfigError(f"{name}={raw!r} must be a whole number from 1 to {high}")
+    return int(raw)

@@ -1,0 +1,316 @@
+"""Generation jobs across the swarm: what the API's generation and audio routes call.
+
+A job lives on the peer that runs it: its id carries that peer's owner tag
+(:mod:`inclavate.owner_ids`), its record is in that peer's job table, its output in that
+peer's artifact store. This service, on every peer, answers for all of them:
+
+- **capabilities**: this peer's generators, then those the registry advertises
+  (``NodeRecord.generators``) for other live peers, one entry per model;
+- **submit**: run here when this peer has the generator, else forward the submission to a
+  live peer that advertises it (the lowest PeerID, so a retried idempotency key reaches the
+  same peer and finds its first job);
+- **read / cancel / events**: here when the id's tag is ours, else forwarded to the owner
+  (:mod:`inclavate.peer_http`; one hop at most);
+- **list**: this peer's jobs merged with every other live peer's, newest first.
+
+A request that arrived forwarded (``local_only``) is answered from this peer alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_types import ArtifactNotFound
+from inclavate.errors import InclavateError, RelayedError
+from inclavate.generation_settings import GenerationSettings
+from inclavate.job_runner import JobNotFound, JobRunner
+from inclavate.jobs import IdempotencyConflict, Job, NewJob
+from inclavate.owner_ids import owner_candidates, parse_id
+from inclavate.peer_http import PeerHttp, PeerUnreachable
+from node.generators.base import InputMedia
+from p2p.registry import NodeView
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+"""How often a sync adapter polls a job that runs on another peer."""
+
+EraseRemote = Callable[[str, str, bool], Awaitable[dict[str, Any]]]
+"""``(owner peer id, job id, artifacts) -> answer``: an admin erase signed by this peer."""
+
+
+class NoGenerator(InclavateError):
+    """No generator in the swarm produces this model/modality (422, never retryable)."""
+
+
+class GenerationService:
+    def __init__(self, me: str, runner: JobRunner, artifacts: SwarmArtifacts, views: Callable[[], list[NodeView]],
+                 http: PeerHttp, erase_remote: EraseRemote | None = None,
+                 settings: GenerationSettings = GenerationSettings()) -> None:  # fmt: skip
+        self.me = me
+        self.settings = settings
+        self.runner = runner
+        self.artifacts = artifacts
+        self._views = views
+        self.http = http
+        self._erase_remote = erase_remote
+        self._pending_keys: set[str] = set()
+
+    # -- discovery -----------------------------------------------------------------------
+
+    def local_capabilities(self) -> list[dict[str, Any]]:
+        return [g.capabilities() for g in self.runner.generators.values()]
+
+    def capabilities(self) -> list[dict[str, Any]]:
+        entries = {e["model"]: e for e in self.local_capabilities()}
+        for view in self._live_peers():
+            for entry in view.record.generators:
+                advertised = dict(entry)
+                if "ready" in advertised:  # understanding entries: servable only from a Ready peer
+                    advertised["ready"] = bool(advertised["ready"]) and view.state == "Ready"
+                current = entries.get(advertised["model"])
+                if current is None or current.get("ready") is False:  # first, or better than unready
+                    entries[advertised["model"]] = advertised
+        return list(entries.values())
+
+    def _live_peers(self) -> list[NodeView]:
+        """Other peers' own records (not relayed legacy nodes), alive, with an API URL."""
+        seen: dict[str, NodeView] = {}
+        for view in self._views():
+            record = view.record
+            if record.peer_id == self.me or record.relayed or view.state == "Dead":
+                continue
+            if not record.api_url.startswith(("http://", "https://")):
+                continue  # requests are forwarded only to an HTTP API
+            seen.setdefault(record.peer_id, view)
+        return [seen[p] for p in sorted(seen)]
+
+    def _generator_peer(self, model: str, modality: str) -> NodeView | None:
+        for view in self._live_peers():
+            if view.state == "Ready" and any(
+                e.get("model") == model and e.get("modality") == modality for e in view.record.generators
+            ):
+                return view
+        return None
+
+    # -- submit --------------------------------------------------------------------------
+
+    async def submit(self, new: NewJob, *, local_only: bool, known_chat_model: bool) -> dict[str, Any]:
+        """Queue ``new`` where its generator is; the job record (spec shape)."""
+        local = self.runner.generators.get(new.model)
+        if local is not None and local.modality == new.modality:
+            local.check(new.modality, new.params, len(new.input_artifacts))
+            job, _ = self.runner.submit(new)
+            return job.to_json()
+        if not local_only and local is None:
+            remote = self._generator_peer(new.model, new.modality)
+            if remote is not None:
+                return await self._forward_submit(remote, new)
+        fallback = self.runner.generator(new.model) if local is None else None
+        if new.modality == "text" and known_chat_model and fallback is not None:
+            fallback.check(new.modality, new.params, len(new.input_artifacts))
+            job, _ = self.runner.submit(new)
+            return job.to_json()
+        raise NoGenerator(
+            f"no generator produces {new.modality} with model {new.model!r}; "
+            "GET /v1/generations/capabilities lists what this swarm offers"
+        )
+
+    async def _forward_submit(self, view: NodeView, new: NewJob) -> dict[str, Any]:
+        key = new.idempotency_key
+        if key is not None and key in self._pending_keys:
+            # The first submission with this key is still on its way to the generator's peer:
+            # its job does not exist yet, so it cannot be handed back.
+            raise IdempotencyConflict(f"idempotency key {key!r} is being submitted right now; retry")
+        if key is not None:
+            self._pending_keys.add(key)
+        try:
+            _, body = await self.http.json(view.record.api_url, "POST", "/v1/generations", body=_submission(new))
+        finally:
+            if key is not None:
+                self._pending_keys.discard(key)
+        return _job_body(body)
+
+    # -- one job -------------------------------------------------------------------------
+
+    def _owner_url(self, job_id: str) -> str | None:
+        """None when the id is ours; the owner's API URL otherwise. An id whose tag names no
+        peer in the registry is JobNotFound (404); an owner the registry knows but believes
+        Dead is PeerUnreachable (503: the job may well exist)."""
+        known: dict[str, NodeView] = {}
+        for view in self._views():
+            if not view.record.relayed and view.record.peer_id != self.me:
+                known.setdefault(view.record.peer_id, view)
+        candidates = owner_candidates(job_id, [self.me, *known])
+        if self.me in candidates and (self.runner.store.get(job_id) is not None or len(candidates) == 1):
+            return None
+        others = [known[p] for p in candidates if p != self.me]
+        for view in others:
+            if view.state != "Dead" and view.record.api_url.startswith(("http://", "https://")):
+                return view.record.api_url
+        if others:
+            raise PeerUnreachable(f"job {job_id} is held by peer {others[0].record.peer_id}, which is not reachable now")
+        raise JobNotFound(f"no generation job {job_id}")
+
+    async def get(self, job_id: str, *, local_only: bool) -> dict[str, Any]:
+        job_id = parse_id(job_id)
+        url = None if local_only else self._owner_url(job_id)
+        if url is None:
+            return self._local(job_id).to_json()
+        _, body = await self.http.json(url, "GET", f"/v1/generations/{job_id}")
+        return _job_body(body)
+
+    async def cancel(self, job_id: str, *, local_only: bool) -> dict[str, Any]:
+        job_id = parse_id(job_id)
+        url = None if local_only else self._owner_url(job_id)
+        if url is None:
+            return (await self.runner.cancel(job_id)).to_json()
+        _, body = await self.http.json(url, "DELETE", f"/v1/generations/{job_id}")
+        return _job_body(body)
+
+    async def erase(self, job_id: str, *, artifacts: bool) -> dict[str, Any]:
+        """Admin: destroy the record (and by default the outputs) wherever the job lives."""
+        job_id = parse_id(job_id)
+        url = self._owner_url(job_id)
+        if url is None:
+            deleted = await self.runner.erase(job_id, artifacts=artifacts)
+            return {"id": job_id, "artifacts_deleted": deleted}
+        await self.http.json(url, "GET", f"/v1/generations/{job_id}")  # 404 if there is no such job
+        owner = next(v.record.peer_id for v in self._live_peers() if v.record.api_url == url)
+        if self._erase_remote is None:
+            raise PeerUnreachable("admin commands to other peers are not available here")
+        answer = await self._erase_remote(owner, job_id, artifacts)
+        return {"id": job_id, "artifacts_deleted": int(answer.get("artifacts_deleted", 0))}
+
+    def _local(self, job_id: str) -> Job:
+        job = self.runner.store.get(job_id)
+        if job is None:
+            raise JobNotFound(f"no generation job {job_id}")
+        return job
+
+    # -- listing -------------------------------------------------------------------------
+
+    async def list(self, limit: int, offset: int, *, local_only: bool) -> tuple[list[dict[str, Any]], bool]:
+        """``(rows, truncated)``, newest first over the whole swarm (this peer alone when
+        ``local_only``); each owner resolves its own jobs' output artifacts."""
+        if local_only:
+            jobs = self.runner.store.list(limit + 1, offset)
+            return [self._listed(job) for job in jobs[:limit]], len(jobs) > limit
+        want = offset + limit + 1
+        rows = [self._listed(job) for job in self.runner.store.list(want, 0)]
+
+        async def fetch(url: str) -> None:
+            try:
+                with trio.move_on_after(10):
+                    _, body = await self.http.json(url, "GET", "/v1/generations", params={"limit": min(want, 1000)})
+                    if isinstance(body, dict) and isinstance(body.get("generations"), list):
+                        rows.extend(r for r in body["generations"] if isinstance(r, dict) and "created_at" in r)
+            except (PeerUnreachable, RelayedError) as exc:
+                log.info("listing jobs: %s skipped (%s)", url, exc)
+
+        async with trio.open_nursery() as nursery:
+            for view in self._live_peers():
+                nursery.start_soon(fetch, view.record.api_url)
+        unique = {str(r.get("id")): r for r in rows}
+        ordered = sorted(unique.values(), key=lambda r: (str(r["created_at"]), str(r["id"])), reverse=True)
+        return ordered[offset : offset + limit], len(ordered) > offset + limit
+
+    def _listed(self, job: Job) -> dict[str, Any]:
+        body = job.to_json()
+        if job.state == "completed":
+            alive = []
+            for artifact_id in job.output_artifacts:
+                try:
+                    self.artifacts.store.meta(artifact_id)  # a job's outputs are in its own peer's store
+                    alive.append(artifact_id)
+                except ArtifactNotFound:
+                    pass
+            body["output_artifacts"] = alive
+            body["artifacts_deleted"] = len(job.output_artifacts) - len(alive)
+        return body
+
+    # -- watching ------------------------------------------------------------------------
+
+    async def events(self, job_id: str, *, local_only: bool) -> AsyncIterator[str]:
+        """Checks the job exists (raising before anything is streamed), then returns the
+        SSE ``data:`` payloads: the current state, one per change, ``[DONE]``."""
+        job_id = parse_id(job_id)
+        url = None if local_only else self._owner_url(job_id)
+        if url is None:
+            return self._local_events(self._local(job_id))
+        await self.http.json(url, "GET", f"/v1/generations/{job_id}")  # 404 before the stream opens
+        return self._remote_events(url, job_id)
+
+    async def _local_events(self, job: Job) -> AsyncIterator[str]:
+        last = json.dumps(job.to_json())
+        yield last
+        while not job.finished:
+            await self.runner.wait_changed(1.0)
+            current = self.runner.store.get(job.id)
+            if current is None:
+                break  # erased by an admin while watched
+            job = current
+            payload = json.dumps(job.to_json())
+            if payload != last:  # a write that changed nothing a client sees is no event
+                last = payload
+                yield payload
+        yield "[DONE]"
+
+    async def _remote_events(self, url: str, job_id: str) -> AsyncIterator[str]:
+        async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events") as lines:
+            async for line in lines:
+                if line.startswith("data: "):
+                    yield line.removeprefix("data: ")
+                    if line == "data: [DONE]":
+                        return
+
+    async def wait_finished(self, job_id: str, timeout: float) -> dict[str, Any] | None:
+        """The job once it ended, or None when ``timeout`` ran out first (it keeps running)."""
+        with trio.move_on_after(timeout):
+            while True:
+                job = await self.get(job_id, local_only=False)
+                if job["state"] in ("completed", "failed", "cancelled", "expired"):
+                    return job
+                if self._owner_url(job_id) is None:
+                    await self.runner.wait_changed(1.0)
+                else:
+                    await trio.sleep(POLL_S)
+        return None
+
+    # -- artifacts -----------------------------------------------------------------------
+
+    async def read_artifact(self, artifact_id: str, max_bytes: int) -> InputMedia:
+        """An artifact's bytes from whichever peer holds it (inputs, sync adapters)."""
+        meta, data = await self.artifacts.read_all(artifact_id, max_bytes)
+        return InputMedia(data, meta.media_type)
+
+    async def store_upload(self, data: bytes, media_type: str) -> str:
+        """Keep an uploaded clip (a transcription's input) as an ``uploaded`` artifact."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield data
+
+        meta = await self.artifacts.store.create(chunks(), media_type=media_type, kind="uploaded", declared_size=len(data))
+        return meta.id
+
+
+def _submission(new: NewJob) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": new.model, "modality": new.modality, "params": dict(new.params),
+                            "input_artifacts": list(new.input_artifacts), "deadline_seconds": new.deadline_s}  # fmt: skip
+    if new.seed is not None:
+        body["seed"] = new.seed
+    if new.idempotency_key is not None:
+        body["idempotency_key"] = new.idempotency_key
+    return body
+
+
+def _job_body(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("state"), str):
+        raise PeerUnreachable("the owning peer answered something that is not a job")
+    return body

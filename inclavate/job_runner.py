@@ -1,0 +1,285 @@
+"""Runs this peer's generation jobs: a bounded queue, worker tasks, deadlines, cancels.
+
+The queue *is* the job table (:mod:`inclavate.jobs`): a submission is a row, workers claim
+the oldest queued row of a model they have, so a restart resumes exactly what was waiting.
+Each worker runs one generator call at a time in a thread (``trio.to_thread``), so the event
+loop never blocks and at most ``workers`` generations run at once. A generator checks its
+cancel flag between frames; cancelling a job or passing its deadline sets that flag, and
+the job then settles as ``cancelled`` or ``expired`` with nothing published.
+
+A finished generation is published as a ``kind: generated`` artifact in this peer's
+artifact store, then the job completes with that artifact's id. Input artifacts (the clip a
+transcription reads) are fetched through ``read_input``, which may reach another peer.
+
+Every state change wakes :meth:`JobRunner.wait_changed`, which event streams use; they
+still re-read the job table, so a watcher sees what is stored, not what was announced.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import trio
+
+from inclavate.artifact_types import ArtifactError, ArtifactNotFound, ArtifactNotReady, ArtifactTooLarge
+from inclavate.artifacts import ArtifactStore
+from inclavate.errors import InclavateError
+from inclavate.jobs import Job, JobStore, NewJob, now_ms
+from inclavate.owner_ids import new_id
+from node.generators.base import (
+    GenerationCancelled,
+    GenerationFailed,
+    GenerationTask,
+    Generator,
+    InputMedia,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_INPUT_BYTES = 64 * 1024 * 1024
+"""The spec's cap on each input artifact of a job."""
+
+PROGRESS_INTERVAL_S = 0.25
+"""Progress writes per job are throttled to this (each is a row write and an event)."""
+
+CANCEL_SETTLE_S = 10.0
+"""How long ``DELETE /v1/generations/:id`` waits for a running generator to stop, so the
+answer usually shows the settled state; generators stop between frames (~1 s)."""
+
+InputReader = Callable[[str, int], Awaitable[InputMedia]]
+"""``(artifact id, max bytes) -> media``; raises ArtifactError subclasses."""
+
+
+class JobFinished(InclavateError):
+    """The job already ended; it cannot be cancelled (409)."""
+
+
+class JobNotFound(InclavateError):
+    """No such job on this peer (404)."""
+
+
+class JobActive(InclavateError):
+    """The job is queued or running; cancel it before erasing it (409)."""
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    workers: int = 1
+    """Generations running at once on this peer (each holds a CPU core while it runs)."""
+    max_active: int = 32
+    """Queued plus running jobs accepted before submissions get 429."""
+    poll_s: float = 1.0
+    history_max: int = 10_000
+    """Finished job records kept; older ones are forgotten (the table cannot grow forever)."""
+
+
+class JobRunner:
+    def __init__(
+        self,
+        store: JobStore,
+        artifacts: ArtifactStore,
+        generators: Mapping[str, Generator],
+        owner: str,
+        read_input: InputReader,
+        config: RunnerConfig = RunnerConfig(),
+        fallback: Callable[[str], Generator | None] = lambda model: None,
+    ) -> None:
+        self.store = store
+        self.artifacts = artifacts
+        self.generators = dict(generators)
+        self.owner = owner
+        self.config = config
+        self._read_input = read_input
+        self._fallback = fallback
+        self._changed = trio.Event()
+        self._cancel_flags: dict[str, threading.Event] = {}
+        self._expired: set[str] = set()
+
+    # -- service -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        requeued = self.store.recover(now_ms())
+        if requeued:
+            log.info("resuming %d generation job(s) interrupted by the last shutdown", len(requeued))
+        async with trio.open_nursery() as nursery:
+            for _ in range(max(1, self.config.workers)):
+                nursery.start_soon(self._worker)
+            nursery.start_soon(self._deadlines)
+            task_status.started()
+
+    def submit(self, new: NewJob) -> tuple[Job, bool]:
+        """Queue a validated job for a local generator; ``(job, created)``."""
+        job, created = self.store.create(new_id(self.owner), new, max_active=self.config.max_active, now=now_ms())
+        if created:
+            self._notify()
+        return job, created
+
+    async def cancel(self, job_id: str) -> Job:
+        job = self._get(job_id)
+        if job.finished:
+            raise JobFinished(f"job {job_id} already {job.state}")
+        if job.state == "queued" and self.store.finish(job_id, "cancelled", now_ms()) is not None:
+            self._notify()
+            return self._get(job_id)
+        if self.store.request_cancel(job_id) is not None:
+            flag = self._cancel_flags.get(job_id)
+            if flag is not None:
+                flag.set()
+            self._notify()
+        with trio.move_on_after(CANCEL_SETTLE_S):
+            while not (job := self._get(job_id)).finished:
+                await self.wait_changed(1.0)
+        return self._get(job_id)
+
+    async def erase(self, job_id: str, *, artifacts: bool) -> int:
+        """Delete a finished job's record, and its output artifacts unless told not to;
+        returns how many artifacts were deleted (a missing one is not an error)."""
+        job = self._get(job_id)
+        if not job.finished:
+            raise JobActive(f"job {job_id} is {job.state}; cancel it first")
+        deleted = 0
+        if artifacts:
+            for artifact_id in job.output_artifacts:
+                try:
+                    await self.artifacts.delete(artifact_id)
+                    deleted += 1
+                except ArtifactNotFound:
+                    pass
+        self.store.delete(job_id)
+        self._notify()
+        return deleted
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return at the next job change on this peer, or after ``timeout`` seconds."""
+        with trio.move_on_after(timeout):
+            await self._changed.wait()
+
+    def _get(self, job_id: str) -> Job:
+        job = self.store.get(job_id)
+        if job is None:
+            raise JobNotFound(f"no generation job {job_id}")
+        return job
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- workers -------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            job = self.store.next_queued()
+            if job is None:
+                await self.wait_changed(self.config.poll_s)
+                continue
+            started = self.store.start(job.id, now_ms())
+            if started is None:
+                continue  # another worker claimed it
+            self._notify()
+            try:
+                await self._execute(started)
+            except Exception:  # noqa: BLE001 - one job's bug must not stop the worker
+                log.exception("generation job %s crashed", job.id)
+                self._settle(job.id, "failed", error_code="inference_failed", error_message="internal error")
+
+    def generator(self, model: str) -> Generator | None:
+        """The generator that runs ``model`` here (a loaded one, else the fallback's)."""
+        return self.generators.get(model) or self._fallback(model)
+
+    async def _execute(self, job: Job) -> None:
+        flag = self._cancel_flags[job.id] = threading.Event()
+        try:
+            generator = self.generator(job.model)
+            if generator is None:  # e.g. its model was removed while the job waited
+                raise GenerationFailed("inference_failed", f"no generator for {job.model} on this peer any more")
+            task = await self._task(job)
+            if task is None:
+                return
+            output = await trio.to_thread.run_sync(generator.run, task, flag.is_set,
+                                                   self._progress_reporter(job.id))  # fmt: skip
+            try:
+                async with self.artifacts.begin(media_type=output.media_type, kind="generated", pending=True) as writer:
+                    await writer.write(output.data)
+                    meta = await writer.commit()
+            except ArtifactError as exc:
+                self._settle(job.id, "failed", error_code="publish_failed", error_message=str(exc))
+                return
+            if not self._settle(job.id, "completed", outputs=(meta.id,)):
+                await self.artifacts.delete(meta.id)  # the job ended meanwhile: keep nothing
+        except GenerationCancelled:
+            if job.id in self._expired:
+                self._settle(job.id, "expired", error_code="deadline_exceeded",
+                             error_message="the job's deadline passed while it ran")  # fmt: skip
+            else:
+                self._settle(job.id, "cancelled")
+        except GenerationFailed as exc:
+            self._settle(job.id, "failed", error_code=exc.code, error_message=exc.message)
+        finally:
+            self._cancel_flags.pop(job.id, None)
+            self._expired.discard(job.id)
+
+    async def _task(self, job: Job) -> GenerationTask | None:
+        """Read the inputs; an understanding job's missing prompt or inputs fail it here."""
+        if job.modality == "text":
+            prompt = job.params.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                self._settle(job.id, "failed", error_code="no_prompt", error_message="params.prompt is empty or absent")
+                return None
+            if not job.input_artifacts:
+                self._settle(job.id, "failed", error_code="no_input", error_message="no input_artifacts were given")
+                return None
+        inputs = []
+        for artifact_id in job.input_artifacts:
+            try:
+                inputs.append(await self._read_input(artifact_id, MAX_INPUT_BYTES))
+            except ArtifactTooLarge as exc:
+                self._settle(job.id, "failed", error_code="input_too_large", error_message=str(exc))
+                return None
+            except (ArtifactError, ArtifactNotReady, InclavateError) as exc:
+                self._settle(job.id, "failed", error_code="input_unreadable", error_message=str(exc))
+                return None
+        return GenerationTask(job.id, job.model, job.modality, job.params, job.seed, tuple(inputs))  # type: ignore[arg-type]
+
+    def _progress_reporter(self, job_id: str) -> Callable[[str, float], None]:
+        token = trio.lowlevel.current_trio_token()
+        last: list[object] = [None, 0.0]
+
+        def report(stage: str, fraction: float) -> None:  # runs in the generator's thread
+            now = time.monotonic()
+            if stage == last[0] and now - float(last[1]) < PROGRESS_INTERVAL_S and fraction < 1.0:  # type: ignore[arg-type]
+                return
+            last[0], last[1] = stage, now
+            try:
+                trio.from_thread.run_sync(self._progress, job_id, stage, fraction, trio_token=token)
+            except trio.RunFinishedError:
+                pass
+
+        return report
+
+    def _progress(self, job_id: str, stage: str, fraction: float) -> None:
+        if self.store.progress(job_id, stage, max(0.0, min(1.0, fraction))) is not None:
+            self._notify()
+
+    def _settle(self, job_id: str, state: str, **fields: object) -> bool:
+        done = self.store.finish(job_id, state, now_ms(), **fields) is not None  # type: ignore[arg-type]
+        self._notify()
+        return done
+
+    # -- deadlines -----------------------------------------------------------------------
+
+    async def _deadlines(self) -> None:
+        while True:
+            if self.store.prune_finished(self.config.history_max):
+                self._notify()
+            for job in self.store.overdue(now_ms()):
+                if job.state == "queued":
+                    self._settle(job.id, "expired", error_code="deadline_exceeded",
+                                 error_message="the job's deadline passed before it started")  # fmt: skip
+                elif job.id in self._cancel_flags:
+                    self._expired.add(job.id)
+                    self._cancel_flags[job.id].set()
+            await trio.sleep(self.config.poll_s)

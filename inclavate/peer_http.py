@@ -1,0 +1,97 @@
+"""Forwarding a REST request to the peer that owns a job (HTTP to its advertised API URL).
+
+A job lives on the peer that runs it; any other peer answers for it by forwarding the
+client's request to the owner's API (``NodeRecord.api_url``) and relaying the answer. The
+forwarded request carries :data:`FORWARDED_HEADER`, and a peer that receives it acts on its
+own jobs only and never forwards again, so a request crosses at most one hop and two peers
+can never bounce one between them. The header grants nothing: it only narrows what the
+receiving peer does. Admin tokens are never forwarded (admin actions travel signed over
+``/inclavate/admin/1``).
+
+Errors: a peer that cannot be reached is :class:`PeerUnreachable` (503); an error the owner
+answered is :class:`inclavate.errors.RelayedError`, relayed with its status and body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import httpx
+
+from inclavate.errors import InclavateError, RelayedError
+
+FORWARDED_HEADER = "x-inclavate-forwarded"
+
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0
+MAX_RELAYED_ERROR_BYTES = 64 * 1024
+MAX_ANSWER_BYTES = 32 * 1024 * 1024
+"""A listing of 1000 jobs with large params fits; anything bigger is not a peer's answer."""
+
+
+class PeerUnreachable(InclavateError):
+    """The peer that owns a job did not answer (503)."""
+
+
+class PeerHttp:
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        # Created on first use, inside the trio run (httpx picks trio through anyio).
+        if self._client is None:
+            timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+            self._client = httpx.AsyncClient(timeout=timeout, headers={FORWARDED_HEADER: "1"})
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None,
+                   params: Mapping[str, Any] | None = None, timeout: float | None = None) -> tuple[int, Any]:  # fmt: skip
+        """A forwarded JSON request; ``(status, decoded body)`` for 2xx, else raises. The
+        answer is read up to :data:`MAX_ANSWER_BYTES` (a peer's answer is hostile input too)."""
+        try:
+            async with self._http().stream(
+                method, base_url + path, json=body, params=params, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+            ) as response:
+                raw = bytearray()
+                async for chunk in response.aiter_bytes():
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER_BYTES:
+                        raise PeerUnreachable(f"peer {base_url} answered more than {MAX_ANSWER_BYTES} bytes")
+        except httpx.HTTPError as exc:
+            raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
+        _raise_for_error(response.status_code, bytes(raw))
+        try:
+            return response.status_code, json.loads(raw) if raw else None
+        except ValueError as exc:
+            raise PeerUnreachable(f"peer {base_url} answered something that is not JSON") from exc
+
+    @asynccontextmanager
+    async def stream_lines(self, base_url: str, path: str) -> AsyncIterator[AsyncIterator[str]]:
+        """An SSE stream from the owner, line by line (errors before the stream opens raise)."""
+        try:
+            async with self._http().stream("GET", base_url + path, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as response:
+                if response.status_code >= 400:
+                    _raise_for_error(response.status_code, await response.aread())
+                async with aclosing(response.aiter_lines()) as lines:
+                    yield lines
+        except httpx.HTTPError as exc:
+            raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
+
+
+def _raise_for_error(status: int, raw: bytes) -> None:
+    if status < 400:
+        return
+    try:
+        body = json.loads(raw[:MAX_RELAYED_ERROR_BYTES]) if raw else {}
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict) or "error" not in body:
+        body = {"error": f"the owning peer answered {status}"}
+    raise RelayedError(status, body)

@@ -1,0 +1,141 @@
+"""Text to speech with Piper (``piper-tts``, ONNX on CPU): one voice per installed model.
+
+Piper speaks sentence by sentence, which gives the natural *frame* of this generator:
+cancellation and progress are checked between sentences, ``max_duration_seconds`` stops
+synthesis once enough audio exists and cuts the last sentence to the exact length, and the
+WAV is written whole at the end (nothing half-written on cancel).
+
+Capabilities: the voice is a ``builtin_voice`` (baked into the checkpoint, no speaker clip:
+``requires_speaker: false``); ``languages`` come from the voice's own ``.onnx.json``;
+``speed`` maps onto Piper's ``length_scale`` (duration multiplier) as ``1 / speed``, within
+:data:`SPEED_RANGE`. The ONNX session loads on first use, not at peer start, so a peer that
+never speaks pays nothing for offering the voice.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from node.generators.base import (
+    CancelCheck,
+    GenerationCancelled,
+    GenerationFailed,
+    GenerationTask,
+    GeneratorOutput,
+    InvalidParams,
+    Modality,
+    ProgressReport,
+)
+from node.generators.params import optional_number, optional_str
+from node.generators.wav import SAMPLE_WIDTH, encode_wav, frames_for
+
+SPEED_RANGE = (0.5, 2.0)
+"""Piper stays intelligible within these length scales (2x faster to 2x slower)."""
+
+MAX_TEXT_CHARS = 4096
+"""OpenAI's own ``input`` limit for speech; longer text belongs in several jobs."""
+
+MAX_DURATION_S = 600.0
+"""Ceiling on ``max_duration_seconds`` (ten minutes of 22 kHz int16 is ~26 MB)."""
+
+
+class PiperSpeech:
+    modality: Modality = "audio"
+
+    def __init__(self, model: str, voice_name: str, onnx_path: Path) -> None:
+        self.model = model
+        self.voice_name = voice_name
+        self.onnx_path = onnx_path
+        config = json.loads(onnx_path.with_name(onnx_path.name + ".json").read_text("utf-8"))
+        self.sample_rate = int(config["audio"]["sample_rate"])
+        language = config.get("language", {})
+        family = language.get("family") or str(language.get("code", "")).split("_")[0]
+        self.languages = sorted({family}) if family else []
+        self._voice: Any = None
+        self._lock = threading.Lock()
+
+    def capabilities(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "modality": "audio",
+            "model": self.model,
+            "builtin_voices": [self.voice_name],
+            "requires_speaker": False,
+            "speed_range": {"min": SPEED_RANGE[0], "max": SPEED_RANGE[1]},
+        }
+        if self.languages:
+            entry["languages"] = self.languages
+        return entry
+
+    def check(self, modality: str, params: Mapping[str, Any], n_inputs: int) -> None:
+        if modality != "audio":
+            raise InvalidParams(f"{self.model} generates audio, not {modality}")
+        if n_inputs:
+            raise InvalidParams(f"speaker_unsupported: {self.model} has a built-in voice and takes no speaker clip")
+        if params.get("reference_text") is not None:
+            raise InvalidParams(f"{self.model} does not take reference_text")
+        text = params.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidParams("params.text is required: the text to speak")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidParams(f"params.text is longer than {MAX_TEXT_CHARS} characters")
+        voice = optional_str(params, "voice")
+        if voice is not None and voice != self.voice_name:
+            raise InvalidParams(f"unknown voice {voice!r} for {self.model}; voices: {self.voice_name}")
+        optional_number(params, "speed", 0.0, 1e9)
+        speed = params.get("speed")
+        if speed is not None and not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
+            raise InvalidParams(f"speed must be within {SPEED_RANGE[0]}-{SPEED_RANGE[1]} for {self.model}, got {speed}")
+        optional_number(params, "max_duration_seconds", 0.0, MAX_DURATION_S)
+        language = optional_str(params, "language", max_length=16)
+        if language is not None and self.languages and language.split("-")[0].lower() not in self.languages:
+            raise InvalidParams(f"{self.model} speaks {', '.join(self.languages)}, not {language!r}")
+
+    def run(self, task: GenerationTask, cancelled: CancelCheck, progress: ProgressReport) -> GeneratorOutput:
+        params = task.params
+        self.check(task.modality, params, len(task.inputs))
+        from piper import SynthesisConfig
+
+        if cancelled():
+            raise GenerationCancelled()
+        progress("loading", 0.0)
+        voice = self._loaded()
+        speed = params.get("speed") or 1.0
+        config = SynthesisConfig(length_scale=1.0 / float(speed))
+        limit_s = params.get("max_duration_seconds")
+        limit = frames_for(float(limit_s), self.sample_rate) if limit_s else None
+        sentences = [s for s in voice.phonemize(params["text"]) if s]
+        if not sentences:
+            raise GenerationFailed("inference_failed", "the text has nothing to speak")
+        pcm = bytearray()
+        progress("generating", 0.0)
+        for done, chunk in enumerate(voice.synthesize(params["text"], config), start=1):
+            if cancelled():
+                raise GenerationCancelled()
+            if chunk.sample_rate != self.sample_rate or chunk.sample_width != SAMPLE_WIDTH:
+                raise GenerationFailed("inference_failed", "the voice produced audio in an unexpected format")
+            pcm += chunk.audio_int16_bytes
+            progress("generating", min(done / len(sentences), 1.0))
+            if limit is not None and len(pcm) >= limit:
+                del pcm[limit:]
+                break
+        if cancelled():
+            raise GenerationCancelled()
+        return GeneratorOutput(encode_wav(bytes(pcm), self.sample_rate), "audio/wav")
+
+    def _loaded(self) -> Any:
+        with self._lock:
+            if self._voice is None:
+                try:
+                    from piper import PiperVoice
+
+                    self._voice = PiperVoice.load(str(self.onnx_path))
+                except Exception as exc:  # onnxruntime raises its own types
+                    raise GenerationFailed("inference_failed", f"cannot load voice {self.model}: {exc}") from exc
+            return self._voice
+
+    def close(self) -> None:
+        self._voice = None

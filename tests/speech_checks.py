@@ -1,0 +1,38 @@
+"""Measuring audio and transcripts in tests: WAV facts, loudness, word error rate."""
+
+from __future__ import annotations
+
+import io
+import re
+import wave
+
+import numpy as np
+
+
+def wav_facts(data: bytes) -> tuple[int, int, int, float]:
+    """(sample rate, channels, sample width, seconds) from the header; raises if not a WAV."""
+    assert data[:4] == b"RIFF" and data[8:12] == b"WAVE", "not a RIFF/WAVE file"
+    with wave.open(io.BytesIO(data), "rb") as clip:
+        return clip.getframerate(), clip.getnchannels(), clip.getsampwidth(), clip.getnframes() / clip.getframerate()
+
+
+def rms(data: bytes) -> float:
+    """Root-mean-square level of a 16-bit WAV, 0..1 (silence is ~0)."""
+    with wave.open(io.BytesIO(data), "rb") as clip:
+        samples = np.frombuffer(clip.readframes(clip.getnframes()), dtype="<i2").astype(np.float64) / 32768.0
+    return float(np.sqrt(np.mean(samples**2))) if samples.size else 0.0
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """Levenshtein distance over words divided by the reference's length."""
+    ref, hyp = words(reference), words(hypothesis)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, start=1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, start=1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[len(hyp)] / max(1, len(ref))

@@ -1,0 +1,93 @@
+"""The swarm-wide generation service without a network: which peer a submission or an id
+goes to, capabilities merged from the registry, and the idempotency race (409)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from registry_helpers import view
+
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifacts import ArtifactStore
+from inclavate.generations import GenerationService, NoGenerator
+from inclavate.job_runner import JobNotFound, JobRunner
+from inclavate.jobs import IdempotencyConflict, JobStore, NewJob
+from inclavate.owner_ids import new_id
+from inclavate.peer_http import PeerUnreachable
+
+ME, OTHER = "12D3KooWme", "12D3KooWother"
+REMOTE_ENTRY = {"modality": "audio", "model": "piper:joe", "builtin_voices": ["joe"], "requires_speaker": False}
+
+
+class FakeHttp:
+    """Answers forwarded requests like the owning peer would, slowly."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str, Any]] = []
+
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None) -> tuple[int, Any]:
+        self.calls.append((base_url, method, path, body))
+        await trio.sleep(0.2)
+        return 202, {"id": new_id(OTHER), "state": "queued"}
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> GenerationService:
+    store = ArtifactStore(tmp_path, ME)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, ME, read_input=None)  # type: ignore[arg-type]
+    views = [
+        view(OTHER, 0, 30, generators=(REMOTE_ENTRY,), api_url="http://other"),
+        view("12D3KooWdead", 0, 30, state="Dead", generators=({**REMOTE_ENTRY, "model": "gone:tts"},), api_url="http://dead"),
+    ]
+    return GenerationService(ME, runner, SwarmArtifacts(store), lambda: views, FakeHttp())  # type: ignore[arg-type]
+
+
+def test_capabilities_come_from_live_peers_only(service: GenerationService) -> None:
+    assert service.capabilities() == [REMOTE_ENTRY]
+    assert service.local_capabilities() == []
+
+
+async def test_a_submission_goes_to_the_peer_with_the_generator(service: GenerationService) -> None:
+    job = await service.submit(NewJob("audio", "piper:joe", {"text": "hi"}), local_only=False, known_chat_model=False)
+    assert job["state"] == "queued"
+    assert service.http.calls[0][:3] == ("http://other", "POST", "/v1/generations")  # type: ignore[attr-defined]
+    with pytest.raises(NoGenerator):  # forwarded requests never forward again
+        await service.submit(NewJob("audio", "piper:joe", {"text": "hi"}), local_only=True, known_chat_model=False)
+    with pytest.raises(NoGenerator):  # only a Dead peer had it
+        await service.submit(NewJob("audio", "gone:tts", {"text": "hi"}), local_only=False, known_chat_model=False)
+
+
+async def test_the_same_key_racing_to_another_peer_is_409(service: GenerationService) -> None:
+    outcomes: list[str] = []
+
+    async def submit() -> None:
+        try:
+            await service.submit(NewJob("audio", "piper:joe", {"text": "hi"}, idempotency_key="k"),
+                                 local_only=False, known_chat_model=False)  # fmt: skip
+            outcomes.append("queued")
+        except IdempotencyConflict:
+            outcomes.append("409")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(submit)
+        await trio.sleep(0.05)
+        nursery.start_soon(submit)
+    assert sorted(outcomes) == ["409", "queued"]
+
+
+async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
+    theirs = new_id(OTHER)
+    await service.get(theirs, local_only=False)
+    assert service.http.calls[-1][:3] == ("http://other", "GET", f"/v1/generations/{theirs}")  # type: ignore[attr-defined]
+    with pytest.raises(JobNotFound):
+        await service.get(new_id(ME), local_only=False)
+    with pytest.raises(JobNotFound):  # a tag no peer in the registry carries
+        await service.get(new_id("12D3KooWstranger"), local_only=False)
+    with pytest.raises(PeerUnreachable):  # its owner is known but Dead: the job may exist
+        await service.get(new_id("12D3KooWdead"), local_only=False)

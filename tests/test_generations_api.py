@@ -1,0 +1,424 @@
+"""``/v1/generations`` and ``/v1/audio/*`` served in process over the real generators, a
+real job table and a real artifact store; the official ``openai`` SDK for the audio routes.
+Every error status the spec lists for these routes is asserted here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+from generation_harness import ADMIN_TOKEN, CHAT_MODEL, Served, serve_generations
+from speech_checks import rms, wav_facts, word_error_rate
+
+from inclavate.generation_settings import GenerationSettings
+from inclavate.job_runner import RunnerConfig
+
+pytestmark = pytest.mark.slow
+
+SENTENCE = "Hello from the swarm of volunteers."
+LONG_TEXT = " ".join(f"This is sentence number {n} of a long reading." for n in range(1, 40))
+UNKNOWN_ID = "1deaf021-07a3-407c-9d6f-1af47c23db18"
+
+
+@pytest.fixture
+async def served(tmp_path: Path, speech_generators: dict):  # type: ignore[no-untyped-def]
+    async with serve_generations(tmp_path, speech_generators) as s:
+        yield s
+
+
+def client(s: Served) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=s.url, timeout=60)
+
+
+def sdk(s: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def submit(http: httpx.AsyncClient, **body: object) -> dict:
+    response = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio", **body})
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+async def wait_state(http: httpx.AsyncClient, job_id: str, states: tuple[str, ...], timeout: float = 60) -> dict:
+    with trio.fail_after(timeout):
+        while True:
+            job = (await http.get(f"/v1/generations/{job_id}")).json()
+            if job["state"] in states:
+                return job
+            await trio.sleep(0.05)
+
+
+async def test_capabilities_list_both_real_generators(served: Served) -> None:
+    async with client(served) as http:
+        body = (await http.get("/v1/generations/capabilities")).json()
+    by_model = {g["model"]: g for g in body["generators"]}
+    assert set(by_model) == {"piper:joe", "whisper:tiny.en"}
+    assert by_model["piper:joe"]["builtin_voices"] == ["joe"] and by_model["piper:joe"]["requires_speaker"] is False
+    assert "voices" not in by_model["piper:joe"] and "requires_reference_text" not in by_model["piper:joe"]
+    assert by_model["whisper:tiny.en"]["kind"] == "understand" and by_model["whisper:tiny.en"]["input_modalities"] == ["audio"]
+
+
+async def test_openai_sdk_speech_then_transcription_round_trip(served: Served) -> None:
+    api = sdk(served)
+    speech = await trio.to_thread.run_sync(lambda: api.audio.speech.with_raw_response.create(
+        model="piper:joe", voice="joe", input=SENTENCE, response_format="wav"))  # fmt: skip
+    clip = speech.content
+    assert speech.headers["content-type"] == "audio/wav"
+    rate, channels, width, seconds = wav_facts(clip)
+    assert rate == 22050 and channels == 1 and width == 2 and 1.0 < seconds < 6.0
+    assert rms(clip) > 0.02
+    artifact_id, job_id = speech.headers["x-dppan-artifact-id"], speech.headers["x-dppan-job-id"]
+    meta = served.artifacts.meta(artifact_id)
+    assert meta.kind == "generated" and meta.media_type == "audio/wav" and meta.size_bytes == len(clip)
+    job = served.jobs.get(job_id)
+    assert job is not None and job.state == "completed" and job.output_artifacts == (artifact_id,)
+
+    transcript = await trio.to_thread.run_sync(lambda: api.audio.transcriptions.create(
+        model="whisper:tiny.en", file=("hello.wav", clip, "audio/wav")))  # fmt: skip
+    assert word_error_rate(SENTENCE, transcript.text) <= 0.2, transcript.text
+    plain = await trio.to_thread.run_sync(lambda: api.audio.transcriptions.with_raw_response.create(
+        model="whisper:tiny.en", file=("hello.wav", clip, "audio/wav"), response_format="text"))  # fmt: skip
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert word_error_rate(SENTENCE, plain.text) <= 0.2
+    text_artifact = served.artifacts.meta(plain.headers["x-dppan-artifact-id"])
+    assert text_artifact.kind == "generated" and text_artifact.media_type.startswith("text/plain")
+
+
+async def test_speech_max_duration_truncates(served: Served) -> None:
+    async with client(served) as http:
+        response = await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": LONG_TEXT[:200],
+                                                              "max_duration_seconds": 1.5})  # fmt: skip
+    assert response.status_code == 200
+    assert wav_facts(response.content)[3] == pytest.approx(1.5, abs=1 / 22050)
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"input": "hi"}, 400, "model is required"),
+        ({"model": "piper:joe"}, 400, "input is required"),
+        ({"model": "piper:joe", "input": "hi", "response_format": "mp3"}, 400, "wav only"),
+        ({"model": "piper:joe", "input": "hi", "voice": "alloy"}, 400, "unknown voice 'alloy'; voices here: joe"),
+        ({"model": "piper:joe", "input": "hi", "speed": 4}, 400, "speed must be within 0.5-2.0"),
+        ({"model": "piper:joe", "input": "hi", "speaker_artifact": UNKNOWN_ID}, 400, "speaker_unsupported"),
+        ({"model": "piper:joe", "input": "hi", "reference_text": "hi"}, 400, "reference_text"),
+        ({"model": "piper:joe", "input": "hi", "language": "fr"}, 400, "speaks en"),
+        ({"model": "nobody:tts", "input": "hi"}, 422, "no speech generator"),
+        ({"model": "whisper:tiny.en", "input": "hi"}, 422, "no speech generator"),
+    ],
+)
+async def test_speech_errors(served: Served, body: dict, status: int, message: str) -> None:
+    async with client(served) as http:
+        response = await http.post("/v1/audio/speech", json=body)
+    assert response.status_code == status and message in response.json()["error"]
+
+
+async def test_speech_wait_bound_is_a_504_naming_the_job_that_keeps_running(tmp_path: Path, speech_generators: dict) -> None:
+    settings = GenerationSettings(speech_sync_timeout_s=0.05)
+    async with serve_generations(tmp_path, speech_generators, settings=settings) as served, client(served) as http:
+        response = await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": SENTENCE})
+        assert response.status_code == 504
+        job_id = response.headers["x-dppan-job-id"]
+        assert job_id in response.json()["error"] and response.json()["job_id"] == job_id
+        assert (await wait_state(http, job_id, ("completed",)))["output_artifacts"]
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"input": "lofi"}, 400),
+        ({"model": "minimax-music3"}, 400),
+        ({"model": "minimax-music3", "input": "lofi", "response_format": "mp3"}, 400),
+        ({"model": "minimax-music3", "input": "lofi", "stems": "drums"}, 400),
+        ({"model": "minimax-music3", "input": "lofi", "steps": 0}, 400),
+        ({"model": "minimax-music3", "input": "lofi", "duration_seconds": -3}, 400),
+        ({"model": "minimax-music3", "input": "lofi", "lyrics": "[verse]\nla"}, 422),
+    ],
+)
+async def test_music_validates_then_has_no_generator(served: Served, body: dict, status: int) -> None:
+    async with client(served) as http:
+        assert (await http.post("/v1/audio/music", json=body)).status_code == status
+
+
+async def test_transcription_errors(served: Served, speech_generators: dict) -> None:
+    wav = b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(64)
+
+    async def post(files: dict | None, data: dict, headers: dict | None = None) -> httpx.Response:
+        async with client(served) as http:
+            return await http.post("/v1/audio/transcriptions", files=files, data=data, headers=headers)
+
+    ok_file = {"file": ("a.wav", wav, "audio/wav")}
+    assert (await post(ok_file, {})).status_code == 400  # no model
+    assert (await post(None, {"model": "whisper:tiny.en"})).status_code == 400  # no file
+    webm = await post({"file": ("a.webm", wav, "audio/webm")}, {"model": "whisper:tiny.en"})
+    assert webm.status_code == 400 and "audio/webm" in webm.json()["error"]
+    for fmt in ("verbose_json", "srt", "vtt", "xml"):
+        refused = await post(ok_file, {"model": "whisper:tiny.en", "response_format": fmt})
+        assert refused.status_code == 400 and fmt in refused.json()["error"]
+    junk = await post({"file": ("a.wav", b"not a wav at all" * 10, "audio/wav")}, {"model": "whisper:tiny.en"})
+    assert junk.status_code == 400 and "cannot be decoded" in junk.json()["error"]
+    assert (await post(ok_file, {"model": "piper:joe"})).status_code == 422
+    # Above the chat body limit (24 MiB) but within a clip's 64 MiB: accepted, then judged.
+    large = await post({"file": ("a.wav", b"junk" * (10 * 1024 * 1024), "audio/wav")}, {"model": "whisper:tiny.en"})
+    assert large.status_code == 400 and "cannot be decoded" in large.json()["error"]
+    big = await post({"file": ("a.wav", b"RIFF" + bytes(64 * 1024 * 1024 + 1024 * 1024 + 10), "audio/wav")},
+                     {"model": "whisper:tiny.en"})  # fmt: skip
+    assert big.status_code == 413
+
+
+async def test_job_lifecycle_events_listing_and_admin_erase(served: Served) -> None:
+    async with client(served) as http:
+        job = await submit(http, params={"text": SENTENCE}, seed=7)
+        assert job["state"] == "queued" and job["id"].count("-") == 4 and job["seed"] == 7
+        events = []
+        async with http.stream("GET", f"/v1/generations/{job['id']}/events") as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        states = [json.loads(e)["state"] for e in events[:-1]]
+        assert states[-1] == "completed" and "running" in states
+        assert len(events) == len(set(events))  # one event per change
+        final = json.loads(events[-2])
+        assert final["progress_stage"] == "publishing" and final["progress_fraction"] == 1.0
+        # Attaching to a finished job: its outcome at once, then [DONE].
+        again = (await http.get(f"/v1/generations/{job['id']}/events")).text
+        assert again.count("data: ") == 2 and again.rstrip().endswith("data: [DONE]")
+        # The listing resolves outputs against the store; a single GET does not.
+        await served.artifacts.delete(final["output_artifacts"][0])
+        row = next(r for r in (await http.get("/v1/generations")).json()["generations"] if r["id"] == job["id"])
+        assert row["output_artifacts"] == [] and row["artifacts_deleted"] == 1 and row["params"] == {"text": SENTENCE}
+        assert (await http.get(f"/v1/generations/{job['id']}")).json()["artifacts_deleted"] == 0
+        # Cancel a finished job: 409, and it stays readable.
+        assert (await http.delete(f"/v1/generations/{job['id']}")).status_code == 409
+        # Admin erase: token rules, then the record goes (its artifact was already gone).
+        path = f"/admin/generations/{job['id']}"
+        assert (await http.delete(path)).status_code == 401
+        assert (await http.delete(path, headers={"X-Admin-Token": "wrong"})).status_code == 401
+        erased = await http.delete(path, headers={"X-Admin-Token": ADMIN_TOKEN})
+        assert erased.status_code == 200 and erased.json() == {"id": job["id"], "artifacts_deleted": 0}
+        assert (await http.get(f"/v1/generations/{job['id']}")).status_code == 404
+        assert (await http.delete(path, headers={"X-Admin-Token": ADMIN_TOKEN})).status_code == 404
+
+
+async def test_admin_erase_keeps_or_deletes_artifacts_and_refuses_active_jobs(served: Served) -> None:
+    headers = {"X-Admin-Token": ADMIN_TOKEN}
+    async with client(served) as http:
+        kept = await wait_state(http, (await submit(http, params={"text": "One."}))["id"], ("completed",))
+        gone = await wait_state(http, (await submit(http, params={"text": "Two."}))["id"], ("completed",))
+        answer = await http.delete(f"/admin/generations/{kept['id']}?artifacts=false", headers=headers)
+        assert answer.json()["artifacts_deleted"] == 0
+        assert served.artifacts.meta(kept["output_artifacts"][0]).ready
+        answer = await http.delete(f"/admin/generations/{gone['id']}", headers=headers)
+        assert answer.json()["artifacts_deleted"] == 1
+        busy = await submit(http, params={"text": LONG_TEXT})
+        assert (await http.delete(f"/admin/generations/{busy['id']}", headers=headers)).status_code == 409
+        await http.delete(f"/v1/generations/{busy['id']}")
+
+
+async def test_admin_erase_without_a_configured_token_is_503(tmp_path: Path, speech_generators: dict) -> None:
+    async with serve_generations(tmp_path, speech_generators, admin_token=None) as s, client(s) as http:
+        response = await http.delete(f"/admin/generations/{UNKNOWN_ID}", headers={"X-Admin-Token": "x"})
+    assert response.status_code == 503
+
+
+async def test_cancel_mid_generation_stops_between_frames_and_keeps_nothing(served: Served) -> None:
+    async with client(served) as http:
+        job = await submit(http, params={"text": LONG_TEXT})
+        with trio.fail_after(60):
+            while not ((j := (await http.get(f"/v1/generations/{job['id']}")).json())["progress_fraction"] or 0) > 0:
+                await trio.sleep(0.05)
+        assert j["state"] == "running"
+        cancelled = await http.delete(f"/v1/generations/{job['id']}")
+        assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+        assert cancelled.json()["output_artifacts"] == []
+    assert served.artifacts.usage().generated.objects == 0
+
+
+async def test_cancel_a_queued_job_and_idempotency(served: Served) -> None:
+    async with client(served) as http:
+        first = await submit(http, params={"text": LONG_TEXT}, idempotency_key="k1")
+        same = await submit(http, params={"text": "something else"}, idempotency_key="k1")
+        assert same["id"] == first["id"]
+        queued = await submit(http, params={"text": SENTENCE})
+        assert (await http.delete(f"/v1/generations/{queued['id']}")).json()["state"] == "cancelled"
+        await http.delete(f"/v1/generations/{first['id']}")
+
+
+async def test_deadline_expires_a_running_job(served: Served) -> None:
+    async with client(served) as http:
+        job = await submit(http, params={"text": LONG_TEXT}, deadline_seconds=1.0)
+        done = await wait_state(http, job["id"], ("expired", "completed", "failed"))
+    assert done["state"] == "expired" and done["error_code"] == "deadline_exceeded"
+    assert served.artifacts.usage().generated.objects == 0
+
+
+async def test_generation_submission_errors(served: Served) -> None:
+    async with client(served) as http:
+        assert (await http.post("/v1/generations", content=b"{nope")).status_code == 400
+        bad_params = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio", "params": {}})
+        assert bad_params.status_code == 400 and "params.text" in bad_params.json()["error"]
+        for modality in ("image", "video"):
+            none = await http.post("/v1/generations", json={"model": "piper:joe", "modality": modality})
+            assert none.status_code == 422
+        assert (await http.post("/v1/generations", json={"model": "sdxl", "modality": "image"})).status_code == 422
+        assert (await http.get("/v1/generations/not-a-uuid")).status_code == 400
+        assert (await http.get(f"/v1/generations/{UNKNOWN_ID}")).status_code == 404
+        assert (await http.get("/v1/generations/not-a-uuid/events")).status_code == 400
+        assert (await http.get(f"/v1/generations/{UNKNOWN_ID}/events")).status_code == 404
+        assert (await http.delete(f"/v1/generations/{UNKNOWN_ID}")).status_code == 404
+        assert (await http.get("/v1/generations?limit=0")).status_code == 400
+
+
+async def test_queue_full_is_429(tmp_path: Path, speech_generators: dict) -> None:
+    async with serve_generations(tmp_path, speech_generators, config=RunnerConfig(max_active=1, poll_s=0.1)) as s:
+        async with client(s) as http:
+            first = await submit(http, params={"text": LONG_TEXT})
+            full = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio",
+                                                            "params": {"text": "hi"}})  # fmt: skip
+            assert full.status_code == 429
+            await http.delete(f"/v1/generations/{first['id']}")
+
+
+async def test_understanding_jobs_and_their_error_codes(served: Served) -> None:
+    async def upload(data: bytes, media_type: str) -> str:
+        return await served.service.store_upload(data, media_type)
+
+    async with client(served) as http:
+        speech = await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": SENTENCE})
+        clip = await upload(speech.content, "audio/wav")
+        png = await upload(b"\x89PNG\r\n\x1a\n" + bytes(32), "image/png")
+
+        async def run(model: str, params: dict, inputs: list[str]) -> dict:
+            job = (await http.post("/v1/generations", json={"model": model, "modality": "text", "params": params,
+                                                            "input_artifacts": inputs})).json()  # fmt: skip
+            return await wait_state(http, job["id"], ("completed", "failed"))
+
+        done = await run("whisper:tiny.en", {"prompt": "Transcribe."}, [clip])
+        assert done["state"] == "completed" and done["modality"] == "text"
+        text = (await served.service.read_artifact(done["output_artifacts"][0], 1 << 20)).data.decode()
+        assert word_error_rate(SENTENCE, text) <= 0.2
+        for model, params, inputs, code in [
+            ("whisper:tiny.en", {}, [clip], "no_prompt"),
+            ("whisper:tiny.en", {"prompt": "x"}, [], "no_input"),
+            ("whisper:tiny.en", {"prompt": "x"}, [UNKNOWN_ID], "input_unreadable"),
+            ("whisper:tiny.en", {"prompt": "x"}, [png], "unsupported_input"),
+            (CHAT_MODEL, {"prompt": "Describe it."}, [clip], "unsupported_input"),
+        ]:
+            failed = await run(model, params, inputs)
+            assert (failed["state"], failed["error_code"]) == ("failed", code), (model, params, failed)
+
+
+async def test_a_restart_resumes_the_interrupted_job(tmp_path: Path, speech_generators: dict) -> None:
+    async with serve_generations(tmp_path, speech_generators) as s, client(s) as http:
+        job = await submit(http, params={"text": " ".join(LONG_TEXT.split()[:36])})
+        await wait_state(http, job["id"], ("running",))
+    # The service above was torn down mid-generation (its worker cancelled): the row says running.
+    async with serve_generations(tmp_path, speech_generators) as s, client(s) as http:
+        done = await wait_state(http, job["id"], ("completed", "failed"), timeout=120)
+    assert done["state"] == "completed" and len(done["output_artifacts"]) == 1
+
+
+async def test_openapi_describes_the_generation_and_audio_routes(served: Served) -> None:
+    async with client(served) as http:
+        paths = (await http.get("/openapi.json")).json()["paths"]
+    assert set(paths["/v1/generations/{job_id}"]) == {"get", "delete"}
+    assert "429" in paths["/v1/generations"]["post"]["responses"]
+    assert "504" in paths["/v1/audio/speech"]["post"]["responses"]
+    assert "multipart/form-data" in paths["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]
+    assert paths["/admin/generations/{job_id}"]["delete"]["security"] == [{"adminToken": []}]
+
+
+async def test_disconnecting_from_events_does_not_cancel(served: Served) -> None:
+    async with client(served) as http:
+        job = await submit(http, params={"text": "One sentence. And another one."})
+
+        def watch_briefly() -> None:  # a sync client: leaving early leaves no async generator behind
+            with httpx.stream("GET", f"{served.url}/v1/generations/{job['id']}/events", timeout=30) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        return  # the watcher leaves after the first event
+
+        await trio.to_thread.run_sync(watch_briefly)
+        assert (await wait_state(http, job["id"], ("completed", "cancelled")))["state"] == "completed"
+
+
+async def test_input_too_large_and_publish_failed(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inclavate import job_runner
+    from inclavate.artifact_types import ArtifactConfig
+
+    async with client(served) as http:
+        clip = await served.service.store_upload(b"RIFF" + bytes(100), "audio/wav")
+        monkeypatch.setattr(job_runner, "MAX_INPUT_BYTES", 50)
+        body = {"model": "whisper:tiny.en", "modality": "text", "params": {"prompt": "x"}, "input_artifacts": [clip]}
+        job = (await http.post("/v1/generations", json=body)).json()
+        assert (await wait_state(http, job["id"], ("failed", "completed")))["error_code"] == "input_too_large"
+        served.artifacts.config = ArtifactConfig(max_objects=1)  # the store is full: the output cannot be kept
+        job = await submit(http, params={"text": "Hi."})
+        failed = await wait_state(http, job["id"], ("failed", "completed"))
+        assert (failed["state"], failed["error_code"]) == ("failed", "publish_failed")
+
+
+async def test_without_generation_every_route_is_503() -> None:
+    from api.app import create_app, serve_api
+    from generation_harness import GenerationContext
+    from inclavate.local_swarm import free_port
+
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_api, create_app(GenerationContext(None, ADMIN_TOKEN)), "127.0.0.1", port)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            for method, path, kwargs in [
+                ("GET", "/v1/generations/capabilities", {}),
+                ("POST", "/v1/generations", {"json": {"model": "piper:joe", "modality": "audio"}}),
+                ("GET", "/v1/generations", {}),
+                ("GET", f"/v1/generations/{UNKNOWN_ID}", {}),
+                ("GET", f"/v1/generations/{UNKNOWN_ID}/events", {}),
+                ("DELETE", f"/v1/generations/{UNKNOWN_ID}", {}),
+                ("POST", "/v1/audio/speech", {"json": {"model": "piper:joe", "input": "hi"}}),
+                ("POST", "/v1/audio/music", {"json": {"model": "m", "input": "lofi"}}),
+                ("POST", "/v1/audio/transcriptions", {"data": {"model": "whisper:tiny.en"}}),
+            ]:
+                response = await http.request(method, path, **kwargs)
+                assert response.status_code == 503, (method, path, response.text)
+        nursery.cancel_scope.cancel()
+
+
+async def test_audio_routes_share_the_queue_bound_and_the_wait_bound(tmp_path: Path, speech_generators: dict) -> None:
+    settings = GenerationSettings(transcription_sync_timeout_s=0.05)
+    config = RunnerConfig(max_active=1, poll_s=0.1)
+    async with serve_generations(tmp_path, speech_generators, config=config, settings=settings) as s, client(s) as http:
+        clip = (await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": SENTENCE})).content
+        files = {"file": ("a.wav", clip, "audio/wav")}
+        slow = await http.post("/v1/audio/transcriptions", files=files, data={"model": "whisper:tiny.en"})
+        assert slow.status_code == 504 and slow.headers["x-dppan-job-id"] in slow.json()["error"]
+        await wait_state(http, slow.headers["x-dppan-job-id"], ("completed",))  # it kept running
+        busy = await submit(http, params={"text": LONG_TEXT})
+        assert (await http.post("/v1/audio/speech", json={"model": "piper:joe", "input": "hi"})).status_code == 429
+        assert (await http.post("/v1/audio/transcriptions", files=files, data={"model": "whisper:tiny.en"})).status_code == 429
+        await http.delete(f"/v1/generations/{busy['id']}")
+
+
+async def test_a_chat_model_reads_text_inputs_as_a_job(tmp_path: Path, speech_generators: dict, smollm2, slice_cache) -> None:  # type: ignore[no-untyped-def]
+    from local_context import LocalContext
+
+    chat = LocalContext(CHAT_MODEL, smollm2.path, slice_cache)
+    try:
+        async with serve_generations(tmp_path, speech_generators, chat=chat) as s, client(s) as http:
+            note = await s.service.store_upload(b"The meeting moved to Tuesday at noon.", "text/plain")
+            body = {"model": CHAT_MODEL, "modality": "text", "input_artifacts": [note],
+                    "params": {"prompt": "When is the meeting?", "max_tokens": 12}}  # fmt: skip
+            job = (await http.post("/v1/generations", json=body)).json()
+            done = await wait_state(http, job["id"], ("completed", "failed"))
+            assert done["state"] == "completed", done
+            answer = (await s.service.read_artifact(done["output_artifacts"][0], 1 << 20)).data.decode()
+            assert answer.strip()
+            assert chat.open_sessions()["stage"] == 0  # the turn freed its KV cache
+    finally:
+        chat.close()
