@@ -480,6 +480,14 @@ class Peer:
         pulled = self._pulled_path(model_id)
         return write_vocab_only(pulled, cached) if pulled is not None else None
 
+    def _measured_step_ms(self, model_id: str) -> float:
+        """Our own stage's measured ms per layer for ``model_id`` (0 when we run none): what
+        routing trusts over any other node's claim of being faster."""
+        stage = self.stage
+        if stage is None or stage.engine.info.model_id != model_id:
+            return 0.0
+        return float(stage.stats.step_ms_per_layer)
+
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:
             raise ServiceUnavailable("this peer is shutting down; send the request to another peer")
@@ -491,7 +499,8 @@ class Peer:
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             def route_for() -> list:
-                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {})
+                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {},
+                                  measured_step_ms=self._measured_step_ms(model_id))  # fmt: skip
                 return choose_route(self.views(), ModelId(model_id), me, costs)
 
             pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
