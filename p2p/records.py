@@ -118,6 +118,10 @@ class NodeRecord:
     requests_by_model: dict[str, int] = field(default_factory=dict)
     """Chat requests this peer served as entry, cumulative, per model."""
     version: str = ""
+    model_sha256: str = ""
+    """sha256 of the model file this node serves ("" if unknown)."""
+    vocab_sha256: str = ""
+    """sha256 of the vocab-only GGUF it serves on ``/inclavate/vocab/1`` ("" until computed)."""
 
     @property
     def layers(self) -> LayerRange:
