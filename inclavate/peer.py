@@ -503,6 +503,14 @@ class Peer:
             return None
         return self._own_vocab_file()
 
+    def _measured_step_ms(self, model_id: str) -> float:
+        """Our own stage's measured ms per layer for ``model_id`` (0 when we run none): what
+        routing trusts over any other node's claim of being faster."""
+        stage = self.stage
+        if stage is None or stage.engine.info.model_id != model_id:
+            return 0.0
+        return float(stage.stats.step_ms_per_layer)
+
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:
             raise ServiceUnavailable("this peer is shutting down; send the request to another peer")
