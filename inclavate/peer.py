@@ -16,6 +16,7 @@ and free their KV cache), and leave.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from pathlib import Path
@@ -474,10 +475,17 @@ class Peer:
             log.warning("cannot prepare the vocabulary file others fetch: %s", exc)
 
     def _own_vocab_file(self) -> Path:
+        """Peers sharing a home (a machine's local swarm) write it once: the first holds a
+        file lock while the others wait and reuse its result."""
         assert self._model_path is not None
         key = self._model_sha256[:16] or _file_safe(self.config.model_id)
         dest = self.config.home / "slices" / key / "vocab-only.gguf"
-        return dest if dest.exists() else write_vocab_only(self._model_path, dest)
+        if dest.exists():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.with_name(".vocab-only.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return dest if dest.exists() else write_vocab_only(self._model_path, dest)
 
     def _catalog(self) -> Catalog:
         """The catalog plus overlay, re-read only when the overlay file changed (a request

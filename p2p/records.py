@@ -9,7 +9,9 @@ neither break the signature nor the parse (unknown fields are ignored)::
 
 The signer is ``record.peer_id``. For a libp2p peer ``node_id == peer_id``; a legacy HTTP
 node's record is published (vouched for) by the peer that accepted it, so its ``node_id`` is
-the legacy id and ``relayed`` is true. Anyone holding the PeerID can verify: the public key
+the legacy id namespaced under that peer (``<PeerID>:<id>``) and ``relayed`` is true. A record
+for any other id is refused (:meth:`NodeRecord.check_ownership`): no peer can speak for a node
+it does not own. Records from the network are typed by :mod:`p2p.record_schema`. Anyone holding the PeerID can verify: the public key
 is inside it.
 """
 
