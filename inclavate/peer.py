@@ -468,9 +468,11 @@ class Peer:
         """Write (once per model file, in the shared slice cache) the vocab-only GGUF we
         serve and announce its hash with the next heartbeat. Seconds of work, so it runs
         after Ready; until then fetchers use other holders."""
+        # Abandoned on cancel: shutdown must not wait seconds for a file nobody will fetch
+        # (the unfinished temporary file is never renamed into place).
         try:
-            path = await trio.to_thread.run_sync(self._own_vocab_file)
-            self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path)
+            path = await trio.to_thread.run_sync(self._own_vocab_file, abandon_on_cancel=True)
+            self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path, abandon_on_cancel=True)
         except (OSError, InclavateError) as exc:
             log.warning("cannot prepare the vocabulary file others fetch: %s", exc)
 
