@@ -207,3 +207,18 @@ async def test_one_signer_cannot_fill_the_registry(live: Live, expected: str) ->
                 held = sum(n["peer_id"] == me.peer_id for n in table.values())
                 assert 0 < held <= 64, f"{peer.name} holds {held} records of one signer"
     await trio.to_thread.run_sync(assert_swarm_healthy, live, expected)
+
+
+def test_a_legacy_record_receivers_would_refuse_is_refused_at_registration(live: Live, expected: str) -> None:
+    # The vouching peer checks its own records the way receivers will: a hardware profile
+    # nested too deep to gossip is a 400, not a node that exists on one peer only.
+    deep: dict[str, Any] = {}
+    for _ in range(12):
+        deep = {"x": deep}
+    body = {"node_id": "deep-1", "model_id": MODEL, "http_url": "http://127.0.0.1:9", "start_layer": 10,
+            "end_layer": 20, "hardware": deep}  # fmt: skip
+    status, answer = request_json("POST", live.peers[0].url + "/nodes", body)
+    assert status == 400, answer
+    assert not any(n.get("legacy_id") == "deep-1" for n in live.peers[0].get("/nodes"))
+    assert request_json("POST", live.peers[0].url + "/nodes/deep-1/health", {})[0] == 404
+    assert_swarm_healthy(live, expected, entry=0)
