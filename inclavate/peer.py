@@ -53,6 +53,7 @@ from p2p.latency import LatencyMonitor
 from p2p.admin import AdminCommand, AdminRefused, AdminService
 from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
+from p2p.record_schema import MAX_MULTIADDRS
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, choose_route
@@ -319,7 +320,8 @@ class Peer:
             assert current is not None
             layers = current.layers
         record = (current or self._new_record(layers)).replace(
-            state=state, start_layer=layers.start, end_layer=layers.end, multiaddrs=tuple(self.host.multiaddrs())
+            state=state, start_layer=layers.start, end_layer=layers.end,
+            multiaddrs=tuple(self.host.multiaddrs()[:MAX_MULTIADDRS]),
         )
         await self.registry.publish(self._refresh_record(record))
 

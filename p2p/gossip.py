@@ -31,8 +31,8 @@ from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.identity import Identity
-from p2p.record_schema import MAX_RECORD_BYTES
-from p2p.records import InvalidRecord, NodeRecord, SignedRecord, fit_record, now_ms
+from p2p.record_schema import MAX_RECORD_BYTES, fit_record
+from p2p.records import InvalidRecord, NodeRecord, SignedRecord, now_ms
 from p2p.registry import Liveness, NodeView, RegistryLimits, Table, Verdict, apply, expire, remove
 
 log = logging.getLogger(__name__)
