@@ -17,6 +17,7 @@ from hostile_peer import HostilePeer, envelope, honest_record, hostile_peer
 from reference import whole_model_text
 from swarm import PeerProcess, Swarm, request_json
 
+from inclavate.types import PeerId
 from p2p.discovery import PEERS_PROTOCOL
 from p2p.gossip import SYNC_PROTOCOL
 from p2p.identity import Identity
@@ -121,6 +122,16 @@ async def test_a_sync_reply_with_malformed_records_crashes_nobody(live: Live, ex
         async with hostile_peer(live.addrs[1], identity=me, sync_reply=reply, gossip=False) as evil:
             await wait_asked(evil, SYNC_PROTOCOL)
             await trio.sleep(0.5)
+    await trio.to_thread.run_sync(assert_swarm_healthy, live, expected)
+
+
+async def test_a_malformed_gossipsub_rpc_crashes_nobody(live: Live, expected: str) -> None:
+    # protobuf's DecodeError escaped py-libp2p's pubsub reader and ended the peer.
+    with trio.fail_after(60):
+        for addr, victim in zip(live.addrs, live.ids, strict=True):
+            async with hostile_peer(addr, gossip=False) as evil:
+                await evil.send_raw_pubsub(PeerId(victim), b"\xff\xff\xff\xff not a protobuf")
+                await evil.send_raw_pubsub(PeerId(victim), b"\x0a" * 1000)
     await trio.to_thread.run_sync(assert_swarm_healthy, live, expected)
 
 
