@@ -16,6 +16,7 @@ and free their KV cache), and leave.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import time
@@ -67,10 +68,11 @@ from p2p.admin import AdminCommand, AdminRefused, AdminService
 from p2p.artifacts import RemoteArtifacts, serve_artifacts
 from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
+from p2p.record_schema import MAX_MULTIADDRS
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, Hop, choose_route
-from p2p.vocab import fetch_vocab, serve_vocab
+from p2p.vocab import choose_vocab, fetch_vocab, serve_vocab, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,9 @@ class Peer:
         self.artifact_store: ArtifactStore | None = None
         self._artifacts: SwarmArtifacts | None = None
         self.generations: GenerationService | None = None
+        self._model_sha256 = ""
+        self._vocab_sha256 = ""
+        """Of the vocab-only file we serve, announced in our record once computed."""
 
     # ------------------------------------------------------------------ run
 
@@ -134,7 +139,8 @@ class Peer:
         catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
-        self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
+        pulled = await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)
+        self._model_path, self._model_sha256 = pulled.path, pulled.sha256
         meta = read_metadata(self._model_path)
         # Opened, and what a crash left cleaned up, before anything is served.
         self.artifact_store = ArtifactStore(cfg.data_dir, self.peer_id, artifact_config)
@@ -160,7 +166,7 @@ class Peer:
 
     async def _erase_remote_job(self, owner: str, job_id: str, artifacts: bool) -> dict:
         assert self.admin_service is not None
-        command = self.admin_service.command("erase_generation", job_id, artifacts=artifacts)
+        command = self.admin_service.command("erase_generation", job_id, PeerId(owner), artifacts=artifacts)
         return await self.admin_service.send(PeerId(owner), command)
 
     async def _serve(self, meta: GgufMetadata, jobs: JobStore, task_status: trio.TaskStatus[Peer]) -> None:
@@ -203,6 +209,7 @@ class Peer:
                     await self._start_stage(layers)
                     await self._announce("Ready", layers)
                     log.info("ready: %s layers %s", spec.model_id, layers)
+                    nursery.start_soon(self._prepare_vocab)
                     task_status.started(self)
 
     async def shutdown(self) -> None:
@@ -368,7 +375,8 @@ class Peer:
             assert current is not None
             layers = current.layers
         record = (current or self._new_record(layers)).replace(
-            state=state, start_layer=layers.start, end_layer=layers.end, multiaddrs=tuple(self.host.multiaddrs())
+            state=state, start_layer=layers.start, end_layer=layers.end,
+            multiaddrs=tuple(self.host.multiaddrs()[:MAX_MULTIADDRS]),
         )
         await self.registry.publish(self._refresh_record(record))
 
@@ -387,6 +395,8 @@ class Peer:
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:
         m = self.metrics
         changes: dict = {
+            "model_sha256": self._model_sha256,
+            "vocab_sha256": self._vocab_sha256,
             "uptime_s": int(time.time() - self._started),
             "counters": m.counters(),
             "throughput_tps": m.throughput_tps(),
@@ -464,9 +474,9 @@ class Peer:
         assert self.admin_service is not None
         view = self._record_of(node_id)
         service = self.admin_service
-        command = service.command(action, node_id, **args)  # type: ignore[arg-type]
         if action != "force_remove":
-            return await service.send(PeerId(view.record.peer_id), command)
+            holder = PeerId(view.record.peer_id)
+            return await service.send(holder, service.command(action, node_id, holder, **args))  # type: ignore[arg-type]
         targets = {PeerId(v.record.peer_id) for v in self.views() if v.state != "Dead"} | {PeerId(self.peer_id)}
         if not view.record.relayed:
             targets.discard(PeerId(view.record.peer_id))
@@ -474,7 +484,7 @@ class Peer:
 
         async def tell(peer: PeerId) -> None:
             try:
-                await service.send(peer, service.command(action, node_id))
+                await service.send(peer, service.command(action, node_id, peer))  # type: ignore[arg-type]
             except AdminRefused as exc:
                 failures.append(f"{peer}: {exc}")
 
@@ -513,21 +523,48 @@ class Peer:
 
     async def _vocab_path(self, model_id: str) -> Path:
         """Where to read a model's vocabulary: its own file when pulled here (llama.cpp's
-        vocab-only load skips the weights), else a vocab-only copy fetched from a peer."""
+        vocab-only load skips the weights), else a vocab-only copy fetched from a holder and
+        verified against the hash the holders announce (:mod:`p2p.vocab`)."""
         pulled = self._pulled_path(model_id)
         if pulled is not None:
             return pulled
-        cached = self._vocab_cache(model_id)
-        if cached.exists():
-            return cached
         if not self.knows_model(model_id):
             raise UnknownModel(f"model {model_id!r} is not in the registry")
         assert self.host is not None
-        holders = [PeerId(v.record.peer_id) for v in self.views() if v.record.model_id == model_id and v.state == "Ready"]
-        return await fetch_vocab(self.host, model_id, holders, self._vocab_cache(model_id))
+        try:
+            catalog_sha = self._catalog().get(model_id).gguf_sha256
+        except InclavateError:  # a model only the registry knows
+            catalog_sha = ""
+        source = choose_vocab(self.views(), model_id, catalog_sha)
+        cached = self.config.data_dir / "vocab" / f"{_file_safe(model_id)}@{source.sha256[:16]}.gguf"
+        if cached.exists() and await trio.to_thread.run_sync(sha256_file, cached) == source.sha256:
+            return cached
+        return await fetch_vocab(self.host, model_id, source, cached)
 
-    def _vocab_cache(self, model_id: str) -> Path:
-        return self.config.data_dir / "vocab" / f"{model_id.replace(':', '@').replace('/', '_')}.gguf"
+    async def _prepare_vocab(self) -> None:
+        """Write (once per model file, in the shared slice cache) the vocab-only GGUF we
+        serve and announce its hash with the next heartbeat. Seconds of work, so it runs
+        after Ready; until then fetchers use other holders."""
+        # Abandoned on cancel: shutdown must not wait seconds for a file nobody will fetch
+        # (the unfinished temporary file is never renamed into place).
+        try:
+            path = await trio.to_thread.run_sync(self._own_vocab_file, abandon_on_cancel=True)
+            self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path, abandon_on_cancel=True)
+        except (OSError, InclavateError) as exc:
+            log.warning("cannot prepare the vocabulary file others fetch: %s", exc)
+
+    def _own_vocab_file(self) -> Path:
+        """Peers sharing a home (a machine's local swarm) write it once: the first holds a
+        file lock while the others wait and reuse its result."""
+        assert self._model_path is not None
+        key = self._model_sha256[:16] or _file_safe(self.config.model_id)
+        dest = self.config.home / "slices" / key / "vocab-only.gguf"
+        if dest.exists():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.with_name(".vocab-only.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return dest if dest.exists() else write_vocab_only(self._model_path, dest)
 
     def _catalog(self) -> Catalog:
         """The catalog plus overlay, re-read only when the overlay file changed (a request
@@ -547,13 +584,19 @@ class Peer:
         return store.path(spec) if store.is_pulled(spec) else None
 
     def _local_vocab(self, model_id: str) -> Path | None:
-        """For ``/inclavate/vocab/1``: a vocab-only GGUF of a model this peer has (written on
-        first request, a few MB), or one it fetched earlier."""
-        cached = self._vocab_cache(model_id)
-        if cached.exists():
-            return cached
-        pulled = self._pulled_path(model_id)
-        return write_vocab_only(pulled, cached) if pulled is not None else None
+        """For ``/inclavate/vocab/1``: the vocab-only GGUF of the model we serve (the file
+        whose hash our record announces); None for any other model."""
+        if model_id != self.config.model_id or not self._vocab_sha256:
+            return None
+        return self._own_vocab_file()
+
+    def _measured_step_ms(self, model_id: str) -> float:
+        """Our own stage's measured ms per layer for ``model_id`` (0 when we run none): what
+        routing trusts over any other node's claim of being faster."""
+        stage = self.stage
+        if stage is None or stage.engine.info.model_id != model_id:
+            return 0.0
+        return float(stage.stats.step_ms_per_layer)
 
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:
@@ -566,10 +609,15 @@ class Peer:
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             def route_for() -> list:
-                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {})
+                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {},
+                                  measured_step_ms=self._measured_step_ms(model_id))  # fmt: skip
                 return choose_route(self.views(), ModelId(model_id), me, costs)
 
             pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
         contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
         pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
         return pipeline
+
+
+def _file_safe(model_id: str) -> str:
+    return model_id.replace(":", "@").replace("/", "_")

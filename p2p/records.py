@@ -9,7 +9,9 @@ neither break the signature nor the parse (unknown fields are ignored)::
 
 The signer is ``record.peer_id``. For a libp2p peer ``node_id == peer_id``; a legacy HTTP
 node's record is published (vouched for) by the peer that accepted it, so its ``node_id`` is
-the legacy id and ``relayed`` is true. Anyone holding the PeerID can verify: the public key
+the legacy id namespaced under that peer (``<PeerID>:<id>``) and ``relayed`` is true. A record
+for any other id is refused (:meth:`NodeRecord.check_ownership`): no peer can speak for a node
+it does not own. Records from the network are typed by :mod:`p2p.record_schema`. Anyone holding the PeerID can verify: the public key
 is inside it.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import json
 import re
 import time
@@ -35,8 +38,24 @@ _ENGINE_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 know, which routing need not understand (every engine speaks the same hidden states)."""
 
 
+class RecordProblem(enum.Enum):
+    """Why a record was refused before the registry's rules ran (drop-counter keys)."""
+
+    BAD_ENVELOPE = "bad_envelope"
+    BAD_VERSION = "bad_version"
+    BAD_LAYERS = "bad_layers"
+    NOT_OWNER = "not_owner"
+
+
 class InvalidRecord(P2PError):
-    """A record that is malformed, wrongly signed, stale, replayed or from the future."""
+    """A record that is malformed, wrongly signed, stale, replayed or from the future.
+
+    ``reason`` is a fixed code (:class:`RecordProblem` or :class:`inclavate.untrusted.Reason`)
+    for counters; the message may say more."""
+
+    def __init__(self, message: str, reason: enum.Enum = RecordProblem.BAD_ENVELOPE) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -111,6 +130,10 @@ class NodeRecord:
     """Media generators this peer runs (their ``/v1/generations/capabilities`` entries),
     so any peer can list the swarm's generators and send a job where one runs. Bounded
     by :func:`check_generators`."""
+    model_sha256: str = ""
+    """sha256 of the model file this node serves ("" if unknown)."""
+    vocab_sha256: str = ""
+    """sha256 of the vocab-only GGUF it serves on ``/inclavate/vocab/1`` ("" until computed)."""
 
     @property
     def layers(self) -> LayerRange:
@@ -129,32 +152,25 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, data: Any) -> NodeRecord:
-        if not isinstance(data, dict):
-            raise InvalidRecord("a record must be a JSON object")
-        try:
-            known = {f.name for f in dataclasses.fields(cls)}
-            fields = {k: v for k, v in data.items() if k in known}
-            fields["counters"] = Counters(**fields.get("counters", {}))
-            fields["samples"] = tuple(MetricSample(**s) for s in fields.get("samples", ()))
-            fields["buckets"] = tuple(MinuteBucket(**b) for b in fields.get("buckets", ()))
-            fields["multiaddrs"] = tuple(fields.get("multiaddrs", ()))
-            fields["generators"] = tuple(fields.get("generators", ()))
-            record = cls(**fields)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRecord(f"malformed record: {exc}") from exc
-        record._check_shape()
-        return record
+        """Type a record received from the network (see :mod:`p2p.record_schema`)."""
+        from p2p.record_schema import decode_record  # the schema module imports this one
 
-    def _check_shape(self) -> None:
-        if self.state not in NODE_STATES:
-            raise InvalidRecord(f"unknown state {self.state!r}")
+        return decode_record(data)
+
+    def check_ownership(self) -> None:
+        """A peer may publish only its own record (``node_id == peer_id``) or records of
+        legacy nodes it vouches for, whose ids are namespaced under its own PeerID
+        (:func:`legacy_node_id`), so no record can ever claim another publisher's node."""
         if not (0 <= self.start_layer < self.end_layer <= self.n_layers):
-            raise InvalidRecord(f"bad layer range {self.start_layer}-{self.end_layer} of {self.n_layers}")
-        if not isinstance(self.engine, str) or not _ENGINE_NAME.fullmatch(self.engine):
-            raise InvalidRecord(f"bad engine name {str(self.engine)[:40]!r}")
-        if not self.relayed and self.node_id != self.peer_id:
-            raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node")
-        check_generators(self.generators)
+            raise InvalidRecord(f"bad layer range {self.start_layer}-{self.end_layer} of {self.n_layers}",
+                                RecordProblem.BAD_LAYERS)
+        if self.relayed:
+            if legacy_owner(self.node_id) != self.peer_id:
+                raise InvalidRecord("a relayed node's id must be namespaced under its vouching peer",
+                                    RecordProblem.NOT_OWNER)
+        elif self.node_id != self.peer_id:
+            raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node",
+                                RecordProblem.NOT_OWNER)
 
 
 MAX_GENERATORS = 8
@@ -166,7 +182,13 @@ _GENERATOR_KEYS = {
 }  # fmt: skip
 
 
-def check_generators(generators: tuple[Any, ...]) -> None:
+def check_engine(engine: Any) -> str:
+    if not isinstance(engine, str) or not _ENGINE_NAME.fullmatch(engine):
+        raise InvalidRecord(f"bad engine name {str(engine)[:40]!r}")
+    return engine
+
+
+def check_generators(generators: tuple[Any, ...]) -> tuple[dict[str, Any], ...]:
     """A record's generator list is small and shaped like capability entries: at most
     :data:`MAX_GENERATORS` objects, known keys of the right JSON types, lists of short
     strings, numbers in ``speed_range``/``limits``, 4 KB in all. Anything else is refused
@@ -190,6 +212,29 @@ def check_generators(generators: tuple[Any, ...]) -> None:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
             ):
                 raise InvalidRecord(f"generator field {key!r} must map names to numbers")
+    return tuple(generators)
+
+
+LEGACY_SEPARATOR = ":"
+"""Between the vouching PeerID and a legacy node's own id. PeerIDs are base58, which has
+no ``:``, so a legacy id can never equal or imitate a PeerID, and ``:`` is safe in a URL path."""
+
+
+def legacy_node_id(peer_id: str, local_id: str) -> NodeId:
+    """The registry id of legacy node ``local_id`` vouched for by ``peer_id``."""
+    return NodeId(f"{peer_id}{LEGACY_SEPARATOR}{local_id}")
+
+
+def legacy_owner(node_id: str) -> str | None:
+    """The PeerID a legacy node id is namespaced under (None for a plain PeerID)."""
+    owner, sep, local = node_id.partition(LEGACY_SEPARATOR)
+    return owner if sep and local else None
+
+
+def legacy_local_id(node_id: str) -> str:
+    """The id a legacy node chose for itself (the node id unchanged if not namespaced)."""
+    owner, sep, local = node_id.partition(LEGACY_SEPARATOR)
+    return local if sep and local else node_id
 
 
 def canonical_bytes(record: NodeRecord) -> bytes:
@@ -224,16 +269,9 @@ class SignedRecord:
     @classmethod
     def decode(cls, data: bytes) -> SignedRecord:
         """Parse an envelope; the signature is checked separately (:meth:`verified`)."""
-        try:
-            envelope = json.loads(data)
-            version, payload, sig = envelope["v"], envelope["record"], envelope["sig"]
-            signature = base64.b64decode(sig, validate=True)
-            body = json.loads(payload)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidRecord(f"malformed record envelope: {exc}") from exc
-        if version != RECORD_VERSION:
-            raise InvalidRecord(f"record version {version} is not {RECORD_VERSION}")
-        return cls(NodeRecord.from_json(body), payload.encode(), signature)
+        from p2p.record_schema import decode_envelope
+
+        return decode_envelope(data)
 
 
 def now_ms() -> int:
