@@ -366,8 +366,16 @@ class P2PHost:
         self._host.set_stream_handler(TProtocol(protocol), on_stream)
 
     def remove_stream_handler(self, protocol: str) -> None:
-        """Stop serving ``protocol`` (new streams for it are refused; open ones go on)."""
-        self._host.remove_stream_handler(TProtocol(protocol))
+        """Stop serving ``protocol`` (new streams for it are reset; open ones go on).
+
+        The handler is replaced rather than removed: py-libp2p's multiselect looks the
+        protocol up twice with an await between, so a stream negotiating while a handler is
+        deleted raised ``KeyError`` out of the connection's nursery and ended the host."""
+
+        async def refuse(stream: INetStream) -> None:
+            await stream.reset()
+
+        self._host.set_stream_handler(TProtocol(protocol), refuse)
 
     # -- pubsub ----------------------------------------------------------------------
 
