@@ -55,6 +55,7 @@ from p2p.placement import choose_range, should_move
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, choose_route
+from p2p.wire import max_frame_bytes
 from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,9 @@ class Peer:
                     await nursery.start(self.registry.run)
                     await nursery.start(run_metrics, self.metrics, self.metrics_store, self.views)
                     await nursery.start(run_discovery, host, list(cfg.bootstrap))
-                    self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype)
+                    self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype,
+                                                  max_frame_bytes=max_frame_bytes(cfg.engine.context_length, meta.d_model))
+                    self.forward.record_of = self._registered
                     await nursery.start(self.forward.run)
                     serve_vocab(host, self._local_vocab)
                     self.latency = LatencyMonitor(host, self._route_candidates)
@@ -301,6 +304,11 @@ class Peer:
         )
 
     # ------------------------------------------------------------ own record
+
+    def _registered(self, node_id: NodeId) -> NodeRecord | None:
+        """The registry's record of a node: what forward routes are checked against."""
+        entry = self.registry.table.get(node_id) if self.registry is not None else None
+        return entry.record if entry is not None else None
 
     def _own_record(self) -> NodeRecord | None:
         assert self.registry is not None
