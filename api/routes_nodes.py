@@ -11,6 +11,7 @@ from quart_trio import QuartTrio
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import NotFound
+from p2p.records import legacy_local_id
 from p2p.registry import NodeView
 
 
@@ -36,13 +37,20 @@ def node_json(view: NodeView) -> dict[str, Any]:
         "multiaddrs": list(r.multiaddrs),
         "relayed": r.relayed,
         "legacy": r.relayed,
+        "legacy_id": legacy_local_id(r.node_id) if r.relayed else None,
     }
 
 
 def find_node(ctx: PeerContext, node_id: str) -> NodeView:
-    for view in ctx.views():
+    """By registry id; a legacy node also by the id it chose itself when that is unambiguous
+    (the registry namespaces it under its vouching peer: ``<PeerID>:<id>``)."""
+    views = ctx.views()
+    for view in views:
         if view.record.node_id == node_id:
             return view
+    legacy = [v for v in views if v.record.relayed and legacy_local_id(v.record.node_id) == node_id]
+    if len(legacy) == 1:
+        return legacy[0]
     raise NotFound(f"no node {node_id!r} in the registry")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from inclavate.download import FileSource, InvalidSource, parse_source
+from inclavate.durable import replace_durably
 from inclavate.errors import ConfigError, ModelNotFound
 from inclavate.types import ModelId
 
@@ -214,7 +215,7 @@ def save_overlay_entry(home: Path, spec: ModelSpec) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(lines) + "\n", "utf-8")
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
     return path
 
 

@@ -16,6 +16,10 @@ HOME_ENV = "INCLAVATE_HOME"
 
 DEFAULT_HOME = Path("~/.inclavate")
 
+ADMIN_TOKEN_ENV = "INCLAVATE_ADMIN_TOKEN"
+"""Environment variable holding a peer's admin token (unlike ``--admin-token``, it does not
+show in the process list)."""
+
 
 def inclavate_home() -> Path:
     """The state directory: ``$INCLAVATE_HOME`` if set and non-empty, else ``~/.inclavate``.

@@ -213,6 +213,8 @@ async def run_metrics(
                     saved = recorder.revision
             except MetricsStoreError as exc:
                 log.warning("%s", exc)
+            except Exception:  # gossiped numbers feed this loop: a bug costs one tick, not the peer
+                log.exception("metrics pass failed; retrying next tick")
     finally:
         if recorder.revision != saved:
             try:

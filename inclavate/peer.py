@@ -397,9 +397,9 @@ class Peer:
         assert self.admin_service is not None
         view = self._record_of(node_id)
         service = self.admin_service
-        command = service.command(action, node_id, **args)  # type: ignore[arg-type]
         if action != "force_remove":
-            return await service.send(PeerId(view.record.peer_id), command)
+            holder = PeerId(view.record.peer_id)
+            return await service.send(holder, service.command(action, node_id, holder, **args))  # type: ignore[arg-type]
         targets = {PeerId(v.record.peer_id) for v in self.views() if v.state != "Dead"} | {PeerId(self.peer_id)}
         if not view.record.relayed:
             targets.discard(PeerId(view.record.peer_id))
@@ -407,7 +407,7 @@ class Peer:
 
         async def tell(peer: PeerId) -> None:
             try:
-                await service.send(peer, service.command(action, node_id))
+                await service.send(peer, service.command(action, node_id, peer))  # type: ignore[arg-type]
             except AdminRefused as exc:
                 failures.append(f"{peer}: {exc}")
 

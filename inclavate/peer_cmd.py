@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 
 import trio
 
-from inclavate.config import inclavate_home
+from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.peer import Peer
 from inclavate.peer_config import PeerConfig
@@ -39,7 +41,10 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                    help="a peer to join through (its /health lists its multiaddrs); repeatable")  # fmt: skip
     p.add_argument("--data-dir", type=Path, help="identity and state (default $INCLAVATE_HOME/peer-<api port>)")
-    p.add_argument("--admin-token", help="enables admin routes with this X-Admin-Token (default: admin off)")
+    p.add_argument("--admin-token", help="enables admin routes with this X-Admin-Token (default: admin off); "
+                   f"visible to every local user in `ps`: prefer ${ADMIN_TOKEN_ENV} or --admin-token-file")  # fmt: skip
+    p.add_argument("--admin-token-file", type=Path, metavar="PATH",
+                   help="read the admin token from this file (first line)")  # fmt: skip
     p.add_argument("--admin-peer", action="append", default=[], metavar="PEER_ID",
                    help="trust admin commands signed by this peer; repeatable")  # fmt: skip
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the LAN")
@@ -63,6 +68,23 @@ def _layers(text: str) -> LayerRange:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def admin_token(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The admin token from ``--admin-token``, ``--admin-token-file`` or ``$INCLAVATE_ADMIN_TOKEN``
+    (in that order). Only the first shows in the process list; the others keep it out of argv."""
+    if args.admin_token:
+        return str(args.admin_token)
+    if args.admin_token_file is not None:
+        try:
+            lines = args.admin_token_file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --admin-token-file: {exc}") from exc
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ConfigError(f"--admin-token-file {args.admin_token_file} is empty")
+        return token
+    return environ.get(ADMIN_TOKEN_ENV) or None
+
+
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
     try:
@@ -82,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         p2p_port=args.p2p_port,
         bootstrap=tuple(args.bootstrap),
         mdns=not args.no_mdns,
-        admin_token=args.admin_token,
+        admin_token=admin_token(args),
         admin_peers=tuple(args.admin_peer),
         engine=engine,
         wire_dtype=args.wire_dtype,

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from inclavate.catalog import ModelSpec, load_overlay, save_overlay_entry, validate_model_id
 from inclavate.download import CHUNK, FetchError, FileSource, Source, fetch, parse_source
+from inclavate.durable import replace_durably
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.gguf_info import InvalidGguf, read_gguf_info
 from inclavate.progress import Progress
@@ -250,7 +251,7 @@ class ModelStore:
         final = self.path(spec)
         # Marker first: between these two steps the old marker must not vouch for the new file.
         (final.parent / MARKER_FILE).unlink(missing_ok=True)
-        os.replace(part, final)
+        replace_durably(part, final)
         return self._write_marker(spec, sha, source, verified_against_catalog)
 
     def _write_marker(self, spec: ModelSpec, sha: str, source: str, verified_against_catalog: bool) -> _Marker:
@@ -259,7 +260,7 @@ class ModelStore:
         path = self.model_dir(spec.model_id) / MARKER_FILE
         tmp = path.with_name(f".{MARKER_FILE}.tmp")
         tmp.write_text(json.dumps({"model_id": spec.model_id, **asdict(marker)}, indent=2) + "\n", "utf-8")
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
         return marker
 
     def _read_marker(self, model_id: str) -> _Marker | None:

@@ -14,7 +14,7 @@ import sys
 import time
 
 from inclavate.catalog import Catalog
-from inclavate.config import inclavate_home
+from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError
 from inclavate.generate_cmd import split_evenly
 from inclavate.local_swarm import LocalSwarm, SwarmError
@@ -50,11 +50,12 @@ def _swarm(args: argparse.Namespace) -> int:
     ranges = split_evenly(spec.n_layers, args.peers)
     threads = max(1, (os.cpu_count() or 1) // args.peers)
     common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(threads), "--wire-dtype", args.wire_dtype]
-    if args.admin_token:
-        common += ["--admin-token", args.admin_token]
+    # The children read the token from their environment: on their command line every local
+    # user could read it in `ps`.
+    env = {ADMIN_TOKEN_ENV: args.admin_token} if args.admin_token else {}
     workdir = home / "swarm"
     print(f"starting {args.peers} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
-    with LocalSwarm(workdir, common) as swarm:
+    with LocalSwarm(workdir, common, env) as swarm:
         try:
             first = swarm.start("peer-1", spec.model_id, "--layers", str(ranges[0]), api_port=args.api_port)
             peers = [first] + [

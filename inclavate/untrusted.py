@@ -50,6 +50,9 @@ class Reason(enum.Enum):
     TOO_LONG = "too_long"
     BAD_VALUE = "bad_value"
     """A well-typed value that is not one of the allowed ones (enum, format)."""
+    HANDLER_FAILED = "handler_failed"
+    """Not the input's fault as far as we know: a handler raised unexpectedly (a bug, logged
+    with its traceback) and the input was dropped instead of the peer."""
 
 
 class Malformed(ValueError):

@@ -22,6 +22,7 @@ from typing import Any
 
 import gguf
 
+from inclavate.durable import replace_durably
 from inclavate.gguf_meta import read_metadata
 from inclavate.types import LayerRange
 from node.arch import ArchRules, check_swa_range, rules_for, swa_flags
@@ -56,7 +57,7 @@ def cached_slice(source: Path, model_sha256: str, layers: LayerRange, cache_dir:
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         write_slice(gguf.GGUFReader(source), arch, n_layers, layers, rules, tmp)
-        os.replace(tmp, dest)
+        replace_durably(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
     return dest
@@ -144,7 +145,7 @@ def write_vocab_only(source: Path, dest: Path) -> Path:
             vtype, sub_type, value = _field_payload(field)
             writer.add_key_value(name, value, vtype, sub_type=sub_type)
         _write(writer)
-        os.replace(tmp, dest)
+        replace_durably(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
     return dest

@@ -38,6 +38,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from inclavate.errors import ConfigError
 from inclavate.types import PeerId
+from inclavate.untrusted import Malformed, as_dict, as_str, parse_json, read_list, read_str
 from p2p.errors import DialError, P2PError, ProtocolError
 from p2p.framing import FramedStream
 
@@ -49,6 +50,12 @@ logger = logging.getLogger(__name__)
 PEERS_PROTOCOL = "/inclavate/peers/1"
 # A peer entry is ~150 bytes; this bounds what a hostile peer can make us parse.
 _MAX_PEER_LIST_BYTES = 256 * 1024
+_MAX_ID = 128
+_MAX_ADDR = 512
+_MAX_ADDRS_PER_PEER = 16
+_MAX_KNOWN_PEERS = 1024
+_MAX_BACKOFF_ENTRIES = 4096
+"""Dial schedules kept (one per address); beyond it the table is rebuilt from what is known."""
 _MDNS_STOP_TIMEOUT = 1.0
 
 
@@ -116,29 +123,31 @@ class PeerAddrs:
 
     @classmethod
     def from_json(cls, obj: Any) -> PeerAddrs:
-        if (not isinstance(obj, dict) or not isinstance(obj.get("id"), str)
-                or not isinstance(obj.get("addrs"), list)
-                or not all(isinstance(a, str) for a in obj["addrs"])):
-            raise ProtocolError(f"malformed peer entry: {obj!r:.200}")
-        return cls(PeerId(obj["id"]), tuple(obj["addrs"]))
+        try:
+            entry = as_dict(obj, "peers", max_len=8)
+            peer = read_str(entry, "id", max_len=_MAX_ID)
+            addrs = read_list(entry, "addrs", max_len=_MAX_ADDRS_PER_PEER)
+            return cls(PeerId(peer), tuple(as_str(a, "addrs", max_len=_MAX_ADDR) for a in addrs))
+        except Malformed as exc:
+            raise ProtocolError(f"malformed peer entry: {exc}") from None
 
 
 def encode_peers(peers: Sequence[PeerAddrs]) -> bytes:
     return json.dumps({"peers": [p.to_json() for p in peers]}).encode()
 
 
-def decode_peers(frame: bytes) -> list[PeerAddrs]:
+def decode_peers(frame: bytes, max_peers: int = 64) -> list[PeerAddrs]:
+    """A peer-exchange frame, typed; raises :class:`ProtocolError` (never anything else)."""
     try:
-        body = json.loads(frame)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"peer list is not JSON: {exc}") from exc
-    if not isinstance(body, dict) or not isinstance(body.get("peers"), list):
-        raise ProtocolError("peer list must be an object with a 'peers' list")
-    return [PeerAddrs.from_json(entry) for entry in body["peers"]]
+        body = parse_json(frame, max_bytes=_MAX_PEER_LIST_BYTES, max_depth=4)
+        entries = read_list(body, "peers", max_len=max_peers)
+    except Malformed as exc:
+        raise ProtocolError(f"malformed peer list: {exc}") from None
+    return [PeerAddrs.from_json(entry) for entry in entries]
 
 
 def _self_entry(host: P2PHost) -> PeerAddrs:
-    return PeerAddrs(host.peer_id, tuple(host.multiaddrs()))
+    return PeerAddrs(host.peer_id, tuple(host.multiaddrs()[:_MAX_ADDRS_PER_PEER]))
 
 
 def _shared_peers(host: P2PHost, limit: int, exclude: PeerId) -> list[PeerAddrs]:
@@ -151,16 +160,23 @@ def _shared_peers(host: P2PHost, limit: int, exclude: PeerId) -> list[PeerAddrs]
             break
         addrs = host.known_addrs(peer)
         if addrs:
-            entries.append(PeerAddrs(peer, tuple(addrs)))
+            entries.append(PeerAddrs(peer, tuple(addrs[:_MAX_ADDRS_PER_PEER])))
     return entries
 
 
 def _remember(host: P2PHost, peers: Sequence[PeerAddrs]) -> list[PeerAddrs]:
-    """Store peers' addresses; return the ones we are not connected to."""
+    """Store peers' addresses; return the ones we are not connected to.
+
+    Strangers choose these entries, so the address book is capped: past
+    ``_MAX_KNOWN_PEERS`` new peers are not remembered (known ones are still refreshed)."""
+    known = set(host.known_peers())
     new = []
     for entry in peers:
         if entry.peer_id == host.peer_id:
             continue
+        if entry.peer_id not in known and len(known) >= _MAX_KNOWN_PEERS:
+            continue
+        known.add(entry.peer_id)
         try:
             host.add_addrs(entry.peer_id, entry.addrs)
         except DialError:  # not a peer id
@@ -172,7 +188,7 @@ def _remember(host: P2PHost, peers: Sequence[PeerAddrs]) -> list[PeerAddrs]:
 
 async def _serve_peers(host: P2PHost, config: DiscoveryConfig, stream: FramedStream,
                        remote: PeerId) -> None:
-    asked = decode_peers(await stream.receive(config.exchange_timeout))
+    asked = decode_peers(await stream.receive(config.exchange_timeout), max_peers=4)
     # Only the asker's own addresses are taken: it has no say about anyone else's.
     _remember(host, [p for p in asked if p.peer_id == remote])
     await stream.send(encode_peers(_shared_peers(host, config.max_shared_peers, remote)),
@@ -189,7 +205,7 @@ async def exchange_peers(host: P2PHost, peer: PeerId,
                                    max_frame_size=_MAX_PEER_LIST_BYTES)
     async with stream:
         await stream.send(encode_peers([_self_entry(host)]), config.exchange_timeout)
-        answer = decode_peers(await stream.receive(config.exchange_timeout))
+        answer = decode_peers(await stream.receive(config.exchange_timeout), config.max_shared_peers)
     return _remember(host, answer)
 
 
@@ -214,6 +230,9 @@ class _Connector:
     def _due_addresses(self, now: float) -> list[str]:
         """One due address per unconnected peer: bootstrap first, then learned ones."""
         learned = [a for p in self._host.known_peers() for a in self._host.known_addrs(p)]
+        if len(self._backoff) > _MAX_BACKOFF_ENTRIES:  # forget schedules of forgotten addresses
+            keep = set(self._bootstrap) | set(learned)
+            self._backoff = {a: b for a, b in self._backoff.items() if a in keep}
         self._rng.shuffle(learned)
         seen: set[str] = {self._host.peer_id}
         due = []
@@ -277,6 +296,9 @@ async def run_discovery(
             fresh = await exchange_peers(host, peer, config)
         except P2PError as exc:
             logger.debug("peer exchange with %s failed: %s", peer, exc)
+            return
+        except Exception:  # a bug must cost one exchange, never the peer
+            logger.exception("peer exchange with %s failed unexpectedly", peer)
             return
         connector.dial_fresh(nursery, fresh)
 

@@ -25,19 +25,22 @@ from typing import Any
 import trio
 
 from inclavate.types import NodeId, PeerId
+from inclavate.untrusted import DropCounter, Malformed, Reason, as_str, parse_json, read_list
 from p2p.coverage import ModelCoverage, model_coverage
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.identity import Identity
-from p2p.records import InvalidRecord, NodeRecord, SignedRecord, now_ms
-from p2p.registry import Liveness, NodeView, Table, Verdict, apply, expire, remove
+from p2p.record_schema import MAX_RECORD_BYTES
+from p2p.records import InvalidRecord, NodeRecord, SignedRecord, fit_record, now_ms
+from p2p.registry import Liveness, NodeView, RegistryLimits, Table, Verdict, apply, expire, remove
 
 log = logging.getLogger(__name__)
 
 TOPIC = "inclavate/registry/1"
 SYNC_PROTOCOL = "/inclavate/registry-sync/1"
 _MAX_SYNC_BYTES = 64 * 1024 * 1024
+_SYNC_TIMEOUT_S = 10.0
 
 
 class RegistryService:
@@ -49,10 +52,12 @@ class RegistryService:
         *,
         sync_interval: float = 30.0,
         clock: Callable[[], int] = now_ms,
+        limits: RegistryLimits = RegistryLimits(),
     ) -> None:
         self.host = host
         self.identity = identity
         self.liveness = liveness
+        self.limits = limits
         self.sync_interval = sync_interval
         self.clock = clock
         self.table = Table()
@@ -60,8 +65,8 @@ class RegistryService:
         """Records this peer publishes: its own, and legacy nodes it vouches for."""
         self._changed = trio.Event()
         self._banned: dict[NodeId, int] = {}
-        self.rejected: dict[str, int] = {}
-        """Counts of rejected records by reason (exposed for tests and diagnostics)."""
+        self.drops = DropCounter()
+        """Rejected inputs by fixed reason code (exposed for tests and diagnostics)."""
         self.refresh: Callable[[NodeRecord], NodeRecord] | None = None
         """Called before each heartbeat to update counters in our own record."""
 
@@ -88,9 +93,16 @@ class RegistryService:
         ts = self.clock()
         seq = max(ts, previous.seq + 1 if previous else 0, record.seq + 1)
         record = record.replace(seq=seq, ts_ms=ts, peer_id=self.identity.peer_id)
+        fitted = fit_record(record, MAX_RECORD_BYTES)
+        if fitted is not record:
+            log.warning("the record of %s outgrew %d bytes; published it without its oldest metrics",
+                        record.node_id, MAX_RECORD_BYTES)  # fmt: skip
+            record = fitted
         signed = SignedRecord.sign(record, self.identity)
         self._own[record.node_id] = record
-        self._accept(signed, "gossip")
+        verdict = self._accept(signed, "gossip")
+        if verdict.rejected:  # every receiver would refuse it too: never fail silently
+            log.warning("our own record of %s is refused by the registry rules: %s", record.node_id, verdict.value)
         try:
             await self.host.publish(TOPIC, signed.encode())
         except P2PError as exc:  # nobody subscribed yet, or a transient failure
@@ -154,12 +166,7 @@ class RegistryService:
     async def _receive(self, messages: trio.MemoryReceiveChannel[Any]) -> None:
         async with messages:
             async for message in messages:
-                try:
-                    signed = SignedRecord.decode(message.data)
-                except InvalidRecord as exc:
-                    self._count(str(exc))
-                    continue
-                self._accept(signed, "gossip")
+                self._take(message.data, "gossip")
 
     async def _heartbeat(self) -> None:
         while True:
@@ -192,56 +199,84 @@ class RegistryService:
     # ---------------------------------------------------------- anti-entropy
 
     async def sync_with(self, peer: PeerId) -> int:
-        """Pull ``peer``'s whole table; returns how many records changed ours."""
+        """Pull ``peer``'s whole table; returns how many records changed ours.
+
+        Never raises: whatever the neighbour answers (or does not) is confined here, since
+        this runs in the service's nursery, where one escaping error would end the peer."""
+        try:
+            return await self._pull(peer)
+        except Exception:  # a bug must cost one sync, never the peer
+            self.drops.count(Reason.HANDLER_FAILED)
+            log.exception("registry sync with %s failed unexpectedly", peer)
+            return 0
+
+    async def _pull(self, peer: PeerId) -> int:
         try:
             stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=_MAX_SYNC_BYTES)
             async with stream:
                 await stream.send(b"{}", timeout=5.0)
-                payload = await stream.receive(timeout=10.0)
-            envelopes = json.loads(payload)["records"]
-        except (P2PError, ValueError, KeyError, TypeError) as exc:
+                payload = await stream.receive(timeout=_SYNC_TIMEOUT_S)
+            body = parse_json(payload, max_bytes=_MAX_SYNC_BYTES, max_depth=2)
+            envelopes = read_list(body, "records", max_len=self.limits.max_records)
+        except P2PError as exc:
             log.debug("registry sync with %s failed: %s", peer, exc)
+            return 0
+        except Malformed as exc:
+            self.drops.count(exc.reason)
+            log.info("registry sync with %s: malformed answer (%s)", peer, exc)
             return 0
         accepted = 0
         for envelope in envelopes:
             try:
-                signed = SignedRecord.decode(envelope.encode())
-            except (InvalidRecord, AttributeError) as exc:
-                self._count(str(exc))
+                data = as_str(envelope, "records", max_len=_MAX_SYNC_BYTES).encode()
+            except Malformed as exc:
+                self.drops.count(exc.reason)
                 continue
-            accepted += self._accept(signed, "sync") is Verdict.ACCEPTED
+            accepted += self._take(data, "sync") is Verdict.ACCEPTED
         return accepted
 
     async def _serve_sync(self, stream: FramedStream, remote: PeerId) -> None:
         await stream.receive(timeout=5.0)
         records = [s.encode().decode() for s in self.table.signed_records()]
-        await stream.send(json.dumps({"records": records}).encode(), timeout=10.0)
+        await stream.send(json.dumps({"records": records}).encode(), timeout=_SYNC_TIMEOUT_S)
 
     # -------------------------------------------------------------- internals
+
+    def _take(self, data: bytes, via: str) -> Verdict | None:
+        """Decode and apply one envelope from the network; a failure stays with it."""
+        try:
+            signed = SignedRecord.decode(data)
+            return self._accept(signed, via)
+        except InvalidRecord as exc:
+            self.drops.count(exc.reason)
+        except Exception:  # a bug must cost one record, never the peer
+            self.drops.count(Reason.HANDLER_FAILED)
+            log.exception("a registry record could not be handled; dropped")
+        return None
 
     def _validate(self, origin: PeerId, data: bytes) -> bool:
         try:
             signed = SignedRecord.decode(data)
         except InvalidRecord as exc:
-            self._count(str(exc))
+            self.drops.count(exc.reason)
             return False
         if self._is_banned(signed.record.node_id):
-            self._count(Verdict.BANNED.value)
+            self.drops.count(Verdict.BANNED)
             return False
-        _, verdict = apply(self.table, signed, self.clock(), self.liveness)
+        _, verdict = apply(self.table, signed, self.clock(), self.liveness, limits=self.limits)
         if verdict.rejected:
-            self._count(verdict.value)
-            log.info("rejected a record for %s from %s: %s", signed.record.node_id, origin, verdict.value)
+            self.drops.count(verdict)
+            log.debug("rejected a record from %s: %s", origin, verdict.value)
         return not verdict.rejected
 
     def _accept(self, signed: SignedRecord, via: str) -> Verdict:
         if self._is_banned(signed.record.node_id):
             return Verdict.BANNED
-        table, verdict = apply(self.table, signed, self.clock(), self.liveness, via)  # type: ignore[arg-type]
+        table, verdict = apply(self.table, signed, self.clock(), self.liveness, via, self.limits)  # type: ignore[arg-type]
         if verdict is Verdict.ACCEPTED:
             self._set_table(table)
         elif verdict.rejected:
-            self._count(verdict.value)
+            self.drops.count(verdict)
         return verdict
 
     def _set_table(self, table: Table, notify: bool = True) -> None:
@@ -251,6 +286,3 @@ class RegistryService:
         if notify:
             self._changed.set()
             self._changed = trio.Event()
-
-    def _count(self, reason: str) -> None:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1

@@ -27,6 +27,7 @@ from libp2p.peer.id import ID
 from nacl.exceptions import CryptoError
 from nacl.signing import VerifyKey
 
+from inclavate.durable import replace_durably
 from inclavate.types import PeerId
 from p2p.errors import IdentityError
 
@@ -113,7 +114,7 @@ def _write_private(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

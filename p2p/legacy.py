@@ -9,6 +9,11 @@ or the token) on over libp2p. Frames are the forward protocol's own bytes; a per
 (``X-Inclavate-Relay-Token``, given by the node at registration, never gossiped) means only
 the peer it registered with can drive it.
 
+The node's registry id is namespaced under the vouching peer, ``<PeerID>:<its own id>``
+(:func:`p2p.records.legacy_node_id`): a record is accepted only from the peer that owns its
+id, so a legacy id can never collide with, or take over, a PeerID or another peer's node.
+The node itself keeps using its own id with this peer (heartbeats, leave).
+
 When heartbeats stop, the peer stops vouching, and the node ages to Degraded then Dead like
 any silent peer.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,11 +36,14 @@ from p2p import wire
 from p2p.coverage import uncovered
 from p2p.errors import P2PError
 from p2p.gossip import RegistryService
-from p2p.records import Counters, NodeRecord
+from p2p.records import Counters, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
 
 log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "X-Inclavate-Relay-Token"
+MAX_LEGACY_NODES = 32
+"""Legacy nodes one peer vouches for (strangers register them; its registry quota is 64)."""
+_LOCAL_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 class LegacyError(P2PError):
@@ -94,7 +103,10 @@ class LegacyNodes:
     # -------------------------------------------------------- registration
 
     async def register(self, body: dict[str, Any], *, assign: bool) -> dict[str, Any]:
-        node_id = _text(body, "node_id")
+        local_id = _text(body, "node_id")
+        if not _LOCAL_ID.fullmatch(local_id):
+            raise BadRegistration("node_id must be 1-128 letters, digits, '.', '_' or '-'")
+        node_id = self._registry_id(local_id)
         model_id = _text(body, "model_id")
         http_url = _text(body, "http_url").rstrip("/")
         facts = self.model_facts(model_id)
@@ -104,29 +116,43 @@ class LegacyNodes:
         for key, expected in (("n_total_layers", n_layers), ("d_model", d_model)):
             if key in body and body[key] != expected:
                 raise NodeMismatch(f"{key} {body[key]} does not match {model_id} ({expected})")
-        self._check_unique(NodeId(node_id))
+        self._check_unique(node_id)
+        if len(self._nodes) >= MAX_LEGACY_NODES:
+            raise NoRangeAvailable(f"this peer already vouches for {MAX_LEGACY_NODES} legacy nodes; register with another peer")
         layers = self._requested_layers(body, n_layers) or (self._assign(ModelId(model_id), n_layers, body) if assign else None)
         if layers is None:
             raise BadRegistration("start_layer and end_layer are required")
         record = NodeRecord(
-            node_id=NodeId(node_id), peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
+            node_id=node_id, peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
             start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
             seq=0, ts_ms=0, vram_mb=int(body.get("vram_mb") or 0), hardware=dict(body.get("hardware") or {}),
             api_url=http_url, relayed=True, forward_url=http_url, started_ms=int(time.time() * 1000),
         )  # fmt: skip
         node = _Node(record, http_url + "/forward", str(body.get("relay_token") or ""))
-        self._nodes[NodeId(node_id)] = node
+        self._nodes[node_id] = node
         self._start_worker(node)
         node.record = await self.registry.publish(record)
         log.info("vouching for legacy node %s (%s layers %s at %s)", node_id, model_id, layers, http_url)
-        return {"node_id": node_id, "start_layer": layers.start, "end_layer": layers.end, "warnings": []}
+        # The node keeps using the id it chose with this peer; the swarm knows it namespaced.
+        return {"node_id": local_id, "registry_id": node_id, "start_layer": layers.start, "end_layer": layers.end,
+                "warnings": []}  # fmt: skip
+
+    def _registry_id(self, node_id: str) -> NodeId:
+        """The registry id of one of our legacy nodes, given its own id or the namespaced one."""
+        if legacy_owner(node_id) == self.registry.identity.peer_id:
+            return NodeId(node_id)
+        return legacy_node_id(self.registry.identity.peer_id, node_id)
 
     def _check_unique(self, node_id: NodeId) -> None:
+        """409 for an id live anywhere in the swarm, under any vouching peer (namespacing
+        makes a takeover impossible; this keeps the spec's "already registered" answer)."""
+        local = legacy_local_id(node_id)
         if node_id in self._nodes:
-            raise DuplicateNode(f"node {node_id} is already registered")
+            raise DuplicateNode(f"node {local} is already registered")
         for view in self.registry.views():
-            if view.record.node_id == node_id and view.state != "Dead":
-                raise DuplicateNode(f"node {node_id} is already registered")
+            record = view.record
+            if view.state != "Dead" and record.relayed and legacy_local_id(record.node_id) == local:
+                raise DuplicateNode(f"node {local} is already registered")
 
     @staticmethod
     def _requested_layers(body: dict[str, Any], n_layers: int) -> LayerRange | None:
@@ -181,12 +207,12 @@ class LegacyNodes:
 
     def forget(self, node_id: str) -> None:
         """Drop a node without announcing anything (admin force-deregistration)."""
-        node = self._nodes.pop(NodeId(node_id), None)
+        node = self._nodes.pop(self._registry_id(node_id), None)
         if node is not None and node.queue is not None:
             node.queue.close()
 
     def _node(self, node_id: str) -> _Node:
-        node = self._nodes.get(NodeId(node_id))
+        node = self._nodes.get(self._registry_id(node_id))
         if node is None:
             raise UnknownLegacyNode(f"no legacy node {node_id!r} is registered at this peer")
         return node
@@ -204,7 +230,7 @@ class LegacyNodes:
     # --------------------------------------------------------------- relay
 
     def serves(self, node_id: str) -> bool:
-        return NodeId(node_id) in self._nodes
+        return self._registry_id(node_id) in self._nodes
 
     async def relay(self, msg: wire.Forward | wire.Close) -> None:
         """Queue a frame for a legacy node; its worker keeps each node's frames in order."""

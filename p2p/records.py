@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,24 @@ NODE_STATES: tuple[NodeState, ...] = ("Joining", "Ready", "Degraded", "Dead")
 RECORD_VERSION = 1
 
 
+class RecordProblem(enum.Enum):
+    """Why a record was refused before the registry's rules ran (drop-counter keys)."""
+
+    BAD_ENVELOPE = "bad_envelope"
+    BAD_VERSION = "bad_version"
+    BAD_LAYERS = "bad_layers"
+    NOT_OWNER = "not_owner"
+
+
 class InvalidRecord(P2PError):
-    """A record that is malformed, wrongly signed, stale, replayed or from the future."""
+    """A record that is malformed, wrongly signed, stale, replayed or from the future.
+
+    ``reason`` is a fixed code (:class:`RecordProblem` or :class:`inclavate.untrusted.Reason`)
+    for counters; the message may say more."""
+
+    def __init__(self, message: str, reason: enum.Enum = RecordProblem.BAD_ENVELOPE) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -118,28 +135,47 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, data: Any) -> NodeRecord:
-        if not isinstance(data, dict):
-            raise InvalidRecord("a record must be a JSON object")
-        try:
-            known = {f.name for f in dataclasses.fields(cls)}
-            fields = {k: v for k, v in data.items() if k in known}
-            fields["counters"] = Counters(**fields.get("counters", {}))
-            fields["samples"] = tuple(MetricSample(**s) for s in fields.get("samples", ()))
-            fields["buckets"] = tuple(MinuteBucket(**b) for b in fields.get("buckets", ()))
-            fields["multiaddrs"] = tuple(fields.get("multiaddrs", ()))
-            record = cls(**fields)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRecord(f"malformed record: {exc}") from exc
-        record._check_shape()
-        return record
+        """Type a record received from the network (see :mod:`p2p.record_schema`)."""
+        from p2p.record_schema import decode_record  # the schema module imports this one
 
-    def _check_shape(self) -> None:
-        if self.state not in NODE_STATES:
-            raise InvalidRecord(f"unknown state {self.state!r}")
+        return decode_record(data)
+
+    def check_ownership(self) -> None:
+        """A peer may publish only its own record (``node_id == peer_id``) or records of
+        legacy nodes it vouches for, whose ids are namespaced under its own PeerID
+        (:func:`legacy_node_id`), so no record can ever claim another publisher's node."""
         if not (0 <= self.start_layer < self.end_layer <= self.n_layers):
-            raise InvalidRecord(f"bad layer range {self.start_layer}-{self.end_layer} of {self.n_layers}")
-        if not self.relayed and self.node_id != self.peer_id:
-            raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node")
+            raise InvalidRecord(f"bad layer range {self.start_layer}-{self.end_layer} of {self.n_layers}",
+                                RecordProblem.BAD_LAYERS)
+        if self.relayed:
+            if legacy_owner(self.node_id) != self.peer_id:
+                raise InvalidRecord("a relayed node's id must be namespaced under its vouching peer",
+                                    RecordProblem.NOT_OWNER)
+        elif self.node_id != self.peer_id:
+            raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node",
+                                RecordProblem.NOT_OWNER)
+
+
+LEGACY_SEPARATOR = ":"
+"""Between the vouching PeerID and a legacy node's own id. PeerIDs are base58, which has
+no ``:``, so a legacy id can never equal or imitate a PeerID, and ``:`` is safe in a URL path."""
+
+
+def legacy_node_id(peer_id: str, local_id: str) -> NodeId:
+    """The registry id of legacy node ``local_id`` vouched for by ``peer_id``."""
+    return NodeId(f"{peer_id}{LEGACY_SEPARATOR}{local_id}")
+
+
+def legacy_owner(node_id: str) -> str | None:
+    """The PeerID a legacy node id is namespaced under (None for a plain PeerID)."""
+    owner, sep, local = node_id.partition(LEGACY_SEPARATOR)
+    return owner if sep and local else None
+
+
+def legacy_local_id(node_id: str) -> str:
+    """The id a legacy node chose for itself (the node id unchanged if not namespaced)."""
+    owner, sep, local = node_id.partition(LEGACY_SEPARATOR)
+    return local if sep and local else node_id
 
 
 def canonical_bytes(record: NodeRecord) -> bytes:
@@ -174,16 +210,28 @@ class SignedRecord:
     @classmethod
     def decode(cls, data: bytes) -> SignedRecord:
         """Parse an envelope; the signature is checked separately (:meth:`verified`)."""
-        try:
-            envelope = json.loads(data)
-            version, payload, sig = envelope["v"], envelope["record"], envelope["sig"]
-            signature = base64.b64decode(sig, validate=True)
-            body = json.loads(payload)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidRecord(f"malformed record envelope: {exc}") from exc
-        if version != RECORD_VERSION:
-            raise InvalidRecord(f"record version {version} is not {RECORD_VERSION}")
-        return cls(NodeRecord.from_json(body), payload.encode(), signature)
+        from p2p.record_schema import decode_envelope
+
+        return decode_envelope(data)
+
+
+def fit_record(record: NodeRecord, limit: int) -> NodeRecord:
+    """``record`` trimmed until its canonical JSON fits in ``limit`` bytes: oldest samples
+    and minute buckets first, then per-model request counts, then the hardware profile.
+
+    A record over the limit is refused by every receiver (and by our own gossip validator),
+    so an unbounded field must never make a peer silently stop announcing itself."""
+    while len(canonical_bytes(record)) > limit:
+        if record.samples or record.buckets:
+            record = record.replace(samples=record.samples[len(record.samples) // 2 + 1 :] if record.samples else (),
+                                    buckets=record.buckets[len(record.buckets) // 2 + 1 :] if record.buckets else ())
+        elif record.requests_by_model:
+            record = record.replace(requests_by_model={})
+        elif record.hardware:
+            record = record.replace(hardware={})
+        else:
+            raise InvalidRecord(f"record of {record.node_id} exceeds {limit} bytes even trimmed")
+    return record
 
 
 def now_ms() -> int:

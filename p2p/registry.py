@@ -5,10 +5,14 @@ changes the table, and :func:`expire` ages the table. Both are pure functions of
 ``(table, input, now)``, so every merge rule is unit-tested without a network and every peer
 that has seen the same records agrees on the same table (eventual consistency).
 
-Rules, in order: the signature must verify against the publisher's PeerID; the timestamp
-may be at most ``max_future_skew`` ahead of our clock and at most ``drop_after`` behind it
-(older records describe a past that has already expired); the sequence number must exceed
-the one we hold for that node (an equal one is a harmless duplicate, a lower one a replay).
+Rules, in order: the timestamp may be at most ``max_future_skew`` ahead of our clock and at
+most ``drop_after`` behind it (older records describe a past that has already expired); the
+sequence number may lead the record's own timestamp by at most ``max_seq_lead`` (it is the
+publisher's clock, see :class:`RegistryLimits`) and must exceed the one we hold for that
+node (an equal one is a harmless duplicate, a lower one a replay); a new node must fit the
+signer's and the table's quotas; the signature must verify against the publisher's PeerID.
+Who may publish which node id (ownership) is checked when the record is decoded
+(:meth:`p2p.records.NodeRecord.check_ownership`): a record carries its node's owner.
 
 Liveness is judged on our own clock: a record is fresh from when we first saw its sequence
 number, except that anti-entropy (a neighbour handing us its table) cannot make a record
@@ -48,10 +52,28 @@ class Verdict(enum.Enum):
     TOO_OLD = "timestamp older than the drop horizon"
     REPLAY = "sequence number not newer than the one held"
     BANNED = "node banned by an admin"
+    SEQ_AHEAD = "sequence number ahead of the signer's clock"
+    SIGNER_FULL = "the signer already has its maximum number of records"
+    TABLE_FULL = "the registry is full"
 
     @property
     def rejected(self) -> bool:
         return self not in (Verdict.ACCEPTED, Verdict.DUPLICATE)
+
+
+@dataclass(frozen=True)
+class RegistryLimits:
+    """What one signer, and all of them together, may make a peer hold.
+
+    ``seq`` is normally the publisher's clock in ms (``max(previous + 1, now_ms)``), so one
+    further ahead of the record's own timestamp than ``max_seq_lead_s`` is not an honest
+    counter: without this bound a single record with ``seq = 2**62`` would make every later
+    genuine record of that node look like a replay for the rest of time."""
+
+    max_seq_lead_s: float = 60.0
+    max_records_per_signer: int = 64
+    """A peer's own record plus the legacy nodes it vouches for."""
+    max_records: int = 4096
 
 
 @dataclass(frozen=True)
@@ -101,16 +123,24 @@ def apply(
     now_ms: int,
     liveness: Liveness,
     via: Literal["gossip", "sync"] = "gossip",
+    limits: RegistryLimits = RegistryLimits(),
 ) -> tuple[Table, Verdict]:
     record = signed.record
     if record.ts_ms > now_ms + liveness.max_future_skew_s * 1000:
         return table, Verdict.FROM_THE_FUTURE
     if record.ts_ms < now_ms - liveness.drop_after_s * 1000:
         return table, Verdict.TOO_OLD
+    if record.seq > record.ts_ms + limits.max_seq_lead_s * 1000:
+        return table, Verdict.SEQ_AHEAD
     held = table.entries.get(record.node_id)
     if held is not None and record.seq <= held.record.seq:
         verdict = Verdict.DUPLICATE if record.seq == held.record.seq else Verdict.REPLAY
         return table, verdict
+    if held is None:
+        if len(table.entries) >= limits.max_records:
+            return table, Verdict.TABLE_FULL
+        if sum(e.record.peer_id == record.peer_id for e in table.entries.values()) >= limits.max_records_per_signer:
+            return table, Verdict.SIGNER_FULL
     if not signed.verified():  # last: the only costly check
         return table, Verdict.BAD_SIGNATURE
     fresh = now_ms if via == "gossip" else min(now_ms, record.ts_ms)

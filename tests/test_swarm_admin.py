@@ -53,7 +53,8 @@ def chat(peer: PeerProcess) -> str:
 
 
 def node(peer: PeerProcess, node_id: str) -> dict | None:
-    return next((n for n in peer.get("/nodes") if n["node_id"] == node_id), None)
+    """By registry id, or a legacy node by the id it registered with (namespaced in /nodes)."""
+    return next((n for n in peer.get("/nodes") if node_id in (n["node_id"], n["legacy_id"])), None)
 
 
 def admin(peer: PeerProcess, method: str, path: str, body: object = None, token: str | None = TOKEN) -> tuple[int, object]:
@@ -114,7 +115,7 @@ async def test_commands_from_untrusted_peers_are_refused(swarm) -> None:
         async with open_host(stranger) as host:
             await host.connect(b["multiaddrs"][0])
             stream = await host.new_stream(PeerId(b["peer_id"]), ADMIN_PROTOCOL)
-            command = AdminCommand("set_state", b["peer_id"], stranger.peer_id, {"state": "idle"})
+            command = AdminCommand("set_state", b["peer_id"], stranger.peer_id, b["peer_id"], {"state": "idle"})
             await stream.send(encode_command(command, stranger), timeout=10)
             answer = await stream.receive(timeout=10)
     assert b'"ok": false' in answer and b"not trusted" in answer

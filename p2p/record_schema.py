@@ -1,0 +1,167 @@
+"""The registry record's schema: the one place a record from the network gets its types.
+
+Every field of a :class:`~p2p.records.NodeRecord` is read with a type and a range before
+anything (routing, metrics, sqlite, the REST API) sees it: one gossiped record with
+``"requests": "1"``, a layer given as text or a counter of ``2**70`` used to crash every
+peer that received it. Bounds are generous for honest peers and small enough that sums over
+a full table stay inside a 64-bit integer (4096 records x 2**48 < 2**63).
+
+Unknown fields are ignored (a newer peer may add some; the signature covers the verbatim
+bytes anyway); missing optional fields take their defaults. Any violation raises
+:class:`~p2p.records.InvalidRecord` with a fixed reason code.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, Final
+
+from inclavate.types import ModelId, NodeId, PeerId
+from inclavate.untrusted import (
+    Malformed,
+    Reason,
+    as_dict,
+    as_int,
+    as_str,
+    parse_json,
+    read_bool,
+    read_dict,
+    read_float,
+    read_int,
+    read_list,
+    read_str,
+)
+from p2p.records import (
+    NODE_STATES,
+    RECORD_VERSION,
+    Counters,
+    InvalidRecord,
+    MetricSample,
+    MinuteBucket,
+    NodeRecord,
+    RecordProblem,
+    SignedRecord,
+)
+
+MAX_RECORD_BYTES: Final = 64 * 1024
+"""A record's canonical JSON. An honest heartbeat record is 3-8 KB (60 samples, 60 buckets);
+a publisher trims rather than exceed this (:func:`p2p.records.fit_record`)."""
+MAX_ENVELOPE_BYTES: Final = 256 * 1024
+"""The envelope escapes the record inside a JSON string; = the gossip message limit."""
+MAX_DEPTH: Final = 8
+MAX_COUNT: Final = 2**48
+"""Counters, token and request totals."""
+MAX_TIME_MS: Final = 2**53
+MAX_LAYERS: Final = 100_000
+MAX_RATE: Final = 1e9
+"""tokens/s, ms per layer, latencies: any real value is far below."""
+MAX_SERIES: Final = 120
+"""Samples and minute buckets (60 are kept; room for a newer peer's longer window)."""
+MAX_ID: Final = 256
+MAX_URL: Final = 512
+MAX_MODELS: Final = 64
+_SIG_BYTES: Final = 64
+
+
+def decode_envelope(data: bytes) -> SignedRecord:
+    """An envelope from the network, typed; its signature is checked later
+    (:meth:`SignedRecord.verified`: it is the costly check, done last)."""
+    try:
+        envelope = as_dict(parse_json(data, max_bytes=MAX_ENVELOPE_BYTES, max_depth=2), "envelope", max_len=16)
+        version = read_int(envelope, "v", lo=0, hi=2**31)
+        payload = read_str(envelope, "record", max_len=MAX_RECORD_BYTES)
+        sig = read_str(envelope, "sig", max_len=128)
+        signature = base64.b64decode(sig, validate=True)
+    except Malformed as exc:
+        raise InvalidRecord(f"malformed record envelope: {exc}", exc.reason) from None
+    except (binascii.Error, ValueError):
+        raise InvalidRecord("malformed record envelope: sig is not base64", Reason.BAD_VALUE) from None
+    if version != RECORD_VERSION:
+        raise InvalidRecord(f"record version {version} is not {RECORD_VERSION}", RecordProblem.BAD_VERSION)
+    if len(signature) != _SIG_BYTES:
+        raise InvalidRecord("malformed record envelope: wrong signature length", Reason.BAD_VALUE)
+    payload_bytes = payload.encode()
+    try:
+        body = parse_json(payload_bytes, max_bytes=MAX_RECORD_BYTES, max_depth=MAX_DEPTH)
+    except Malformed as exc:
+        raise InvalidRecord(f"malformed record: {exc}", exc.reason) from None
+    return SignedRecord(decode_record(body), payload_bytes, signature)
+
+
+def decode_record(data: Any) -> NodeRecord:
+    """A record's JSON object, typed and range-checked, ownership included."""
+    try:
+        record = _read_record(as_dict(data, "record", max_len=256))
+    except Malformed as exc:
+        raise InvalidRecord(f"malformed record: {exc}", exc.reason) from None
+    record.check_ownership()
+    return record
+
+
+def _read_record(d: dict[str, Any]) -> NodeRecord:
+    def count(key: str) -> int:
+        return read_int(d, key, lo=0, hi=MAX_COUNT, default=0)
+
+    return NodeRecord(
+        node_id=NodeId(read_str(d, "node_id", max_len=MAX_ID)),
+        peer_id=PeerId(read_str(d, "peer_id", max_len=MAX_ID)),
+        model_id=ModelId(read_str(d, "model_id", max_len=MAX_ID)),
+        start_layer=read_int(d, "start_layer", lo=0, hi=MAX_LAYERS),
+        end_layer=read_int(d, "end_layer", lo=0, hi=MAX_LAYERS),
+        n_layers=read_int(d, "n_layers", lo=1, hi=MAX_LAYERS),
+        d_model=read_int(d, "d_model", lo=0, hi=2**24),
+        state=read_str(d, "state", max_len=16, choices=frozenset(NODE_STATES)),  # type: ignore[arg-type]
+        seq=read_int(d, "seq", lo=0),
+        ts_ms=read_int(d, "ts_ms", lo=0, hi=MAX_TIME_MS),
+        vram_mb=count("vram_mb"),
+        hardware=read_dict(d, "hardware", max_len=64, default={}),
+        api_url=read_str(d, "api_url", max_len=MAX_URL, default=""),
+        multiaddrs=tuple(as_str(a, "multiaddrs", max_len=MAX_URL) for a in read_list(d, "multiaddrs", max_len=16, default=[])),
+        counters=_counters(read_dict(d, "counters", max_len=16, default={})),
+        uptime_s=count("uptime_s"),
+        started_ms=read_int(d, "started_ms", lo=0, hi=MAX_TIME_MS, default=0),
+        throughput_tps=read_float(d, "throughput_tps", lo=0.0, hi=MAX_RATE, default=0.0),
+        step_ms_per_layer=read_float(d, "step_ms_per_layer", lo=0.0, hi=MAX_RATE, default=0.0),
+        context_length=read_int(d, "context_length", lo=0, hi=2**31, default=0),
+        idle=read_bool(d, "idle", default=False),
+        relayed=read_bool(d, "relayed", default=False),
+        forward_url=read_str(d, "forward_url", max_len=MAX_URL, default=""),
+        samples=tuple(_sample(s) for s in read_list(d, "samples", max_len=MAX_SERIES, default=[])),
+        buckets=tuple(_bucket(b) for b in read_list(d, "buckets", max_len=MAX_SERIES, default=[])),
+        requests_by_model=_requests_by_model(read_dict(d, "requests_by_model", max_len=MAX_MODELS, default={})),
+        version=read_str(d, "version", max_len=64, default=""),
+    )
+
+
+def _counters(c: dict[str, Any]) -> Counters:
+    return Counters(
+        tokens_total=read_int(c, "tokens_total", lo=0, hi=MAX_COUNT, default=0),
+        requests_served=read_int(c, "requests_served", lo=0, hi=MAX_COUNT, default=0),
+        errors=read_int(c, "errors", lo=0, hi=MAX_COUNT, default=0),
+        avg_latency_ms=read_float(c, "avg_latency_ms", lo=0.0, hi=MAX_RATE, default=0.0),
+    )
+
+
+def _sample(value: Any) -> MetricSample:
+    s = as_dict(value, "samples", max_len=16)
+    return MetricSample(
+        tps=read_float(s, "tps", lo=0.0, hi=MAX_RATE),
+        latency_ms=read_float(s, "latency_ms", lo=0.0, hi=MAX_RATE),
+        ts_ms=read_int(s, "ts_ms", lo=0, hi=MAX_TIME_MS),
+    )
+
+
+def _bucket(value: Any) -> MinuteBucket:
+    b = as_dict(value, "buckets", max_len=16)
+    return MinuteBucket(
+        ts_ms=read_int(b, "ts_ms", lo=0, hi=MAX_TIME_MS),
+        requests=read_int(b, "requests", lo=0, hi=MAX_COUNT),
+        tokens=read_int(b, "tokens", lo=0, hi=MAX_COUNT),
+    )
+
+
+def _requests_by_model(d: dict[str, Any]) -> dict[str, int]:
+    for key in d:
+        as_str(key, "requests_by_model", max_len=MAX_ID)
+    return {key: as_int(n, "requests_by_model", lo=0, hi=MAX_COUNT) for key, n in d.items()}
