@@ -17,9 +17,10 @@ from quart import Response, jsonify
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
+from api import request_guard, routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
 from api.context import PeerContext
 from api.errors import error_response_parts
+from api.request_guard import HostPolicy
 from api.sessions import ActiveSessions
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,14 @@ INSTALLERS: list[Installer] = [
 ]
 
 
-def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None) -> QuartTrio:
+def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
+               hosts: HostPolicy = HostPolicy(None)) -> QuartTrio:  # fmt: skip
+    """``hosts``: the ``Host`` values to answer (see :mod:`api.request_guard`)."""
     app = QuartTrio("inclavate")
     app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
+    request_guard.install(app, hosts)
     for install in INSTALLERS:
         install(app, ctx)
 

@@ -26,6 +26,7 @@ from api.app import create_app, serve_api
 from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
+from api.request_guard import HostPolicy
 from inclavate import __version__, hardware
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
@@ -142,13 +143,15 @@ class Peer:
                     serve_vocab(host, self._local_vocab)
                     self.latency = LatencyMonitor(host, self._route_candidates)
                     await nursery.start(self.latency.run)
-                    self.legacy = LegacyNodes(self.registry, self._model_facts, send=self.forward.send)
+                    self.legacy = LegacyNodes(self.registry, self._model_facts, send=self.forward.send,
+                                              join_token=cfg.join_token)
                     self.forward.relay = self.legacy.relay
                     await nursery.start(self.legacy.run)
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
                     self.admin_service.start()
                     self._nursery = nursery
-                    self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
+                    hosts = HostPolicy.for_bind(cfg.api_host, cfg.api_port, cfg.allowed_hosts)
+                    self.api_urls = await nursery.start(serve_api, create_app(self, hosts=hosts), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
                     await self._learn_swarm()
@@ -418,17 +421,17 @@ class Peer:
             log.warning("force-deregistration of %s not applied everywhere: %s", node_id, "; ".join(failures))
         return {"node_id": node_id}
 
-    async def legacy_register(self, body: dict, *, assign: bool) -> dict:
+    async def legacy_register(self, body: dict, *, assign: bool, join_token: str | None = None) -> dict:
         assert self.legacy is not None
-        return await self.legacy.register(body, assign=assign)
+        return await self.legacy.register(body, assign=assign, join_token=join_token)
 
-    async def legacy_heartbeat(self, node_id: str, body: dict) -> None:
+    async def legacy_heartbeat(self, node_id: str, body: dict, *, token: str | None = None) -> None:
         assert self.legacy is not None
-        await self.legacy.heartbeat(node_id, body)
+        await self.legacy.heartbeat(node_id, body, token)
 
-    async def legacy_leave(self, node_id: str) -> None:
+    async def legacy_leave(self, node_id: str, *, token: str | None = None) -> None:
         assert self.legacy is not None
-        await self.legacy.leave(node_id)
+        await self.legacy.leave(node_id, token)
 
     def knows_model(self, model_id: str) -> bool:
         return model_id in self._catalog() or any(v.record.model_id == model_id for v in self.views())
@@ -443,6 +446,13 @@ class Peer:
                 path = await self._vocab_path(model_id)
                 self._chat_models[model_id] = await trio.to_thread.run_sync(ChatModel.load, ModelId(model_id), path)
         return self._chat_models[model_id]
+
+    async def local_chat_model(self, model_id: str) -> ChatModel | None:
+        if model_id in self._chat_models:
+            return self._chat_models[model_id]
+        if self._pulled_path(model_id) is None and not self._vocab_cache(model_id).exists():
+            return None
+        return await self.chat_model(model_id)
 
     async def _vocab_path(self, model_id: str) -> Path:
         """Where to read a model's vocabulary: its own file when pulled here (llama.cpp's

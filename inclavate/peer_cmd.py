@@ -21,6 +21,8 @@ from node.engine import EngineConfig, default_threads
 
 log = logging.getLogger(__name__)
 
+JOIN_TOKEN_ENV = "INCLAVATE_JOIN_TOKEN"
+
 
 def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
@@ -47,6 +49,12 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                    help="read the admin token from this file (first line)")  # fmt: skip
     p.add_argument("--admin-peer", action="append", default=[], metavar="PEER_ID",
                    help="trust admin commands signed by this peer; repeatable")  # fmt: skip
+    p.add_argument("--join-token", metavar="TOKEN",
+                   help="legacy nodes must present this token to register (X-Inclavate-Join-Token); with --legacy, "
+                   f"the token to present. Also ${JOIN_TOKEN_ENV}, which keeps it out of `ps`")  # fmt: skip
+    p.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                   help="with the API on loopback, also accept requests whose Host header names HOST "
+                   "(a name or name:port; repeatable). Others are refused against DNS rebinding")  # fmt: skip
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the LAN")
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
@@ -108,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         admin_peers=tuple(args.admin_peer),
         engine=engine,
         wire_dtype=args.wire_dtype,
+        join_token=args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None,
+        allowed_hosts=tuple(args.allow_host),
     )
 
 

@@ -93,3 +93,25 @@ def check_hidden(hidden: np.ndarray, info: EngineInfo) -> None:
         raise FrameRejected(FrameReason.WRONG_INPUT, f"layers {info.layers} take hidden states (n, {info.d_model})")
     if not np.isfinite(hidden).all():
         raise FrameRejected(FrameReason.NOT_FINITE, "hidden states must be finite")
+
+
+def relay_answer_matches(sent: object, answer: object) -> bool:
+    """Whether a legacy node's answer continues the frame it was sent, and nothing else:
+    the relaying peer sends the answer on under its own identity, so a node must not be
+    able to aim it at another route, session or peer."""
+    from p2p import wire  # wire imports this module's neighbours; keep the cycle lazy
+
+    if not isinstance(sent, (wire.Forward, wire.Close)) or not isinstance(answer, wire.Message.__args__):  # type: ignore[attr-defined]
+        return False
+    if answer.session_id != sent.session_id or answer.req_id != sent.req_id:
+        return False
+    if isinstance(answer, wire.Error):
+        return True
+    if isinstance(sent, wire.Forward):
+        if isinstance(answer, wire.Forward):
+            return (answer.route == sent.route[1:] and answer.reply_to == sent.reply_to and answer.start_pos == sent.start_pos
+                    and answer.sampling == sent.sampling and answer.hidden is not None)  # fmt: skip
+        return isinstance(answer, wire.Result) and len(sent.route) == 1 and sent.sampling is not None
+    if isinstance(answer, wire.Close):
+        return answer.route == sent.route[1:] and answer.reply_to == sent.reply_to
+    return isinstance(answer, wire.Closed) and len(sent.route) == 1
