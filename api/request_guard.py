@@ -64,11 +64,18 @@ def install(app: QuartTrio, hosts: HostPolicy = HostPolicy(None)) -> None:
         _check_host(hosts, request.host)
         if request.method not in _STATE_CHANGING:
             return
-        _check_origin(request.headers.get("Origin"), request.host)
-        if _has_body() and request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
-            raise UnsupportedMediaType(
-                f"{request.method} {request.path} takes a JSON body: send Content-Type: application/json"
-            )
+        try:
+            _check_origin(request.headers.get("Origin"), request.host)
+            if _has_body() and request.mimetype != "application/json" and not request.mimetype.endswith("+json"):
+                raise UnsupportedMediaType(
+                    f"{request.method} {request.path} takes a JSON body: send Content-Type: application/json"
+                )
+        except ApiError:
+            # Read what was sent (bounded by MAX_CONTENT_LENGTH) before refusing: a body left
+            # unread (a multipart one especially) stalls the next request on the connection.
+            if _has_body():
+                await request.get_data(cache=False)
+            raise
 
     @app.before_websocket
     async def _guard_websocket() -> None:

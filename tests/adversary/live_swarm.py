@@ -43,8 +43,8 @@ def assert_swarm_healthy(peers: list[PeerProcess], expected: str, baseline: list
     """Alive, the honest records as before, and a chat through the chain still exact."""
     for peer in peers:
         assert peer.alive(), f"{peer.name} died:\n{peer.log_tail()}"
-    for peer in peers:
-        assert honest_nodes(peer) == baseline, f"{peer.name}'s registry changed"
+    for peer in peers:  # a stranger may add its own node, never change or hide ours
+        assert set(baseline) <= set(honest_nodes(peer)), f"{peer.name}'s registry changed"
     status, body = chat(peers[0])
     assert status == 200, (status, body)
     assert body["choices"][0]["message"]["content"] == expected
