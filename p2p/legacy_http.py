@@ -100,9 +100,9 @@ class LegacyHttp:
 def _exchange(method: str, url: str, body: bytes | None, headers: dict[str, str], deadline: float,
               max_bytes: int) -> tuple[int, bytes]:  # fmt: skip
     """Runs in a worker thread."""
-    request = urllib.request.Request(url, data=body, method=method, headers=headers)
     socket_timeout = max(0.1, min(_SOCKET_TIMEOUT_S, deadline - time.monotonic()))
     try:
+        request = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
             response = _OPENER.open(request, timeout=socket_timeout)
         except urllib.error.HTTPError as err:
