@@ -16,6 +16,7 @@ and free their KV cache), and leave.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from pathlib import Path
@@ -56,8 +57,8 @@ from p2p.placement import choose_range, should_move
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, choose_route
+from p2p.vocab import choose_vocab, fetch_vocab, serve_vocab, sha256_file
 from p2p.wire import max_frame_bytes
-from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class Peer:
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
         self._catalog_cache: tuple[int, Catalog] | None = None
+        self._model_sha256 = ""
+        self._vocab_sha256 = ""
+        """Of the vocab-only file we serve, announced in our record once computed."""
 
     # ------------------------------------------------------------------ run
 
@@ -116,7 +120,8 @@ class Peer:
         catalog = self._catalog()
         self._spec = spec = catalog.get(cfg.model_id)
         log.info("peer %s: model %s", self.peer_id, spec.model_id)
-        self._model_path = (await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)).path
+        pulled = await trio.to_thread.run_sync(ModelStore(cfg.home).pull, spec)
+        self._model_path, self._model_sha256 = pulled.path, pulled.sha256
         meta = read_metadata(self._model_path)
         try:
             await self._serve(meta, task_status)
@@ -159,6 +164,7 @@ class Peer:
                     await self._start_stage(layers)
                     await self._announce("Ready", layers)
                     log.info("ready: %s layers %s", spec.model_id, layers)
+                    nursery.start_soon(self._prepare_vocab)
                     task_status.started(self)
 
     async def shutdown(self) -> None:
@@ -341,6 +347,8 @@ class Peer:
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:
         m = self.metrics
         changes: dict = {
+            "model_sha256": self._model_sha256,
+            "vocab_sha256": self._vocab_sha256,
             "uptime_s": int(time.time() - self._started),
             "counters": m.counters(),
             "throughput_tps": m.throughput_tps(),
@@ -448,29 +456,55 @@ class Peer:
         return self._chat_models[model_id]
 
     async def local_chat_model(self, model_id: str) -> ChatModel | None:
+        """Loaded already, or readable from the model file pulled here; never fetched."""
         if model_id in self._chat_models:
             return self._chat_models[model_id]
-        if self._pulled_path(model_id) is None and not self._vocab_cache(model_id).exists():
+        if self._pulled_path(model_id) is None:
             return None
         return await self.chat_model(model_id)
 
     async def _vocab_path(self, model_id: str) -> Path:
         """Where to read a model's vocabulary: its own file when pulled here (llama.cpp's
-        vocab-only load skips the weights), else a vocab-only copy fetched from a peer."""
+        vocab-only load skips the weights), else a vocab-only copy fetched from a holder and
+        verified against the hash the holders announce (:mod:`p2p.vocab`)."""
         pulled = self._pulled_path(model_id)
         if pulled is not None:
             return pulled
-        cached = self._vocab_cache(model_id)
-        if cached.exists():
-            return cached
         if not self.knows_model(model_id):
             raise UnknownModel(f"model {model_id!r} is not in the registry")
         assert self.host is not None
-        holders = [PeerId(v.record.peer_id) for v in self.views() if v.record.model_id == model_id and v.state == "Ready"]
-        return await fetch_vocab(self.host, model_id, holders, self._vocab_cache(model_id))
+        try:
+            catalog_sha = self._catalog().get(model_id).gguf_sha256
+        except InclavateError:  # a model only the registry knows
+            catalog_sha = ""
+        source = choose_vocab(self.views(), model_id, catalog_sha)
+        cached = self.config.data_dir / "vocab" / f"{_file_safe(model_id)}@{source.sha256[:16]}.gguf"
+        if cached.exists() and await trio.to_thread.run_sync(sha256_file, cached) == source.sha256:
+            return cached
+        return await fetch_vocab(self.host, model_id, source, cached)
 
-    def _vocab_cache(self, model_id: str) -> Path:
-        return self.config.data_dir / "vocab" / f"{model_id.replace(':', '@').replace('/', '_')}.gguf"
+    async def _prepare_vocab(self) -> None:
+        """Write (once per model file, in the shared slice cache) the vocab-only GGUF we
+        serve and announce its hash with the next heartbeat. Seconds of work, so it runs
+        after Ready; until then fetchers use other holders."""
+        try:
+            path = await trio.to_thread.run_sync(self._own_vocab_file)
+            self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path)
+        except (OSError, InclavateError) as exc:
+            log.warning("cannot prepare the vocabulary file others fetch: %s", exc)
+
+    def _own_vocab_file(self) -> Path:
+        """Peers sharing a home (a machine's local swarm) write it once: the first holds a
+        file lock while the others wait and reuse its result."""
+        assert self._model_path is not None
+        key = self._model_sha256[:16] or _file_safe(self.config.model_id)
+        dest = self.config.home / "slices" / key / "vocab-only.gguf"
+        if dest.exists():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.with_name(".vocab-only.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return dest if dest.exists() else write_vocab_only(self._model_path, dest)
 
     def _catalog(self) -> Catalog:
         """The catalog plus overlay, re-read only when the overlay file changed (a request
@@ -490,13 +524,19 @@ class Peer:
         return store.path(spec) if store.is_pulled(spec) else None
 
     def _local_vocab(self, model_id: str) -> Path | None:
-        """For ``/inclavate/vocab/1``: a vocab-only GGUF of a model this peer has (written on
-        first request, a few MB), or one it fetched earlier."""
-        cached = self._vocab_cache(model_id)
-        if cached.exists():
-            return cached
-        pulled = self._pulled_path(model_id)
-        return write_vocab_only(pulled, cached) if pulled is not None else None
+        """For ``/inclavate/vocab/1``: the vocab-only GGUF of the model we serve (the file
+        whose hash our record announces); None for any other model."""
+        if model_id != self.config.model_id or not self._vocab_sha256:
+            return None
+        return self._own_vocab_file()
+
+    def _measured_step_ms(self, model_id: str) -> float:
+        """Our own stage's measured ms per layer for ``model_id`` (0 when we run none): what
+        routing trusts over any other node's claim of being faster."""
+        stage = self.stage
+        if stage is None or stage.engine.info.model_id != model_id:
+            return 0.0
+        return float(stage.stats.step_ms_per_layer)
 
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:
@@ -509,10 +549,15 @@ class Peer:
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             def route_for() -> list:
-                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {})
+                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {},
+                                  measured_step_ms=self._measured_step_ms(model_id))  # fmt: skip
                 return choose_route(self.views(), ModelId(model_id), me, costs)
 
             pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
         contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
         pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
         return pipeline
+
+
+def _file_safe(model_id: str) -> str:
+    return model_id.replace(":", "@").replace("/", "_")

@@ -50,11 +50,18 @@ class LatencyMonitor:
         self.host.set_stream_handler(PROTOCOL, _echo, max_frame_size=64)
         task_status.started()
         while True:
+            targets = [p for p in self.targets() if p != self.host.peer_id]
+            self._forget_all_but(set(targets))
             async with trio.open_nursery() as nursery:
-                for peer in self.targets():
-                    if peer != self.host.peer_id:
-                        nursery.start_soon(self.measure, peer)
+                for peer in targets:
+                    nursery.start_soon(self.measure, peer)
             await trio.sleep(self.interval)
+
+    def _forget_all_but(self, targets: set[PeerId]) -> None:
+        """Peers leave (and strangers come and go): keep state only for current targets."""
+        self.rtt_ms = {p: ms for p, ms in self.rtt_ms.items() if p in targets}
+        for peer in [p for p in self._streams if p not in targets]:
+            del self._streams[peer]
 
     async def measure(self, peer: PeerId) -> float:
         """Ping ``peer`` once; returns the round trip in ms and folds it into the average."""

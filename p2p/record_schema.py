@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from typing import Any, Final
 
 from inclavate.types import ModelId, NodeId, PeerId
@@ -62,6 +63,7 @@ MAX_ID: Final = 256
 MAX_URL: Final = 512
 MAX_MODELS: Final = 64
 _SIG_BYTES: Final = 64
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
 
 
 def decode_envelope(data: bytes) -> SignedRecord:
@@ -131,7 +133,16 @@ def _read_record(d: dict[str, Any]) -> NodeRecord:
         buckets=tuple(_bucket(b) for b in read_list(d, "buckets", max_len=MAX_SERIES, default=[])),
         requests_by_model=_requests_by_model(read_dict(d, "requests_by_model", max_len=MAX_MODELS, default={})),
         version=read_str(d, "version", max_len=64, default=""),
+        model_sha256=_sha256(d, "model_sha256"),
+        vocab_sha256=_sha256(d, "vocab_sha256"),
     )
+
+
+def _sha256(d: dict[str, Any], key: str) -> str:
+    value = read_str(d, key, max_len=64, default="")
+    if value and not _HEX64.fullmatch(value):
+        raise Malformed(Reason.BAD_VALUE, key, "must be 64 lowercase hex digits")
+    return value
 
 
 def _counters(c: dict[str, Any]) -> Counters:

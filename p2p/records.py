@@ -9,7 +9,9 @@ neither break the signature nor the parse (unknown fields are ignored)::
 
 The signer is ``record.peer_id``. For a libp2p peer ``node_id == peer_id``; a legacy HTTP
 node's record is published (vouched for) by the peer that accepted it, so its ``node_id`` is
-the legacy id and ``relayed`` is true. Anyone holding the PeerID can verify: the public key
+the legacy id namespaced under that peer (``<PeerID>:<id>``) and ``relayed`` is true. A record
+for any other id is refused (:meth:`NodeRecord.check_ownership`): no peer can speak for a node
+it does not own. Records from the network are typed by :mod:`p2p.record_schema`. Anyone holding the PeerID can verify: the public key
 is inside it.
 """
 
@@ -118,6 +120,10 @@ class NodeRecord:
     requests_by_model: dict[str, int] = field(default_factory=dict)
     """Chat requests this peer served as entry, cumulative, per model."""
     version: str = ""
+    model_sha256: str = ""
+    """sha256 of the model file this node serves ("" if unknown)."""
+    vocab_sha256: str = ""
+    """sha256 of the vocab-only GGUF it serves on ``/inclavate/vocab/1`` ("" until computed)."""
 
     @property
     def layers(self) -> LayerRange:

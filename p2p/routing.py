@@ -6,8 +6,11 @@ its expected step time::
 
     cost(v) = layers(v) * step_ms_per_layer(v) + link_ms(v) + HOP_MS
 
-``step_ms_per_layer`` is what the node measured and gossips (unmeasured nodes get
-``DEFAULT_STEP_MS_PER_LAYER``); ``link_ms`` is half the round trip this peer measured to it
+``step_ms_per_layer`` is what the node says it measured, *trusted only to make it look
+slower* (:func:`trusted_step_ms_per_layer`): a claim below the reference speed, this peer's
+own measurement of the model or else the median claim, counts as the reference, so one
+record claiming to be a thousand times faster cannot attract every session (and see every
+prompt); ``link_ms`` is half the round trip this peer measured to it
 (unknown peers get ``DEFAULT_LINK_MS``; the entry peer itself costs nothing), and
 ``HOP_MS`` charges every hop its fixed serialization and scheduling cost, which is what
 makes fewer hops win between otherwise equal chains. Among equally cheap chains one is drawn
@@ -62,6 +65,26 @@ class CostModel:
     link_ms: Mapping[PeerId, float] = field(default_factory=dict)
     """Measured one-way latency from this peer to others."""
     hop_ms: float = HOP_MS
+    measured_step_ms: float = 0.0
+    """This peer's own measured ms per layer per step for the model (0: it runs none)."""
+
+
+def reference_step_ms(claims: Iterable[float], measured: float = 0.0) -> float:
+    """The speed a node may claim to have without being believed faster: what this peer
+    measured itself where it has run the model, else the median claim (a minority of liars
+    cannot move it), else the default."""
+    if measured > 0:
+        return measured
+    positive = sorted(c for c in claims if c > 0)
+    return positive[(len(positive) - 1) // 2] if positive else DEFAULT_STEP_MS_PER_LAYER
+
+
+def trusted_step_ms_per_layer(claimed: float, reference: float) -> float:
+    """A node's compute cost as routing believes it: its claim when that makes it *slower*
+    than the reference (an honest slow node is avoided), the reference otherwise (no claim,
+    or one of being faster: unverifiable, and exactly what an attacker would say to draw
+    every session, so equal-seeming nodes share the load at random)."""
+    return max(claimed, reference)
 
 
 def choose_route(
@@ -77,8 +100,9 @@ def choose_route(
     n_layers = max(r.n_layers for r in candidates)
     candidates = [r for r in candidates if r.n_layers == n_layers]
     edges: dict[int, list[tuple[float, Hop]]] = {}
+    reference = reference_step_ms((r.step_ms_per_layer for r in candidates), costs.measured_step_ms)
     for r in candidates:
-        step = r.step_ms_per_layer if r.step_ms_per_layer > 0 else DEFAULT_STEP_MS_PER_LAYER
+        step = trusted_step_ms_per_layer(r.step_ms_per_layer, reference)
         link = 0.0 if r.peer_id == entry and not r.relayed else costs.link_ms.get(r.peer_id, DEFAULT_LINK_MS)
         hop = Hop(r.node_id, r.peer_id, r.layers, r.forward_url if r.relayed else "")
         edges.setdefault(r.start_layer, []).append((len(r.layers) * step + link + costs.hop_ms, hop))

@@ -55,3 +55,18 @@ def test_no_route_names_the_missing_layers() -> None:
         choose_route([view("a", 0, 12), view("b", 10, 30)], MODEL, PeerId("x"))
     with pytest.raises(NoRoute, match="no node serves it"):
         choose_route([], MODEL, PeerId("x"))
+
+
+def test_a_claim_of_being_faster_cannot_draw_every_session() -> None:
+    # A record claiming 0.0001 ms per layer (10,000x faster) is believed only as fast as the
+    # reference: sessions keep spreading over the honest replicas.
+    views = [view("a", 0, 30, step_ms_per_layer=1.0), view("b", 0, 30, step_ms_per_layer=1.0),
+             view("liar", 0, 30, step_ms_per_layer=0.0001)]  # fmt: skip
+    rng = random.Random(0)
+    picks = Counter(choose_route(views, MODEL, PeerId("x"), rng=rng)[0].node_id for _ in range(300))
+    assert set(picks) == {"a", "b", "liar"} and max(picks.values()) < 150
+    # What this peer measured itself is the reference when it has one.
+    costs = CostModel(measured_step_ms=3.0)
+    slow = [view("a", 0, 30, step_ms_per_layer=9.0), view("liar", 0, 30, step_ms_per_layer=0.0001), view("b", 0, 30)]
+    picks = Counter(choose_route(slow, MODEL, PeerId("x"), costs, rng=rng)[0].node_id for _ in range(200))
+    assert "a" not in picks and min(picks.values()) > 60

@@ -71,9 +71,12 @@ class HostilePeer:
     # -- gossip ----------------------------------------------------------------------
 
     async def wait_gossip_mesh(self, timeout: float = 15.0) -> None:
-        """Until the target has told us it subscribes to the registry topic."""
+        """Until the target is in our gossipsub mesh for the registry topic: before that a
+        publish reaches nobody (knowing it subscribes is not enough; the mesh is built at
+        the next heartbeat). Peeks at the router: a test harness may."""
+        router = self.host._pubsub.router  # noqa: SLF001
         with trio.fail_after(timeout):
-            while self.target not in self.host.gossip_peers(TOPIC):
+            while self.target not in {p.to_base58() for p in router.mesh.get(TOPIC, ())}:
                 await trio.sleep(0.05)
 
     async def publish_raw(self, data: bytes) -> None:
@@ -121,12 +124,13 @@ def envelope(payload: bytes, signer: Identity) -> bytes:
 
 
 def honest_record(identity: Identity, *, node_id: str | None = None, start: int = 0, end: int = 1,
-                  n_layers: int = 4, model: str = "test:hostile", **fields: Any) -> NodeRecord:
-    """A well-formed, currently dated record (fields may be overridden to lie)."""
+                  n_layers: int = 30, model: str = "smollm2:135m", **fields: Any) -> NodeRecord:
+    """A well-formed, currently dated record (fields may be overridden to lie); by default
+    a SmolLM2-shaped one, as a live swarm in the tests serves."""
     ts = now_ms()
     base: dict[str, Any] = dict(
         node_id=NodeId(node_id or identity.peer_id), peer_id=identity.peer_id, model_id=ModelId(model),
-        start_layer=start, end_layer=end, n_layers=n_layers, d_model=8, state="Ready", seq=ts, ts_ms=ts,
+        start_layer=start, end_layer=end, n_layers=n_layers, d_model=576, state="Ready", seq=ts, ts_ms=ts,
     )  # fmt: skip
     base.update(fields)
     return NodeRecord(**base)

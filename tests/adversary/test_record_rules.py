@@ -1,0 +1,146 @@
+"""Records from strangers, without a network: every field typed, ownership, seq bound, quotas,
+and our own record never silently outgrowing what receivers accept."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from registry_helpers import record, signed
+
+from inclavate.untrusted import Reason
+from p2p.identity import Identity
+from p2p.record_schema import MAX_RECORD_BYTES, decode_envelope
+from p2p.records import (
+    InvalidRecord,
+    MetricSample,
+    MinuteBucket,
+    RecordProblem,
+    canonical_bytes,
+    fit_record,
+    legacy_node_id,
+)
+from p2p.registry import Liveness, RegistryLimits, Table, Verdict, apply
+
+ALICE = Identity.generate()
+NOW = 1_000_000
+
+
+def envelope_of(fields: dict[str, Any], signer: Identity = ALICE) -> bytes:
+    payload = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({"v": 1, "record": payload.decode(), "sig": base64.b64encode(signer.sign(payload)).decode()}).encode()
+
+
+def good_fields(**changes: Any) -> dict[str, Any]:
+    return {**record(ALICE, 0, 10).to_json(), **changes}
+
+
+def problem(data: bytes) -> object:
+    with pytest.raises(InvalidRecord) as info:
+        decode_envelope(data)
+    return info.value.reason
+
+
+def test_an_honest_record_round_trips() -> None:
+    original = signed(ALICE, 0, 10, samples=(MetricSample(1.5, 2.0, 5),), buckets=(MinuteBucket(60_000, 3, 4),))
+    assert decode_envelope(original.encode()).record == original.record
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"start_layer": "0"}, Reason.WRONG_TYPE),
+        ({"end_layer": 10.0}, Reason.WRONG_TYPE),
+        ({"n_layers": True}, Reason.WRONG_TYPE),
+        ({"state": "Godlike"}, Reason.BAD_VALUE),
+        ({"seq": 2**70}, Reason.OUT_OF_RANGE),
+        ({"step_ms_per_layer": "fast"}, Reason.WRONG_TYPE),
+        ({"throughput_tps": -1.0}, Reason.OUT_OF_RANGE),
+        ({"buckets": [{"ts_ms": 60_000, "requests": "1", "tokens": 0}]}, Reason.WRONG_TYPE),
+        ({"buckets": [{"ts_ms": 60_000, "requests": 2**70, "tokens": 0}]}, Reason.OUT_OF_RANGE),
+        ({"buckets": [[1, 2, 3]]}, Reason.WRONG_TYPE),
+        ({"samples": [{"tps": 1.0, "latency_ms": 1.0}]}, Reason.MISSING),
+        ({"counters": {"tokens_total": -5}}, Reason.OUT_OF_RANGE),
+        ({"requests_by_model": {"m": "many"}}, Reason.WRONG_TYPE),
+        ({"multiaddrs": [1]}, Reason.WRONG_TYPE),
+        ({"hardware": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {}}}}}}}}}, Reason.TOO_DEEP),
+        ({"node_id": "x" * 10_000}, Reason.TOO_LONG),
+        ({"start_layer": 10, "end_layer": 10}, RecordProblem.BAD_LAYERS),
+    ],
+)
+def test_a_mistyped_field_is_a_typed_rejection(changes: dict[str, Any], reason: object) -> None:
+    assert problem(envelope_of(good_fields(**changes))) == reason
+
+
+def test_malformed_envelopes_are_typed_rejections() -> None:
+    assert problem(b'{"records":1}') == Reason.MISSING
+    assert problem(b"[" * 100_000) == Reason.TOO_DEEP
+    assert problem(b'{"v":1,"record":"{}","sig":"!!"}') == Reason.BAD_VALUE
+    assert problem(b'{"v":2,"record":"{}","sig":""}') == RecordProblem.BAD_VERSION
+    deep = json.dumps({"v": 1, "record": "[" * 5000 + "]" * 5000, "sig": base64.b64encode(bytes(64)).decode()})
+    assert problem(deep.encode()) == Reason.TOO_DEEP
+
+
+def test_a_peer_cannot_publish_another_peers_node() -> None:
+    mallory = Identity.generate()
+    forged = good_fields(node_id=ALICE.peer_id, peer_id=mallory.peer_id)
+    assert problem(envelope_of(forged, mallory)) == RecordProblem.NOT_OWNER
+    # "relayed" used to be a way around it: a vouched-for node may be named anything.
+    relayed = good_fields(node_id=ALICE.peer_id, peer_id=mallory.peer_id, relayed=True)
+    assert problem(envelope_of(relayed, mallory)) == RecordProblem.NOT_OWNER
+    other = good_fields(node_id=legacy_node_id(ALICE.peer_id, "n1"), peer_id=mallory.peer_id, relayed=True)
+    assert problem(envelope_of(other, mallory)) == RecordProblem.NOT_OWNER
+    mine = good_fields(node_id=legacy_node_id(mallory.peer_id, "n1"), peer_id=mallory.peer_id, relayed=True)
+    assert decode_envelope(envelope_of(mine, mallory)).record.node_id == f"{mallory.peer_id}:n1"
+
+
+def test_seq_may_not_run_ahead_of_the_signers_clock() -> None:
+    live = Liveness()
+    held, verdict = apply(Table(), signed(ALICE, 0, 10, seq=NOW, ts_ms=NOW), NOW, live)
+    assert verdict is Verdict.ACCEPTED
+    _, verdict = apply(held, signed(ALICE, 0, 10, seq=2**62, ts_ms=NOW), NOW, live)
+    assert verdict is Verdict.SEQ_AHEAD
+    # The genuine next record still gets through afterwards.
+    _, verdict = apply(held, signed(ALICE, 0, 10, seq=NOW + 2000, ts_ms=NOW + 2000), NOW + 2000, live)
+    assert verdict is Verdict.ACCEPTED
+
+
+def test_signer_and_table_quotas() -> None:
+    live, limits = Liveness(), RegistryLimits(max_records_per_signer=3, max_records=5)
+    table = Table()
+    for i in range(3):
+        node = legacy_node_id(ALICE.peer_id, f"n{i}")
+        table, verdict = apply(table, signed(ALICE, 0, 10, node_id=node, relayed=True, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)
+        assert verdict is Verdict.ACCEPTED
+    extra = signed(ALICE, 0, 10, node_id=legacy_node_id(ALICE.peer_id, "n9"), relayed=True, seq=NOW, ts_ms=NOW)
+    assert apply(table, extra, NOW, live, limits=limits)[1] is Verdict.SIGNER_FULL
+    # Updating a record already held is not a new one.
+    again = signed(ALICE, 0, 10, node_id=legacy_node_id(ALICE.peer_id, "n0"), relayed=True, seq=NOW + 1, ts_ms=NOW)
+    assert apply(table, again, NOW, live, limits=limits)[1] is Verdict.ACCEPTED
+    for _ in range(2):
+        other = Identity.generate()
+        table, verdict = apply(table, signed(other, 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)
+        assert verdict is Verdict.ACCEPTED
+    assert apply(table, signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)[1] is Verdict.TABLE_FULL
+
+
+def test_our_own_record_is_trimmed_to_fit_never_dropped() -> None:
+    huge = record(ALICE, 0, 10, samples=tuple(MetricSample(1.0, 1.0, i) for i in range(60)),
+                  buckets=tuple(MinuteBucket(i * 60_000, 1, 1) for i in range(60)),
+                  hardware={"blob": "x" * (2 * MAX_RECORD_BYTES)})  # fmt: skip
+    fitted = fit_record(huge, MAX_RECORD_BYTES)
+    assert len(canonical_bytes(fitted)) <= MAX_RECORD_BYTES
+    assert fitted.layers == huge.layers
+    small = record(ALICE, 0, 10, samples=tuple(MetricSample(1.0, 1.0, i) for i in range(60)))
+    assert fit_record(small, MAX_RECORD_BYTES) is small
+    trimmed = fit_record(small, len(canonical_bytes(small)) - 10)
+    assert 0 < len(trimmed.samples) < 60 and trimmed.samples[-1] == small.samples[-1], "newest samples kept"
+
+
+def test_decoded_numbers_are_safe_for_sqlite_sums() -> None:
+    # The schema bounds counters so that a full table's sum stays a 64-bit integer.
+    from p2p.record_schema import MAX_COUNT
+
+    assert RegistryLimits().max_records * MAX_COUNT < 2**63

@@ -1,0 +1,60 @@
+"""Vocabulary (and chat template) files fetched from peers are verified before use: only
+holders of the catalog's model file are asked, the hash most holders announce wins, and
+bytes that do not match are refused and never cached."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import trio
+from registry_helpers import view
+
+from inclavate.types import PeerId
+from node.gguf_slice import write_vocab_only
+from p2p.host import open_host
+from p2p.identity import Identity
+from p2p.vocab import VocabSource, VocabUnavailable, choose_vocab, fetch_vocab, serve_vocab
+
+MODEL_SHA = "a" * 64
+GOOD, EVIL = "1" * 64, "2" * 64
+
+
+def holder(name: str, vocab: str, model_sha: str = MODEL_SHA, state: str = "Ready"):  # type: ignore[no-untyped-def]
+    return view(name, 0, 30, state, model_sha256=model_sha, vocab_sha256=vocab)
+
+
+def test_the_hash_most_holders_of_the_catalog_file_announce_wins() -> None:
+    views = [holder("h1", GOOD), holder("h2", GOOD), holder("liar", EVIL)]
+    assert choose_vocab(views, "m:1", MODEL_SHA) == VocabSource(GOOD, (PeerId("h1"), PeerId("h2")))
+    # Holders of another file are not asked, however many they are.
+    sybils = [holder(f"s{i}", EVIL, model_sha="b" * 64) for i in range(5)]
+    assert choose_vocab([holder("h1", GOOD), *sybils], "m:1", MODEL_SHA).sha256 == GOOD
+    # Not Ready, or no hash announced yet: not a source.
+    with pytest.raises(VocabUnavailable):
+        choose_vocab([holder("j", GOOD, state="Joining"), holder("n", "")], "m:1", MODEL_SHA)
+
+
+@pytest.mark.slow
+async def test_a_peer_serving_other_bytes_is_refused_and_nothing_is_cached(tmp_path: Path, smollm2) -> None:
+    honest_file = write_vocab_only(smollm2.path, tmp_path / "honest.gguf")
+    good_sha = hashlib.sha256(honest_file.read_bytes()).hexdigest()
+    evil_file = tmp_path / "evil.gguf"
+    evil_file.write_bytes(honest_file.read_bytes().replace(b"im_start", b"im_stArt"))  # a doctored template
+    dest = tmp_path / "cache" / "vocab.gguf"
+    with trio.fail_after(60):
+        async with open_host(Identity.generate()) as honest, open_host(Identity.generate()) as evil, \
+                open_host(Identity.generate()) as me:  # fmt: skip
+            serve_vocab(honest, lambda _model: honest_file)
+            serve_vocab(evil, lambda _model: evil_file)
+            for peer in (honest, evil):
+                await me.connect(peer.multiaddrs()[0])
+            # The liar is asked first and refused; the honest copy is taken.
+            source = VocabSource(good_sha, (evil.peer_id, honest.peer_id))
+            assert await fetch_vocab(me, "m:1", source, dest) == dest
+            assert hashlib.sha256(dest.read_bytes()).hexdigest() == good_sha
+            dest.unlink()
+            with pytest.raises(VocabUnavailable, match="does not match"):
+                await fetch_vocab(me, "m:1", VocabSource(good_sha, (evil.peer_id,)), dest)
+            assert not dest.exists() and not any(dest.parent.iterdir())
