@@ -488,8 +488,10 @@ class Peer:
         serve and announce its hash with the next heartbeat. Seconds of work, so it runs
         after Ready; until then fetchers use other holders."""
         try:
-            path = await trio.to_thread.run_sync(self._own_vocab_file)
-            self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path)
+            # Abandoned on cancel: ~10 s of GGUF parsing on a slow machine must not hold up a
+            # shutdown (the file is written through a rename, so an abandoned write leaves none).
+            path = await trio.to_thread.run_sync(self._own_vocab_file, abandon_on_cancel=True)
+            self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path, abandon_on_cancel=True)
         except (OSError, InclavateError) as exc:
             log.warning("cannot prepare the vocabulary file others fetch: %s", exc)
 

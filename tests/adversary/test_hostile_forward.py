@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import trio
 from forward_frames import attack, forward, hop, peer_id
-from hostile_peer import HostilePeer
-from live_swarm import MAX_TOKENS, QUESTION, assert_swarm_healthy, chat, honest_nodes, three_peers
+from hostile_peer import HostilePeer, honest_record, hostile_peer
+from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, chat, honest_nodes, three_peers
 from reference import whole_model_text
-from swarm import PeerProcess, Swarm
+from swarm import PeerProcess, Swarm, request_json
 
 from inclavate.types import LayerRange, NodeId, PeerId
 from node.sampling import SamplingParams
@@ -30,11 +30,12 @@ from p2p.routing import Hop
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 D_MODEL = 576
 N_VOCAB = 49152
+ADMIN_TOKEN = "adversary-admin-token"
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, list[PeerProcess]]]:
-    with three_peers(tmp_path_factory.mktemp("hostile-forward")) as (s, peers):
+    with three_peers(tmp_path_factory.mktemp("hostile-forward"), "--admin-token", ADMIN_TOKEN) as (s, peers):
         yield s, peers
 
 
@@ -222,4 +223,55 @@ def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) 
     attack(c, s, run, settle=0.1)
     status, body = results[0]
     assert status == 200 and body["choices"][0]["message"]["content"] == expected
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def _set_state(target: PeerProcess, state: str) -> None:
+    status, body = request_json("PATCH", target.url + f"/admin/nodes/{peer_id(target)}/state", {"state": state},
+                                headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+    assert status == 200, body
+
+
+def test_a_last_stage_that_answers_a_token_outside_the_vocabulary(live, expected, baseline) -> None:
+    """llama.cpp aborts the whole entry process (std::terminate) on such a token id. Here a
+    stranger registers as the only Ready holder of layers 10-30 and answers every step with
+    token 1,000,000: the chat fails cleanly and the entry lives."""
+    s, (a, b, c) = live
+    outcome: list[tuple[int, object]] = []
+
+    async def main() -> None:
+        async with hostile_peer(s.multiaddr(a)) as evil:
+            async def lie(stream: FramedStream, remote: PeerId) -> None:
+                while True:
+                    msg = wire.decode(await stream.receive(timeout=60))
+                    answer: wire.Message | None = None
+                    if isinstance(msg, wire.Forward) and msg.sampling is not None:
+                        answer = wire.Result(msg.req_id, msg.session_id, 1_000_000)
+                    elif isinstance(msg, wire.Close):
+                        answer = wire.Closed(msg.req_id, msg.session_id)
+                    if answer is not None:
+                        out = await evil.host.new_stream(msg.reply_to, wire.PROTOCOL)
+                        await out.send(wire.encode(answer), timeout=10)
+                        await out.close()
+
+            evil.host.set_stream_handler(wire.PROTOCOL, lie)
+            await evil.publish_record(honest_record(evil.identity, model=MODEL, start=10, end=30, n_layers=30, d_model=D_MODEL,
+                                                    multiaddrs=tuple(evil.host.multiaddrs())))  # fmt: skip
+            for honest in (b, c):
+                await trio.to_thread.run_sync(_set_state, honest, "idle")
+            try:
+                with trio.fail_after(20):
+                    while not (await trio.to_thread.run_sync(a.get, "/api/models"))[0]["chain_complete"]:
+                        await trio.sleep(0.2)
+                outcome.append(await trio.to_thread.run_sync(chat, a))
+            finally:
+                for honest in (b, c):
+                    await trio.to_thread.run_sync(_set_state, honest, "ready")
+
+    trio.run(main)
+    status, body = outcome[0]
+    assert status == 503 and "vocabulary" in str(body), (status, body)
+    assert a.alive()
+    evil_gone = lambda: all(n["state"] != "Ready" for n in a.get("/nodes") if n["node_id"] not in {x[0] for x in baseline})  # noqa: E731
+    s.wait(evil_gone, 20, "the stranger's record to age out", a)
     assert_swarm_healthy([a, b, c], expected, baseline)
