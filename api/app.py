@@ -17,7 +17,7 @@ from quart import Response, jsonify
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import request_guard, routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
+from api import confined_server, request_guard, routes_admin, routes_chat, routes_metrics, routes_models, routes_nodes, routes_system
 from api.context import PeerContext
 from api.errors import error_response_parts
 from api.request_guard import HostPolicy
@@ -75,6 +75,7 @@ async def serve_api(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until cancelled (or ``shutdown`` returns); reports the bound URLs."""
+    confined_server.install()
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
