@@ -54,6 +54,7 @@ from p2p.latency import LatencyMonitor
 from p2p.admin import AdminCommand, AdminRefused, AdminService
 from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
+from p2p.record_schema import MAX_MULTIADDRS
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, choose_route
@@ -330,7 +331,8 @@ class Peer:
             assert current is not None
             layers = current.layers
         record = (current or self._new_record(layers)).replace(
-            state=state, start_layer=layers.start, end_layer=layers.end, multiaddrs=tuple(self.host.multiaddrs())
+            state=state, start_layer=layers.start, end_layer=layers.end,
+            multiaddrs=tuple(self.host.multiaddrs()[:MAX_MULTIADDRS]),
         )
         await self.registry.publish(self._refresh_record(record))
 
@@ -487,9 +489,9 @@ class Peer:
         """Write (once per model file, in the shared slice cache) the vocab-only GGUF we
         serve and announce its hash with the next heartbeat. Seconds of work, so it runs
         after Ready; until then fetchers use other holders."""
+        # Abandoned on cancel: shutdown must not wait seconds for a file nobody will fetch
+        # (the unfinished temporary file is never renamed into place).
         try:
-            # Abandoned on cancel: ~10 s of GGUF parsing on a slow machine must not hold up a
-            # shutdown (the file is written through a rename, so an abandoned write leaves none).
             path = await trio.to_thread.run_sync(self._own_vocab_file, abandon_on_cancel=True)
             self._vocab_sha256 = await trio.to_thread.run_sync(sha256_file, path, abandon_on_cancel=True)
         except (OSError, InclavateError) as exc:

@@ -31,8 +31,8 @@ from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.identity import Identity
-from p2p.record_schema import MAX_RECORD_BYTES
-from p2p.records import InvalidRecord, NodeRecord, SignedRecord, fit_record, now_ms
+from p2p.record_schema import MAX_RECORD_BYTES, fit_record
+from p2p.records import InvalidRecord, NodeRecord, SignedRecord, now_ms
 from p2p.registry import Liveness, NodeView, RegistryLimits, Table, Verdict, apply, expire, remove
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,11 @@ class RegistryService:
                         record.node_id, MAX_RECORD_BYTES)  # fmt: skip
             record = fitted
         signed = SignedRecord.sign(record, self.identity)
+        try:  # what every receiver will do with it: refuse here, loudly, rather than there
+            SignedRecord.decode(signed.encode())
+        except InvalidRecord as exc:
+            log.warning("not publishing the record of %s: receivers would refuse it (%s)", record.node_id, exc)
+            raise
         self._own[record.node_id] = record
         verdict = self._accept(signed, "gossip")
         if verdict.rejected:  # every receiver would refuse it too: never fail silently
@@ -174,9 +179,12 @@ class RegistryService:
             for node_id, record in list(self._own.items()):
                 if record.state == "Dead":
                     continue
-                if node_id == self.identity.peer_id and self.refresh is not None:
-                    record = self.refresh(record)
-                await self.publish(record)
+                try:
+                    if node_id == self.identity.peer_id and self.refresh is not None:
+                        record = self.refresh(record)
+                    await self.publish(record)
+                except Exception:  # one bad record (a legacy node's) must not stop the others
+                    log.exception("the heartbeat of %s failed; retrying next beat", node_id)
 
     async def _age(self) -> None:
         while True:

@@ -47,7 +47,7 @@ from p2p.errors import P2PError
 from p2p.forward_checks import relay_answer_matches
 from p2p.legacy_http import LegacyHttp, NodeUnreachable, check_node_url
 from p2p.gossip import RegistryService
-from p2p.records import Counters, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
+from p2p.records import Counters, InvalidRecord, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ HOLD_OUT_S = (5.0, 600.0)
 MAX_LEGACY_NODES = 32
 """Legacy nodes one peer vouches for (strangers register them; its registry quota is 64)."""
 _LOCAL_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_MAX_TEXT = 512
 
 
 class LegacyError(P2PError):
@@ -188,7 +189,11 @@ class LegacyNodes:
         node = _Node(record, http_url + "/forward", token)
         self._nodes[node_id] = node
         self._start_worker(node)
-        node.record = await self.registry.publish(record)
+        try:
+            node.record = await self.registry.publish(record)
+        except InvalidRecord as exc:  # e.g. a hardware profile nested too deep to gossip
+            self.forget(node_id)
+            raise BadRegistration(f"the node's record would be refused by the swarm: {exc}") from exc
         log.info("vouching for legacy node %s (%s layers %s at %s)", node_id, model_id, layers, http_url)
         # The node keeps using the id it chose with this peer; the swarm knows it namespaced.
         return {"node_id": local_id, "registry_id": node_id, "start_layer": layers.start, "end_layer": layers.end,
@@ -386,6 +391,8 @@ def _text(body: dict[str, Any], key: str) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not value:
         raise BadRegistration(f"{key} is required (a non-empty string)")
+    if len(value) > _MAX_TEXT:  # it travels in the gossiped record, whose fields are bounded
+        raise BadRegistration(f"{key} is longer than {_MAX_TEXT} characters")
     return value
 
 

@@ -8,11 +8,13 @@ field); :class:`SwarmPubsub` replaces the queues. Only ``p2p.host`` uses this mo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import trio
+from libp2p.abc import INetStream
 from libp2p.host.basic_host import BasicHost
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import (
@@ -140,6 +142,22 @@ class SwarmPubsub(Pubsub):
         for topic in publish_message.topicIDs:
             if topic in self._topics:
                 self._topics[topic].send(message)
+
+    async def stream_handler(self, stream: INetStream) -> None:
+        """The library's reader, with every failure confined to the sender's stream.
+
+        py-libp2p catches only its own stream and parse errors here; protobuf's
+        ``DecodeError`` (any bytes that are not an RPC) and whatever else one message can
+        provoke escaped into the swarm's nursery and ended the peer: one stranger's
+        malformed RPC killed its victim. Now it costs that stranger its stream."""
+        try:
+            await super().stream_handler(stream)
+        except Exception as exc:  # a foreign library's zoo of errors, all from one sender
+            peer_id = stream.muxed_conn.peer_id
+            logger.debug("dropping the pubsub stream of %s: %r", peer_id, exc)
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            self._handle_dead_peer(peer_id)
 
     async def _handle_new_peer(self, peer_id: ID) -> None:
         await super()._handle_new_peer(peer_id)

@@ -43,6 +43,7 @@ from p2p.records import (
     NodeRecord,
     RecordProblem,
     SignedRecord,
+    canonical_bytes,
 )
 
 MAX_RECORD_BYTES: Final = 64 * 1024
@@ -62,6 +63,8 @@ MAX_SERIES: Final = 120
 MAX_ID: Final = 256
 MAX_URL: Final = 512
 MAX_MODELS: Final = 64
+MAX_MULTIADDRS: Final = 32
+"""A peer on many interfaces (container bridges) advertises its first 32."""
 _SIG_BYTES: Final = 64
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 
@@ -119,7 +122,7 @@ def _read_record(d: dict[str, Any]) -> NodeRecord:
         vram_mb=count("vram_mb"),
         hardware=read_dict(d, "hardware", max_len=64, default={}),
         api_url=read_str(d, "api_url", max_len=MAX_URL, default=""),
-        multiaddrs=tuple(as_str(a, "multiaddrs", max_len=MAX_URL) for a in read_list(d, "multiaddrs", max_len=16, default=[])),
+        multiaddrs=tuple(as_str(a, "multiaddrs", max_len=MAX_URL) for a in read_list(d, "multiaddrs", max_len=MAX_MULTIADDRS, default=[])),
         counters=_counters(read_dict(d, "counters", max_len=16, default={})),
         uptime_s=count("uptime_s"),
         started_ms=read_int(d, "started_ms", lo=0, hi=MAX_TIME_MS, default=0),
@@ -176,3 +179,30 @@ def _requests_by_model(d: dict[str, Any]) -> dict[str, int]:
     for key in d:
         as_str(key, "requests_by_model", max_len=MAX_ID)
     return {key: as_int(n, "requests_by_model", lo=0, hi=MAX_COUNT) for key, n in d.items()}
+
+
+def fit_record(record: NodeRecord, limit: int = MAX_RECORD_BYTES) -> NodeRecord:
+    """``record`` trimmed to what every receiver accepts: at most the schema's counts (the
+    newest samples and buckets, the most-asked models, the first addresses), then, until
+    its canonical JSON fits in ``limit`` bytes, the oldest samples and minute buckets, the
+    per-model request counts, the hardware profile.
+
+    A record over a limit is refused by every receiver (and by our own gossip validator),
+    so an unbounded field must never make a peer silently stop announcing itself."""
+    if len(record.requests_by_model) > MAX_MODELS:
+        top = sorted(record.requests_by_model.items(), key=lambda kv: -kv[1])[:MAX_MODELS]
+        record = record.replace(requests_by_model=dict(top))
+    if len(record.samples) > MAX_SERIES or len(record.buckets) > MAX_SERIES or len(record.multiaddrs) > MAX_MULTIADDRS:
+        record = record.replace(samples=record.samples[-MAX_SERIES:], buckets=record.buckets[-MAX_SERIES:],
+                                multiaddrs=record.multiaddrs[:MAX_MULTIADDRS])  # fmt: skip
+    while len(canonical_bytes(record)) > limit:
+        if record.samples or record.buckets:
+            record = record.replace(samples=record.samples[len(record.samples) // 2 + 1 :] if record.samples else (),
+                                    buckets=record.buckets[len(record.buckets) // 2 + 1 :] if record.buckets else ())
+        elif record.requests_by_model:
+            record = record.replace(requests_by_model={})
+        elif record.hardware:
+            record = record.replace(hardware={})
+        else:
+            raise InvalidRecord(f"record of {record.node_id} exceeds {limit} bytes even trimmed")
+    return record

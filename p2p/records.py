@@ -221,24 +221,5 @@ class SignedRecord:
         return decode_envelope(data)
 
 
-def fit_record(record: NodeRecord, limit: int) -> NodeRecord:
-    """``record`` trimmed until its canonical JSON fits in ``limit`` bytes: oldest samples
-    and minute buckets first, then per-model request counts, then the hardware profile.
-
-    A record over the limit is refused by every receiver (and by our own gossip validator),
-    so an unbounded field must never make a peer silently stop announcing itself."""
-    while len(canonical_bytes(record)) > limit:
-        if record.samples or record.buckets:
-            record = record.replace(samples=record.samples[len(record.samples) // 2 + 1 :] if record.samples else (),
-                                    buckets=record.buckets[len(record.buckets) // 2 + 1 :] if record.buckets else ())
-        elif record.requests_by_model:
-            record = record.replace(requests_by_model={})
-        elif record.hardware:
-            record = record.replace(hardware={})
-        else:
-            raise InvalidRecord(f"record of {record.node_id} exceeds {limit} bytes even trimmed")
-    return record
-
-
 def now_ms() -> int:
     return int(time.time() * 1000)

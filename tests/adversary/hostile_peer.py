@@ -15,6 +15,7 @@ The target sees an ordinary peer: Noise, yamux, gossipsub, its own PeerID.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -112,6 +113,22 @@ class HostilePeer:
         ``/inclavate/admin/1``; returns the peer's JSON answer."""
         data = command if isinstance(command, bytes) else encode_command(command, signer or self.identity)
         return json.loads(await self.request(peer, ADMIN_PROTOCOL, data))
+
+    async def send_raw_pubsub(self, peer: PeerId, rpc: bytes) -> None:
+        """Bytes that claim to be a gossipsub RPC (varint-prefixed, as the library frames
+        them) on a fresh ``/meshsub/1.1.0`` stream: below our own API, like a stranger's
+        own libp2p implementation would send them."""
+        from libp2p.custom_types import TProtocol
+        from libp2p.peer.id import ID
+        from libp2p.utils.varint import encode_varint_prefixed
+
+        stream = await self.host.libp2p_host.new_stream(ID.from_base58(peer), [TProtocol("/meshsub/1.1.0")])
+        try:
+            await stream.write(encode_varint_prefixed(rpc))
+            await trio.sleep(0.5)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.reset()
 
     async def open_stream(self, peer: PeerId, protocol: str, *, max_frame_size: int = _BIG_FRAME) -> FramedStream:
         """A raw framed stream (e.g. ``/inclavate/forward/1``); the caller closes it."""

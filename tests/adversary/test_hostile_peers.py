@@ -17,6 +17,7 @@ from hostile_peer import HostilePeer, envelope, honest_record, hostile_peer
 from reference import whole_model_text
 from swarm import PeerProcess, Swarm, request_json
 
+from inclavate.types import PeerId
 from p2p.discovery import PEERS_PROTOCOL
 from p2p.gossip import SYNC_PROTOCOL
 from p2p.identity import Identity
@@ -124,6 +125,16 @@ async def test_a_sync_reply_with_malformed_records_crashes_nobody(live: Live, ex
     await trio.to_thread.run_sync(assert_swarm_healthy, live, expected)
 
 
+async def test_a_malformed_gossipsub_rpc_crashes_nobody(live: Live, expected: str) -> None:
+    # protobuf's DecodeError escaped py-libp2p's pubsub reader and ended the peer.
+    with trio.fail_after(60):
+        for addr, victim in zip(live.addrs, live.ids, strict=True):
+            async with hostile_peer(addr, gossip=False) as evil:
+                await evil.send_raw_pubsub(PeerId(victim), b"\xff\xff\xff\xff not a protobuf")
+                await evil.send_raw_pubsub(PeerId(victim), b"\x0a" * 1000)
+    await trio.to_thread.run_sync(assert_swarm_healthy, live, expected)
+
+
 async def test_garbage_peer_exchange_answers_crash_nobody(live: Live, expected: str) -> None:
     for reply in (DEEP, b'{"peers":1}', b'{"peers":[{"id":1,"addrs":"x"}]}'):
         with trio.fail_after(30):
@@ -207,3 +218,18 @@ async def test_one_signer_cannot_fill_the_registry(live: Live, expected: str) ->
                 held = sum(n["peer_id"] == me.peer_id for n in table.values())
                 assert 0 < held <= 64, f"{peer.name} holds {held} records of one signer"
     await trio.to_thread.run_sync(assert_swarm_healthy, live, expected)
+
+
+def test_a_legacy_record_receivers_would_refuse_is_refused_at_registration(live: Live, expected: str) -> None:
+    # The vouching peer checks its own records the way receivers will: a hardware profile
+    # nested too deep to gossip is a 400, not a node that exists on one peer only.
+    deep: dict[str, Any] = {}
+    for _ in range(12):
+        deep = {"x": deep}
+    body = {"node_id": "deep-1", "model_id": MODEL, "http_url": "http://127.0.0.1:9", "start_layer": 10,
+            "end_layer": 20, "hardware": deep}  # fmt: skip
+    status, answer = request_json("POST", live.peers[0].url + "/nodes", body)
+    assert status == 400, answer
+    assert not any(n.get("legacy_id") == "deep-1" for n in live.peers[0].get("/nodes"))
+    assert request_json("POST", live.peers[0].url + "/nodes/deep-1/health", {})[0] == 404
+    assert_swarm_healthy(live, expected, entry=0)

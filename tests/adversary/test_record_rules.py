@@ -12,14 +12,14 @@ from registry_helpers import record, signed
 
 from inclavate.untrusted import Reason
 from p2p.identity import Identity
-from p2p.record_schema import MAX_RECORD_BYTES, decode_envelope
+from p2p.record_schema import MAX_RECORD_BYTES, decode_envelope, fit_record
 from p2p.records import (
     InvalidRecord,
     MetricSample,
     MinuteBucket,
     RecordProblem,
+    SignedRecord,
     canonical_bytes,
-    fit_record,
     legacy_node_id,
 )
 from p2p.registry import Liveness, RegistryLimits, Table, Verdict, apply
@@ -137,6 +137,10 @@ def test_our_own_record_is_trimmed_to_fit_never_dropped() -> None:
     assert fit_record(small, MAX_RECORD_BYTES) is small
     trimmed = fit_record(small, len(canonical_bytes(small)) - 10)
     assert 0 < len(trimmed.samples) < 60 and trimmed.samples[-1] == small.samples[-1], "newest samples kept"
+    many = record(ALICE, 0, 10, requests_by_model={f"m{i}": i for i in range(100)}, multiaddrs=tuple(f"/a/{i}" for i in range(50)))
+    fitted = fit_record(many)
+    assert decode_envelope(SignedRecord.sign(fitted, ALICE).encode()).record == fitted
+    assert "m99" in fitted.requests_by_model and "m0" not in fitted.requests_by_model
 
 
 def test_decoded_numbers_are_safe_for_sqlite_sums() -> None:
