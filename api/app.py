@@ -18,6 +18,8 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from api import (
+    confined_server,
+    request_guard,
     routes_admin,
     routes_artifacts,
     routes_audio,
@@ -32,6 +34,7 @@ from api import (
 )
 from api.context import PeerContext
 from api.errors import error_response_parts
+from api.request_guard import HostPolicy
 from api.sessions import ActiveSessions
 from api.uploads import install_request_class
 
@@ -53,12 +56,15 @@ INSTALLERS: list[Installer] = [
 ]
 
 
-def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None) -> QuartTrio:
+def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
+               hosts: HostPolicy = HostPolicy(None)) -> QuartTrio:  # fmt: skip
+    """``hosts``: the ``Host`` values to answer (see :mod:`api.request_guard`)."""
     app = QuartTrio("inclavate")
     app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
     install_request_class(app)  # upload routes raise their own body ceilings
+    request_guard.install(app, hosts)
     for install in INSTALLERS:
         install(app, ctx)
 
@@ -90,6 +96,7 @@ async def serve_api(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` until cancelled (or ``shutdown`` returns); reports the bound URLs."""
+    confined_server.install()
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None

@@ -4,15 +4,24 @@ Shared by ``POST /v1/chat/completions`` (plain and SSE) and ``/ws/chat``, so all
 validate in the same order, before any work: request shape and limits, then the model (422),
 its capabilities (400), the reasoning level (400), a route through the swarm (503), and the
 prompt length (400).
+
+The CPU-heavy steps (parsing a body of up to 24 MiB, decoding its media, rendering the
+template, tokenizing) run in worker threads, at most :data:`PREPARE_THREADS` at a time: on
+the event loop a few big requests would stall every stream, every forward frame and the
+peer's heartbeats.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
+from api.bodies import decode_json
 from api.chat_model import ChatModel, PreparedPrompt
 from api.chat_request import ChatMessage, ChatRequest, parse_chat_request
 from api.content import TextPart
@@ -66,8 +75,17 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-async def prepare_chat(ctx: PeerContext, body: object) -> ChatJob:
-    request = parse_chat_request(body, ctx.limits)
+PREPARE_THREADS = 2
+_PREPARE = trio.CapacityLimiter(PREPARE_THREADS)
+
+
+def _parse(raw: bytes | str, ctx: PeerContext) -> ChatRequest:
+    return parse_chat_request(decode_json(raw), ctx.limits)
+
+
+async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
+    """``raw``: the request body, size-checked by the caller."""
+    request = await trio.to_thread.run_sync(_parse, raw, ctx, limiter=_PREPARE)
     if not ctx.knows_model(request.model):
         raise UnknownModel(f"model {request.model!r} is not in the registry")
     chat = await ctx.chat_model(request.model)
@@ -77,13 +95,15 @@ async def prepare_chat(ctx: PeerContext, body: object) -> ChatJob:
         generation_tools = offered_tools(ctx.generations.capabilities(), request)
     tools = [t.to_openai() for t in request.tools] + [t.to_openai() for t in generation_tools] or None
     tool_choice = None if request.tool_choice is None else request.tool_choice.mode
-    prompt = chat.prepare(
+    prepare = functools.partial(
+        chat.prepare,
         [template_message(m) for m in request.messages],
         thinking=request.thinking,
         reasoning_effort=request.reasoning_effort,
         tools=tools if tool_choice != "none" else None,
         tool_choice=tool_choice,
     )
+    prompt = await trio.to_thread.run_sync(prepare, limiter=_PREPARE)
     pipeline = ctx.pipeline(request.model)
     params = chat.generation_params(
         prompt,

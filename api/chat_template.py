@@ -16,8 +16,11 @@ message, so callers never see jinja2's exception tree.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from types import FrameType
 from typing import Any
 
 import jinja2
@@ -25,6 +28,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2 import meta
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from inclavate.errors import InclavateError
@@ -114,11 +118,58 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
+RENDER_TIMEOUT_S = 5.0
+"""A template is code from a model file: it gets this long to render one conversation."""
+MAX_RENDERED_CHARS = 32 * 1024 * 1024
+"""More than any context holds; a template that writes more is refused, not buffered."""
+_TEMPLATE_FILENAME = "<template>"  # what jinja2 compiles templates from strings as
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+class _Deadline:
+    """Aborts a render that runs past its time: a trace function, installed on the rendering
+    thread only, that watches just the template's own compiled code (every loop iteration of
+    a template is a line event there), so nested loops cannot spin forever."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = time.monotonic() + seconds
+
+    def on_call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename == _TEMPLATE_FILENAME:
+            return self.on_line
+        return None
+
+    def on_line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and time.monotonic() > self._at:
+            raise _RenderTimeout
+        return self.on_line
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus a cap on what one ``*`` or ``**`` may build: the stock
+    sandbox lets ``'a' * 10**10`` allocate until the machine runs out of memory."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and abs(right) > 4096:
+            raise SecurityError("exponent too large")
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_RENDERED_CHARS:
+                    raise SecurityError("repetition too large")
+        return super().call_binop(context, operator, left, right)
+
+
 def _make_environment() -> ImmutableSandboxedEnvironment:
     # Immutable sandbox: a template may not mutate the caller's messages or reach Python
     # internals. trim_blocks/lstrip_blocks decide the prompt's whitespace, so they must
     # match the reference exactly.
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         loader=jinja2.BaseLoader(),
         trim_blocks=True,
         lstrip_blocks=True,
@@ -173,14 +224,21 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra: Mapping[str, Any] | None = None,
+        timeout_s: float = RENDER_TIMEOUT_S,
     ) -> str:
-        """Render the conversation; ``extra`` adds template variables (``enable_thinking``...)."""
+        """Render the conversation; ``extra`` adds template variables (``enable_thinking``...).
+
+        Blocking and CPU-bound: call it from a worker thread. A template still running after
+        ``timeout_s``, or writing more than :data:`MAX_RENDERED_CHARS`, is a TemplateError."""
         extra = dict(extra or {})
         shadowed = _STANDARD_VARIABLES & extra.keys()
         if shadowed:
             raise ValueError(f"extra template variables shadow standard ones: {sorted(shadowed)}")
+        deadline = _Deadline(timeout_s)
+        previous = sys.gettrace()
+        sys.settrace(deadline.on_call)
         try:
-            return self._compiled.render(
+            return _bounded_join(self._compiled.generate(
                 messages=messages,
                 eos_token=self.eos_token,
                 bos_token=self.bos_token,
@@ -192,15 +250,32 @@ class ChatTemplate:
                 tool_choice=tool_choice,
                 strftime_now=_strftime_now,
                 **extra,
-            )
+            ))
+        except _RenderTimeout:
+            raise TemplateError(f"chat template did not finish rendering within {deadline.seconds:g} s") from None
+        except MemoryError:
+            raise TemplateError("chat template tried to build more text than memory holds") from None
         except _TemplateRaised as exc:
             raise TemplateError(exc.message, raised_by_template=True) from None
         except _RENDER_FAILURES as exc:
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            sys.settrace(previous)
 
     def __repr__(self) -> str:
         size = f"<{len(self.source)} chars>"
         return f"ChatTemplate({size}, bos={self.bos_token!r}, eos={self.eos_token!r})"
+
+
+def _bounded_join(chunks: Any) -> str:
+    out: list[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDERED_CHARS:
+            raise TemplateError(f"chat template wrote more than {MAX_RENDERED_CHARS} characters")
+        out.append(chunk)
+    return "".join(out)
 
 
 def _special_token(metadata: Mapping[str, Any], kind: str) -> str:

@@ -192,7 +192,8 @@ def _register_lower_layers() -> None:
     from p2p.chain import ChainTimeout, ContextExceeded, StageFailed
     from p2p.admin import AdminRefused
     from p2p.errors import P2PError
-    from p2p.legacy import BadRegistration, DuplicateNode, NodeMismatch, NoRangeAvailable, UnknownLegacyNode
+    from p2p.legacy import (BadRegistration, DuplicateNode, NodeMismatch, NoRangeAvailable, NotYourNode,
+                            UnknownLegacyNode, UnreachableNode)  # fmt: skip
     from p2p.routing import NoRoute
 
     for exc_type, status in [
@@ -206,6 +207,8 @@ def _register_lower_layers() -> None:
         (BadRegistration, 400),
         (UnknownLegacyNode, 404),
         (DuplicateNode, 409),
+        (NotYourNode, 403),  # heartbeat/leave without the node's relay token; a wrong join token
+        (UnreachableNode, 422),  # the node's URL does not answer
         (NodeMismatch, 422),
         (NoRangeAvailable, 503),
         (AdminRefused, 409),  # the peer holding the node refused or could not do it

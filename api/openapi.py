@@ -91,10 +91,43 @@ SPEECH_REQUEST = {
     "required": ["model", "input"],
 }
 
+NODE_REGISTRATION = {
+    "type": "object",
+    "properties": {
+        "node_id": {"type": "string"},
+        "model_id": {"type": "string"},
+        "http_url": {"type": "string", "description": "http(s) URL; must answer GET /health"},
+        "relay_token": {"type": "string", "minLength": 16, "description": "the node's secret; heartbeats and leave present it"},
+        "start_layer": {"type": "integer", "minimum": 0},
+        "end_layer": {"type": "integer", "minimum": 1},
+        "layers": {"type": "string"},
+        "n_total_layers": {"type": "integer"},
+        "d_model": {"type": "integer"},
+        "vram_mb": {"type": "integer", "minimum": 0},
+        "hardware": {"type": "object"},
+    },
+    "required": ["node_id", "model_id", "http_url", "relay_token"],
+}
+
+NODE_HEARTBEAT = {
+    "type": "object",
+    "properties": {
+        "tokens_generated": {"type": "integer", "minimum": 0},
+        "requests_served": {"type": "integer", "minimum": 0},
+        "errors": {"type": "integer", "minimum": 0},
+        "avg_latency_ms": {"type": "number", "minimum": 0},
+        "peak_vram_mb": {"type": "integer", "minimum": 0},
+        "ready": {"type": "boolean"},
+    },
+}
+
 _BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): CHAT_REQUEST,
     ("post", "/v1/generations"): GENERATION_REQUEST,
     ("post", "/v1/audio/speech"): SPEECH_REQUEST,
+    ("post", "/nodes"): NODE_REGISTRATION,
+    ("post", "/nodes/join"): NODE_REGISTRATION,
+    ("post", "/nodes/{node_id}/health"): NODE_HEARTBEAT,
 }
 
 _STATUS = {

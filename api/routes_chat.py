@@ -18,7 +18,6 @@ import trio
 from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
-from api.bodies import decode_json
 from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle
 from api.context import PeerContext
 from api.errors import NotFound, error_response_parts
@@ -118,7 +117,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             ctx.limits.check_body_size(length)
         raw = await request.get_data(cache=False)
         ctx.limits.check_body_size(len(raw))
-        job = await prepare_chat(ctx, decode_json(raw))
+        job = await prepare_chat(ctx, raw)
         headers = {SESSION_HEADER: job.session_id}
         if job.request.stream:
 
@@ -148,7 +147,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             try:
                 size = len(raw.encode() if isinstance(raw, str) else raw)
                 ctx.limits.check_body_size(size)
-                job = await prepare_chat(ctx, decode_json(raw))
+                job = await prepare_chat(ctx, raw)
             except Exception as exc:  # noqa: BLE001 - every failure becomes an error frame
                 status, body = error_response_parts(exc)
                 await websocket.send(json.dumps({**body, "status": status}))

@@ -27,13 +27,18 @@ def _ranges(ranges: Any) -> list[list[int]]:
 
 
 async def _capabilities(ctx: PeerContext, model_id: str) -> dict[str, Any]:
-    """Per-model facts derived from its GGUF metadata (the chat template, the projector)."""
+    """Per-model facts derived from its GGUF metadata (the chat template, the projector).
+
+    Only from what this peer already has on disk: a listing must never make it fetch a
+    stranger's vocabulary file (and compile its template). A model this peer cannot read
+    yet reports no reasoning levels and no tools until its first chat fetches the file."""
     levels: list[str] = []
     tools = False
     with trio.move_on_after(_CAPABILITY_TIMEOUT):
         try:
-            chat = await ctx.chat_model(model_id)
-            levels, tools = chat.reasoning_levels, chat.supports_tools
+            chat = await ctx.local_chat_model(model_id)
+            if chat is not None:
+                levels, tools = chat.reasoning_levels, chat.supports_tools
         except InclavateError as exc:
             log.info("capabilities of %s unavailable: %s", model_id, exc)
     return {

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Response, jsonify
+from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import NotFound
 from p2p.records import legacy_local_id
+from p2p.legacy import JOIN_TOKEN_HEADER, TOKEN_HEADER
 from p2p.registry import NodeView
 
 
@@ -81,22 +82,22 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.post("/nodes")
     async def register_node():  # type: ignore[no-untyped-def]
         """Register a legacy node with an explicit layer range."""
-        result = await ctx.legacy_register(await json_object(), assign=False)
+        result = await ctx.legacy_register(await json_object(), assign=False, join_token=request.headers.get(JOIN_TOKEN_HEADER))
         return jsonify(node_id=result["node_id"], warnings=result["warnings"])
 
     @app.post("/nodes/join")
     async def join_node():  # type: ignore[no-untyped-def]
         """Register a legacy node; this peer assigns its range unless ``layers`` is given."""
-        return jsonify(await ctx.legacy_register(await json_object(), assign=True))
+        return jsonify(await ctx.legacy_register(await json_object(), assign=True, join_token=request.headers.get(JOIN_TOKEN_HEADER)))
 
     @app.post("/nodes/<node_id>/health")
     async def node_heartbeat(node_id: str):  # type: ignore[no-untyped-def]
-        """A legacy node's heartbeat, with its counters."""
-        await ctx.legacy_heartbeat(node_id, await json_object())
+        """A legacy node's heartbeat, with its counters (needs its X-Inclavate-Relay-Token)."""
+        await ctx.legacy_heartbeat(node_id, await json_object(), token=request.headers.get(TOKEN_HEADER))
         return jsonify(ok=True)
 
     @app.delete("/nodes/<node_id>")
     async def deregister_node(node_id: str):  # type: ignore[no-untyped-def]
-        """A legacy node leaves cleanly."""
-        await ctx.legacy_leave(node_id)
+        """A legacy node leaves cleanly (needs its X-Inclavate-Relay-Token)."""
+        await ctx.legacy_leave(node_id, token=request.headers.get(TOKEN_HEADER))
         return Response(status=204)

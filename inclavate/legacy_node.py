@@ -20,8 +20,10 @@ import logging
 import secrets
 import signal
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import trio
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
@@ -41,34 +43,41 @@ from node.stage import Job, Stage, StageResult
 from p2p import wire
 from p2p.errors import P2PError
 from p2p.forward import error_code_for
-from p2p.legacy import TOKEN_HEADER
+from p2p.forward_checks import FrameRejected, check_hidden, check_tokens
+from p2p.legacy import JOIN_TOKEN_HEADER, TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
 
-def _node_id(config: PeerConfig) -> str:
-    """Stable across restarts, like a peer's PeerID."""
-    path = config.data_dir / "legacy-node-id"
+def _persistent(config: PeerConfig, name: str, make: Callable[[], str]) -> str:
+    """A value stable across restarts, kept in the data directory (owner-only)."""
+    path = config.data_dir / name
     if path.exists():
         return path.read_text().strip()
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    node_id = str(uuid.uuid4())
-    path.write_text(node_id)
-    return node_id
+    value = make()
+    path.touch(mode=0o600)
+    path.write_text(value)
+    return value
 
 
 class LegacyNode:
     def __init__(self, config: PeerConfig, orchestrator: str, advertise_url: str | None = None) -> None:
         self.config = config
         self.orchestrator = orchestrator.rstrip("/")
-        self.node_id = _node_id(config)
-        self.token = secrets.token_hex(16)
+        # Both survive restarts: the id like a PeerID, the token so that a restarted node can
+        # register its id again (the peer refuses the id to anyone without its token).
+        self.node_id = _persistent(config, "legacy-node-id", lambda: str(uuid.uuid4()))
+        self.token = _persistent(config, "legacy-relay-token", lambda: secrets.token_hex(16))
         self.url = advertise_url or f"http://{config.api_host}:{config.api_port}"
         self.stage: Stage | None = None
         self.requests = 0
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return await trio.to_thread.run_sync(lambda: request_json(method, self.orchestrator + path, body, 30.0))
+        headers = {TOKEN_HEADER: self.token}
+        if self.config.join_token:
+            headers[JOIN_TOKEN_HEADER] = self.config.join_token
+        return await trio.to_thread.run_sync(lambda: request_json(method, self.orchestrator + path, body, 30.0, headers))
 
     async def run(self, *, task_status: trio.TaskStatus[LegacyNode] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -179,8 +188,16 @@ class LegacyNode:
         info = self.stage.engine.info
         if msg.route[0].layers != info.layers:
             return self._reply(wire.Error(msg.req_id, msg.session_id, "wrong_route", f"this node holds {info.layers}", PeerId(self.node_id)))
-        item = (BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens) if msg.tokens is not None
-                else BatchItem(msg.session_id, msg.start_pos, hidden=tensors.decode(msg.hidden)))  # fmt: skip
+        try:
+            if msg.tokens is not None:
+                check_tokens(msg.tokens, info)
+                item = BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens)
+            else:
+                hidden = tensors.decode(msg.hidden) if msg.hidden is not None else np.zeros((0, 0), np.float32)
+                check_hidden(hidden, info)
+                item = BatchItem(msg.session_id, msg.start_pos, hidden=hidden)
+        except FrameRejected as exc:
+            return self._reply(wire.Error(msg.req_id, msg.session_id, "invalid_batch", str(exc), PeerId(self.node_id)))
         results: list[StageResult] = []
         done = trio.Event()
 

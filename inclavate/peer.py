@@ -30,6 +30,7 @@ from api.chat_completion import complete_turn
 from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
+from api.request_guard import HostPolicy
 from inclavate import __version__, hardware
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactConfig
@@ -73,6 +74,7 @@ from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
 from p2p.routing import CostModel, Hop, choose_route
 from p2p.vocab import choose_vocab, fetch_vocab, serve_vocab, sha256_file
+from p2p.wire import max_frame_bytes
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +184,15 @@ class Peer:
                     await nursery.start(self.registry.run)
                     await nursery.start(run_metrics, self.metrics, self.metrics_store, self.views)
                     await nursery.start(run_discovery, host, list(cfg.bootstrap))
-                    self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype)
+                    self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype,
+                                                  max_frame_bytes=max_frame_bytes(cfg.engine.context_length, meta.d_model))
+                    self.forward.record_of = self._registered
                     await nursery.start(self.forward.run)
                     serve_vocab(host, self._local_vocab)
                     self.latency = LatencyMonitor(host, self._route_candidates)
                     await nursery.start(self.latency.run)
-                    self.legacy = LegacyNodes(self.registry, self._model_facts, send=self.forward.send)
+                    self.legacy = LegacyNodes(self.registry, self._model_facts, send=self.forward.send,
+                                              join_token=cfg.join_token)
                     self.forward.relay = self.legacy.relay
                     await nursery.start(self.legacy.run)
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
@@ -201,7 +206,8 @@ class Peer:
                     self._nursery = nursery
                     self.generations = self._generation_service(jobs, self._generation_settings)
                     await nursery.start(self.generations.runner.run)
-                    self.api_urls = await nursery.start(serve_api, create_app(self), cfg.api_host, cfg.api_port)
+                    hosts = HostPolicy.for_bind(cfg.api_host, cfg.api_port, cfg.allowed_hosts)
+                    self.api_urls = await nursery.start(serve_api, create_app(self, hosts=hosts), cfg.api_host, cfg.api_port)
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
                     await self._learn_swarm()
@@ -364,6 +370,11 @@ class Peer:
 
     # ------------------------------------------------------------ own record
 
+    def _registered(self, node_id: NodeId) -> NodeRecord | None:
+        """The registry's record of a node: what forward routes are checked against."""
+        entry = self.registry.table.get(node_id) if self.registry is not None else None
+        return entry.record if entry is not None else None
+
     def _own_record(self) -> NodeRecord | None:
         assert self.registry is not None
         return self.registry.own(NodeId(self.peer_id))
@@ -495,17 +506,17 @@ class Peer:
             log.warning("force-deregistration of %s not applied everywhere: %s", node_id, "; ".join(failures))
         return {"node_id": node_id}
 
-    async def legacy_register(self, body: dict, *, assign: bool) -> dict:
+    async def legacy_register(self, body: dict, *, assign: bool, join_token: str | None = None) -> dict:
         assert self.legacy is not None
-        return await self.legacy.register(body, assign=assign)
+        return await self.legacy.register(body, assign=assign, join_token=join_token)
 
-    async def legacy_heartbeat(self, node_id: str, body: dict) -> None:
+    async def legacy_heartbeat(self, node_id: str, body: dict, *, token: str | None = None) -> None:
         assert self.legacy is not None
-        await self.legacy.heartbeat(node_id, body)
+        await self.legacy.heartbeat(node_id, body, token)
 
-    async def legacy_leave(self, node_id: str) -> None:
+    async def legacy_leave(self, node_id: str, *, token: str | None = None) -> None:
         assert self.legacy is not None
-        await self.legacy.leave(node_id)
+        await self.legacy.leave(node_id, token)
 
     def knows_model(self, model_id: str) -> bool:
         return model_id in self._catalog() or any(v.record.model_id == model_id for v in self.views())
@@ -520,6 +531,14 @@ class Peer:
                 path = await self._vocab_path(model_id)
                 self._chat_models[model_id] = await trio.to_thread.run_sync(ChatModel.load, ModelId(model_id), path)
         return self._chat_models[model_id]
+
+    async def local_chat_model(self, model_id: str) -> ChatModel | None:
+        """Loaded already, or readable from the model file pulled here; never fetched."""
+        if model_id in self._chat_models:
+            return self._chat_models[model_id]
+        if self._pulled_path(model_id) is None:
+            return None
+        return await self.chat_model(model_id)
 
     async def _vocab_path(self, model_id: str) -> Path:
         """Where to read a model's vocabulary: its own file when pulled here (llama.cpp's

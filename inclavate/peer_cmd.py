@@ -22,6 +22,8 @@ from node.engines import ENGINE_CHOICES, resolve_engine
 
 log = logging.getLogger(__name__)
 
+JOIN_TOKEN_ENV = "INCLAVATE_JOIN_TOKEN"
+
 
 def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
@@ -48,6 +50,12 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                    help="read the admin token from this file (first line)")  # fmt: skip
     p.add_argument("--admin-peer", action="append", default=[], metavar="PEER_ID",
                    help="trust admin commands signed by this peer; repeatable")  # fmt: skip
+    p.add_argument("--join-token", metavar="TOKEN",
+                   help="legacy nodes must present this token to register (X-Inclavate-Join-Token); with --legacy, "
+                   f"the token to present. Also ${JOIN_TOKEN_ENV}, which keeps it out of `ps`")  # fmt: skip
+    p.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                   help="with the API on loopback, also accept requests whose Host header names HOST "
+                   "(a name or name:port; repeatable). Others are refused against DNS rebinding")  # fmt: skip
     p.add_argument("--no-mdns", action="store_true", help="do not discover peers on the LAN")
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
                    help="what runs the layers: mlx (Apple Silicon), llamacpp, or auto (default: "
@@ -116,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         engine_kind=resolve_engine(args.engine),
         wire_dtype=args.wire_dtype,
         generators=not args.no_generators,
+        join_token=args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None,
+        allowed_hosts=tuple(args.allow_host),
     )
 
 

@@ -37,6 +37,10 @@ class PeerConfig:
     mdns: bool = True
     admin_token: str | None = None
     admin_peers: tuple[str, ...] = ()
+    join_token: str | None = None
+    """Legacy registration must present it (None: anyone may register a legacy node)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Extra ``Host`` header values the API accepts when it listens on loopback."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     engine_kind: EngineKind = "llamacpp"
     """Which engine runs the range (``--engine``, already resolved from "auto")."""

@@ -11,6 +11,7 @@ type instead: bfloat16 keeps float32's range at float16's size, float32 keeps ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,7 +64,7 @@ def validate(t: EncodedTensor) -> None:
         raise TensorDecodeError(f"unknown tensor dtype {t.dtype!r}")
     if any(d < 0 for d in t.shape):
         raise TensorDecodeError(f"negative dimension in shape {list(t.shape)}")
-    count = int(np.prod(t.shape)) if t.shape else 1
+    count = math.prod(t.shape)  # Python ints: np.prod would wrap around on a forged shape
     if count * _ITEMSIZE[t.dtype] != len(t.data):
         raise TensorDecodeError(
             f"{len(t.data)} bytes cannot hold a {t.dtype} tensor of shape {list(t.shape)}"

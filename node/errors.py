@@ -8,7 +8,8 @@
     ├── InvalidBatch              a batch does not fit this range (shape, positions, dtype)
     ├── SessionLimitReached       every sequence slot is in use
     ├── ContextFull               the KV cache has no room for the batch
-    └── DecodeFailed              llama_decode returned an error
+    ├── DecodeFailed              llama_decode returned an error
+    └── UnknownToken              a token id outside the vocabulary (from a faulty chain)
 """
 
 from __future__ import annotations
@@ -42,3 +43,9 @@ class ContextFull(EngineError):
 
 class DecodeFailed(EngineError):
     """``llama_decode`` failed for a reason other than a full cache."""
+
+
+class UnknownToken(EngineError):
+    """A token id outside the model's vocabulary reached the tokenizer (a stage sent it).
+
+    llama.cpp does not check: ``llama_token_to_piece`` on such an id aborts the process."""

@@ -11,6 +11,7 @@ still reproducible from its record.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,13 @@ _NUCLEUS_CANDIDATES = 1024
 do not reach top_p (nearly flat distributions), which keeps a step to tens of microseconds."""
 
 
+_SEED_MASK = 0xFFFFFFFFFFFFFFFF
+
+
+class UnusableLogits(ValueError):
+    """The last range produced logits that no token can be drawn from."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.8
@@ -27,6 +35,15 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # These may come off the wire (a forward frame): type them before any arithmetic.
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError("seed must be an integer")
+        # The generator takes 64 bits; any integer a client sends maps onto them, once, here.
+        object.__setattr__(self, "seed", self.seed & _SEED_MASK)
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError("temperature must be within [0, 2]")
         if not 0.0 < self.top_p <= 1.0:
@@ -38,7 +55,13 @@ class SamplingParams:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
-    """The token to place at ``position``, drawn from ``logits`` under ``params``."""
+    """The token to place at ``position``, drawn from ``logits`` under ``params``.
+
+    Raises :class:`UnusableLogits` when the logits are not all finite: NaN or infinite
+    hidden states from an upstream stage end here, and must fail this one job, not the
+    stage (``rng.choice`` raises on NaN probabilities; argmax would pick garbage)."""
+    if not np.isfinite(logits).all():
+        raise UnusableLogits("the logits are not all finite (the hidden states upstream were corrupt)")
     if params.greedy:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / params.temperature
@@ -47,7 +70,7 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     probs /= probs.sum()
     candidates = _nucleus(probs, params.top_p)
     weights = probs[candidates]
-    rng = np.random.default_rng([params.seed & 0xFFFFFFFFFFFFFFFF, position])
+    rng = np.random.default_rng([params.seed, position])
     return int(candidates[rng.choice(len(candidates), p=weights / weights.sum())])
 
 

@@ -24,7 +24,7 @@ import trio
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
-from node.errors import DecodeFailed, EngineError, SessionLimitReached
+from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionLimitReached
 from node.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,14 @@ class Stage:
             task_status.started()
             while True:
                 batch = await self._next_batch()
-                if batch:
+                if not batch:
+                    continue
+                try:
                     await self._run_batch(batch)
+                except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the stage
+                    log.exception("stage batch failed")
+                    for job in batch:
+                        await _deliver(job, StageResult(error=DecodeFailed(f"stage failure: {exc}")))
 
     async def _next_batch(self) -> list[Job]:
         """The next jobs to run together; may be empty when every waiting job awaits a slot."""
@@ -151,7 +157,7 @@ class Stage:
                 # Every slot is taken: wait for a session to close rather than fail, within
                 # the admission timeout; later jobs of other sessions go ahead.
                 if time.monotonic() - job.enqueued > self.admission_timeout_s:
-                    await job.deliver(StageResult(error=SessionLimitReached(
+                    await _deliver(job, StageResult(error=SessionLimitReached(
                         f"all {self.engine.config.max_sessions} session slots of {self.engine.info.model_id} "
                         f"{self.engine.info.layers} stayed busy for {self.admission_timeout_s:g} s")))  # fmt: skip
                     continue
@@ -175,7 +181,7 @@ class Stage:
             closed = await trio.to_thread.run_sync(self.engine.close_session, batch[0].session_id)
             self._last_used.pop(batch[0].session_id, None)
             log.debug("closed session %s (%s)", batch[0].session_id, "freed" if closed else "none held")
-            await batch[0].deliver(StageResult())
+            await _deliver(batch[0], StageResult())
             return
         started = time.monotonic()
         if sum(j.item.n_tokens for j in batch if j.item) <= self.inline_tokens:
@@ -199,7 +205,7 @@ class Stage:
                 self.stats.errors += 1
                 if self.on_error is not None:
                     self.on_error()
-            await job.deliver(result)
+            await _deliver(job, result)
 
     def _compute(self, batch: list[Job]) -> list[StageResult]:
         """Runs in a worker thread: one engine call, then sampling on the last range."""
@@ -217,7 +223,11 @@ class Stage:
         for job, out in zip(batch, outputs):
             token = None
             if out.logits is not None and job.sampling is not None and job.item is not None:
-                token = sample(out.logits, job.sampling, job.item.start_pos + job.item.n_tokens)
+                try:
+                    token = sample(out.logits, job.sampling, job.item.start_pos + job.item.n_tokens)
+                except ValueError as exc:  # NaN logits from corrupt upstream input: this job only
+                    results.append(StageResult(error=InvalidBatch(str(exc))))
+                    continue
             results.append(StageResult(output=out, token=token))
         return results
 
@@ -241,7 +251,15 @@ class Stage:
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
         for job in pending:
-            await job.deliver(StageResult(error=error) if job.item is not None else StageResult())
+            await _deliver(job, StageResult(error=error) if job.item is not None else StageResult())
+
+
+async def _deliver(job: Job, result: StageResult) -> None:
+    """Hand a result on; a failing callback (the network side) is this job's problem alone."""
+    try:
+        await job.deliver(result)
+    except Exception:  # noqa: BLE001 - one job's delivery must not end the stage worker
+        log.exception("delivering the result of session %s failed", job.session_id)
 
 
 async def _ignore(_: StageResult) -> None:

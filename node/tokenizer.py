@@ -15,7 +15,7 @@ from pathlib import Path
 import llama_cpp
 
 from node import llamacpp_lib
-from node.errors import EngineLoadError
+from node.errors import EngineLoadError, UnknownToken
 
 
 class Tokenizer:
@@ -62,6 +62,8 @@ class Tokenizer:
         key = (token, special)
         piece = self._piece_cache.get(key)
         if piece is None:
+            if not 0 <= token < self.n_vocab:
+                raise UnknownToken(f"token id {token} is outside the vocabulary of {self.n_vocab}")
             buf = ctypes.create_string_buffer(64)
             with self._lock:
                 n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)

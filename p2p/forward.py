@@ -23,13 +23,17 @@ import trio
 
 from inclavate import tensors
 from inclavate.types import NodeId, PeerId, SessionId
+from inclavate.untrusted import DropCounter
 from node.engine import BatchItem
 from node.errors import ContextFull, InvalidBatch, SessionLimitReached
 from node.stage import Job, Stage, StageResult
-from p2p import wire
-from p2p.errors import P2PError, StreamError
-from p2p.framing import FramedStream
+from p2p import forward_checks, wire
+from p2p.admission import Admission, AdmissionLimits
+from p2p.errors import P2PError, StreamClosed, StreamError
+from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
+from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
+from p2p.routing import Hop
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,22 @@ class Timeouts:
 
     def send(self, nbytes: int) -> float:
         return self.send_base + nbytes / self.send_bytes_per_s
+
+
+_REJECTION_CODES: dict[FrameReason, wire.ErrorCode] = {
+    FrameReason.ROUTE_GAP: "wrong_route",
+    FrameReason.ROUTE_INCOMPLETE: "wrong_route",
+    FrameReason.ROUTE_REPEATS: "wrong_route",
+    FrameReason.ROUTE_UNREGISTERED: "wrong_route",
+    FrameReason.WRONG_INPUT: "invalid_batch",
+    FrameReason.NOT_FINITE: "invalid_batch",
+    FrameReason.TOKEN_OUT_OF_RANGE: "invalid_batch",
+    FrameReason.SESSION_QUOTA: "session_limit",
+}
+
+
+async def _ignore(_: StageResult) -> None:
+    return None
 
 
 def error_code_for(exc: BaseException) -> wire.ErrorCode:
@@ -105,23 +125,46 @@ class ForwardService:
         stage: Stage | None,
         wire_dtype: tensors.WireDType = "f16",
         timeouts: Timeouts = Timeouts(),
+        admission: AdmissionLimits = AdmissionLimits(),
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE,
     ) -> None:
         self.host = host
         self.me = host.peer_id
         self.node_id = node_id
-        self.stage = stage
+        self._stage = stage
         self.wire_dtype = wire_dtype
         self.timeouts = timeouts
+        self.max_frame_bytes = max_frame_bytes
+        """Largest inbound frame: what the model needs (see :func:`p2p.wire.max_frame_bytes`)."""
         self._links: dict[PeerId, _Link] = {}
         self._inboxes: dict[SessionId, trio.MemorySendChannel[wire.Message]] = {}
         self._nursery: trio.Nursery | None = None
         self.relay: Callable[[wire.Forward | wire.Close], object] | None = None
         """Handles hops that are relayed legacy nodes (set by the legacy-node service)."""
+        self.record_of: RecordOf | None = None
+        """The registry's record of a node (set by the peer): routes are checked against it,
+        and peers it lists are "known" to admission control. None trusts every route."""
+        self.admission = Admission(admission, is_known=self._is_known)
+        self.drops = DropCounter()
+        """Frames refused, by :class:`~p2p.forward_checks.FrameReason`."""
+
+    @property
+    def stage(self) -> Stage | None:
+        return self._stage
+
+    @stage.setter
+    def stage(self, stage: Stage | None) -> None:
+        self._stage = stage
+        self.admission.reset_in_flight()
+
+    def _is_known(self, peer: PeerId) -> bool:
+        return peer == self.me or self.record_of is None or self.record_of(NodeId(peer)) is not None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.host.set_stream_handler(wire.PROTOCOL, self._serve_stream)
+            nursery.start_soon(self._free_idle_stranger_sessions)
             task_status.started()
             await trio.sleep_forever()
 
@@ -137,11 +180,16 @@ class ForwardService:
             assert self._nursery is not None, "ForwardService.run has not started"
             link = self._links[peer] = _Link(self, peer)
             self._nursery.start_soon(link.run)
-        await link.send_channel.send(msg)
+        try:
+            await link.send_channel.send(msg)
+        except trio.ClosedResourceError:  # the link failed while we waited for room
+            await self.undeliverable(msg, peer, StreamClosed("the link to the peer failed"))
 
     async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException) -> None:
         log.warning("cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)
-        self._links.pop(peer, None)
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.send_channel.close()  # its task drains what is queued, then ends
         if isinstance(msg, (wire.Forward, wire.Close)) and msg.reply_to != peer:
             await self.send(msg.reply_to, wire.Error(
                 msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me))  # fmt: skip
@@ -149,20 +197,25 @@ class ForwardService:
     # ----------------------------------------------------------------- inbound
 
     async def _serve_stream(self, stream: FramedStream, remote: PeerId) -> None:
+        stream.max_frame_size = self.max_frame_bytes
         while True:
             payload = await stream.receive(timeout=self.timeouts.idle)
             try:
                 msg = wire.decode(payload)
             except P2PError as exc:
+                self.drops.count(FrameReason.MALFORMED)
                 log.warning("dropping a malformed frame from %s: %s", remote, exc)
                 continue
-            await self._dispatch(msg, remote)
+            try:
+                await self._dispatch(msg, remote)
+            except Exception:  # noqa: BLE001 - one frame's failure must not end the stream
+                log.exception("handling a %s frame from %s failed", msg.TYPE, remote)
 
     async def _dispatch(self, msg: wire.Message, remote: PeerId) -> None:
         if isinstance(msg, wire.Forward):
-            await self._on_forward(msg)
+            await self._on_forward(msg, remote)
         elif isinstance(msg, wire.Close):
-            await self._on_close(msg)
+            await self._on_close(msg, remote)
         else:
             inbox = self._inboxes.get(msg.session_id)
             if inbox is not None:
@@ -171,24 +224,61 @@ class ForwardService:
                 except (trio.WouldBlock, trio.ClosedResourceError):
                     log.warning("entry inbox of session %s is not being read", msg.session_id)
 
-    async def _on_forward(self, msg: wire.Forward) -> None:
+    def _serves(self, hop: Hop) -> Stage | None:
+        stage = self.stage
+        if stage is not None and hop.node_id == self.node_id and hop.layers == stage.engine.info.layers:
+            return stage
+        return None
+
+    def _n_layers(self, hop: Hop, stage: Stage | None) -> int | None:
+        if stage is not None:
+            return stage.engine.info.n_layers
+        record = self.record_of(hop.node_id) if self.record_of is not None else None
+        return record.n_layers if record is not None else None
+
+    async def _on_forward(self, msg: wire.Forward, remote: PeerId) -> None:
         hop = msg.route[0]
-        if self.stage is None or hop.node_id != self.node_id or hop.layers != self.stage.engine.info.layers:
-            if hop.forward_url and self.relay is not None:
-                await self.relay(msg)  # type: ignore[func-returns-value]
-                return
+        stage = self._serves(hop)
+        if stage is None and not (hop.forward_url and self.relay is not None):
             await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}")
             return
-        if msg.tokens is not None:
-            item = BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens)
-        else:
-            assert msg.hidden is not None
-            item = BatchItem(msg.session_id, msg.start_pos, hidden=tensors.decode(msg.hidden))
+        nbytes = msg.nbytes
+        try:
+            n_layers = self._n_layers(hop, stage)
+            forward_checks.check_route(msg.route, n_layers or msg.route[-1].layers.end, self.record_of)
+            item = self._item(msg, stage) if stage is not None else None
+            if stage is not None:
+                held = stage.engine.session_length(msg.session_id) > 0
+                self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions)
+            await self.admission.reserve(remote, nbytes)
+        except FrameRejected as exc:
+            self.drops.count(exc.reason)
+            await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc))
+            return
+        if stage is None or item is None:
+            try:
+                await self.relay(msg)  # type: ignore[misc]
+            finally:
+                self.admission.release(remote, nbytes)
+            return
 
         async def deliver(result: StageResult) -> None:
+            self.admission.release(remote, nbytes)
             await self._after_stage(msg, result)
 
-        await self.stage.submit(Job(item, msg.session_id, deliver, msg.sampling))
+        await stage.submit(Job(item, msg.session_id, deliver, msg.sampling))
+
+    @staticmethod
+    def _item(msg: wire.Forward, stage: Stage) -> BatchItem:
+        info = stage.engine.info
+        if msg.tokens is not None:
+            forward_checks.check_tokens(msg.tokens, info)
+            return BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens)
+        if msg.hidden is None:
+            raise FrameRejected(FrameReason.WRONG_INPUT, "a forward carries tokens or hidden states")
+        hidden = tensors.decode(msg.hidden)
+        forward_checks.check_hidden(hidden, info)
+        return BatchItem(msg.session_id, msg.start_pos, hidden=hidden)
 
     async def _after_stage(self, msg: wire.Forward, result: StageResult) -> None:
         if result.error is not None:
@@ -206,8 +296,16 @@ class ForwardService:
         elif msg.sampling is not None:
             await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, result.token))
 
-    async def _on_close(self, msg: wire.Close) -> None:
+    async def _on_close(self, msg: wire.Close, remote: PeerId) -> None:
         hop = msg.route[0]
+        try:
+            if not self.admission.may_close(remote, msg.session_id):
+                raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "only the session's own peers may close it")
+            forward_checks.check_route(msg.route, None, self.record_of)
+        except FrameRejected as exc:
+            self.drops.count(exc.reason)
+            log.info("refusing a close from %s: %s", remote, exc)
+            return
         if self.stage is None or hop.node_id != self.node_id:
             if hop.forward_url and self.relay is not None:
                 await self.relay(msg)  # type: ignore[func-returns-value]
@@ -216,9 +314,20 @@ class ForwardService:
             return
 
         async def deliver(_: StageResult) -> None:
+            self.admission.closed(msg.session_id)
             await self._pass_close(msg)
 
         await self.stage.submit(Job(None, msg.session_id, deliver))
+
+    async def _free_idle_stranger_sessions(self) -> None:
+        period = max(0.5, self.admission.limits.stranger_idle_s / 4)
+        while True:
+            await trio.sleep(period)
+            for session_id in self.admission.idle_stranger_sessions():
+                stage = self.stage
+                if stage is not None:
+                    log.info("freeing session %s: opened by a peer outside the registry, now idle", session_id)
+                    await stage.submit(Job(None, session_id, _ignore))
 
     async def _pass_close(self, msg: wire.Close) -> None:
         if len(msg.route) > 1:

@@ -16,11 +16,20 @@ The node itself keeps using its own id with this peer (heartbeats, leave).
 
 When heartbeats stop, the peer stops vouching, and the node ages to Degraded then Dead like
 any silent peer.
+
+Registration is open to strangers (unless the peer has a ``--join-token``), so it is
+bounded: the URL must be ``http(s)`` and answer ``GET /health`` before the node is
+announced; heartbeats and leave must present the relay token given at registration, and a
+live id can only be registered again with that same token (a node restarting). All HTTP
+to a node goes through :mod:`p2p.legacy_http` (no redirects, bounded size and time, its own
+threads). A node whose forward fails at the transport level is *held out* of routing (its
+record says Joining) for a backoff that doubles on every failure, so chains route around it
+while its heartbeats still say ready.
 """
 
 from __future__ import annotations
 
-import functools
+import hmac
 import logging
 import re
 import time
@@ -30,17 +39,24 @@ from typing import Any
 
 import trio
 
-from inclavate.http_client import request_bytes
+from inclavate.untrusted import Malformed, as_dict, as_float, as_str, read_bool, read_float, read_int, read_str
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from p2p import wire
 from p2p.coverage import uncovered
 from p2p.errors import P2PError
+from p2p.forward_checks import relay_answer_matches
+from p2p.legacy_http import LegacyHttp, NodeUnreachable, check_node_url
 from p2p.gossip import RegistryService
 from p2p.records import Counters, InvalidRecord, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
 
 log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "X-Inclavate-Relay-Token"
+JOIN_TOKEN_HEADER = "X-Inclavate-Join-Token"
+MIN_TOKEN_CHARS = 16
+PROBE_TIMEOUT_S = 5.0
+HOLD_OUT_S = (5.0, 600.0)
+"""First and longest hold-out of a node whose forward failed (doubling in between)."""
 MAX_LEGACY_NODES = 32
 """Legacy nodes one peer vouches for (strangers register them; its registry quota is 64)."""
 _LOCAL_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -71,6 +87,14 @@ class UnknownLegacyNode(LegacyError):
     """No legacy node with this id is registered at this peer (404)."""
 
 
+class NotYourNode(LegacyError):
+    """A missing or wrong relay token, or join token (403)."""
+
+
+class UnreachableNode(LegacyError):
+    """The node's URL did not answer ``GET /health`` at registration (422)."""
+
+
 @dataclass
 class _Node:
     record: NodeRecord
@@ -78,6 +102,16 @@ class _Node:
     token: str
     last_heartbeat: float = field(default_factory=time.monotonic)
     queue: trio.MemorySendChannel[wire.Forward | wire.Close] | None = None
+    failures: int = 0
+    """Consecutive forwards that failed at the transport level."""
+    held_out_until: float = 0.0
+
+    def owns(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
+
+    @property
+    def held_out(self) -> bool:
+        return time.monotonic() < self.held_out_until
 
 
 ModelFacts = Callable[[str], tuple[int, int] | None]
@@ -85,11 +119,15 @@ ModelFacts = Callable[[str], tuple[int, int] | None]
 
 
 class LegacyNodes:
-    def __init__(self, registry: RegistryService, model_facts: ModelFacts, *, send: Any = None) -> None:
+    def __init__(self, registry: RegistryService, model_facts: ModelFacts, *, send: Any = None,
+                 join_token: str | None = None, http: LegacyHttp | None = None) -> None:  # fmt: skip
         self.registry = registry
         self.model_facts = model_facts
         self.send = send
         """``ForwardService.send``: where relayed outputs go (set by the peer)."""
+        self.join_token = join_token
+        """When set, registration must present it (``X-Inclavate-Join-Token``)."""
+        self.http = http or LegacyHttp()
         self._nodes: dict[NodeId, _Node] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -103,13 +141,20 @@ class LegacyNodes:
 
     # -------------------------------------------------------- registration
 
-    async def register(self, body: dict[str, Any], *, assign: bool) -> dict[str, Any]:
+    async def register(self, body: dict[str, Any], *, assign: bool, join_token: str | None = None) -> dict[str, Any]:
+        if self.join_token and not (join_token and hmac.compare_digest(join_token.encode(), self.join_token.encode())):
+            raise NotYourNode(f"this peer admits legacy nodes only with its join token ({JOIN_TOKEN_HEADER})")
+        try:
+            return await self._register(body, assign=assign)
+        except Malformed as exc:
+            raise BadRegistration(str(exc)) from None
+
+    async def _register(self, body: dict[str, Any], *, assign: bool) -> dict[str, Any]:
         local_id = _text(body, "node_id")
         if not _LOCAL_ID.fullmatch(local_id):
             raise BadRegistration("node_id must be 1-128 letters, digits, '.', '_' or '-'")
         node_id = self._registry_id(local_id)
         model_id = _text(body, "model_id")
-        http_url = _text(body, "http_url").rstrip("/")
         facts = self.model_facts(model_id)
         if facts is None:
             raise NodeMismatch(f"unknown model {model_id!r}")
@@ -117,19 +162,31 @@ class LegacyNodes:
         for key, expected in (("n_total_layers", n_layers), ("d_model", d_model)):
             if key in body and body[key] != expected:
                 raise NodeMismatch(f"{key} {body[key]} does not match {model_id} ({expected})")
-        self._check_unique(node_id)
+        previous = self._nodes.get(node_id)
+        restarting = previous is not None and previous.owns(body.get("relay_token") if isinstance(body.get("relay_token"), str) else None)
+        if restarting:
+            self._drop(node_id)  # the same node (it holds the token), restarted: it registers again
+        self._check_unique(node_id, restarting)
         if len(self._nodes) >= MAX_LEGACY_NODES:
             raise NoRangeAvailable(f"this peer already vouches for {MAX_LEGACY_NODES} legacy nodes; register with another peer")
         layers = self._requested_layers(body, n_layers) or (self._assign(ModelId(model_id), n_layers, body) if assign else None)
         if layers is None:
             raise BadRegistration("start_layer and end_layer are required")
+        http_url = check_node_url(_text(body, "http_url"))
+        token = read_str(body, "relay_token", max_len=256, default="")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise BadRegistration(f"relay_token is required: a secret of at least {MIN_TOKEN_CHARS} characters")
+        vram_mb = read_int(body, "vram_mb", lo=0, hi=1 << 40, default=0)
+        hardware = _hardware(body.get("hardware"))
+        await self._probe(http_url)
+        self._check_unique(node_id, restarting)  # again: another registration may have won while we probed
         record = NodeRecord(
             node_id=node_id, peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
             start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
-            seq=0, ts_ms=0, vram_mb=int(body.get("vram_mb") or 0), hardware=dict(body.get("hardware") or {}),
+            seq=0, ts_ms=0, vram_mb=vram_mb, hardware=hardware,
             api_url=http_url, relayed=True, forward_url=http_url, started_ms=int(time.time() * 1000),
         )  # fmt: skip
-        node = _Node(record, http_url + "/forward", str(body.get("relay_token") or ""))
+        node = _Node(record, http_url + "/forward", token)
         self._nodes[node_id] = node
         self._start_worker(node)
         try:
@@ -142,20 +199,33 @@ class LegacyNodes:
         return {"node_id": local_id, "registry_id": node_id, "start_layer": layers.start, "end_layer": layers.end,
                 "warnings": []}  # fmt: skip
 
+    async def _probe(self, http_url: str) -> None:
+        """A node is announced only once its URL answers: a made-up URL never enters routing."""
+        try:
+            status, _ = await self.http.request("GET", http_url + "/health", timeout_s=PROBE_TIMEOUT_S)
+        except NodeUnreachable as exc:
+            raise UnreachableNode(f"http_url does not answer GET /health: {exc}") from None
+        if status != 200:
+            raise UnreachableNode(f"http_url answered GET /health with {status}")
+
     def _registry_id(self, node_id: str) -> NodeId:
         """The registry id of one of our legacy nodes, given its own id or the namespaced one."""
         if legacy_owner(node_id) == self.registry.identity.peer_id:
             return NodeId(node_id)
         return legacy_node_id(self.registry.identity.peer_id, node_id)
 
-    def _check_unique(self, node_id: NodeId) -> None:
+    def _check_unique(self, node_id: NodeId, restarting: bool = False) -> None:
         """409 for an id live anywhere in the swarm, under any vouching peer (namespacing
-        makes a takeover impossible; this keeps the spec's "already registered" answer)."""
+        makes a takeover impossible; this keeps the spec's "already registered" answer).
+        ``restarting``: the caller proved it is this id's node, so our own record of it
+        is no conflict."""
         local = legacy_local_id(node_id)
         if node_id in self._nodes:
             raise DuplicateNode(f"node {local} is already registered")
         for view in self.registry.views():
             record = view.record
+            if restarting and record.node_id == node_id:
+                continue
             if view.state != "Dead" and record.relayed and legacy_local_id(record.node_id) == local:
                 raise DuplicateNode(f"node {local} is already registered")
 
@@ -181,34 +251,47 @@ class LegacyNodes:
         if not gaps:
             raise NoRangeAvailable(f"every layer of {model_id} is already covered")
         gap = max(gaps, key=lambda g: (len(g), -g.start))
-        width = int(body.get("max_layers") or len(gap))
+        width = read_int(body, "max_layers", lo=1, hi=len(gap), default=len(gap))
         return LayerRange(gap.start, gap.start + min(width, len(gap)))
 
-    async def heartbeat(self, node_id: str, body: dict[str, Any]) -> None:
-        node = self._node(node_id)
-        node.last_heartbeat = time.monotonic()
+    async def heartbeat(self, node_id: str, body: dict[str, Any], token: str | None = None) -> None:
+        node = self._owned(node_id, token)
+        old = node.record.counters
+        big = 1 << 53
         try:
             counters = Counters(
-            tokens_total=int(body.get("tokens_generated", node.record.counters.tokens_total)),
-            requests_served=int(body.get("requests_served", node.record.counters.requests_served)),
-            errors=int(body.get("errors", node.record.counters.errors)),
-                avg_latency_ms=float(body.get("avg_latency_ms", node.record.counters.avg_latency_ms)),
+                tokens_total=read_int(body, "tokens_generated", lo=0, hi=big, default=old.tokens_total),
+                requests_served=read_int(body, "requests_served", lo=0, hi=big, default=old.requests_served),
+                errors=read_int(body, "errors", lo=0, hi=big, default=old.errors),
+                avg_latency_ms=read_float(body, "avg_latency_ms", lo=0, hi=1e9, default=old.avg_latency_ms),
             )
-            vram_mb = int(body.get("peak_vram_mb", node.record.vram_mb))
-        except (TypeError, ValueError) as exc:
-            raise BadRegistration(f"bad heartbeat: {exc}") from exc
-        state = "Ready" if body.get("ready", node.record.state == "Ready") else node.record.state
+            vram_mb = read_int(body, "peak_vram_mb", lo=0, hi=1 << 40, default=node.record.vram_mb)
+            ready = read_bool(body, "ready", default=node.record.state == "Ready")
+        except Malformed as exc:
+            raise BadRegistration(f"bad heartbeat: {exc}") from None
+        node.last_heartbeat = time.monotonic()
+        state = "Ready" if ready and not node.held_out else node.record.state
         record = node.record.replace(
             counters=counters, state=state, uptime_s=int(time.time() - node.record.started_ms / 1000), vram_mb=vram_mb
         )
         # A state change is announced now; counters ride on the registry's next heartbeat.
         node.record = await self.registry.publish(record) if state != node.record.state else self.registry.remember(record)
 
-    async def leave(self, node_id: str) -> None:
-        node = self._nodes.pop(NodeId(self._node(node_id).record.node_id))
-        if node.queue is not None:
-            node.queue.close()
+    async def leave(self, node_id: str, token: str | None = None) -> None:
+        node = self._owned(node_id, token)
+        self._drop(node.record.node_id)
         await self.registry.withdraw(node.record.node_id)
+
+    def _owned(self, node_id: str, token: str | None) -> _Node:
+        node = self._node(node_id)
+        if not node.owns(token):
+            raise NotYourNode(f"heartbeats and leave need the node's relay token ({TOKEN_HEADER})")
+        return node
+
+    def _drop(self, node_id: NodeId) -> None:
+        node = self._nodes.pop(node_id, None)
+        if node is not None and node.queue is not None:
+            node.queue.close()
 
     def forget(self, node_id: str) -> None:
         """Drop a node without announcing anything (admin force-deregistration)."""
@@ -254,28 +337,49 @@ class LegacyNodes:
     async def _worker(self, node: _Node, frames: trio.MemoryReceiveChannel[wire.Forward | wire.Close]) -> None:
         async with frames:
             async for msg in frames:
-                path = "/forward" if isinstance(msg, wire.Forward) else "/close"
-                url = node.forward_url.removesuffix("/forward") + path
-                headers = {TOKEN_HEADER: node.token, "content-type": "application/octet-stream"}
                 try:
-                    status, body = await trio.to_thread.run_sync(
-                        functools.partial(request_bytes, "POST", url, wire.encode(msg), 60.0, headers)
-                    )
-                except OSError as exc:
-                    await self._fail(msg, f"legacy node {node.record.node_id} is unreachable: {exc}")
-                    continue
-                if status == 204 or not body:
-                    continue
-                if status != 200:
-                    await self._fail(msg, f"legacy node {node.record.node_id} answered {status}")
-                    continue
-                try:
-                    out = wire.decode(body)
-                except P2PError as exc:
-                    await self._fail(msg, f"legacy node {node.record.node_id} sent a bad frame: {exc}")
-                    continue
-                target = out.route[0].peer_id if isinstance(out, (wire.Forward, wire.Close)) else msg.reply_to
-                await self.send(target, out)
+                    await self._relay_one(node, msg)
+                except Exception:  # noqa: BLE001 - one frame's failure must not end the worker
+                    log.exception("relaying a %s frame to legacy node %s failed", msg.TYPE, node.record.node_id)
+
+    async def _relay_one(self, node: _Node, msg: wire.Forward | wire.Close) -> None:
+        path = "/forward" if isinstance(msg, wire.Forward) else "/close"
+        url = node.forward_url.removesuffix("/forward") + path
+        headers = {TOKEN_HEADER: node.token, "content-type": "application/octet-stream"}
+        try:
+            status, body = await self.http.request("POST", url, wire.encode(msg), headers)
+        except NodeUnreachable as exc:
+            await self._node_failed(node, msg, f"is unreachable: {exc}")
+            return
+        if status == 204 or (status == 200 and not body):
+            node.failures = 0
+            return
+        if status != 200:
+            await self._node_failed(node, msg, f"answered {status}")
+            return
+        try:
+            out = wire.decode(body)
+        except P2PError as exc:
+            await self._node_failed(node, msg, f"sent a bad frame: {exc}")
+            return
+        if not relay_answer_matches(msg, out):
+            # A node may only continue the frame it was given: never redirect it elsewhere
+            # under this peer's (trusted) identity.
+            await self._node_failed(node, msg, "answered with a frame that does not continue the one it was sent")
+            return
+        node.failures = 0
+        target = out.route[0].peer_id if isinstance(out, (wire.Forward, wire.Close)) else msg.reply_to
+        await self.send(target, out)
+
+    async def _node_failed(self, node: _Node, msg: wire.Forward | wire.Close, what: str) -> None:
+        """Report the failure, and hold the node out of routing for a while."""
+        node.failures += 1
+        first, longest = HOLD_OUT_S
+        node.held_out_until = time.monotonic() + min(longest, first * 2 ** (node.failures - 1))
+        await self._fail(msg, f"legacy node {node.record.node_id} {what}")
+        if node.record.state == "Ready" and self._nodes.get(node.record.node_id) is node:
+            log.info("holding legacy node %s out of routing after %d failure(s)", node.record.node_id, node.failures)
+            node.record = await self.registry.publish(node.record.replace(state="Joining"))
 
     async def _fail(self, msg: wire.Forward | wire.Close, message: str) -> None:
         log.info("%s", message)
@@ -290,3 +394,17 @@ def _text(body: dict[str, Any], key: str) -> str:
     if len(value) > _MAX_TEXT:  # it travels in the gossiped record, whose fields are bounded
         raise BadRegistration(f"{key} is longer than {_MAX_TEXT} characters")
     return value
+
+
+def _hardware(value: Any) -> dict[str, Any]:
+    """A flat profile of short scalars: it is gossiped in the node's record to every peer."""
+    if value is None:
+        return {}
+    profile = as_dict(value, "hardware", max_len=32)
+    for key, item in profile.items():
+        as_str(key, "hardware key", max_len=64)
+        if isinstance(item, str):
+            as_str(item, "hardware value", max_len=256)
+        elif item is not None and not isinstance(item, bool):
+            as_float(item, "hardware value")
+    return dict(profile)

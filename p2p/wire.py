@@ -13,6 +13,7 @@ passes ``forward`` down the route; the last stage sends ``result`` (or any stage
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -21,6 +22,7 @@ import numpy as np
 
 from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
+from inclavate.untrusted import Malformed, as_dict, as_int, as_list, as_str, parse_json, read_dict, read_int, read_list, read_str
 from node.sampling import SamplingParams
 from p2p.errors import ProtocolError
 from p2p.routing import Hop
@@ -28,6 +30,19 @@ from p2p.routing import Hop
 PROTOCOL = "/inclavate/forward/1"
 _HEADER_LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 64 * 1024
+MAX_ROUTE_HOPS = 256
+"""More hops than any model has layers worth splitting; a longer route is refused unread."""
+MAX_ID_CHARS = 256
+MAX_URL_CHARS = 2048
+MAX_MESSAGE_CHARS = 4096
+MAX_DIM = 1 << 24
+
+def max_frame_bytes(context_length: int, d_model: int) -> int:
+    """The largest forward frame a model can need: a whole context of float32 hidden states
+    (the entry sends prefill in smaller chunks), plus the header. Inbound frames are capped
+    at this instead of the framing layer's generic 256 MiB."""
+    return _HEADER_LEN.size + MAX_HEADER_BYTES + context_length * d_model * 4
+
 
 ErrorCode = Literal[
     "session_limit", "context_full", "invalid_batch", "engine_error", "wrong_route",
@@ -40,8 +55,31 @@ def _hop_json(hop: Hop) -> list[Any]:
 
 
 def _hop_from_json(item: Any) -> Hop:
-    peer, node, start, end, url = item
-    return Hop(NodeId(node), PeerId(peer), LayerRange(int(start), int(end)), str(url))
+    fields = as_list(item, "hop", max_len=5)
+    if len(fields) != 5:
+        raise ValueError("a hop has five fields")
+    peer, node, start, end, url = fields
+    layers = LayerRange(as_int(start, "hop start", lo=0, hi=MAX_DIM), as_int(end, "hop end", lo=1, hi=MAX_DIM))
+    return Hop(NodeId(as_str(node, "hop node", max_len=MAX_ID_CHARS)), PeerId(as_str(peer, "hop peer", max_len=MAX_ID_CHARS)),
+               layers, as_str(url, "hop url", max_len=MAX_URL_CHARS))  # fmt: skip
+
+
+def _route(h: dict[str, Any]) -> tuple[Hop, ...]:
+    route = tuple(_hop_from_json(x) for x in read_list(h, "route", max_len=MAX_ROUTE_HOPS))
+    if not route:
+        raise ValueError("a route needs at least one hop")
+    return route
+
+
+def _sampling(raw: Any) -> SamplingParams | None:
+    """Typed before use: a stranger's ``"seed": 1.5`` must not reach the sampler."""
+    if raw is None:
+        return None
+    fields = as_list(raw, "sampling", max_len=3)
+    if len(fields) != 3:
+        raise ValueError("sampling has three fields")
+    temperature, top_p, seed = fields
+    return SamplingParams(temperature, top_p, seed)  # checks types and ranges itself
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +103,11 @@ class Forward:
             return int(self.tokens.shape[0])
         assert self.hidden is not None
         return int(self.hidden.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the body (what a receiver holds while the frame waits for its stage)."""
+        return int(self.tokens.nbytes) if self.tokens is not None else self.hidden.nbytes if self.hidden else 0
 
 
 @dataclass(frozen=True)
@@ -130,7 +173,7 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Close):
         header.update(route=[_hop_json(h) for h in msg.route], reply_to=msg.reply_to)
     elif isinstance(msg, Error):
-        header.update(code=msg.code, message=msg.message, origin=msg.origin)
+        header.update(code=msg.code, message=msg.message[:MAX_MESSAGE_CHARS], origin=msg.origin)
     raw = json.dumps(header, separators=(",", ":")).encode()
     return _HEADER_LEN.pack(len(raw)) + raw + body
 
@@ -143,42 +186,54 @@ def decode(payload: bytes | memoryview) -> Message:
     if size > MAX_HEADER_BYTES or _HEADER_LEN.size + size > len(view):
         raise ProtocolError(f"bad header length {size}")
     try:
-        h = json.loads(bytes(view[_HEADER_LEN.size : _HEADER_LEN.size + size]))
+        h = parse_json(bytes(view[_HEADER_LEN.size : _HEADER_LEN.size + size]), max_bytes=MAX_HEADER_BYTES)
         body = view[_HEADER_LEN.size + size :]
-        return _build(h, body)
+        return _build(as_dict(h, "header", max_len=16), body)
     except (ValueError, KeyError, TypeError, tensors.TensorDecodeError) as exc:
-        raise ProtocolError(f"malformed {type(exc).__name__}: {exc}") from exc
+        # Malformed is a ValueError: the reason, not the sender's text, names the failure.
+        detail = str(exc) if isinstance(exc, Malformed) else f"{type(exc).__name__}: {exc}"
+        raise ProtocolError(f"malformed frame: {detail[:200]}") from exc
+
+
+_ERROR_CODES = frozenset(ErrorCode.__args__)  # type: ignore[attr-defined]
 
 
 def _build(h: dict[str, Any], body: memoryview) -> Message:
-    kind, req, session = h["type"], int(h["req"]), SessionId(str(h["session"]))
+    kind = read_str(h, "type", max_len=16)
+    req = read_int(h, "req", lo=0)
+    session = SessionId(read_str(h, "session", max_len=MAX_ID_CHARS))
     if kind == Forward.TYPE:
-        sampling = None if h["sampling"] is None else SamplingParams(*h["sampling"])
-        spec = h["input"]
+        sampling = _sampling(h.get("sampling"))
+        spec = read_dict(h, "input", max_len=8)
+        input_kind = read_str(spec, "kind", max_len=16)
+        shape = [as_int(d, "shape", lo=0, hi=MAX_DIM) for d in read_list(spec, "shape", max_len=2)]
         tokens = hidden = None
-        if spec["kind"] == "tokens":
-            (n,) = spec["shape"]
-            if len(body) != 4 * n:
-                raise ValueError(f"{len(body)} bytes cannot hold {n} token ids")
+        if input_kind == "tokens":
+            if len(shape) != 1 or len(body) != 4 * shape[0]:
+                raise ValueError(f"{len(body)} bytes cannot hold {shape} token ids")
             tokens = np.frombuffer(body, dtype="<i4").astype(np.int32)
-        elif spec["kind"] == "hidden":
-            hidden = tensors.EncodedTensor(spec["dtype"], tuple(int(d) for d in spec["shape"]), bytes(body))
-            if spec["dtype"] not in tensors.WIRE_DTYPES or len(hidden.shape) != 2:
-                raise ValueError(f"bad hidden-state tensor {spec}")
+        elif input_kind == "hidden":
+            dtype = read_str(spec, "dtype", max_len=8, choices=frozenset(tensors.WIRE_DTYPES))
+            if len(shape) != 2:
+                raise ValueError("hidden states are two-dimensional")
+            hidden = tensors.EncodedTensor(dtype, (shape[0], shape[1]), bytes(body))  # type: ignore[arg-type]
             tensors.validate(hidden)
         else:
-            raise ValueError(f"unknown input kind {spec['kind']!r}")
-        route = tuple(_hop_from_json(x) for x in h["route"])
-        if not route:
-            raise ValueError("a forward needs a route")
-        return Forward(req, session, int(h["start_pos"]), route, PeerId(h["reply_to"]), sampling, tokens, hidden)
+            raise ValueError("unknown input kind")
+        if math.prod(shape) == 0:
+            raise ValueError("a forward carries at least one position")
+        start_pos = read_int(h, "start_pos", lo=0, hi=MAX_DIM)
+        reply_to = PeerId(read_str(h, "reply_to", max_len=MAX_ID_CHARS))
+        return Forward(req, session, start_pos, _route(h), reply_to, sampling, tokens, hidden)
     if kind == Result.TYPE:
-        token = h["token"]
-        return Result(req, session, None if token is None else int(token))
+        token = h.get("token")
+        return Result(req, session, None if token is None else as_int(token, "token", lo=0, hi=2**31 - 1))
     if kind == Close.TYPE:
-        return Close(req, session, tuple(_hop_from_json(x) for x in h["route"]), PeerId(h["reply_to"]))
+        return Close(req, session, _route(h), PeerId(read_str(h, "reply_to", max_len=MAX_ID_CHARS)))
     if kind == Closed.TYPE:
         return Closed(req, session)
     if kind == Error.TYPE:
-        return Error(req, session, h["code"], str(h["message"]), PeerId(h["origin"]))
-    raise ValueError(f"unknown message type {kind!r}")
+        code = read_str(h, "code", max_len=32, choices=_ERROR_CODES)
+        message = read_str(h, "message", max_len=MAX_MESSAGE_CHARS)
+        return Error(req, session, code, message, PeerId(read_str(h, "origin", max_len=MAX_ID_CHARS)))  # type: ignore[arg-type]
+    raise ValueError("unknown message type")

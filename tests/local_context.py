@@ -77,6 +77,9 @@ class LocalContext:
             raise UnknownModel(f"model {model_id!r} is not in the registry")
         return self.chat
 
+    async def local_chat_model(self, model_id: str) -> ChatModel | None:
+        return await self.chat_model(model_id)
+
     def pipeline(self, model_id: str) -> LocalPipeline:
         return self.local_pipeline
 

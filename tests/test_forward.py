@@ -26,7 +26,7 @@ class Recording(ForwardService):
         self.received: trio.MemorySendChannel[wire.Forward]
         self.received, self.inbox = trio.open_memory_channel(16)
 
-    async def _on_forward(self, msg: wire.Forward) -> None:
+    async def _on_forward(self, msg: wire.Forward, remote: PeerId) -> None:
         await self.received.send(msg)
 
 

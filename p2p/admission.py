@@ -1,0 +1,150 @@
+"""Admission control for the forward protocol: what one remote peer may make this peer hold.
+
+Two budgets, both keyed by the *authenticated* remote PeerID (Noise proves it), never by
+anything a frame claims:
+
+* **Work in flight.** Each remote peer may have at most ``jobs_per_peer`` frames and
+  ``bytes_per_peer`` bytes queued at the stage. A peer over budget waits, and since each
+  inbound stream is read by one task, only that peer's stream stops being read (libp2p flow
+  control then pushes back on it): a flood from one peer cannot fill the stage queue that
+  every other peer shares.
+* **Sessions opened by strangers.** A *known* peer is one the registry lists (it holds layers,
+  so it is a chain member or an entry peer). Anyone else is a stranger: it may open at most
+  ``stranger_sessions_per_peer`` sessions here, strangers together at most
+  ``stranger_session_share`` of the slots, and a stranger's session idle for
+  ``stranger_idle_s`` is freed (a known peer's idles out after the stage's own, longer,
+  timeout). A stranger cannot touch a session it did not open. Without this, eight
+  one-token frames would hold every KV slot for the stage's ten-minute idle timeout.
+
+Only strangers' sessions are tracked, so the tables are bounded by the quota; the in-flight
+table holds a row per peer with work queued.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from inclavate.types import PeerId, SessionId
+from p2p.forward_checks import FrameReason, FrameRejected
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    jobs_per_peer: int = 64
+    """Frames one peer may have queued at the stage (a chain neighbour carries every
+    session's decode step plus prefill chunks)."""
+    bytes_per_peer: int = 256 * MIB
+    """Frame bytes one peer may have queued at the stage."""
+    stranger_sessions_per_peer: int = 1
+    stranger_session_share: float = 0.5
+    """Of the stage's slots, the most that all strangers together may hold."""
+    stranger_idle_s: float = 30.0
+
+
+@dataclass
+class _InFlight:
+    jobs: int = 0
+    bytes: int = 0
+    waiters: int = 0
+    changed: trio.Event = field(default_factory=trio.Event)
+
+
+class Admission:
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        *,
+        is_known: Callable[[PeerId], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self.is_known = is_known
+        self.clock = clock
+        self._strangers: dict[SessionId, tuple[PeerId, float]] = {}
+        """Sessions opened here by strangers: opener, last used."""
+        self._in_flight: dict[PeerId, _InFlight] = {}
+
+    # ------------------------------------------------------------ sessions
+
+    def admit(self, remote: PeerId, session_id: SessionId, *, held: bool, max_sessions: int) -> None:
+        """Raise :class:`FrameRejected` unless ``remote`` may send work for ``session_id``.
+
+        ``held``: the stage already holds the session (so it is someone's)."""
+        owner = self._strangers.get(session_id)
+        if owner is not None:
+            if owner[0] != remote and not self.is_known(remote):
+                raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "the session belongs to another peer")
+            self._strangers[session_id] = (owner[0], self.clock())
+            return
+        if self.is_known(remote):
+            return
+        if held:
+            raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "the session belongs to another peer")
+        mine = sum(1 for opener, _ in self._strangers.values() if opener == remote)
+        if mine >= self.limits.stranger_sessions_per_peer:
+            raise FrameRejected(FrameReason.SESSION_QUOTA, f"a peer outside the registry may hold {mine} session(s) here")
+        if len(self._strangers) >= math.floor(max_sessions * self.limits.stranger_session_share):
+            raise FrameRejected(FrameReason.SESSION_QUOTA, "the slots open to peers outside the registry are taken")
+        self._strangers[session_id] = (remote, self.clock())
+
+    def may_close(self, remote: PeerId, session_id: SessionId) -> bool:
+        """A close is honoured from the session's opener or any known peer."""
+        owner = self._strangers.get(session_id)
+        return self.is_known(remote) or (owner is not None and owner[0] == remote)
+
+    def closed(self, session_id: SessionId) -> None:
+        self._strangers.pop(session_id, None)
+
+    def idle_stranger_sessions(self) -> list[SessionId]:
+        """Strangers' sessions idle past ``stranger_idle_s``, forgotten here (free them)."""
+        cutoff = self.clock() - self.limits.stranger_idle_s
+        idle = [s for s, (_, used) in self._strangers.items() if used < cutoff]
+        for session_id in idle:
+            del self._strangers[session_id]
+        return idle
+
+    # -------------------------------------------------------- work in flight
+
+    async def reserve(self, remote: PeerId, nbytes: int) -> None:
+        """Wait until ``remote`` has room for one more frame of ``nbytes``; pair with
+        :meth:`release`. A frame larger than the whole budget is refused at once."""
+        if nbytes > self.limits.bytes_per_peer:
+            raise FrameRejected(FrameReason.TOO_LARGE, f"a frame of {nbytes} bytes exceeds the per-peer budget")
+        row = self._in_flight.setdefault(remote, _InFlight())
+        row.waiters += 1
+        try:
+            while row.jobs >= self.limits.jobs_per_peer or row.bytes + nbytes > self.limits.bytes_per_peer:
+                await row.changed.wait()
+        finally:
+            row.waiters -= 1
+        row.jobs += 1
+        row.bytes += nbytes
+
+    def release(self, remote: PeerId, nbytes: int) -> None:
+        row = self._in_flight.get(remote)
+        if row is None:
+            return
+        row.jobs = max(0, row.jobs - 1)
+        row.bytes = max(0, row.bytes - nbytes)
+        row.changed.set()
+        row.changed = trio.Event()
+        if row.jobs == 0 and row.waiters == 0:
+            del self._in_flight[remote]
+
+    def in_flight(self, remote: PeerId) -> tuple[int, int]:
+        row = self._in_flight.get(remote)
+        return (row.jobs, row.bytes) if row else (0, 0)
+
+    def reset_in_flight(self) -> None:
+        """The stage was replaced: jobs of the old one will never be delivered."""
+        rows, self._in_flight = self._in_flight, {}
+        for row in rows.values():
+            row.jobs = row.bytes = 0  # waiters on these rows proceed; their releases are no-ops
+            row.changed.set()

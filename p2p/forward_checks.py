@@ -1,0 +1,117 @@
+"""What a forward frame must satisfy before this peer spends any work on it.
+
+:mod:`p2p.wire` has already typed every field (sizes, integers, strings). These checks need
+context the decoder lacks: the registry (who holds which layers) and the engine's shape.
+Every hop checks the *remaining* route again, because the hop before it may be the liar::
+
+    contiguous      each hop starts where the previous one ends (so layers strictly increase)
+    complete        the last hop ends at the model's last layer
+    registered      every hop names a node the registry knows, with that peer and range
+    no repeats      no node twice (a loop would make a peer compute a frame many times),
+                    and a libp2p hop is its own node (node id == peer id)
+    input           token ids on the first range (inside the vocabulary), finite hidden
+                    states of the model's width after it
+
+A failure is a :class:`FrameRejected` with a fixed :class:`FrameReason`; the forward service
+counts it and answers the entry peer with an ``error`` frame, never an exception that could
+reach a nursery.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from inclavate.types import NodeId
+from node.engine import EngineInfo
+from p2p.errors import P2PError
+from p2p.records import NodeRecord
+from p2p.routing import Hop
+
+RecordOf = Callable[[NodeId], NodeRecord | None]
+"""The registry's current record of a node, or None."""
+
+
+class FrameReason(enum.Enum):
+    ROUTE_GAP = "route_gap"
+    ROUTE_INCOMPLETE = "route_incomplete"
+    ROUTE_REPEATS = "route_repeats"
+    ROUTE_UNREGISTERED = "route_unregistered"
+    WRONG_INPUT = "wrong_input"
+    NOT_FINITE = "not_finite"
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    SESSION_QUOTA = "session_quota"
+    SESSION_NOT_YOURS = "session_not_yours"
+    TOO_LARGE = "too_large"
+    MALFORMED = "malformed"
+
+
+class FrameRejected(P2PError):
+    """A forward or close this peer refuses to act on; ``reason`` says which rule failed."""
+
+    def __init__(self, reason: FrameReason, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+def check_route(route: Sequence[Hop], n_layers: int | None, record_of: RecordOf | None) -> None:
+    """Raise :class:`FrameRejected` unless ``route`` is a registered chain to ``n_layers``
+    (None: to anywhere, for a ``close`` the entry sends one hop at a time)."""
+    seen: set[NodeId] = set()
+    for index, hop in enumerate(route):
+        if hop.node_id in seen or (not hop.forward_url and hop.node_id != hop.peer_id):
+            raise FrameRejected(FrameReason.ROUTE_REPEATS, f"hop {index} repeats a node or names another peer's node")
+        seen.add(hop.node_id)
+        if index and route[index - 1].layers.end != hop.layers.start:
+            raise FrameRejected(FrameReason.ROUTE_GAP, f"hop {index} does not start where hop {index - 1} ends")
+        if record_of is not None and not _registered(hop, record_of(hop.node_id)):
+            raise FrameRejected(FrameReason.ROUTE_UNREGISTERED, f"hop {index} is not what the registry says {hop.node_id} holds")
+    if n_layers is not None and route[-1].layers.end != n_layers:
+        raise FrameRejected(FrameReason.ROUTE_INCOMPLETE, f"the route ends at layer {route[-1].layers.end}, not {n_layers}")
+
+
+def _registered(hop: Hop, record: NodeRecord | None) -> bool:
+    if record is None or record.peer_id != hop.peer_id or record.layers != hop.layers:
+        return False
+    return (record.forward_url if record.relayed else "") == hop.forward_url
+
+
+def check_tokens(tokens: np.ndarray | None, info: EngineInfo) -> None:
+    """The first range takes token ids, each inside the vocabulary."""
+    if not info.is_first or tokens is None:
+        raise FrameRejected(FrameReason.WRONG_INPUT, f"layers {info.layers} take {'tokens' if info.is_first else 'hidden states'}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= info.n_vocab):
+        raise FrameRejected(FrameReason.TOKEN_OUT_OF_RANGE, f"token ids must lie in [0, {info.n_vocab})")
+
+
+def check_hidden(hidden: np.ndarray, info: EngineInfo) -> None:
+    """Later ranges take finite hidden states of the model's width: one NaN would poison
+    every later layer and make the last stage's sampler fail."""
+    if info.is_first or hidden.ndim != 2 or hidden.shape[1] != info.d_model:
+        raise FrameRejected(FrameReason.WRONG_INPUT, f"layers {info.layers} take hidden states (n, {info.d_model})")
+    if not np.isfinite(hidden).all():
+        raise FrameRejected(FrameReason.NOT_FINITE, "hidden states must be finite")
+
+
+def relay_answer_matches(sent: object, answer: object) -> bool:
+    """Whether a legacy node's answer continues the frame it was sent, and nothing else:
+    the relaying peer sends the answer on under its own identity, so a node must not be
+    able to aim it at another route, session or peer."""
+    from p2p import wire  # wire imports this module's neighbours; keep the cycle lazy
+
+    if not isinstance(sent, (wire.Forward, wire.Close)) or not isinstance(answer, wire.Message.__args__):  # type: ignore[attr-defined]
+        return False
+    if answer.session_id != sent.session_id or answer.req_id != sent.req_id:
+        return False
+    if isinstance(answer, wire.Error):
+        return True
+    if isinstance(sent, wire.Forward):
+        if isinstance(answer, wire.Forward):
+            return (answer.route == sent.route[1:] and answer.reply_to == sent.reply_to and answer.start_pos == sent.start_pos
+                    and answer.sampling == sent.sampling and answer.hidden is not None)  # fmt: skip
+        return isinstance(answer, wire.Result) and len(sent.route) == 1 and sent.sampling is not None
+    if isinstance(answer, wire.Close):
+        return answer.route == sent.route[1:] and answer.reply_to == sent.reply_to
+    return isinstance(answer, wire.Closed) and len(sent.route) == 1

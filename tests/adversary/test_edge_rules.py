@@ -1,0 +1,268 @@
+"""The data-plane and HTTP edge rules as pure logic, fast: forward-route checks, admission
+control, the legacy-node HTTP client, template limits, sampling and the Host policy."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import trio
+
+from api.chat_template import ChatTemplate, TemplateError
+from api.request_guard import HostPolicy
+from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
+from inclavate.untrusted import Malformed
+from node.engine import EngineInfo
+from node.sampling import SamplingParams, UnusableLogits, sample
+from p2p import wire
+from p2p.admission import Admission, AdmissionLimits
+from p2p.errors import ProtocolError
+from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
+from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
+from p2p.records import NodeRecord
+from p2p.routing import Hop
+
+
+def _hop(name: str, start: int, end: int, url: str = "") -> Hop:
+    return Hop(NodeId(name), PeerId(name), LayerRange(start, end), url)
+
+
+def _registry(*hops: Hop) -> dict[NodeId, NodeRecord]:
+    return {h.node_id: NodeRecord(node_id=h.node_id, peer_id=h.peer_id, model_id=ModelId("m"), start_layer=h.layers.start,
+                                  end_layer=h.layers.end, n_layers=30, d_model=8, state="Ready", seq=1, ts_ms=1)
+            for h in hops}  # fmt: skip
+
+
+def _reason(call) -> FrameReason:  # type: ignore[no-untyped-def]
+    with pytest.raises(FrameRejected) as info:
+        call()
+    return info.value.reason
+
+
+def test_routes_must_be_contiguous_complete_registered_and_loop_free() -> None:
+    a, b, c = _hop("a", 0, 10), _hop("b", 10, 20), _hop("c", 20, 30)
+    known = _registry(a, b, c)
+    check_route((a, b, c), 30, known.get)
+    check_route((b, c), 30, known.get)
+    check_route((b,), None, known.get)  # a close may name one hop
+    assert _reason(lambda: check_route((c, _hop("x", 30, 31)), 30, known.get)) is FrameReason.ROUTE_UNREGISTERED
+    assert _reason(lambda: check_route((c, _hop("x", 30, 31)), 30, None)) is FrameReason.ROUTE_INCOMPLETE
+    assert _reason(lambda: check_route((a, c), 30, known.get)) is FrameReason.ROUTE_GAP
+    assert _reason(lambda: check_route((b,), 30, known.get)) is FrameReason.ROUTE_INCOMPLETE
+    assert _reason(lambda: check_route((c,) * 200, 30, known.get)) is FrameReason.ROUTE_REPEATS
+    assert _reason(lambda: check_route((Hop(NodeId("c"), PeerId("a"), LayerRange(20, 30)),), 30, known.get)) is FrameReason.ROUTE_REPEATS
+    liar = _hop("b", 10, 25)  # b is registered for 10-20
+    assert _reason(lambda: check_route((a, liar, _hop("d", 25, 30)), 30, known.get)) is FrameReason.ROUTE_UNREGISTERED
+
+
+def test_inputs_must_fit_the_range() -> None:
+    first = EngineInfo(ModelId("m"), LayerRange(0, 10), 30, 8, 100, "llama")
+    later = EngineInfo(ModelId("m"), LayerRange(10, 20), 30, 8, 100, "llama")
+    check_tokens(np.array([0, 99], np.int32), first)
+    assert _reason(lambda: check_tokens(np.array([100], np.int32), first)) is FrameReason.TOKEN_OUT_OF_RANGE
+    assert _reason(lambda: check_tokens(np.array([-1], np.int32), first)) is FrameReason.TOKEN_OUT_OF_RANGE
+    assert _reason(lambda: check_tokens(np.array([1], np.int32), later)) is FrameReason.WRONG_INPUT
+    check_hidden(np.zeros((2, 8), np.float32), later)
+    assert _reason(lambda: check_hidden(np.zeros((2, 9), np.float32), later)) is FrameReason.WRONG_INPUT
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.zeros((2, 8), np.float32)
+        x[1, 3] = bad
+        assert _reason(lambda x=x: check_hidden(x, later)) is FrameReason.NOT_FINITE
+
+
+def test_a_legacy_node_may_only_continue_the_frame_it_was_sent() -> None:
+    b, c = _hop("b", 10, 20, "http://n"), _hop("c", 20, 30)
+    sent = wire.Forward(1, SessionId("s"), 0, (b, c), PeerId("e"), None, hidden=None)
+    from inclavate import tensors
+
+    h = tensors.encode(np.zeros((1, 8), np.float32))
+    assert relay_answer_matches(sent, wire.Forward(1, SessionId("s"), 0, (c,), PeerId("e"), None, hidden=h))
+    assert relay_answer_matches(sent, wire.Error(1, SessionId("s"), "engine_error", "x", PeerId("b")))
+    assert not relay_answer_matches(sent, wire.Forward(1, SessionId("s"), 0, (_hop("evil", 20, 30),), PeerId("e"), None, hidden=h))
+    assert not relay_answer_matches(sent, wire.Forward(1, SessionId("other"), 0, (c,), PeerId("e"), None, hidden=h))
+    assert not relay_answer_matches(sent, wire.Result(1, SessionId("s"), 5))  # not the last hop
+    assert not relay_answer_matches(sent, wire.Close(1, SessionId("s"), (c,), PeerId("e")))
+
+
+def test_strangers_get_a_bounded_share_of_sessions_and_lose_idle_ones() -> None:
+    now = [0.0]
+    admission = Admission(AdmissionLimits(stranger_idle_s=30), is_known=lambda p: p == "friend", clock=lambda: now[0])
+    evil, other = PeerId("evil"), PeerId("other")
+    admission.admit(evil, SessionId("e1"), held=False, max_sessions=4)
+    admission.admit(evil, SessionId("e1"), held=True, max_sessions=4)  # its own session again
+    with pytest.raises(FrameRejected) as quota:
+        admission.admit(evil, SessionId("e2"), held=False, max_sessions=4)
+    assert quota.value.reason is FrameReason.SESSION_QUOTA
+    admission.admit(other, SessionId("o1"), held=False, max_sessions=4)
+    with pytest.raises(FrameRejected):  # strangers together hold half of the 4 slots at most
+        admission.admit(PeerId("third"), SessionId("t1"), held=False, max_sessions=4)
+    with pytest.raises(FrameRejected) as theft:
+        admission.admit(other, SessionId("e1"), held=True, max_sessions=4)
+    assert theft.value.reason is FrameReason.SESSION_NOT_YOURS
+    with pytest.raises(FrameRejected):  # a session someone known opened
+        admission.admit(evil, SessionId("honest"), held=True, max_sessions=4)
+    for i in range(10):
+        admission.admit(PeerId("friend"), SessionId(f"f{i}"), held=False, max_sessions=4)
+    assert not admission.may_close(other, SessionId("e1")) and admission.may_close(evil, SessionId("e1"))
+    now[0] = 20.0
+    admission.admit(evil, SessionId("e1"), held=True, max_sessions=4)  # used: stays
+    now[0] = 40.0
+    assert admission.idle_stranger_sessions() == [SessionId("o1")]
+    now[0] = 60.0
+    assert admission.idle_stranger_sessions() == [SessionId("e1")]
+
+
+async def test_work_in_flight_is_bounded_per_peer(autojump_clock: trio.abc.Clock) -> None:
+    admission = Admission(AdmissionLimits(jobs_per_peer=2, bytes_per_peer=100), is_known=lambda p: True)
+    flood, honest = PeerId("flood"), PeerId("honest")
+    await admission.reserve(flood, 10)
+    await admission.reserve(flood, 10)
+    with trio.move_on_after(5) as blocked:
+        await admission.reserve(flood, 10)
+    assert blocked.cancelled_caught  # the flooder waits...
+    await admission.reserve(honest, 90)  # ...everyone else does not
+    with pytest.raises(FrameRejected):
+        await admission.reserve(honest, 101)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(admission.reserve, flood, 10)
+        await trio.sleep(1)
+        admission.release(flood, 10)
+    assert admission.in_flight(flood) == (2, 20)
+    admission.reset_in_flight()
+    assert admission.in_flight(flood) == (0, 0)
+
+
+def test_node_urls_are_http_with_a_host() -> None:
+    assert check_node_url("http://10.0.0.2:5001/") == "http://10.0.0.2:5001"
+    assert check_node_url("https://node.example") == "https://node.example"
+    for bad in ("foo", "file:///etc/passwd", "ftp://h/x", "http://", "http://u:p@h/", "http://h/?q=1", "http://h:99999",
+                "gopher://h", "http://h:0", "x" * 3000):  # fmt: skip
+        with pytest.raises(Malformed):
+            check_node_url(bad)
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("location", "/big")
+            self.send_header("content-length", "0")
+            self.end_headers()
+        elif self.path == "/big":
+            body = b"x" * 5000
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:  # /drip: one byte every 0.3 s, for ever
+            self.send_response(200)
+            self.send_header("content-length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except OSError:
+                pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_legacy_http_follows_no_redirect_and_bounds_size_and_time(scripted_url: str) -> None:
+    client = LegacyHttp(HttpLimits(timeout_s=1.5, max_response_bytes=1000, threads=2))
+    status, _ = await client.request("GET", scripted_url + "/redirect")
+    assert status == 302  # reported, not followed
+    with pytest.raises(NodeUnreachable, match="exceeds"):
+        await client.request("GET", scripted_url + "/big")
+    started = time.monotonic()
+    with pytest.raises(NodeUnreachable):
+        await client.request("GET", scripted_url + "/drip")
+    assert time.monotonic() - started < 10  # the deadline, not the 300 s the node would take
+    with pytest.raises(NodeUnreachable):
+        await client.request("GET", "foo/forward")  # the old crash: ValueError from urllib
+
+
+def test_templates_are_bounded_in_time_and_size() -> None:
+    spin = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x", "", "")
+    started = time.monotonic()
+    with pytest.raises(TemplateError, match="within"):
+        spin.render([], timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ 'a' * 10000000000 }}", "", "").render([])
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ 7 ** 100000000 }}", "", "").render([])
+    assert ChatTemplate("{{ messages[0]['content'] * 2 }}", "", "").render([{"role": "user", "content": "ab"}]) == "abab"
+
+
+def test_sampling_refuses_what_the_wire_could_carry() -> None:
+    for bad in ((0.5, 0.9, 1.5), (0.5, 0.9, "x"), (0.5, 0.9, True), ("hot", 0.9, 1), (float("nan"), 0.9, 1), (0.5, 2.0, 1)):
+        with pytest.raises(ValueError):
+            SamplingParams(*bad)  # type: ignore[arg-type]
+    assert SamplingParams(0.5, 0.9, -1).seed == 2**64 - 1  # any integer maps onto the generator's 64 bits
+    logits = np.zeros(10, np.float32)
+    logits[3] = np.nan
+    with pytest.raises(UnusableLogits):
+        sample(logits, SamplingParams(0.8, 0.95, 1), 0)
+    with pytest.raises(UnusableLogits):
+        sample(logits, SamplingParams(0.0, 1.0, 1), 0)
+
+
+def test_wire_frames_with_bad_fields_are_protocol_errors() -> None:
+    base = {"type": "forward", "req": 1, "session": "s", "start_pos": 0, "route": [["p", "p", 0, 1, ""]], "reply_to": "e",
+            "sampling": None, "input": {"kind": "tokens", "shape": [1]}}  # fmt: skip
+    body = np.array([1], "<i4").tobytes()
+
+    def frame(header: dict | str, payload: bytes = body) -> bytes:
+        raw = (header if isinstance(header, str) else json.dumps(header)).encode()
+        return len(raw).to_bytes(4, "big") + raw + payload
+
+    assert isinstance(wire.decode(frame(base)), wire.Forward)
+    for bad in ({**base, "sampling": [0.5, 0.9, 1.5]}, {**base, "req": 2**70}, {**base, "start_pos": -1},
+                {**base, "route": []}, {**base, "route": [["p", "p", 0, 1, ""]] * 300}, {**base, "route": [[1, 2, 3]]},
+                {**base, "input": {"kind": "hidden", "dtype": "f32", "shape": [2**40, 2**40]}},
+                {**base, "input": {"kind": "tokens", "shape": [0]}}, {**base, "type": "result", "token": -1},
+                {**base, "type": "error", "code": "made_up", "message": "", "origin": "p"},
+                "[" * 10000 + "]" * 10000, json.dumps(base).replace('"req": 1,', '"req": Infinity,')):  # fmt: skip
+        with pytest.raises(ProtocolError):
+            wire.decode(frame(bad))
+    with pytest.raises(ProtocolError):
+        wire.decode(frame({**base, "input": {"kind": "hidden", "dtype": "f32", "shape": [2**40, 2**40]}}, b""))
+
+
+def test_the_entry_refuses_token_ids_outside_the_vocabulary(smollm2) -> None:
+    """llama.cpp aborts the process on such an id (std::terminate); the tokenizer raises."""
+    from node.errors import UnknownToken
+    from node.tokenizer import Tokenizer
+
+    with Tokenizer(smollm2.path) as tokenizer:
+        assert tokenizer.token_bytes(300)
+        for bad in (tokenizer.n_vocab, 10**6, -1):
+            with pytest.raises(UnknownToken):
+                tokenizer.token_bytes(bad)
+
+
+def test_the_host_check_applies_to_loopback_binds_only() -> None:
+    local = HostPolicy.for_bind("127.0.0.1", 8001, ["my.box", "other:9000"])
+    for ok in ("127.0.0.1:8001", "localhost:8001", "[::1]:8001", "127.0.0.1", "LOCALHOST:8001", "my.box:8001", "other:9000"):
+        assert local.allows(ok), ok
+    for bad in ("evil.example:8001", "evil.example", "127.0.0.1:8002", "other:8001", ""):
+        assert not local.allows(bad), bad
+    assert HostPolicy.for_bind("0.0.0.0", 8001).allows("anything.example")

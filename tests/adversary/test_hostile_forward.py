@@ -1,0 +1,277 @@
+"""A stranger's libp2p peer attacks the forward protocol of a live 3-peer swarm.
+
+Each test sends one kind of hostile frame straight to a stage, checks how it was refused,
+and ends with every honest peer alive, the registry unchanged, and a chat through the chain
+that still answers with the whole model's text. One swarm serves the whole module."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from forward_frames import attack, forward, hop, peer_id
+from hostile_peer import HostilePeer, honest_record, hostile_peer
+from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, chat, honest_nodes, three_peers
+from reference import whole_model_text
+from swarm import PeerProcess, Swarm, request_json
+
+from inclavate.types import LayerRange, NodeId, PeerId
+from node.sampling import SamplingParams
+from p2p import wire
+from p2p.errors import P2PError
+from p2p.framing import FramedStream
+from p2p.routing import Hop
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+D_MODEL = 576
+N_VOCAB = 49152
+ADMIN_TOKEN = "adversary-admin-token"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, list[PeerProcess]]]:
+    with three_peers(tmp_path_factory.mktemp("hostile-forward"), "--admin-token", ADMIN_TOKEN) as (s, peers):
+        yield s, peers
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, slice_cache) -> str:
+    return whole_model_text(smollm2, slice_cache, QUESTION, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def baseline(live) -> list[tuple[str, int, int, str]]:
+    return honest_nodes(live[1][0])
+
+
+def raw_frame(header: dict[str, Any] | str, body: bytes = b"") -> bytes:
+    text = header if isinstance(header, str) else json.dumps(header)
+    raw = text.encode()
+    return struct.pack(">I", len(raw)) + raw + body
+
+
+def errors(replies: list[wire.Message]) -> list[str]:
+    return [r.code for r in replies if isinstance(r, wire.Error)]
+
+
+def finite_hidden(rows: int = 1) -> np.ndarray:
+    return np.random.default_rng(rows).normal(size=(rows, D_MODEL)).astype(np.float32)
+
+
+def test_a_route_with_a_hop_after_the_last_range(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+    evil_hop = Hop(NodeId("x"), PeerId("x"), LayerRange(30, 31))
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        await stream.send(forward(evil, (hop(c, "20-30"), evil_hop), hidden=finite_hidden(), sampling=SamplingParams(0, 1, 0)), timeout=10)
+
+    assert errors(attack(c, s, run)) == ["wrong_route"]
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_a_route_that_repeats_a_hop_is_refused_without_computing(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+    before = c.get("/health")
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        await stream.send(forward(evil, (hop(c, "20-30"),) * 200, hidden=finite_hidden()), timeout=10)
+
+    assert errors(attack(c, s, run)) == ["wrong_route"]
+    assert c.get("/health")["sessions"] == before["sessions"]
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_a_route_through_an_unregistered_peer_is_refused(live, expected, baseline) -> None:
+    """Otherwise any stranger could make a stage send it the hidden states of a chain."""
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        mine = Hop(NodeId(evil.peer_id), evil.peer_id, LayerRange(20, 30))
+        await stream.send(forward(evil, (hop(b, "10-20"), mine), hidden=finite_hidden()), timeout=10)
+
+    assert errors(attack(b, s, run)) == ["wrong_route"]
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def forward_header(evil: HostilePeer, target: PeerProcess, layers: list[int], **fields: Any) -> dict[str, Any]:
+    """A well-formed forward header (one hidden row), with ``fields`` replaced."""
+    pid = peer_id(target)
+    return {"type": "forward", "req": 1, "session": "m", "start_pos": 0, "route": [[pid, pid, *layers, ""]],
+            "reply_to": evil.peer_id, "sampling": None,
+            "input": {"kind": "hidden", "dtype": "f32", "shape": [1, D_MODEL]}, **fields}  # fmt: skip
+
+
+def test_a_non_integer_seed_is_dropped_at_the_wire(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        body = finite_hidden().tobytes()
+        for sampling in ([0.5, 0.9, 1.5], [0.5, 0.9, "x"], [0.5, 0.9, None], [0.5, 0.9, [1]], [0.5, 0.9, True],
+                         ["hot", 0.9, 1], [0.5, 7, 1], [0.5, 0.9], {"seed": 1}):  # fmt: skip
+            await stream.send(raw_frame(forward_header(evil, c, [20, 30], sampling=sampling), body), timeout=10)
+        nan = json.dumps(forward_header(evil, c, [20, 30], sampling=[0.5, 0.9, 1])).replace("[0.5, 0.9, 1]", "[NaN, 0.9, 1]")
+        await stream.send(raw_frame(nan, body), timeout=10)
+
+    assert errors(attack(c, s, run)) == []  # malformed: dropped, and counted, never computed
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_nan_and_infinite_hidden_states_fail_their_frame_only(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        for i, bad in enumerate((np.nan, np.inf, -np.inf)):
+            hidden = finite_hidden(2)
+            hidden[1, 7] = bad  # rng.choice used to raise on the NaN probabilities, in the stage worker
+            await stream.send(forward(evil, (hop(c, "20-30"),), session=f"n{i}", hidden=hidden,
+                                      sampling=SamplingParams(0.8, 0.95, 3)), timeout=10)  # fmt: skip
+
+    assert errors(attack(c, s, run)) == ["invalid_batch"] * 3
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_at_the_first_stage(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        route = (hop(a, "0-10"), hop(b, "10-20"), hop(c, "20-30"))
+        for i, token in enumerate((N_VOCAB, -1, 2**31 - 1)):
+            await stream.send(forward(evil, route, session=f"t{i}", tokens=[1, token]), timeout=10)
+
+    assert errors(attack(a, s, run)) == ["invalid_batch"] * 3
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_a_stranger_cannot_hold_every_kv_slot(live, expected, baseline) -> None:
+    """Eight one-token frames used to hold all slots for the stage's 10-minute idle timeout."""
+    s, (a, b, c) = live
+    route = (hop(a, "0-10"), hop(b, "10-20"), hop(c, "20-30"))
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        for i in range(8):
+            await stream.send(forward(evil, route, session=f"slot{i}", tokens=[1]), timeout=10)
+
+    replies = attack(a, s, run, settle=2.0)
+    assert errors(replies).count("session_limit") >= 7  # one session per stranger, at most
+    assert a.get("/health")["sessions"]["stage"] <= 1
+    assert_swarm_healthy([a, b, c], expected, baseline)
+    for _ in range(3):  # and several chats at once still find slots
+        status, body = chat(b)
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected
+
+
+def test_frames_larger_than_the_model_needs_are_refused_unread(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        # A length prefix of 200 MiB (the old limit was 256 MiB): the stream is reset at once.
+        raw = stream._raw  # the bytes under the framing: an honest FramedStream cannot lie about a length
+        await raw.write(struct.pack(">I", 200 * 1024 * 1024) + b"\0" * 1024)
+
+    attack(b, s, run)
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_malformed_headers_are_dropped(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        base = forward_header(evil, c, [20, 30])
+        body = finite_hidden().tobytes()
+        for header in (
+            "[" * 20000 + "]" * 20000,
+            {**base, "req": 2**70},
+            {**base, "start_pos": -5},
+            {**base, "route": [[1, 2, "a", None, 5]]},
+            {**base, "route": [[peer_id(c), peer_id(c), 20, 30, ""]] * 300},
+            {**base, "input": {"kind": "hidden", "dtype": "f32", "shape": [2**40, 2**40]}},
+            {**base, "input": {"kind": "hidden", "dtype": "f64", "shape": [1, D_MODEL]}},
+            {**base, "type": "result", "token": 10**30},
+            "not json at all",
+        ):
+            await stream.send(raw_frame(header, body), timeout=10)
+        await stream.send(raw_frame(json.dumps(base).replace('"req": 1,', '"req": Infinity,'), body), timeout=10)
+
+    assert errors(attack(c, s, run)) == []
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+    results: list[Any] = []
+
+    async def run(evil: HostilePeer, stream: FramedStream, replies: list) -> None:
+        frame = forward(evil, (hop(c, "20-30"),), session="flood", hidden=finite_hidden(128))
+
+        async def flood() -> None:
+            try:
+                for _ in range(300):
+                    await stream.send(frame, timeout=30)  # rewinds to 0 each time: 128 rows of work
+            except P2PError:
+                pass  # over its budget, the flooder is no longer read: being throttled is the point
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            results.append(await trio.to_thread.run_sync(chat, a))
+            nursery.cancel_scope.cancel()
+
+    attack(c, s, run, settle=0.1)
+    status, body = results[0]
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def _set_state(target: PeerProcess, state: str) -> None:
+    status, body = request_json("PATCH", target.url + f"/admin/nodes/{peer_id(target)}/state", {"state": state},
+                                headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+    assert status == 200, body
+
+
+def test_a_last_stage_that_answers_a_token_outside_the_vocabulary(live, expected, baseline) -> None:
+    """llama.cpp aborts the whole entry process (std::terminate) on such a token id. Here a
+    stranger registers as the only Ready holder of layers 10-30 and answers every step with
+    token 1,000,000: the chat fails cleanly and the entry lives."""
+    s, (a, b, c) = live
+    outcome: list[tuple[int, object]] = []
+
+    async def main() -> None:
+        async with hostile_peer(s.multiaddr(a)) as evil:
+            async def lie(stream: FramedStream, remote: PeerId) -> None:
+                while True:
+                    msg = wire.decode(await stream.receive(timeout=60))
+                    answer: wire.Message | None = None
+                    if isinstance(msg, wire.Forward) and msg.sampling is not None:
+                        answer = wire.Result(msg.req_id, msg.session_id, 1_000_000)
+                    elif isinstance(msg, wire.Close):
+                        answer = wire.Closed(msg.req_id, msg.session_id)
+                    if answer is not None:
+                        out = await evil.host.new_stream(msg.reply_to, wire.PROTOCOL)
+                        await out.send(wire.encode(answer), timeout=10)
+                        await out.close()
+
+            evil.host.set_stream_handler(wire.PROTOCOL, lie)
+            await evil.publish_record(honest_record(evil.identity, model=MODEL, start=10, end=30, n_layers=30, d_model=D_MODEL,
+                                                    multiaddrs=tuple(evil.host.multiaddrs())))  # fmt: skip
+            for honest in (b, c):
+                await trio.to_thread.run_sync(_set_state, honest, "idle")
+            try:
+                with trio.fail_after(20):
+                    while not (await trio.to_thread.run_sync(a.get, "/api/models"))[0]["chain_complete"]:
+                        await trio.sleep(0.2)
+                outcome.append(await trio.to_thread.run_sync(chat, a))
+            finally:
+                for honest in (b, c):
+                    await trio.to_thread.run_sync(_set_state, honest, "ready")
+
+    trio.run(main)
+    status, body = outcome[0]
+    assert status == 503 and "vocabulary" in str(body), (status, body)
+    assert a.alive()
+    evil_gone = lambda: all(n["state"] != "Ready" for n in a.get("/nodes") if n["node_id"] not in {x[0] for x in baseline})  # noqa: E731
+    s.wait(evil_gone, 20, "the stranger's record to age out", a)
+    assert_swarm_healthy([a, b, c], expected, baseline)

@@ -1,0 +1,280 @@
+"""Hostile HTTP clients, fake legacy nodes and a stranger's peer against a live 3-peer swarm.
+
+Each test is one finding; each ends with every honest peer alive, the honest records
+unchanged, and a chat through the chain answering with the whole model's text. The module
+ends with a property-based fuzz of the REST API driven by the peer's own ``/openapi.json``.
+One swarm serves the whole module (peer b requires a join token for legacy nodes)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import secrets
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+from forward_frames import attack, forward, hop, peer_id
+from hostile_peer import HostilePeer, hostile_peer, honest_record
+from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, honest_nodes, three_peers
+from reference import whole_model_text
+from swarm import PeerProcess, Swarm, request_json
+
+from inclavate.local_swarm import free_port
+from inclavate.types import LayerRange, NodeId
+from p2p import wire
+from p2p.framing import FramedStream
+from p2p.routing import Hop
+from p2p.vocab import PROTOCOL as VOCAB_PROTOCOL
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+JOIN_TOKEN = "join-" + secrets.token_hex(8)
+TOKEN = "relay-" + secrets.token_hex(8)
+RELAY = "X-Inclavate-Relay-Token"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, list[PeerProcess]]]:
+    with three_peers(tmp_path_factory.mktemp("hostile-http"), per_peer={1: ["--join-token", JOIN_TOKEN]}) as (s, peers):
+        yield s, peers
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, slice_cache) -> str:
+    return whole_model_text(smollm2, slice_cache, QUESTION, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def baseline(live) -> list[tuple[str, int, int, str]]:
+    return honest_nodes(live[1][0])
+
+
+class _FakeNode(http.server.BaseHTTPRequestHandler):
+    """A legacy node that answers its health check and then lies: garbage on /forward."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._answer(200, b'{"ok": true}')
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self._answer(200, b"garbage, not a frame")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def fake_node_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeNode)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def register(peer: PeerProcess, node_id: str, url: str, layers: tuple[int, int] = (10, 20), *, token: str | None = TOKEN,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+    body = {"node_id": node_id, "model_id": MODEL, "http_url": url, "start_layer": layers[0], "end_layer": layers[1]}
+    if token is not None:
+        body["relay_token"] = token
+    return request_json("POST", peer.url + "/nodes", body, headers=headers)
+
+
+def legacy_state(peer: PeerProcess, node_id: str) -> str | None:
+    return next((n["state"] for n in peer.get("/nodes") if n["legacy"] and n["node_id"].endswith(":" + node_id)), None)
+
+
+def test_a_legacy_node_with_a_bad_url_never_registers(live, expected, baseline) -> None:
+    """``http_url: "foo"`` then a chat used to kill the entry peer (ValueError in the relay)."""
+    s, (a, b, c) = live
+    closed = f"http://127.0.0.1:{free_port()}"
+    for url, status in (("foo", 400), ("file:///etc/passwd", 400), ("ftp://127.0.0.1/x", 400), ("http://", 400),
+                        ("http://user:pw@127.0.0.1:1/", 400), (closed, 422)):  # fmt: skip
+        got, body = register(a, "n1", url)
+        assert got == status and isinstance(body["error"], str), (url, got, body)
+    assert register(a, "n1", closed, token=None)[0] == 400  # no relay token: nobody could drive it
+    assert request_json("POST", a.url + "/nodes/n1/health", {"ready": True})[0] == 404
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_a_legacy_node_that_fails_is_held_out_of_routing(live, expected, baseline, fake_node_url: str) -> None:
+    s, (a, b, c) = live
+    assert register(a, "liar", fake_node_url)[0] == 200
+    assert request_json("POST", a.url + "/nodes/liar/health", {"ready": True}, headers={RELAY: TOKEN})[0] == 200
+    s.wait(lambda: legacy_state(a, "liar") == "Ready", 10, "the fake node to be Ready")
+    liar = next(n for n in a.get("/nodes") if n["legacy"])
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        # A frame routed through the fake node, as a chain would: its garbage answer must
+        # neither crash the relaying peer nor keep the node in routing.
+        route = (Hop(NodeId(liar["node_id"]), peer_id(a), LayerRange(10, 20), fake_node_url), hop(c, "20-30"))
+        hidden = np.zeros((1, 576), np.float32)
+        await stream.send(forward(evil, route, hidden=hidden), timeout=10)
+
+    replies = attack(a, s, run)
+    assert [r.code for r in replies if isinstance(r, wire.Error)] == ["unreachable"]
+    assert legacy_state(a, "liar") == "Joining"  # held out, although it still heartbeats ready
+    assert request_json("POST", a.url + "/nodes/liar/health", {"ready": True}, headers={RELAY: TOKEN})[0] == 200
+    assert legacy_state(a, "liar") == "Joining"
+    assert_swarm_healthy([a, b, c], expected, baseline)
+    assert request_json("DELETE", a.url + "/nodes/liar", headers={RELAY: TOKEN})[0] == 204
+
+
+def test_heartbeat_leave_and_reregistration_are_bound_to_the_relay_token(live, expected, baseline, fake_node_url: str) -> None:
+    s, (a, b, c) = live
+    assert register(a, "mine", fake_node_url, (0, 10))[0] == 200
+    health = a.url + "/nodes/mine/health"
+    assert request_json("POST", health, {"ready": True})[0] == 403
+    assert request_json("POST", health, {"ready": True}, headers={RELAY: "x" * 20})[0] == 403
+    assert request_json("DELETE", a.url + "/nodes/mine")[0] == 403
+    assert register(a, "mine", fake_node_url, (0, 10), token="someone-else-entirely")[0] == 409
+    assert legacy_state(a, "mine") == "Joining"  # never made Ready by a stranger
+    assert register(a, "mine", fake_node_url, (0, 10))[0] == 200  # the node itself, restarted
+    assert request_json("POST", health, {"ready": "yes"}, headers={RELAY: TOKEN})[0] == 400
+    assert request_json("DELETE", a.url + "/nodes/mine", headers={RELAY: TOKEN})[0] == 204
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_registration_needs_the_join_token_when_the_peer_has_one(live, expected, baseline, fake_node_url: str) -> None:
+    s, (a, b, c) = live
+    assert register(b, "joiner", fake_node_url)[0] == 403
+    assert register(b, "joiner", fake_node_url, headers={"X-Inclavate-Join-Token": "guess"})[0] == 403
+    assert register(b, "joiner", fake_node_url, headers={"X-Inclavate-Join-Token": JOIN_TOKEN})[0] == 200
+    assert request_json("DELETE", b.url + "/nodes/joiner", headers={RELAY: TOKEN})[0] == 204
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_what_a_browser_on_another_origin_can_send_is_refused(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+    node = json.dumps({"node_id": "csrf", "model_id": MODEL, "http_url": "http://127.0.0.1:1", "relay_token": TOKEN})
+    chat = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 2})
+    with httpx.Client(timeout=30) as client:
+        for path, body in (("/nodes", node), ("/nodes/join", node), ("/v1/chat/completions", chat)):
+            for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+                headers = {"content-type": ctype} if ctype else {}
+                r = client.post(a.url + path, content=body, headers=headers)
+                assert r.status_code == 415 and "error" in r.json(), (path, ctype, r.status_code)
+            r = client.post(a.url + path, content=body, headers={"content-type": "application/json", "origin": "http://evil.example"})
+            assert r.status_code == 403 and "error" in r.json()
+        r = client.delete(a.url + "/sessions/x", headers={"origin": "http://evil.example"})
+        assert r.status_code == 403
+        r = client.delete(a.url + "/sessions/x", headers={"origin": a.url})  # same origin: allowed
+        assert r.status_code == 404
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_a_websocket_from_another_origin_is_refused(live, expected, baseline) -> None:
+    """Browsers do not preflight websockets: ``/ws/chat`` checks ``Origin`` (and ``Host``)
+    itself. A second request on the refused connection used to make hypercorn raise h11's
+    LocalProtocolError out of the server nursery: two requests stopped the peer."""
+    s, (a, b, c) = live
+    upgrade = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
+               "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="}  # fmt: skip
+    with httpx.Client(timeout=10) as client:
+        assert client.get(a.url + "/ws/chat", headers={**upgrade, "origin": "http://evil.example"}).status_code == 403
+        try:
+            client.get(a.url + "/ws/chat", headers={**upgrade, "host": "evil.example"})
+        except httpx.HTTPError:
+            pass  # this connection may be dropped; the peer must not be
+    with httpx.Client(timeout=10) as client:
+        assert client.get(a.url + "/ws/chat", headers={**upgrade, "host": "evil.example"}).status_code == 403
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_dns_rebinding_hosts_are_refused(live) -> None:
+    a = live[1][0]
+    port = a.api_port
+    with httpx.Client(timeout=10) as client:
+        for host, status in ((f"evil.example:{port}", 403), ("evil.example", 403), (f"localhost:{port}", 200),
+                             (f"127.0.0.1:{port}", 200), (f"[::1]:{port}", 200)):  # fmt: skip
+            r = client.get(a.url + "/health", headers={"host": host})
+            assert r.status_code == status, host
+
+
+def test_deeply_nested_json_is_a_400_in_the_spec_shape(live, expected, baseline) -> None:
+    s, (a, b, c) = live
+    deep = '{"model": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with httpx.Client(timeout=30) as client:
+        for path in ("/v1/chat/completions", "/nodes", "/nodes/join", "/nodes/x/health"):
+            r = client.post(a.url + path, content=deep, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and isinstance(r.json()["error"], str), (path, r.status_code, r.text[:200])
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
+    """``GET /api/models`` used to fetch the GGUF of any model in the registry, from whoever
+    claimed to hold it, and compile its Jinja template."""
+    s, (a, b, c) = live
+
+    async def main() -> None:
+        async with hostile_peer(s.multiaddr(a)) as evil:
+            evil.serve(VOCAB_PROTOCOL, b"not a gguf")
+            await evil.publish_record(honest_record(evil.identity, model="evil:model", start=0, end=4, n_layers=4))
+            with trio.fail_after(20):
+                while "evil:model" not in [m["id"] for m in await trio.to_thread.run_sync(a.get, "/api/models")]:
+                    await trio.sleep(0.2)
+            assert VOCAB_PROTOCOL not in evil.asked
+
+    trio.run(main)
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+def test_the_rest_api_never_answers_500_to_a_fuzzer(live, expected, baseline) -> None:
+    """Property-based: every operation in /openapi.json, bodies from its schemas and from
+    arbitrary JSON, path parameters from arbitrary text. Bounded in examples and time."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schema_strategies import ANY_JSON, from_schema
+
+    s, (a, b, c) = live
+    doc = a.get("/openapi.json")
+    operations = [(path, method, op) for path, ops in doc["paths"].items() for method, op in ops.items()
+                  if not op.get("x-websocket")]  # fmt: skip
+    any_json = ANY_JSON
+
+    def body_for(path: str, method: str, op: dict[str, Any]) -> st.SearchStrategy[Any]:
+        schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+        if schema is None:
+            return any_json if method in ("post", "put", "patch") else st.none()
+        typed = from_schema(schema)
+        if path == "/v1/chat/completions":  # often the real model, always short, so it runs a chain
+            real = st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 3), "stream": st.booleans()})
+            typed = st.tuples(typed, real).map(lambda pair: {**pair[0], **pair[1]}) | typed
+        return typed | any_json
+
+    operation = st.sampled_from(operations).flatmap(lambda o: st.tuples(
+        st.just(o), body_for(*o), st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)))
+    failures: list[str] = []
+    deadline = time.monotonic() + 150
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(operation)
+    def probe(case: tuple[tuple[str, str, dict[str, Any]], Any, str]) -> None:
+        (path, method, op), body, param = case
+        if time.monotonic() > deadline:
+            return
+        url = a.url + path
+        for p in op.get("parameters", []):
+            url = url.replace("{" + p["name"] + "}", urllib.parse.quote(param, safe=""))
+        content = None if body is None else json.dumps(body)
+        headers = {"content-type": "application/json"} if content is not None else {}
+        r = httpx.request(method.upper(), url, content=content, headers=headers, timeout=60)
+        if r.status_code >= 500 and r.status_code not in (503, 504):
+            failures.append(f"{method.upper()} {path} {content!r:.300} -> {r.status_code} {r.text[:300]}")
+
+    probe()
+    assert failures == []
+    assert_swarm_healthy([a, b, c], expected, baseline)
