@@ -9,15 +9,20 @@ Start-up order, and why:
    :mod:`p2p.placement`), announce ``Joining`` and watch for collisions for ``settle_s``;
 4. load the engine, announce ``Ready``.
 
-Shutdown (:meth:`Peer.shutdown`): announce ``Dead`` at once, refuse new chats, give
-in-flight generations ``drain_s`` to finish, then cancel them (they fail with a clear error
-and free their KV cache), and leave.
+Then the healer (:mod:`inclavate.healer`) runs: when layers lose their last holder and this
+peer's span is replicated, it may be elected to move there.
+
+Shutdown (:meth:`Peer.shutdown`), the polite stop: refuse new chats, announce ``draining``
+(routes avoid this peer; entry peers move its sessions to other holders), wait up to
+``drain_s`` for its sessions to go (moved or finished), announce ``Dead``, fail whatever is
+left with a clear error (freeing its KV cache), and leave.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -30,6 +35,7 @@ from inclavate import __version__, hardware
 from inclavate.catalog import Catalog, ModelSpec, overlay_path
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.gguf_meta import GgufMetadata, read_metadata
+from inclavate.healer import Healer
 from inclavate.metrics import MetricsRecorder
 from inclavate.metrics_store import MetricsStore, run_metrics
 from inclavate.peer_config import PeerConfig, capacity
@@ -90,6 +96,7 @@ class Peer:
         self.admin_service: AdminService | None = None
         self._nursery: trio.Nursery | None = None
         self._stage_scope: trio.CancelScope | None = None
+        self._heal_scope: trio.CancelScope | None = None
         self._reload = trio.Lock()
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
@@ -153,24 +160,56 @@ class Peer:
                     await self._start_stage(layers)
                     await self._announce("Ready", layers)
                     log.info("ready: %s layers %s", spec.model_id, layers)
+                    if cfg.heal.enabled:
+                        nursery.start_soon(self._run_healer)
                     task_status.started(self)
 
     async def shutdown(self) -> None:
-        """Leave the swarm cleanly; returns once everything has stopped."""
+        """Leave the swarm politely; returns once everything has stopped.
+
+        Draining first, Dead last: while draining the peer still serves the sessions it has
+        (its record stays Ready, flagged ``draining``), so entry peers can move them to other
+        holders without a failure, and generations it drives as entry can finish."""
         if self.shutting_down:
             return
         self.shutting_down = True
-        log.info("shutting down: announcing departure")
-        if self.registry is not None and self._own_record() is not None:
+        if self._heal_scope is not None:
+            self._heal_scope.cancel()
+        announced = self.registry is not None and self._own_record() is not None
+        if announced:
+            log.info("leaving: draining sessions (up to %g s; Ctrl-C again to exit at once)", self.config.drain_s)
             with trio.move_on_after(2.0):
-                await self._announce("Dead")
-                await trio.sleep(0.2)  # let the gossip leave the building
-        with trio.move_on_after(self.config.drain_s):
-            while self._pipelines and any(p.open_sessions for p in self._pipelines.values()):
-                await trio.sleep(0.1)
+                await self._set_flags(draining=True)
+        if not await self._drain(self.config.drain_s, entry=True):
+            log.warning("sessions still open after %g s: %s; leaving anyway", self.config.drain_s, self.open_sessions())
+        # Stage first: steps still arriving are answered ``shutting_down`` (not left
+        # unanswered) while the departure is announced and those answers are sent.
+        if self.forward is not None:
+            self.forward.leaving = True
         await self._stop_stage("this peer is shutting down")
+        await self.leave_now()
         if self._cancel is not None:
             self._cancel.cancel()
+
+    async def leave_now(self) -> None:
+        """Announce Dead (bounded: a second Ctrl-C must not wait on the network)."""
+        if self.registry is None or self._own_record() is None:
+            return  # never announced anything
+        log.info("announcing departure")
+        with trio.move_on_after(1.0):
+            await self._announce("Dead")
+            await trio.sleep(0.2)  # let the gossip leave the building
+
+    async def _drain(self, timeout: float, *, entry: bool) -> bool:
+        """Wait until no session uses this peer's stage (and, with ``entry``, none that
+        this peer drives as entry is open), at most ``timeout`` seconds."""
+        with trio.move_on_after(timeout):
+            while True:
+                sessions = self.open_sessions()
+                if sessions["stage"] == 0 and (not entry or sessions["entry"] == 0):
+                    return True
+                await trio.sleep(0.1)
+        return False
 
     # ------------------------------------------------------- joining the swarm
 
@@ -197,7 +236,7 @@ class Peer:
         return [v for v in self.registry.views() if v.record.model_id == self.config.model_id]
 
     async def _place(self, n_layers: int, cap: int, d_model: int) -> LayerRange:
-        self._n_layers, self._d_model = n_layers, d_model
+        self._n_layers, self._d_model, self._capacity = n_layers, d_model, cap
         if self.config.layers is not None:
             if self.config.layers.end > n_layers:
                 raise ConfigError(f"--layers {self.config.layers} exceeds the model's {n_layers} layers")
@@ -240,6 +279,38 @@ class Peer:
             self._stage_scope.cancel()
         await trio.to_thread.run_sync(stage.engine.close)
 
+    async def _run_healer(self) -> None:
+        assert self._spec is not None
+        healer = Healer(
+            me=NodeId(self.peer_id), n_layers=self._n_layers, capacity=self._capacity, views=self._model_views,
+            can_move=self._can_move, move=self._heal_move, config=self.config.heal,
+        )  # fmt: skip
+        with trio.CancelScope() as self._heal_scope:
+            await healer.run()
+
+    def _can_move(self) -> bool:
+        record = self._own_record()
+        return (
+            not self.shutting_down and self.stage is not None and not self._reload.locked()
+            and record is not None and not record.idle
+        )  # fmt: skip
+
+    async def _heal_move(self, target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+        """Move to ``target`` to heal a gap: drain (entry peers move this stage's sessions
+        to the other holders of its span, which is what made this peer eligible), confirm
+        the election, reload."""
+        await self._set_flags(draining=True)
+        if not await self._drain(self.config.heal.drain_s, entry=False):
+            log.warning("moving with %d sessions still on this stage", self.open_sessions()["stage"])
+        if self.shutting_down:
+            return False
+        if not still_elected():
+            log.info("no longer elected to move to %s; staying", target)
+            await self._set_flags(draining=False)
+            return False
+        await self.reassign(target)
+        return True
+
     async def reassign(self, layers: LayerRange) -> None:
         """Reload a new range: announce Joining with it (so routing stops using the old
         one), stop the old stage, load the new engine, announce Ready."""
@@ -253,10 +324,11 @@ class Peer:
             await self._start_stage(layers)
             await self._announce("Ready", layers)
 
-    async def _set_idle(self, idle: bool) -> None:
+    async def _set_flags(self, **flags: bool) -> None:
+        """Publish our record with ``idle`` / ``draining`` changed."""
         record = self._own_record()
         assert record is not None and self.registry is not None
-        await self.registry.publish(record.replace(idle=idle))
+        await self.registry.publish(record.replace(**flags))
 
     async def _execute_admin(self, command: AdminCommand) -> dict:
         """Run an admin command addressed to this peer (already authenticated and trusted)."""
@@ -274,7 +346,7 @@ class Peer:
             await self.reassign(layers)
             return {"node_id": target, "start_layer": layers.start, "end_layer": layers.end}
         idle = command.args["state"] == "idle"
-        await self._set_idle(idle)
+        await self._set_flags(idle=idle)
         return {"node_id": target, "state": "Idle" if idle else "Ready"}
 
     def _model_facts(self, model_id: str) -> tuple[int, int] | None:
@@ -313,7 +385,8 @@ class Peer:
             assert current is not None
             layers = current.layers
         record = (current or self._new_record(layers)).replace(
-            state=state, start_layer=layers.start, end_layer=layers.end, multiaddrs=tuple(self.host.multiaddrs())
+            state=state, start_layer=layers.start, end_layer=layers.end, multiaddrs=tuple(self.host.multiaddrs()),
+            draining=False,
         )
         await self.registry.publish(self._refresh_record(record))
 

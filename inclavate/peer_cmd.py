@@ -26,7 +26,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="join the swarm: hold a range of a model's layers and serve the REST API",
         description="Pull the model if needed, join the swarm (bootstrap addresses, mDNS), hold a "
         "range of its layers (chosen from the registry unless --layers is given) and serve the "
-        "REST API. Ctrl-C or SIGTERM leaves cleanly.",
+        "REST API. Ctrl-C or SIGTERM leaves politely: the peer stops taking new sessions, lets "
+        "entry peers move its sessions to other holders (up to --drain-timeout), then leaves; a "
+        "second Ctrl-C leaves at once.",
     )
     p.add_argument("--model", required=True, help="model id, e.g. smollm2:135m")
     p.add_argument("--layers", type=_layers, help="layers to hold, A-B, 0-based, end exclusive (e.g. 0-10)")
@@ -48,6 +50,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
                    help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on Ctrl-C/SIGTERM, wait at most this long for sessions to move away or finish (default 30)")  # fmt: skip
     p.add_argument("--legacy", action="store_true",
                    help="run without libp2p: register with --orchestrator over HTTP and serve forwards")  # fmt: skip
     p.add_argument("--orchestrator", metavar="URL", help="with --legacy: the peer to register with")
@@ -86,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         admin_peers=tuple(args.admin_peer),
         engine=engine,
         wire_dtype=args.wire_dtype,
+        drain_s=args.drain_timeout,
     )
 
 
@@ -120,16 +125,28 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 async def run_until_signal(config: PeerConfig) -> None:
+    """Run the peer; the first SIGINT/SIGTERM starts the polite stop, a second one exits at
+    once (after a bounded announcement that this peer is gone)."""
     peer = Peer(config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
+            async def leave() -> None:
+                await peer.shutdown()
+                nursery.cancel_scope.cancel()
+
             async def on_signal() -> None:
+                stopping = False
                 async for signum in signals:
-                    log.info("%s received", signal.Signals(signum).name)
-                    await peer.shutdown()
-                    nursery.cancel_scope.cancel()
-                    return
+                    name = signal.Signals(signum).name
+                    if stopping:
+                        log.warning("%s received again: leaving now", name)
+                        await peer.leave_now()
+                        nursery.cancel_scope.cancel()
+                        return
+                    stopping = True
+                    log.info("%s received: stopping", name)
+                    nursery.start_soon(leave)
 
             nursery.start_soon(on_signal)
             await peer.run()

@@ -117,6 +117,8 @@ class ForwardService:
         self._nursery: trio.Nursery | None = None
         self.relay: Callable[[wire.Forward | wire.Close], object] | None = None
         """Handles hops that are relayed legacy nodes (set by the legacy-node service)."""
+        self.leaving = False
+        """Set when the peer leaves: frames for its stage are answered ``shutting_down``."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -176,6 +178,9 @@ class ForwardService:
         if self.stage is None or hop.node_id != self.node_id or hop.layers != self.stage.engine.info.layers:
             if hop.forward_url and self.relay is not None:
                 await self.relay(msg)  # type: ignore[func-returns-value]
+                return
+            if self.leaving and hop.node_id == self.node_id:
+                await self._fail(msg, "shutting_down", f"{self.me} has left the swarm")
                 return
             await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}")
             return

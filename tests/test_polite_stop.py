@@ -1,0 +1,104 @@
+"""A volunteer stops a peer (Ctrl-C / SIGTERM): it drains, then leaves; the drain is bounded;
+a second signal leaves at once. Real peers on loopback, the middle hop stopped mid-stream."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from reference import whole_model_text
+from stream_helpers import BackgroundStream
+from swarm import PeerProcess, Swarm
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def ends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, PeerProcess, PeerProcess]]:
+    """Peers holding 0-10 and 20-30; each test starts its own middle hop."""
+    with Swarm(tmp_path_factory.mktemp("stop"), extra_args=["--wire-dtype", "f32"]) as s:
+        a = s.start("a", "--layers", "0-10")
+        c = s.start("c", "--layers", "20-30", bootstrap=a)
+        for peer in (a, c):
+            s.wait_ready(peer, timeout=90)
+        yield s, a, c
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, slice_cache) -> str:
+    return whole_model_text(smollm2, slice_cache, STORY, TOKENS)
+
+
+def _middle(s: Swarm, a: PeerProcess, name: str, *args: str) -> tuple[PeerProcess, str]:
+    b = s.start(name, "--layers", "10-20", *args, bootstrap=a)
+    node_id = s.wait_ready(b, timeout=90)["peer_id"]
+    s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and _node(a, node_id)["state"] == "Ready", 20,
+           f"{name} in a's chain")  # fmt: skip
+    return b, node_id
+
+
+def _node(peer: PeerProcess, node_id: str) -> dict:
+    return next(n for n in peer.get("/nodes") if n["node_id"] == node_id)
+
+
+def _exit_code(b: PeerProcess, timeout: float) -> int:
+    return b.process.wait(timeout)
+
+
+def test_a_stopped_peer_drains_its_sessions_then_leaves(ends, expected: str) -> None:
+    s, a, c = ends
+    b, b_id = _middle(s, a, "b1")
+    assert _node(a, b_id)["draining"] is False
+    stream = BackgroundStream(a, STORY, TOKENS)
+    stream.start()
+    stream.wait_chunks(3)
+    s.signal(b, signal.SIGTERM)
+    stopped = time.monotonic()
+    # The stop is visible to the whole swarm while b still serves the generation...
+    s.wait(lambda: _node(c, b_id)["draining"] and _node(c, b_id)["state"] == "Ready", 5, "b draining at c")
+    assert b.alive()
+    # ... which runs to the end, exactly as undisturbed (nobody else holds 10-20).
+    stream.join(120)
+    assert stream.done and stream.error is None, stream.error
+    assert stream.text == expected
+    # Then b leaves on its own, announcing it.
+    assert _exit_code(b, 15) == 0, b.log_tail()
+    assert stream.ended_at is not None and time.monotonic() - stopped < 30
+    s.wait(lambda: _node(a, b_id)["state"] == "Dead", 5, "b Dead at a")
+
+
+def test_the_drain_is_bounded(ends) -> None:
+    s, a, c = ends
+    b, _ = _middle(s, a, "b2", "--drain-timeout", "2")
+    stream = BackgroundStream(a, STORY, 400)
+    stream.start()
+    stream.wait_chunks(3)
+    s.signal(b, signal.SIGTERM)
+    stopped = time.monotonic()
+    assert _exit_code(b, 20) == 0, b.log_tail()
+    took = time.monotonic() - stopped
+    assert 1.5 <= took < 12, f"left {took:.1f} s after SIGTERM with a 2 s drain bound"
+    stream.join(60)
+    # Nobody else holds 10-20: the generation that outlived the bound fails with a clear error.
+    assert not stream.done and stream.error is not None
+    s.wait(lambda: a.get("/health")["sessions"] == {"stage": 0, "entry": 0}, 15, "a frees the session")
+
+
+def test_a_second_signal_leaves_at_once(ends) -> None:
+    s, a, c = ends
+    b, b_id = _middle(s, a, "b3")
+    stream = BackgroundStream(a, STORY, 400)
+    stream.start()
+    stream.wait_chunks(3)
+    s.signal(b, signal.SIGINT)
+    s.wait(lambda: _node(c, b_id)["draining"], 5, "b draining")
+    assert b.alive(), "b left before its session ended"
+    s.signal(b, signal.SIGINT)
+    again = time.monotonic()
+    assert _exit_code(b, 10) == 0, b.log_tail()
+    assert time.monotonic() - again < 5
+    s.wait(lambda: _node(a, b_id)["state"] == "Dead", 5, "b Dead at a (announced on the way out)")
