@@ -308,7 +308,19 @@ class Peer:
             log.info("no longer elected to move to %s; staying", target)
             await self._set_flags(draining=False)
             return False
-        await self.reassign(target)
+        assert self.stage is not None
+        previous = self.stage.engine.info.layers
+        try:
+            await self.reassign(target)
+        except (InclavateError, OSError) as exc:
+            log.error("could not load layers %s to heal the gap (%s); back to %s", target, exc, previous)
+            try:
+                await self.reassign(previous)
+            except (InclavateError, OSError) as again:
+                log.error("could not reload layers %s either (%s); leaving the swarm", previous, again)
+                assert self._nursery is not None
+                self._nursery.start_soon(self.shutdown)  # not here: shutdown cancels the healer
+            return False
         return True
 
     async def reassign(self, layers: LayerRange) -> None:

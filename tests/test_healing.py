@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
+import trio
 from registry_helpers import record, view
 
+from inclavate.healer import HealConfig, Healer
 from inclavate.types import LayerRange, NodeId
 from p2p.coverage import uncovered
 from p2p.healing import HealPlan, Settle, heal_target, plan_heal
@@ -154,3 +157,40 @@ def test_the_draining_flag_travels_signed_and_parses_tolerantly() -> None:
     del data["draining"]  # a peer from before the field existed
     assert NodeRecord.from_json(data).draining is False
     assert NodeRecord.from_json({**data, "draining": "yes"}).draining is False
+
+
+async def test_the_healer_moves_the_elected_peer_once_after_settling(autojump_clock: trio.abc.Clock) -> None:
+    table = _swarm()
+    moves: dict[str, list[tuple[float, LayerRange]]] = {"b": [], "c": []}
+
+    def healer(me: str) -> Healer:
+        async def move(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+            assert still_elected()
+            moves[me].append((trio.current_time(), target))
+            return True
+
+        config = HealConfig(settle_s=4.0, cooldown_s=60.0)
+        return Healer(NodeId(me), 30, 10, lambda: table, lambda: True, move, config)
+
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for me in ("b", "c"):
+            nursery.start_soon(healer(me).run)
+        await trio.sleep(30)
+        nursery.cancel_scope.cancel()
+    assert [t for _, t in moves["b"]] == [LayerRange(20, 30)] and moves["c"] == []
+    assert moves["b"][0][0] - start >= 4.0, "moved before the plan settled"
+
+
+async def test_a_mover_whose_gap_was_taken_meanwhile_stays(autojump_clock: trio.abc.Clock) -> None:
+    table = _swarm()
+    h = Healer(NodeId("b"), 30, 10, lambda: table, lambda: True, _never_moves)
+    # b drains; meanwhile a newcomer loads 20-30: b is no longer needed there.
+    table[1] = view("b", 10, 20, draining=True)
+    assert h.still_elected(LayerRange(20, 30))
+    table.append(view("e", 20, 30, "Joining"))
+    assert not h.still_elected(LayerRange(20, 30))
+
+
+async def _never_moves(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+    raise AssertionError("unexpected move")
