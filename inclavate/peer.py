@@ -280,7 +280,6 @@ class Peer:
         await trio.to_thread.run_sync(stage.engine.close)
 
     async def _run_healer(self) -> None:
-        assert self._spec is not None
         healer = Healer(
             me=NodeId(self.peer_id), n_layers=self._n_layers, capacity=self._capacity, views=self._model_views,
             can_move=self._can_move, move=self._heal_move, config=self.config.heal,

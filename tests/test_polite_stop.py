@@ -10,18 +10,19 @@ from collections.abc import Iterator
 import pytest
 from reference import whole_model_text
 from stream_helpers import BackgroundStream
-from swarm import PeerProcess, Swarm
+from swarm import PeerProcess, Swarm, request_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
 TOKENS = 120
+TOKEN = "stop-admin-token"
 
 
 @pytest.fixture(scope="module")
 def ends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, PeerProcess, PeerProcess]]:
     """Peers holding 0-10 and 20-30; each test starts its own middle hop."""
     with Swarm(tmp_path_factory.mktemp("stop"), extra_args=["--wire-dtype", "f32"]) as s:
-        a = s.start("a", "--layers", "0-10")
+        a = s.start("a", "--layers", "0-10", "--admin-token", TOKEN)
         c = s.start("c", "--layers", "20-30", bootstrap=a)
         for peer in (a, c):
             s.wait_ready(peer, timeout=90)
@@ -102,3 +103,45 @@ def test_a_second_signal_leaves_at_once(ends) -> None:
     assert _exit_code(b, 10) == 0, b.log_tail()
     assert time.monotonic() - again < 5
     s.wait(lambda: _node(a, b_id)["state"] == "Dead", 5, "b Dead at a (announced on the way out)")
+
+
+def _streams(a: PeerProcess, n: int) -> list[BackgroundStream]:
+    streams = [BackgroundStream(a, STORY, TOKENS) for _ in range(n)]
+    for stream in streams:
+        stream.start()
+    for stream in streams:
+        stream.wait_chunks(3)
+    return streams
+
+
+def _finish_undisturbed(streams: list[BackgroundStream], expected: str) -> None:
+    for stream in streams:
+        stream.join(120)
+        assert stream.done and stream.error is None, stream.error
+        assert stream.text == expected
+
+
+def test_with_a_replica_no_request_fails_when_a_volunteer_stops_or_is_idled(ends, expected: str) -> None:
+    s, a, c = ends
+    r1, r1_id = _middle(s, a, "r1")
+    r2, r2_id = _middle(s, a, "r2")
+    # Three streams through 10-20 (spread over both replicas); r1 stops mid-generation.
+    streams = _streams(a, 3)
+    s.signal(r1, signal.SIGTERM)
+    stopped = time.monotonic()
+    # Its sessions move to r2, so it leaves long before its 30 s drain bound.
+    assert _exit_code(r1, 25) == 0, r1.log_tail()
+    assert time.monotonic() - stopped < 25
+    _finish_undisturbed(streams, expected)
+
+    # The same when an admin parks a peer: the busier replica's sessions move to the other.
+    r3, r3_id = _middle(s, a, "r3")
+    streams = _streams(a, 3)
+    busy, busy_id = max(((r2, r2_id), (r3, r3_id)), key=lambda p: p[0].get("/health")["sessions"]["stage"])
+    assert busy.get("/health")["sessions"]["stage"] >= 1
+    status, _ = request_json("PATCH", f"{a.url}/admin/nodes/{busy_id}/state", {"state": "idle"},
+                             headers={"X-Admin-Token": TOKEN})  # fmt: skip
+    assert status == 200
+    s.wait(lambda: busy.get("/health")["sessions"]["stage"] == 0, 20, "the idle peer's sessions to move away", busy)
+    _finish_undisturbed(streams, expected)
+    assert busy.get("/health")["sessions"]["stage"] == 0 and busy.alive()
