@@ -11,6 +11,7 @@ from inclavate.hardware import available_memory_mb
 from inclavate.tensors import WireDType
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig
+from p2p.failover import FailoverPolicy
 from p2p.registry import Liveness
 
 MEMORY_SHARE = 0.5
@@ -45,6 +46,8 @@ class PeerConfig:
     """How long a peer with bootstrap addresses waits to learn the swarm before placing."""
     drain_s: float = 3.0
     """On shutdown, how long in-flight generations may run on before they are failed."""
+    failover: FailoverPolicy = FailoverPolicy()
+    """As an entry peer: how many times a request may move to a new route, step deadlines."""
     inline_tokens: int = 8
     """Stage batches of at most this many tokens (decode steps) run on the event loop
     thread: a worker-thread round trip added ~10% to every step (measured, 2-core VM)."""

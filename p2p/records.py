@@ -90,6 +90,8 @@ class NodeRecord:
     context_length: int = 0
     idle: bool = False
     """Set by an admin: stays in the registry, receives no new chains."""
+    draining: bool = False
+    """The peer is leaving (polite stop): no new chains; entry peers move its sessions away."""
     relayed: bool = False
     """A legacy node vouched for by ``peer_id``; reached through that peer's HTTP forward."""
     forward_url: str = ""
@@ -127,6 +129,8 @@ class NodeRecord:
             fields["samples"] = tuple(MetricSample(**s) for s in fields.get("samples", ()))
             fields["buckets"] = tuple(MinuteBucket(**b) for b in fields.get("buckets", ()))
             fields["multiaddrs"] = tuple(fields.get("multiaddrs", ()))
+            # Added after the first release: a missing or odd value means "not draining".
+            fields["draining"] = fields.get("draining") is True
             record = cls(**fields)
         except (TypeError, ValueError) as exc:
             raise InvalidRecord(f"malformed record: {exc}") from exc
