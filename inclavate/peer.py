@@ -50,6 +50,7 @@ from node.stage import Stage
 from p2p.chain import SwarmPipeline
 from p2p.coverage import ModelCoverage
 from p2p.discovery import run_discovery
+from p2p.failover import PeerHealth
 from p2p.forward import ForwardService
 from p2p.gossip import RegistryService
 from p2p.host import P2PHost, open_host
@@ -60,7 +61,6 @@ from p2p.legacy import LegacyNodes
 from p2p.placement import choose_range, should_move
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
-from p2p.routing import CostModel, choose_route
 from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class Peer:
         self._chat_models: dict[str, ChatModel] = {}
         self._chat_locks: dict[str, trio.Lock] = {}
         self._pipelines: dict[str, SwarmPipeline] = {}
+        self._peer_health = PeerHealth(config.failover)
+        """This peer's experience of others as an entry: who failed its sessions (all models)."""
         self._cancel: trio.CancelScope | None = None
         self.latency: LatencyMonitor | None = None
         self.legacy: LegacyNodes | None = None
@@ -567,18 +569,19 @@ class Peer:
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:
             raise ServiceUnavailable("this peer is shutting down; send the request to another peer")
-        assert self.forward is not None
-        me = PeerId(self.peer_id)
-        views = [v for v in self.views() if v.record.model_id == model_id]
-        choose_route(views, ModelId(model_id), me)  # raises NoRoute (503) before any work
-        self.metrics.record_request(model_id)
+        assert self.forward is not None and self.host is not None
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
-            def route_for() -> list:
-                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {})
-                return choose_route(self.views(), ModelId(model_id), me, costs)
-
-            pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
+            pipeline = self._pipelines[model_id] = SwarmPipeline(
+                self.forward, ModelId(model_id), self.views, 0,
+                link_ms=lambda: self.latency.link_ms() if self.latency else {},
+                is_connected=self.host.is_connected,
+                probe=self.latency.responds if self.latency else None,
+                policy=self.config.failover, health=self._peer_health,
+            )  # fmt: skip
+        pipeline.check_route()  # raises NoRoute (503) before any work
+        self.metrics.record_request(model_id)
+        views = [v for v in self.views() if v.record.model_id == model_id]
         contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
         pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
         return pipeline

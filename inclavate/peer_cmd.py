@@ -16,6 +16,7 @@ from inclavate.peer_config import PeerConfig
 from inclavate.tensors import WIRE_DTYPES
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig, default_threads
+from p2p.failover import FailoverPolicy
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
                    help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
+    p.add_argument("--max-failovers", type=int, default=FailoverPolicy.max_failovers,
+                   help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
+    p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
+                   help="floor of the adaptive deadline after which a silent chain is failed over (default 5)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C/SIGTERM, wait at most this long for sessions to move away or finish (default 30)")  # fmt: skip
     p.add_argument("--legacy", action="store_true",
@@ -71,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
     try:
         engine = EngineConfig(n_threads=args.threads, context_length=args.context, max_sessions=args.max_sessions)
+        failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PeerConfig(
@@ -90,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         admin_peers=tuple(args.admin_peer),
         engine=engine,
         wire_dtype=args.wire_dtype,
+        failover=failover,
         drain_s=args.drain_timeout,
     )
 

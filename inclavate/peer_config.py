@@ -12,6 +12,7 @@ from inclavate.healer import HealConfig
 from inclavate.tensors import WireDType
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig
+from p2p.failover import FailoverPolicy
 from p2p.registry import Liveness
 
 MEMORY_SHARE = 0.5
@@ -49,6 +50,8 @@ class PeerConfig:
     other holders or finish before it leaves anyway (``--drain-timeout``)."""
     heal: HealConfig = HealConfig()
     """Moving to a gap in the swarm when this peer's span is replicated."""
+    failover: FailoverPolicy = FailoverPolicy()
+    """As an entry peer: how many times a request may move to a new route, step deadlines."""
     inline_tokens: int = 8
     """Stage batches of at most this many tokens (decode steps) run on the event loop
     thread: a worker-thread round trip added ~10% to every step (measured, 2-core VM)."""

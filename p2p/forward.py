@@ -146,7 +146,7 @@ class ForwardService:
         self._links.pop(peer, None)
         if isinstance(msg, (wire.Forward, wire.Close)) and msg.reply_to != peer:
             await self.send(msg.reply_to, wire.Error(
-                msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me))  # fmt: skip
+                msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me, peer))  # fmt: skip
 
     # ----------------------------------------------------------------- inbound
 

@@ -10,25 +10,35 @@ its expected step time::
 ``DEFAULT_STEP_MS_PER_LAYER``); ``link_ms`` is half the round trip this peer measured to it
 (unknown peers get ``DEFAULT_LINK_MS``; the entry peer itself costs nothing), and
 ``HOP_MS`` charges every hop its fixed serialization and scheduling cost, which is what
-makes fewer hops win between otherwise equal chains. Among equally cheap chains one is drawn
-at random, so concurrent sessions spread over replicas.
+makes fewer hops win between otherwise equal chains. Two terms spread sessions over replicas:
+``SESSION_MS`` for every session this entry already routes through the node (measured costs
+are never exactly equal, so without it every session would pile onto the cheapest replica,
+and all sessions failing over at once onto one survivor), and the node's measured
+reliability, which divides the cost (a node that failed this entry's sessions looks slower).
+Among equally cheap chains one is drawn at random.
+
+A route may start at a boundary other than 0 (failover re-routes from the failed boundary,
+keeping the hops before it), and may exclude peers (the failed one, and those avoided).
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from p2p.coverage import uncovered
 from p2p.errors import P2PError
+from p2p.records import NodeRecord
 from p2p.registry import NodeView
 
 HOP_MS = 1.0
 DEFAULT_STEP_MS_PER_LAYER = 1.0
 DEFAULT_LINK_MS = 5.0
+SESSION_MS = 2.0
+MIN_RELIABILITY = 0.1
 _EPSILON = 1e-9
 
 
@@ -62,6 +72,17 @@ class CostModel:
     link_ms: Mapping[PeerId, float] = field(default_factory=dict)
     """Measured one-way latency from this peer to others."""
     hop_ms: float = HOP_MS
+    load: Mapping[PeerId, int] = field(default_factory=dict)
+    """Sessions this entry already routes through each peer."""
+    reliability: Mapping[PeerId, float] = field(default_factory=dict)
+    """Measured share of this entry's sessions a peer served without failing (default 1)."""
+
+    def edge_ms(self, record: NodeRecord, entry: PeerId) -> float:
+        step = record.step_ms_per_layer if record.step_ms_per_layer > 0 else DEFAULT_STEP_MS_PER_LAYER
+        peer = record.peer_id
+        link = 0.0 if peer == entry and not record.relayed else self.link_ms.get(peer, DEFAULT_LINK_MS)
+        cost = len(record.layers) * step + link + self.hop_ms + SESSION_MS * self.load.get(peer, 0)
+        return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(peer, 1.0)))
 
 
 def choose_route(
@@ -70,26 +91,30 @@ def choose_route(
     entry: PeerId,
     costs: CostModel = CostModel(),
     rng: random.Random | None = None,
+    *,
+    start: int = 0,
+    exclude: Collection[PeerId] = (),
 ) -> list[Hop]:
+    """The cheapest chain of routable nodes from boundary ``start`` to the model's last layer."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
     if not candidates:
         raise NoRoute(model_id, 0, [])
     n_layers = max(r.n_layers for r in candidates)
-    candidates = [r for r in candidates if r.n_layers == n_layers]
+    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude]
     edges: dict[int, list[tuple[float, Hop]]] = {}
     for r in candidates:
-        step = r.step_ms_per_layer if r.step_ms_per_layer > 0 else DEFAULT_STEP_MS_PER_LAYER
-        link = 0.0 if r.peer_id == entry and not r.relayed else costs.link_ms.get(r.peer_id, DEFAULT_LINK_MS)
         hop = Hop(r.node_id, r.peer_id, r.layers, r.forward_url if r.relayed else "")
-        edges.setdefault(r.start_layer, []).append((len(r.layers) * step + link + costs.hop_ms, hop))
+        edges.setdefault(r.start_layer, []).append((costs.edge_ms(r, entry), hop))
 
-    best, preds = _shortest(edges, n_layers)
+    best, preds = _shortest(edges, n_layers, start)
     if n_layers not in best:
-        raise NoRoute(model_id, n_layers, uncovered((r.layers for r in candidates), n_layers))
+        gaps = uncovered((r.layers for r in candidates), n_layers)
+        missing = [LayerRange(max(m.start, start), m.end) for m in gaps if m.end > start]
+        raise NoRoute(model_id, n_layers, missing)
     rng = rng or random.Random()
     route: list[Hop] = []
     boundary = n_layers
-    while boundary != 0:
+    while boundary != start:
         hop = rng.choice(preds[boundary])
         route.append(hop)
         boundary = hop.layers.start
@@ -97,12 +122,12 @@ def choose_route(
 
 
 def _shortest(
-    edges: Mapping[int, list[tuple[float, Hop]]], n_layers: int
+    edges: Mapping[int, list[tuple[float, Hop]]], n_layers: int, start: int
 ) -> tuple[dict[int, float], dict[int, list[Hop]]]:
     """Dijkstra over boundaries, keeping *every* optimal predecessor for random tie-breaks."""
-    best: dict[int, float] = {0: 0.0}
+    best: dict[int, float] = {start: 0.0}
     preds: dict[int, list[Hop]] = {}
-    queue = [(0.0, 0)]
+    queue = [(0.0, start)]
     while queue:
         cost, boundary = heapq.heappop(queue)
         if cost > best.get(boundary, float("inf")) + _EPSILON:

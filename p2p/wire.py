@@ -103,6 +103,8 @@ class Error:
     code: ErrorCode
     message: str
     origin: PeerId
+    failed_peer: PeerId | None = None
+    """For ``unreachable``: the peer ``origin`` could not reach (absent from older peers)."""
 
 
 Message = Forward | Result | Close | Closed | Error
@@ -131,6 +133,8 @@ def encode(msg: Message) -> bytes:
         header.update(route=[_hop_json(h) for h in msg.route], reply_to=msg.reply_to)
     elif isinstance(msg, Error):
         header.update(code=msg.code, message=msg.message, origin=msg.origin)
+        if msg.failed_peer is not None:
+            header["failed"] = msg.failed_peer
     raw = json.dumps(header, separators=(",", ":")).encode()
     return _HEADER_LEN.pack(len(raw)) + raw + body
 
@@ -180,5 +184,7 @@ def _build(h: dict[str, Any], body: memoryview) -> Message:
     if kind == Closed.TYPE:
         return Closed(req, session)
     if kind == Error.TYPE:
-        return Error(req, session, h["code"], str(h["message"]), PeerId(h["origin"]))
+        failed = h.get("failed")
+        return Error(req, session, h["code"], str(h["message"]), PeerId(h["origin"]),
+                     PeerId(failed) if isinstance(failed, str) else None)  # fmt: skip
     raise ValueError(f"unknown message type {kind!r}")

@@ -1,0 +1,238 @@
+"""Peers die mid-generation; the entry peer re-routes, replays and the client sees a stall.
+
+Real SmolLM2 peers as processes on 127.0.0.1. Every streamed text is compared with the same
+request run undisturbed; after every scenario no live peer holds a session. Two swarms, each
+reused across its scenarios (they run in file order and each picks its victims from what is
+left):
+
+- f32, greedy, entry A holds layer 0: A 0-10, B/C 10-20, D/E 20-30 (the issue's swarm plus
+  a second last stage). Middle hop killed under 8 streams, last stage killed, then the last
+  holder of 10-20 killed: a 503 naming those layers, on SSE, /ws/chat and plain JSON.
+- f16, seeded sampling, entry Z holds only the last layers: A/A2/A3 0-10, B/B2 10-20, Z 20-30.
+  Middle hop killed during prefill; first stage killed twice in a row (the replacement dies
+  too); an entry allowed no failover reports the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import trio
+from swarm import PeerProcess, Swarm, request_json
+
+from inclavate.chat_stream import StreamedChat, stream_chat
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+MODEL = "smollm2:135m"
+# kill -9 is seen through the lost connection; a generous deadline keeps a loaded CI machine
+# from failing over healthy-but-slow hops.
+SHARED = ["--max-sessions", "8", "--min-step-deadline", "30"]
+
+
+def ask(question: str, max_tokens: int, **sampling: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, **sampling}  # fmt: skip
+
+
+def health(peer: PeerProcess) -> dict[str, int]:
+    return peer.get("/health")["sessions"]
+
+
+def stage_sessions(peer: PeerProcess) -> int:
+    try:
+        return health(peer)["stage"]
+    except OSError:
+        return -1
+
+
+def wait_no_sessions(s: Swarm, peers: list[PeerProcess]) -> None:
+    live = [p for p in peers if p.alive()]
+    s.wait(lambda: all(health(p) == {"stage": 0, "entry": 0} for p in live), 15, "no session left on any live peer")
+
+
+def kill(peer: PeerProcess) -> None:
+    peer.process.send_signal(signal.SIGKILL)
+    peer.process.wait(10)
+
+
+def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[StreamedChat]], None]) -> list[StreamedChat]:
+    """Stream every body at once; call ``during`` (in this thread) once every stream has text."""
+    started: list[StreamedChat] = []
+    ready = threading.Event()
+
+    def on_delta(chat: StreamedChat) -> None:
+        if chat not in started:
+            started.append(chat)
+            if len(started) == len(bodies):
+                ready.set()
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(stream_chat, entry.url, body, 300, on_delta) for body in bodies]
+        assert ready.wait(240), "the streams did not all start"
+        during(started)
+        return [f.result() for f in futures]
+
+
+def busiest(peers: list[PeerProcess]) -> PeerProcess:
+    return max((p for p in peers if p.alive()), key=stage_sessions)
+
+
+# ----------------------------------------------------------------- f32, greedy
+
+
+@pytest.fixture(scope="module")
+def greedy_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict[str, PeerProcess]]]:
+    with Swarm(tmp_path_factory.mktemp("failover-f32"), extra_args=["--wire-dtype", "f32", *SHARED]) as s:
+        a = s.start("a", "--layers", "0-10")
+        peers = {"a": a}
+        for name, layers in [("b", "10-20"), ("c", "10-20"), ("d", "20-30"), ("e", "20-30")]:
+            peers[name] = s.start(name, "--layers", layers, bootstrap=a)
+        for peer in peers.values():
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 5, 30, "the whole swarm")
+        yield s, peers
+
+
+QUESTION = "Tell me a short story about a lighthouse keeper."
+
+
+@pytest.fixture(scope="module")
+def greedy_text(greedy_swarm) -> str:
+    s, peers = greedy_swarm
+    status, body = request_json("POST", peers["a"].url + "/v1/chat/completions", ask(QUESTION, 48), timeout=120)
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def test_eight_streams_survive_a_middle_hop_killed_mid_decode(greedy_swarm, greedy_text: str) -> None:
+    s, peers = greedy_swarm
+    victims: list[PeerProcess] = []
+
+    def kill_a_middle_hop(chats: list[StreamedChat]) -> None:
+        victims.append(busiest([peers["b"], peers["c"]]))
+        kill(victims[0])
+
+    chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 8, kill_a_middle_hop)
+    assert [c.error for c in chats] == [None] * 8
+    assert [c.text for c in chats] == [greedy_text] * 8
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_a_stream_survives_its_last_stage_killed(greedy_swarm, greedy_text: str) -> None:
+    s, peers = greedy_swarm
+    chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 2, lambda _: kill(busiest([peers["d"], peers["e"]])))
+    assert [(c.error, c.text) for c in chats] == [(None, greedy_text)] * 2
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_no_live_holder_left_is_a_503_naming_the_layers(greedy_swarm) -> None:
+    s, peers = greedy_swarm
+    entry = peers["a"]
+    (middle,) = [p for p in (peers["b"], peers["c"]) if p.alive()]
+    (chat,) = run_streams(entry, [ask(QUESTION, 48)], lambda _: kill(middle))
+    assert chat.error is not None and chat.error["status"] == 503, chat.error
+    assert "10-20" in chat.error["error"], chat.error
+
+    status, body = request_json("POST", entry.url + "/v1/chat/completions", ask(QUESTION, 8), timeout=60)
+    assert status == 503 and "10-20" in body["error"], body
+
+    async def over_ws() -> dict:
+        from trio_websocket import open_websocket_url
+
+        async with open_websocket_url(f"ws://127.0.0.1:{entry.api_port}/ws/chat") as ws:
+            await ws.send_message(json.dumps(ask(QUESTION, 8)))
+            return json.loads(await ws.get_message())
+
+    frame = trio.run(over_ws)
+    assert frame["status"] == 503 and "10-20" in frame["error"], frame
+    wait_no_sessions(s, list(peers.values()))
+
+
+# ------------------------------------------------------------ f16, seeded sampling
+
+
+@pytest.fixture(scope="module")
+def seeded_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict[str, PeerProcess]]]:
+    with Swarm(tmp_path_factory.mktemp("failover-f16"), extra_args=["--wire-dtype", "f16", *SHARED]) as s:
+        z = s.start("z", "--layers", "20-30")
+        peers = {"z": z}
+        for name, layers in [("a", "0-10"), ("a2", "0-10"), ("a3", "0-10"), ("b", "10-20"), ("b2", "10-20")]:
+            extra = ["--max-failovers", "0"] if name.startswith("b") else []
+            peers[name] = s.start(name, "--layers", layers, *extra, bootstrap=z)
+        for peer in peers.values():
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: z.get("/api/models")[0]["chain_complete"] and len(z.get("/nodes")) == 6, 30, "the whole swarm")
+        yield s, peers
+
+
+LONG_QUESTION = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 38
+SEEDED = {"temperature": 0.9, "seed": 7}
+
+
+def undisturbed(entry: PeerProcess, body: dict) -> str:
+    status, reply = request_json("POST", entry.url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, reply
+    return reply["choices"][0]["message"]["content"]
+
+
+def test_a_middle_hop_killed_during_prefill(seeded_swarm) -> None:
+    s, peers = seeded_swarm
+    body = ask(LONG_QUESTION, 8, **SEEDED)
+    expected = undisturbed(peers["z"], body)
+    killed_before_first_token: list[bool] = []
+
+    def kill_when_prefill_arrives() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for peer in (peers["b"], peers["b2"]):
+                if stage_sessions(peer) > 0:
+                    kill(peer)
+                    killed_before_first_token.append(not chats_started)
+                    return
+            time.sleep(0.01)
+
+    chats_started: list[StreamedChat] = []
+    with ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(kill_when_prefill_arrives)
+        chat = stream_chat(peers["z"].url, body, 300, chats_started.append)
+        killer.result()
+    assert killed_before_first_token == [True], "the kill should land during the prefill"
+    assert (chat.error, chat.text) == (None, expected)
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_the_first_stage_and_then_its_replacement_killed(seeded_swarm) -> None:
+    """The entry holds only the last layers; the stage holding layer 0 dies, and so does the
+    one that replaced it: the third holder finishes the stream with the same sampled text."""
+    s, peers = seeded_swarm
+    body = ask(QUESTION, 200, **SEEDED)
+    expected = undisturbed(peers["z"], body)
+    firsts = [peers["a"], peers["a2"], peers["a3"]]
+
+    def kill_twice(chats: list[StreamedChat]) -> None:
+        first = busiest(firsts)
+        kill(first)
+        seen = len(chats[0].times)
+        s.wait(lambda: len(chats[0].times) > seen + 2, 60, "tokens after the first failover")
+        kill(busiest(firsts))
+
+    (chat,) = run_streams(peers["z"], [body], kill_twice)
+    assert (chat.error, chat.text) == (None, expected)
+    assert sum(p.alive() for p in firsts) == 1
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_an_entry_allowed_no_failover_reports_the_failure(seeded_swarm) -> None:
+    s, peers = seeded_swarm
+    (entry,) = [p for p in (peers["b"], peers["b2"]) if p.alive()]  # started with --max-failovers 0
+    (last_first,) = [p for p in (peers["a"], peers["a2"], peers["a3"]) if p.alive()]
+    (chat,) = run_streams(entry, [ask(QUESTION, 64)], lambda _: kill(last_first))
+    assert chat.error is not None and chat.error["status"] == 503, chat.error
+    assert "after 0 failover" in chat.error["error"], chat.error
+    wait_no_sessions(s, list(peers.values()))
