@@ -35,7 +35,8 @@ def expected(smollm2, slice_cache) -> str:
 
 
 def _middle(s: Swarm, a: PeerProcess, name: str, *args: str) -> tuple[PeerProcess, str]:
-    b = s.start(name, "--layers", "10-20", *args, bootstrap=a)
+    trust = ["--admin-peer", a.get("/health")["peer_id"]]  # a relays admin commands
+    b = s.start(name, "--layers", "10-20", *trust, *args, bootstrap=a)
     node_id = s.wait_ready(b, timeout=90)["peer_id"]
     s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and _node(a, node_id)["state"] == "Ready", 20,
            f"{name} in a's chain")  # fmt: skip
@@ -103,6 +104,10 @@ def test_a_second_signal_leaves_at_once(ends) -> None:
     assert _exit_code(b, 10) == 0, b.log_tail()
     assert time.monotonic() - again < 5
     s.wait(lambda: _node(a, b_id)["state"] == "Dead", 5, "b Dead at a (announced on the way out)")
+    # Nobody else holds 10-20: the entry notices, ends the stream with an error, frees everything.
+    stream.join(30)
+    assert stream.error is not None and not stream.done
+    s.wait(lambda: a.get("/health")["sessions"] == {"stage": 0, "entry": 0}, 15, "a frees the session")
 
 
 def _streams(a: PeerProcess, n: int) -> list[BackgroundStream]:
