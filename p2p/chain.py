@@ -368,14 +368,40 @@ class SwarmPipeline:
         try:
             route = self._reroute(session.leg.route, leaving, exclude_load=session)
         except NoRoute:
-            return None
+            found = self._leave_some(session, leaving)
+            if found is None:
+                return None
+            leaving, route = found
         log.info("session %s: moving off leaving peer(s) %s to %s", session.session_id,
                  ", ".join(sorted(p[-6:] for p in leaving)), _describe(route))  # fmt: skip
         await self._retire(session, frozenset())
         self._open_leg(session, route)
         return await self._replay(session, sampling)
 
-    def _reroute(self, old: Sequence[Hop], failed: frozenset[PeerId], exclude_load: _Session | None) -> list[Hop]:
+    def _leave_some(self, session: _Session, leaving: frozenset[PeerId]) -> tuple[frozenset[PeerId], list[Hop]] | None:
+        """When no route avoids every leaving hop, a route that leaves one of them and keeps
+        the others (a leaving hop still serves the sessions it has). A peer moving to heal
+        a gap that a stopping peer opens needs this: the mover's sessions must leave it
+        while the stopping peer, the only other way through its layers, still serves."""
+        assert session.leg is not None
+        route_nodes = {hop.node_id for hop in session.leg.route}
+        for hop in session.leg.route:
+            if hop.peer_id not in leaving:
+                continue
+            kept = leaving - {hop.peer_id}
+            views = [
+                NodeView(v.record.replace(draining=False, idle=False), v.state)
+                if v.record.peer_id in kept and v.record.node_id in route_nodes else v
+                for v in self.views()
+            ]  # fmt: skip
+            try:
+                return frozenset({hop.peer_id}), self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views)
+            except NoRoute:
+                continue
+        return None
+
+    def _reroute(self, old: Sequence[Hop], failed: frozenset[PeerId], exclude_load: _Session | None,
+                 views: Sequence[NodeView] | None = None) -> list[Hop]:  # fmt: skip
         """A new route without ``failed``: the old hops before the first failed one, then the
         cheapest way on from that boundary (a replacement may be split differently); failing
         that, the cheapest route from layer 0. Peers this entry avoids are left out when a
@@ -384,7 +410,7 @@ class SwarmPipeline:
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
         costs = CostModel(link_ms=self.link_ms(), load=self._load(exclude_load), reliability=self.health.reliability())
-        views = list(self.views())
+        views = list(self.views() if views is None else views)
         avoided = self.health.avoided(trio.current_time()) | failed
         last: NoRoute | None = None
         for exclude in (avoided, failed):

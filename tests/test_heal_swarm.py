@@ -8,11 +8,14 @@ import time
 
 import pytest
 from reference import whole_model_text
+from stream_helpers import BackgroundStream
 from swarm import PeerProcess, Swarm, request_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 MODEL = "smollm2:135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+STORY_TOKENS = 200
 
 
 def _ranges(peer: PeerProcess) -> dict[str, tuple[int, int, str]]:
@@ -52,3 +55,27 @@ def test_a_replica_moves_into_the_gap_a_killed_peer_left(tmp_path, smollm2, slic
         # Settled: nobody moves again (the gap is gone, and healing never rebalances).
         time.sleep(6)
         assert {k: v for k, v in _ranges(a).items() if k != ids["d"]} == {k: v for k, v in table.items() if k != ids["d"]}
+
+        # A volunteer stops the only holder of 20-30 while generations run through it: its
+        # draining opens the gap at once, a replica of 10-20 moves there (its own sessions
+        # moving to the other replica first), the stopping peer's sessions move to the mover,
+        # and it leaves. Nobody's generation fails.
+        holder = {"b": b, "c": c}[moved[0]]
+        e = s.start("e", "--layers", "10-20", bootstrap=a)
+        ids["e"] = s.wait_ready(e, timeout=120)["peer_id"]
+        s.wait(lambda: sorted(r[:2] for r in _ranges(a).values() if r[2] == "Ready").count((10, 20)) == 2, 20, "e Ready")
+        story = whole_model_text(smollm2, slice_cache, STORY, STORY_TOKENS)
+        streams = [BackgroundStream(a, STORY, STORY_TOKENS) for _ in range(2)]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            stream.wait_chunks(3)
+        s.signal(holder, signal.SIGTERM)
+        assert holder.process.wait(40) == 0, holder.log_tail()
+        for stream in streams:
+            stream.join(120)
+            assert stream.done and stream.error is None, stream.error
+            assert stream.text == story
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"], 20, "the chain complete after the polite stop")
+        table = _ranges(a)
+        assert [n for n in ("c", "e", "b") if n in ids and table[ids[n]] == (20, 30, "Ready")], table
