@@ -65,6 +65,9 @@ from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
 
+DRAIN_QUIET_S = 1.0
+"""A drained peer has had no session this long (see :meth:`Peer._drain`)."""
+
 FORCE_REMOVE_BAN_S = 600.0
 """How long a force-deregistered node's records are ignored (it is not told, and keeps
 publishing until it notices nobody routes to it or its operator restarts it)."""
@@ -204,14 +207,23 @@ class Peer:
 
     async def _drain(self, timeout: float, *, entry: bool) -> bool:
         """Wait until no session uses this peer's stage (and, with ``entry``, none that
-        this peer drives as entry is open), at most ``timeout`` seconds."""
+        this peer drives as entry is open) for ``DRAIN_QUIET_S``, at most ``timeout`` seconds.
+
+        Quiet for a while, not zero once: an entry moving a session off *another* leaving
+        hop closes the old leg here and opens the new one (still through this peer, the
+        only other way) a moment later."""
+        quiet_since: float | None = None
         with trio.move_on_after(timeout):
             while True:
                 sessions = self.open_sessions()
                 if sessions["stage"] == 0 and (not entry or sessions["entry"] == 0):
-                    return True
+                    quiet_since = trio.current_time() if quiet_since is None else quiet_since
+                    if trio.current_time() - quiet_since >= DRAIN_QUIET_S:
+                        return True
+                else:
+                    quiet_since = None
                 await trio.sleep(0.1)
-        return False
+        return quiet_since is not None
 
     # ------------------------------------------------------- joining the swarm
 

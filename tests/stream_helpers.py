@@ -2,53 +2,48 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
 
-import httpx
-
+from inclavate.chat_stream import StreamedChat, stream_chat
 from inclavate.local_swarm import PeerProcess
 
 MODEL = "smollm2:135m"
 
 
 class BackgroundStream(threading.Thread):
-    """One streamed greedy chat: the text so far, how many chunks arrived, how it ended."""
+    """One streamed greedy chat on a thread: the text so far and how it ended."""
 
     def __init__(self, peer: PeerProcess, messages: list[dict[str, str]], max_tokens: int) -> None:
         super().__init__(daemon=True)
-        self.body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        self.url = peer.url + "/v1/chat/completions"
-        self.text = ""
+        self.url = peer.url
+        self.body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
         self.chunks = 0
-        self.done = False
-        self.error: Any = None
-        self.ended_at: float | None = None
+        self.chat: StreamedChat | None = None
+        self.failure: str | None = None
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.url, json=self.body, timeout=120) as response:
-                if response.status_code != 200:
-                    self.error = (response.status_code, response.read().decode(errors="replace"))
-                    return
-                for line in response.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        self.done = True
-                        return
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = event
-                        return
-                    self.text += event["choices"][0]["delta"].get("content") or ""
-                    self.chunks += 1
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            self.error = repr(exc)
-        finally:
-            self.ended_at = time.monotonic()
+            self.chat = stream_chat(self.url, self.body, timeout=120, on_delta=self._count)
+        except (OSError, ValueError) as exc:  # an HTTP error status, a reset connection
+            self.failure = repr(exc)
+
+    def _count(self, _: StreamedChat) -> None:
+        self.chunks += 1
+
+    @property
+    def text(self) -> str:
+        return self.chat.text if self.chat else ""
+
+    @property
+    def error(self) -> Any:
+        return self.failure or (self.chat.error if self.chat else None)
+
+    @property
+    def done(self) -> bool:
+        """Finished normally (a finish reason, no error event)."""
+        return self.chat is not None and self.chat.error is None and self.chat.finish_reason is not None
 
     def wait_chunks(self, n: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
