@@ -65,8 +65,9 @@ from p2p.vocab import fetch_vocab, serve_vocab
 
 log = logging.getLogger(__name__)
 
-DRAIN_QUIET_S = 1.0
-"""A drained peer has had no session this long (see :meth:`Peer._drain`)."""
+DRAIN_QUIET_S = 2.0
+"""A drained peer has had no session this long (see :meth:`Peer._drain`): longer than an
+entry takes to replay a moved session up to this hop (a loaded 2-core VM needed > 1 s)."""
 
 FORCE_REMOVE_BAN_S = 600.0
 """How long a force-deregistered node's records are ignored (it is not told, and keeps
