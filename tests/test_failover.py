@@ -79,6 +79,16 @@ def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[S
         return [f.result() for f in futures]
 
 
+def warm_up(s: Swarm, entry: PeerProcess, n: int) -> None:
+    """A few small requests, so that the peers have dialed each other (on a loaded machine a
+    first dial can take seconds) before anything is measured or killed."""
+    def answered() -> bool:
+        return request_json("POST", entry.url + "/v1/chat/completions", ask("Hi", 2), timeout=120)[0] == 200
+
+    for _ in range(n):
+        s.wait(answered, 120, "a warm-up answer", entry)
+
+
 def busiest(peers: list[PeerProcess]) -> PeerProcess:
     return max((p for p in peers if p.alive()), key=stage_sessions)
 
@@ -96,6 +106,7 @@ def greedy_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swa
         for peer in peers.values():
             s.wait_ready(peer, timeout=120)
         s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 5, 30, "the whole swarm")
+        warm_up(s, a, 4)
         yield s, peers
 
 
@@ -168,6 +179,7 @@ def seeded_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swa
         for peer in peers.values():
             s.wait_ready(peer, timeout=120)
         s.wait(lambda: z.get("/api/models")[0]["chain_complete"] and len(z.get("/nodes")) == 6, 30, "the whole swarm")
+        warm_up(s, z, 4)
         yield s, peers
 
 
