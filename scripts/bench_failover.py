@@ -160,7 +160,9 @@ def main() -> int:
     same = [ch.text for ch in disturbed] == [ch.text for ch in calm] and all(ch.error is None for ch in disturbed)
     print(f"model {spec.model_id}: A 0-10 (entry), B/C 10-20, D 20-30; {args.streams} stream(s), "
           f"{args.context_tokens}-token context at the kill, wire {args.wire_dtype}, {args.threads} thread(s) per peer")  # fmt: skip
-    print(f"stall: longest gap {stall:.2f} s across the kill (undisturbed longest gap {normal_gap:.2f} s)")
+    ttft = max(ch.times[0] - ch.started for ch in calm)
+    print(f"stall: longest gap {stall:.2f} s across the kill (undisturbed: longest gap {normal_gap:.2f} s, "
+          f"first token after {ttft:.2f} s, which includes the same prefill a replay redoes)")  # fmt: skip
     print(f"total: disturbed {hurt_total:.2f} s vs undisturbed {calm_total:.2f} s (ratio {hurt_total / calm_total:.2f})")
     print(f"identical text: {'yes' if same else 'NO'}")
     print(f"time until whole again: {'%.1f s' % healed if healed is not None else 'not measured (issue #8 point 5)'}")
