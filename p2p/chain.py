@@ -88,6 +88,9 @@ class Broken:
 
     peers: frozenset[PeerId]
     cause: P2PError
+    certain: bool = True
+    """False when the blame is a guess (hops that did not answer a ping after a deadline):
+    they are then used again if no route exists without them."""
 
 
 @dataclass(eq=False)
@@ -252,7 +255,8 @@ class SwarmPipeline:
                 return Broken(failed, StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed))))
             if trio.current_time() >= deadline_at:
                 stalled = await self._stalled_hops(leg)
-                return Broken(stalled, ChainTimeout(f"no answer from the chain of {self.model_id} within {limit:.1f} s"))
+                cause = ChainTimeout(f"no answer from the chain of {self.model_id} within {limit:.1f} s")
+                return Broken(stalled, cause, certain=False)
 
     def _on_reply(self, leg: _Leg, reply: wire.Message, req: int) -> int | Broken | None:
         if isinstance(reply, wire.Error):
@@ -342,22 +346,23 @@ class SwarmPipeline:
             await self._retire(session, broken.peers)
             raise FailoverExhausted(session.failovers, broken.cause) from broken.cause
         session.failovers += 1
+        log.warning("session %s: %s (blamed: %s); failover %d/%d", session.session_id, broken.cause,
+                    ", ".join(sorted(p[-6:] for p in broken.peers)) or "nobody",
+                    session.failovers, self.policy.max_failovers)  # fmt: skip
         assert session.leg is not None
         old = session.leg.route
         give_up = trio.current_time() + self.policy.no_route_wait_s
         while True:
             try:
-                route = self._reroute(old, broken.peers, exclude_load=session)
+                route = self._reroute(old, broken.peers, exclude_load=session, certain=broken.certain)
                 break
             except NoRoute:
                 if trio.current_time() >= give_up:
                     await self._retire(session, broken.peers)
                     raise
                 await trio.sleep(0.25)
-        log.warning("session %s: %s; failover %d/%d to %s", session.session_id, broken.cause,
-                    session.failovers, self.policy.max_failovers, _describe(route))  # fmt: skip
-        await self._retire(session, broken.peers)
-        self._open_leg(session, route)
+        log.info("session %s: now through %s", session.session_id, _describe(route))
+        await self._switch(session, route, broken.peers)
         return await self._replay(session, sampling)
 
     async def _migrate(self, session: _Session, leaving: frozenset[PeerId], sampling: SamplingParams | None) -> int | None:
@@ -374,8 +379,7 @@ class SwarmPipeline:
             leaving, route = found
         log.info("session %s: moving off leaving peer(s) %s to %s", session.session_id,
                  ", ".join(sorted(p[-6:] for p in leaving)), _describe(route))  # fmt: skip
-        await self._retire(session, frozenset())
-        self._open_leg(session, route)
+        await self._switch(session, route, frozenset())
         return await self._replay(session, sampling)
 
     def _leave_some(self, session: _Session, leaving: frozenset[PeerId]) -> tuple[frozenset[PeerId], list[Hop]] | None:
@@ -395,17 +399,26 @@ class SwarmPipeline:
                 for v in self.views()
             ]  # fmt: skip
             try:
-                return frozenset({hop.peer_id}), self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views)
+                route = self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views=views)
+                return frozenset({hop.peer_id}), route
             except NoRoute:
                 continue
         return None
 
+    async def _switch(self, session: _Session, route: list[Hop], broken: frozenset[PeerId]) -> None:
+        """Make ``route`` the session's leg, then close the old one. The new leg is in place
+        before the first await, so sessions failing over at the same moment count it when
+        they choose (that is what spreads them over replicas)."""
+        old = session.leg
+        self._open_leg(session, route)
+        await self._close_leg(old, broken)
+
     def _reroute(self, old: Sequence[Hop], failed: frozenset[PeerId], exclude_load: _Session | None,
-                 views: Sequence[NodeView] | None = None) -> list[Hop]:  # fmt: skip
+                 certain: bool = True, views: Sequence[NodeView] | None = None) -> list[Hop]:  # fmt: skip
         """A new route without ``failed``: the old hops before the first failed one, then the
         cheapest way on from that boundary (a replacement may be split differently); failing
         that, the cheapest route from layer 0. Peers this entry avoids are left out when a
-        route exists without them."""
+        route exists without them, and so are ``failed`` ones blamed without ``certain``ty."""
         index = next((i for i, h in enumerate(old) if h.peer_id in failed), None)
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
@@ -413,7 +426,7 @@ class SwarmPipeline:
         views = list(self.views() if views is None else views)
         avoided = self.health.avoided(trio.current_time()) | failed
         last: NoRoute | None = None
-        for exclude in (avoided, failed):
+        for exclude in (avoided, failed) if certain else (avoided, failed, frozenset()):
             attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
             for prefix, boundary in attempts:
                 try:
@@ -450,11 +463,15 @@ class SwarmPipeline:
         return req
 
     async def _retire(self, session: _Session, broken: frozenset[PeerId]) -> None:
-        """Stop listening to the session's leg and free it on every hop that may hold it,
-        without waiting for answers. The close follows the route (behind any frame still in
-        flight, so a stalled hop that wakes up cannot reopen the session further on) and goes
-        to each hop directly (the route may be cut); broken hops we lost are skipped."""
+        """The session gives up its route for good (no failover left, or no route)."""
         leg, session.leg = session.leg, None
+        await self._close_leg(leg, broken)
+
+    async def _close_leg(self, leg: _Leg | None, broken: frozenset[PeerId]) -> None:
+        """Stop listening to a leg and free it on every hop that may hold it, without waiting
+        for answers. The close follows the route (behind any frame still in flight, so a
+        stalled hop that wakes up cannot reopen the session further on) and goes to each hop
+        directly (the route may be cut); broken hops we lost are skipped."""
         if leg is None:
             return
         self.service.close_inbox(leg.wire_id)

@@ -41,7 +41,7 @@ class FailoverPolicy:
     disconnect_grace_s: float = 0.3
     """A hop we were connected to is failed once its connection is gone this long (a quick
     reconnect is reported before the old connection's close)."""
-    probe_timeout_s: float = 1.0
+    probe_timeout_s: float = 2.0
     """After a deadline: hops that do not answer a ping within this are the stalled ones."""
     no_route_wait_s: float = 5.0
     """A failover that finds no route re-reads the registry this long before giving up: a

@@ -10,11 +10,13 @@ its expected step time::
 ``DEFAULT_STEP_MS_PER_LAYER``); ``link_ms`` is half the round trip this peer measured to it
 (unknown peers get ``DEFAULT_LINK_MS``; the entry peer itself costs nothing), and
 ``HOP_MS`` charges every hop its fixed serialization and scheduling cost, which is what
-makes fewer hops win between otherwise equal chains. Two terms spread sessions over replicas:
-``SESSION_MS`` for every session this entry already routes through the node (measured costs
-are never exactly equal, so without it every session would pile onto the cheapest replica,
-and all sessions failing over at once onto one survivor), and the node's measured
-reliability, which divides the cost (a node that failed this entry's sessions looks slower).
+makes fewer hops win between otherwise equal chains. Two factors spread sessions over
+replicas: each session this entry already routes through the node raises its cost by
+``SESSION_SHARE`` (measured costs are never exactly equal, so without it every session would
+pile onto the cheapest replica, and all sessions failing over at once onto one survivor;
+with it, replicas share sessions roughly in inverse proportion to their cost), and the
+node's measured reliability divides the cost (a node that failed this entry's sessions
+looks slower).
 Among equally cheap chains one is drawn at random.
 
 A route may start at a boundary other than 0 (failover re-routes from the failed boundary,
@@ -37,7 +39,7 @@ from p2p.registry import NodeView
 HOP_MS = 1.0
 DEFAULT_STEP_MS_PER_LAYER = 1.0
 DEFAULT_LINK_MS = 5.0
-SESSION_MS = 2.0
+SESSION_SHARE = 0.5
 MIN_RELIABILITY = 0.1
 _EPSILON = 1e-9
 
@@ -81,7 +83,8 @@ class CostModel:
         step = record.step_ms_per_layer if record.step_ms_per_layer > 0 else DEFAULT_STEP_MS_PER_LAYER
         peer = record.peer_id
         link = 0.0 if peer == entry and not record.relayed else self.link_ms.get(peer, DEFAULT_LINK_MS)
-        cost = len(record.layers) * step + link + self.hop_ms + SESSION_MS * self.load.get(peer, 0)
+        cost = len(record.layers) * step + link + self.hop_ms
+        cost *= 1 + SESSION_SHARE * self.load.get(peer, 0)
         return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(peer, 1.0)))
 
 

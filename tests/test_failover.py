@@ -6,11 +6,14 @@ reused across its scenarios (they run in file order and each picks its victims f
 left):
 
 - f32, greedy, entry A holds layer 0: A 0-10, B/C 10-20, D/E 20-30 (the issue's swarm plus
-  a second last stage). Middle hop killed under 8 streams, last stage killed, then the last
-  holder of 10-20 killed: a 503 naming those layers, on SSE, /ws/chat and plain JSON.
-- f16, seeded sampling, entry Z holds only the last layers: A/A2/A3 0-10, B/B2 10-20, Z 20-30.
-  Middle hop killed during prefill; first stage killed twice in a row (the replacement dies
-  too); an entry allowed no failover reports the failure.
+  a second last stage). Middle hop killed under 8 streams mid-decode, last stage killed
+  during a prefill, then the last holder of 10-20 killed: a 503 naming those layers, on SSE,
+  /ws/chat and plain JSON.
+- f16, seeded sampling, entry Z holds only the last layers: A/A2/A3 0-10, B 10-20, Z 20-30.
+  The first stage killed under 3 streams, then the replacement killed too; an entry allowed no failover reports the failure.
+
+(Five peers per swarm: with six, py-libp2p 0.8.1 here stops opening streams from the peer
+everyone bootstrapped to, failover or not: a separate problem.)
 """
 
 from __future__ import annotations
@@ -79,6 +82,16 @@ def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[S
         return [f.result() for f in futures]
 
 
+def warm_up(s: Swarm, entry: PeerProcess, n: int) -> None:
+    """A few small requests, so that the peers have dialed each other (on a loaded machine a
+    first dial can take seconds) before anything is measured or killed."""
+    def answered() -> bool:
+        return request_json("POST", entry.url + "/v1/chat/completions", ask("Hi", 2), timeout=120)[0] == 200
+
+    for _ in range(n):
+        s.wait(answered, 120, "a warm-up answer", entry)
+
+
 def busiest(peers: list[PeerProcess]) -> PeerProcess:
     return max((p for p in peers if p.alive()), key=stage_sessions)
 
@@ -96,6 +109,7 @@ def greedy_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swa
         for peer in peers.values():
             s.wait_ready(peer, timeout=120)
         s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 5, 30, "the whole swarm")
+        warm_up(s, a, 4)
         yield s, peers
 
 
@@ -124,10 +138,36 @@ def test_eight_streams_survive_a_middle_hop_killed_mid_decode(greedy_swarm, gree
     wait_no_sessions(s, list(peers.values()))
 
 
-def test_a_stream_survives_its_last_stage_killed(greedy_swarm, greedy_text: str) -> None:
+LONG_QUESTION = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 38
+
+
+def test_the_last_stage_killed_during_prefill(greedy_swarm) -> None:
+    """The kill lands while the prompt's chunks are still crossing the chain (the last stage
+    has taken the first chunk, no token is out yet)."""
     s, peers = greedy_swarm
-    chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 2, lambda _: kill(busiest([peers["d"], peers["e"]])))
-    assert [(c.error, c.text) for c in chats] == [(None, greedy_text)] * 2
+    body = ask(LONG_QUESTION, 8)
+    status, reply = request_json("POST", peers["a"].url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, reply
+    expected = reply["choices"][0]["message"]["content"]
+    started: list[StreamedChat] = []
+    killed_before_first_token: list[bool] = []
+
+    def kill_when_prefill_arrives() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for peer in (peers["d"], peers["e"]):
+                if stage_sessions(peer) > 0:
+                    kill(peer)
+                    killed_before_first_token.append(not started)
+                    return
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(kill_when_prefill_arrives)
+        chat = stream_chat(peers["a"].url, body, 300, started.append)
+        killer.result()
+    assert killed_before_first_token == [True], "the kill should land during the prefill"
+    assert (chat.error, chat.text) == (None, expected)
     wait_no_sessions(s, list(peers.values()))
 
 
@@ -162,75 +202,51 @@ def seeded_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swa
     with Swarm(tmp_path_factory.mktemp("failover-f16"), extra_args=["--wire-dtype", "f16", *SHARED]) as s:
         z = s.start("z", "--layers", "20-30")
         peers = {"z": z}
-        for name, layers in [("a", "0-10"), ("a2", "0-10"), ("a3", "0-10"), ("b", "10-20"), ("b2", "10-20")]:
-            extra = ["--max-failovers", "0"] if name.startswith("b") else []
+        for name, layers in [("a", "0-10"), ("a2", "0-10"), ("a3", "0-10"), ("b", "10-20")]:
+            extra = ["--max-failovers", "0"] if name == "b" else []
             peers[name] = s.start(name, "--layers", layers, *extra, bootstrap=z)
         for peer in peers.values():
             s.wait_ready(peer, timeout=120)
-        s.wait(lambda: z.get("/api/models")[0]["chain_complete"] and len(z.get("/nodes")) == 6, 30, "the whole swarm")
+        s.wait(lambda: z.get("/api/models")[0]["chain_complete"] and len(z.get("/nodes")) == 5, 30, "the whole swarm")
+        warm_up(s, z, 4)
         yield s, peers
 
 
-LONG_QUESTION = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 38
 SEEDED = {"temperature": 0.9, "seed": 7}
 
 
-def undisturbed(entry: PeerProcess, body: dict) -> str:
-    status, reply = request_json("POST", entry.url + "/v1/chat/completions", body, timeout=120)
-    assert status == 200, reply
-    return reply["choices"][0]["message"]["content"]
-
-
-def test_a_middle_hop_killed_during_prefill(seeded_swarm) -> None:
-    s, peers = seeded_swarm
-    body = ask(LONG_QUESTION, 8, **SEEDED)
-    expected = undisturbed(peers["z"], body)
-    killed_before_first_token: list[bool] = []
-
-    def kill_when_prefill_arrives() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for peer in (peers["b"], peers["b2"]):
-                if stage_sessions(peer) > 0:
-                    kill(peer)
-                    killed_before_first_token.append(not chats_started)
-                    return
-            time.sleep(0.01)
-
-    chats_started: list[StreamedChat] = []
-    with ThreadPoolExecutor(1) as pool:
-        killer = pool.submit(kill_when_prefill_arrives)
-        chat = stream_chat(peers["z"].url, body, 300, chats_started.append)
-        killer.result()
-    assert killed_before_first_token == [True], "the kill should land during the prefill"
-    assert (chat.error, chat.text) == (None, expected)
-    wait_no_sessions(s, list(peers.values()))
-
-
 def test_the_first_stage_and_then_its_replacement_killed(seeded_swarm) -> None:
-    """The entry holds only the last layers; the stage holding layer 0 dies, and so does the
-    one that replaced it: the third holder finishes the stream with the same sampled text."""
+    """The entry holds only the last layers. The stage holding layer 0 for most sessions
+    dies: its sessions move to the two other holders; then the busiest of those dies too.
+    Every stream finishes with the sampled text of an undisturbed run (f16 on the wire)."""
     s, peers = seeded_swarm
-    body = ask(QUESTION, 200, **SEEDED)
-    expected = undisturbed(peers["z"], body)
+    body = ask(QUESTION, 96, **SEEDED)
+    status, reply = request_json("POST", peers["z"].url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, reply
+    expected = reply["choices"][0]["message"]["content"]
     firsts = [peers["a"], peers["a2"], peers["a3"]]
+    spread: list[list[int]] = []
 
     def kill_twice(chats: list[StreamedChat]) -> None:
-        first = busiest(firsts)
-        kill(first)
-        seen = len(chats[0].times)
-        s.wait(lambda: len(chats[0].times) > seen + 2, 60, "tokens after the first failover")
+        kill(busiest(firsts))
+        seen = [len(c.times) for c in chats]
+        s.wait(lambda: all(len(c.times) > n + 2 for c, n in zip(chats, seen)), 120, "tokens after the first failover")
+        spread.append(sorted(stage_sessions(p) for p in firsts if p.alive()))
         kill(busiest(firsts))
 
-    (chat,) = run_streams(peers["z"], [body], kill_twice)
-    assert (chat.error, chat.text) == (None, expected)
+    chats = run_streams(peers["z"], [body] * 3, kill_twice)
+    assert [(c.error, c.text) for c in chats] == [(None, expected)] * 3
+    # How the moved sessions spread depends on measured link latencies (on a loaded machine a
+    # replica whose ping timed out costs 1000 ms): tests/test_failover_policy.py asserts the
+    # rule; here it is only reported.
+    print(f"sessions on the two surviving first stages after the first failover: {spread}")
     assert sum(p.alive() for p in firsts) == 1
     wait_no_sessions(s, list(peers.values()))
 
 
 def test_an_entry_allowed_no_failover_reports_the_failure(seeded_swarm) -> None:
     s, peers = seeded_swarm
-    (entry,) = [p for p in (peers["b"], peers["b2"]) if p.alive()]  # started with --max-failovers 0
+    entry = peers["b"]  # started with --max-failovers 0
     (last_first,) = [p for p in (peers["a"], peers["a2"], peers["a3"]) if p.alive()]
     (chat,) = run_streams(entry, [ask(QUESTION, 64)], lambda _: kill(last_first))
     assert chat.error is not None and chat.error["status"] == 503, chat.error

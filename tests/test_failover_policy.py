@@ -53,6 +53,12 @@ def test_sessions_spread_over_replicas_by_load_even_when_measured_costs_differ()
         route = choose_route(views, MODEL, PeerId("a"), CostModel(link_ms=links, load=load))
         load.update(h.peer_id for h in route)
     assert load[PeerId("b")] == load[PeerId("c")] == 4
+    # A replica twice as far still takes a share, smaller.
+    links, load = {PeerId("b"): 2.0, PeerId("c"): 24.0}, Counter()
+    for _ in range(8):
+        route = choose_route(views, MODEL, PeerId("a"), CostModel(link_ms=links, load=load))
+        load.update(h.peer_id for h in route)
+    assert load[PeerId("b")] > load[PeerId("c")] > 0
 
 
 def test_unreliable_peers_weigh_more() -> None:
