@@ -17,9 +17,9 @@ another route exists. Replays go through the *whole* new route from position 0 (
 docs/ARCHITECTURE.md, "Failover", for the measurements behind that choice); the new route
 keeps the hops before the failed boundary when it can.
 
-Each route is a *leg* with its own wire session id. Frames still in flight on an old route (a
-stalled hop that wakes up) then carry an id nobody continues, so they can neither rewind nor
-corrupt the new leg; the old leg is closed on every hop that may hold it.
+Each route is a *leg* (``p2p.legs``) with its own wire session id. Frames still in flight on
+an old route (a stalled hop that wakes up) then carry an id nobody continues, so they can
+neither rewind nor corrupt the new leg; the old leg is closed on every hop that may hold it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from inclavate.types import ModelId, PeerId, SessionId
 from node.sampling import SamplingParams
 from p2p import wire
 from p2p.errors import P2PError
-from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
+from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, replay_plan
+from p2p.legs import Leg, LegWatch, blame
 from p2p.forward import ForwardService
 from p2p.registry import NodeView
 from p2p.routing import CostModel, Hop, NoRoute, choose_route
@@ -94,24 +95,9 @@ class Broken:
 
 
 @dataclass(eq=False)
-class _Leg:
-    wire_id: SessionId
-    route: tuple[Hop, ...]
-    inbox: trio.MemoryReceiveChannel[wire.Message]
-    seen: set[PeerId] = field(default_factory=set)
-    """Hops we have been connected to: losing that connection means the hop died."""
-    lost: dict[PeerId, float] = field(default_factory=dict)
-    """When a seen hop's connection was first missed."""
-
-    @property
-    def peers(self) -> frozenset[PeerId]:
-        return frozenset(h.peer_id for h in self.route)
-
-
-@dataclass(eq=False)
 class _Session:
     session_id: SessionId
-    leg: _Leg | None = None
+    leg: Leg | None = None
     history: list[int] = field(default_factory=list)
     """Every token processed so far, by position: what a new route replays."""
     shapes: list[int] = field(default_factory=list)
@@ -158,6 +144,7 @@ class SwarmPipeline:
 
     def __post_init__(self) -> None:
         self.deadline = StepDeadline(self.policy)
+        self._watch = LegWatch(self.service.me, self.views, self.is_connected, self.probe, self.policy)
 
     def route_of(self, session_id: SessionId) -> list[Hop] | None:
         session = self._sessions.get(session_id)
@@ -213,10 +200,9 @@ class SwarmPipeline:
             return None
         session.checked = now
         assert session.leg is not None
-        failed, leaving = self._route_trouble(session.leg)
+        failed, leaving = self._watch.trouble(session.leg)
         if failed:
-            cause = StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed)))
-            return await self._fail_over(session, Broken(failed, cause), sampling)
+            return await self._fail_over(session, _departed(failed), sampling)
         if leaving:
             return await self._migrate(session, leaving, sampling)
         return None
@@ -250,20 +236,20 @@ class SwarmPipeline:
                 if outcome is not None:
                     return outcome
                 continue
-            failed, _ = self._route_trouble(leg)
+            failed, _ = self._watch.trouble(leg)
             if failed:
-                return Broken(failed, StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed))))
+                return _departed(failed)
             if trio.current_time() >= deadline_at:
-                stalled = await self._stalled_hops(leg)
+                stalled = await self._watch.stalled(leg)
                 cause = ChainTimeout(f"no answer from the chain of {self.model_id} within {limit:.1f} s")
                 return Broken(stalled, cause, certain=False)
 
-    def _on_reply(self, leg: _Leg, reply: wire.Message, req: int) -> int | Broken | None:
+    def _on_reply(self, leg: Leg, reply: wire.Message, req: int) -> int | Broken | None:
         if isinstance(reply, wire.Error):
             failure = stage_failure(reply.code, reply.message, reply.origin)
             if reply.code in CLIENT_ERRORS:
                 raise failure
-            return Broken(self._blame(leg, reply), failure)
+            return Broken(blame(leg, reply), failure)
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:
                 last = leg.route[-1].peer_id
@@ -283,57 +269,6 @@ class SwarmPipeline:
             outcome = self._on_reply(leg, reply, -1)
             if isinstance(outcome, Broken):
                 return outcome
-
-    def _blame(self, leg: _Leg, error: wire.Error) -> frozenset[PeerId]:
-        """The hop an error points at: the unreachable one, else the one that reported it.
-        Only hops of the route can be blamed (a confused or lying stage cannot exclude others)."""
-        peers = [h.peer_id for h in leg.route]
-        if error.code == "unreachable":
-            if error.failed_peer is not None:
-                return frozenset({error.failed_peer}) & leg.peers
-            nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
-            return frozenset(peers[nxt : nxt + 1])
-        return frozenset({error.origin}) & leg.peers
-
-    def _route_trouble(self, leg: _Leg) -> tuple[frozenset[PeerId], frozenset[PeerId]]:
-        """(failed, leaving) hops of a leg, from the registry and our connections."""
-        by_node = {v.record.node_id: v for v in self.views()}
-        now = trio.current_time()
-        failed: set[PeerId] = set()
-        leaving: set[PeerId] = set()
-        for hop in leg.route:
-            trouble = hop_trouble(hop, by_node.get(hop.node_id))
-            if trouble == "failed":
-                failed.add(hop.peer_id)
-            elif trouble == "leaving":
-                leaving.add(hop.peer_id)
-            peer = hop.peer_id
-            if peer == self.service.me:
-                continue
-            if self.is_connected(peer):
-                leg.seen.add(peer)
-                leg.lost.pop(peer, None)
-            elif peer in leg.seen and now - leg.lost.setdefault(peer, now) >= self.policy.disconnect_grace_s:
-                failed.add(peer)
-        return frozenset(failed), frozenset(leaving - failed)
-
-    async def _stalled_hops(self, leg: _Leg) -> frozenset[PeerId]:
-        """After a missed deadline: the hops that do not answer a ping (none if unknown)."""
-        if self.probe is None:
-            return frozenset()
-        probe = self.probe
-        silent: set[PeerId] = set()
-
-        async def check(peer: PeerId) -> None:
-            with trio.move_on_after(self.policy.probe_timeout_s):
-                if await probe(peer):
-                    return
-            silent.add(peer)
-
-        async with trio.open_nursery() as nursery:
-            for peer in leg.peers - {self.service.me}:
-                nursery.start_soon(check, peer)
-        return frozenset(silent)
 
     # ------------------------------------------------------------- re-routing
 
@@ -445,7 +380,7 @@ class SwarmPipeline:
     def _open_leg(self, session: _Session, route: list[Hop]) -> None:
         wire_id = SessionId(session.session_id if session.legs == 0 else f"{session.session_id}.{session.legs}")
         session.legs += 1
-        session.leg = _Leg(wire_id, tuple(route), self.service.open_inbox(wire_id))
+        session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id))
         session.flight_since, session.flight_tokens = None, 0
         session.checked = trio.current_time()
         if session.legs == 1:
@@ -467,7 +402,7 @@ class SwarmPipeline:
         leg, session.leg = session.leg, None
         await self._close_leg(leg, broken)
 
-    async def _close_leg(self, leg: _Leg | None, broken: frozenset[PeerId]) -> None:
+    async def _close_leg(self, leg: Leg | None, broken: frozenset[PeerId]) -> None:
         """Stop listening to a leg and free it on every hop that may hold it, without waiting
         for answers. The close follows the route (behind any frame still in flight, so a
         stalled hop that wakes up cannot reopen the session further on) and goes to each hop
@@ -524,6 +459,11 @@ class SwarmPipeline:
                     if not pending:
                         return True
         return False
+
+
+def _departed(failed: frozenset[PeerId]) -> Broken:
+    """Hops the registry or our connections say are gone (or moved to other layers)."""
+    return Broken(failed, StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed))))
 
 
 def _describe(route: Sequence[Hop]) -> str:

@@ -173,6 +173,8 @@ def main() -> int:
     ttft = max(ch.times[0] - ch.started for ch in calm)
     print(f"stall: longest gap {stall:.2f} s across the kill (undisturbed: longest gap {normal_gap:.2f} s, "
           f"first token after {ttft:.2f} s, which includes the same prefill a replay redoes)")  # fmt: skip
+    print(f"stall / first token of the undisturbed run: {stall / ttft:.2f} (the replay redoes that prefill; "
+          f"a ratio holds on a loaded machine, where seconds do not)")  # fmt: skip
     print(f"total: disturbed {hurt_total:.2f} s vs undisturbed {calm_total:.2f} s (ratio {hurt_total / calm_total:.2f})")
     print(f"identical text: {'yes' if same else 'NO'}")
     print(f"time until whole again: {healed:.1f} s from kill -9 of the only holder of 20-30 to chain_complete "

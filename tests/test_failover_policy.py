@@ -10,7 +10,7 @@ import pytest
 from registry_helpers import MODEL, view
 
 from inclavate.types import LayerRange, NodeId, PeerId
-from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble
+from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
 from p2p.routing import CostModel, Hop, NoRoute, choose_route
 
@@ -116,3 +116,11 @@ def test_the_draining_flag_parses_tolerantly() -> None:
     assert NodeRecord.from_json({**base, "draining": True}).draining is True
     for odd in ("yes", 1, None, [True]):
         assert NodeRecord.from_json({**base, "draining": odd}).draining is False
+
+
+def test_the_replay_plan_keeps_prefill_shapes_and_coalesces_small_steps() -> None:
+    assert replay_plan([]) == []
+    assert replay_plan([256, 74, 1, 1, 1]) == [(0, 256), (256, 74), (330, 3)]
+    # Decode steps (and a forced 3-token tag) merge into frames of at most 32 tokens.
+    assert replay_plan([256, 256, 10, *[1] * 40, 3, *[1] * 5]) == [(0, 256), (256, 256), (512, 32), (544, 26)]
+    assert replay_plan([20, *[1] * 20]) == [(0, 32), (32, 8)]
