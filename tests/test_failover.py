@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 MODEL = "smollm2:135m"
 # kill -9 is seen through the lost connection; a generous deadline keeps a loaded CI machine
 # from failing over healthy-but-slow hops.
-SHARED = ["--max-sessions", "8", "--min-step-deadline", "30"]
+ADMIN_TOKEN = "failover-test"
+SHARED = ["--max-sessions", "8", "--min-step-deadline", "30", "--admin-token", ADMIN_TOKEN]
 
 
 def ask(question: str, max_tokens: int, **sampling: object) -> dict:
@@ -135,6 +136,32 @@ def test_eight_streams_survive_a_middle_hop_killed_mid_decode(greedy_swarm, gree
     chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 8, kill_a_middle_hop)
     assert [c.error for c in chats] == [None] * 8
     assert [c.text for c in chats] == [greedy_text] * 8
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_sessions_leave_a_hop_set_idle_at_the_next_step(greedy_swarm, greedy_text: str) -> None:
+    """Not a failure: the hop keeps serving, and the entry moves its sessions to the other
+    holder at a step boundary (what a draining, politely stopping peer gets too)."""
+    s, peers = greedy_swarm
+    moved: list[PeerProcess] = []
+
+    def set_busiest_last_stage_idle(chats: list[StreamedChat]) -> None:
+        leaving = busiest([peers["d"], peers["e"]])
+        node = leaving.get("/health")["peer_id"]
+        status, body = request_json("PATCH", f"{leaving.url}/admin/nodes/{node}/state", {"state": "idle"},
+                                    headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+        assert status == 200, body
+        s.wait(lambda: stage_sessions(leaving) == 0, 60, "the sessions to leave the idle hop", leaving)
+        assert all(c.finish_reason is None for c in chats), "the streams should still be running"
+        moved.append(leaving)
+
+    chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 2, set_busiest_last_stage_idle)
+    assert [(c.error, c.text) for c in chats] == [(None, greedy_text)] * 2
+    node = moved[0].get("/health")["peer_id"]
+    status, _ = request_json("PATCH", f"{moved[0].url}/admin/nodes/{node}/state", {"state": "ready"},
+                             headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+    assert status == 200
+    s.wait(lambda: not any(n["idle"] for n in peers["a"].get("/nodes")), 20, "the hop to be active again")
     wait_no_sessions(s, list(peers.values()))
 
 
