@@ -189,7 +189,7 @@ def _register_lower_layers() -> None:
     from inclavate.metrics_store import MetricsStoreError
     from inclavate.store import StoreError
     from node.errors import ContextFull, EngineError, InvalidBatch
-    from p2p.chain import ChainTimeout, ContextExceeded, StageFailed
+    from p2p.chain import ChainTimeout, ContextExceeded, FailoverExhausted, StageFailed
     from p2p.admin import AdminRefused
     from p2p.errors import P2PError
     from p2p.legacy import (BadRegistration, DuplicateNode, NodeMismatch, NoRangeAvailable, NotYourNode,
@@ -213,6 +213,7 @@ def _register_lower_layers() -> None:
         (NoRangeAvailable, 503),
         (AdminRefused, 409),  # the peer holding the node refused or could not do it
         (StageFailed, 503),
+        (FailoverExhausted, 503),  # the route kept failing: the message says how often and why
         (ChainTimeout, 504),
         (EngineError, 503),
         (StoreError, 503),

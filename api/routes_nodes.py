@@ -29,6 +29,7 @@ def node_json(view: NodeView) -> dict[str, Any]:
         "engine": r.engine,
         "state": view.state,
         "idle": r.idle,
+        "draining": r.draining,
         "vram_mb": r.vram_mb,
         "tokens_total": r.counters.tokens_total,
         "requests_served": r.counters.requests_served,

@@ -9,9 +9,13 @@ Start-up order, and why:
    :mod:`p2p.placement`), announce ``Joining`` and watch for collisions for ``settle_s``;
 4. load the engine, announce ``Ready``.
 
-Shutdown (:meth:`Peer.shutdown`): announce ``Dead`` at once, refuse new chats, give
-in-flight generations ``drain_s`` to finish, then cancel them (they fail with a clear error
-and free their KV cache), and leave.
+Then the healer (:mod:`inclavate.healer`) runs: when layers lose their last holder and this
+peer's span is replicated, it may be elected to move there.
+
+Shutdown (:meth:`Peer.shutdown`), the polite stop: refuse new chats, announce ``draining``
+(routes avoid this peer; entry peers move its sessions to other holders), wait up to
+``drain_s`` for its sessions to go (moved or finished), announce ``Dead``, fail whatever is
+left with a clear error (freeing its KV cache), and leave.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import time
 from functools import partial
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -42,6 +47,7 @@ from inclavate.generations import GenerationService
 from inclavate.gguf_meta import GgufMetadata, read_metadata
 from inclavate.job_runner import JobRunner, RunnerConfig
 from inclavate.jobs import JobStore
+from inclavate.healer import Healer
 from inclavate.metrics import MetricsRecorder
 from inclavate.metrics_store import MetricsStore, run_metrics
 from inclavate.peer_http import PeerHttp
@@ -60,6 +66,7 @@ from node.stage import Stage
 from p2p.chain import SwarmPipeline
 from p2p.coverage import ModelCoverage
 from p2p.discovery import run_discovery
+from p2p.failover import PeerHealth
 from p2p.forward import ForwardService
 from p2p.gossip import RegistryService
 from p2p.host import P2PHost, open_host
@@ -72,11 +79,15 @@ from p2p.placement import choose_range, should_move
 from p2p.record_schema import MAX_MULTIADDRS
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
-from p2p.routing import CostModel, Hop, choose_route
+from p2p.routing import Hop
 from p2p.vocab import choose_vocab, fetch_vocab, serve_vocab, sha256_file
 from p2p.wire import max_frame_bytes
 
 log = logging.getLogger(__name__)
+
+DRAIN_QUIET_S = 2.0
+"""A drained peer has had no session this long (see :meth:`Peer._drain`): longer than an
+entry takes to replay a moved session up to this hop (a loaded 2-core VM needed > 1 s)."""
 
 FORCE_REMOVE_BAN_S = 600.0
 """How long a force-deregistered node's records are ignored (it is not told, and keeps
@@ -103,12 +114,15 @@ class Peer:
         self._chat_models: dict[str, ChatModel] = {}
         self._chat_locks: dict[str, trio.Lock] = {}
         self._pipelines: dict[str, SwarmPipeline] = {}
+        self._peer_health = PeerHealth(config.failover)
+        """This peer's experience of others as an entry: who failed its sessions (all models)."""
         self._cancel: trio.CancelScope | None = None
         self.latency: LatencyMonitor | None = None
         self.legacy: LegacyNodes | None = None
         self.admin_service: AdminService | None = None
         self._nursery: trio.Nursery | None = None
         self._stage_scope: trio.CancelScope | None = None
+        self._heal_scope: trio.CancelScope | None = None
         self._reload = trio.Lock()
         self.metrics_store: MetricsStore | None = None
         self.metrics = MetricsRecorder()
@@ -216,24 +230,65 @@ class Peer:
                     await self._announce("Ready", layers)
                     log.info("ready: %s layers %s", spec.model_id, layers)
                     nursery.start_soon(self._prepare_vocab)
+                    if cfg.heal.enabled:
+                        nursery.start_soon(self._run_healer)
                     task_status.started(self)
 
     async def shutdown(self) -> None:
-        """Leave the swarm cleanly; returns once everything has stopped."""
+        """Leave the swarm politely; returns once everything has stopped.
+
+        Draining first, Dead last: while draining the peer still serves the sessions it has
+        (its record stays Ready, flagged ``draining``), so entry peers can move them to other
+        holders without a failure, and generations it drives as entry can finish."""
         if self.shutting_down:
             return
         self.shutting_down = True
-        log.info("shutting down: announcing departure")
-        if self.registry is not None and self._own_record() is not None:
+        if self._heal_scope is not None:
+            self._heal_scope.cancel()
+        announced = self.registry is not None and self._own_record() is not None
+        if announced:
+            log.info("leaving: draining sessions (up to %g s; Ctrl-C again to exit at once)", self.config.drain_s)
             with trio.move_on_after(2.0):
-                await self._announce("Dead")
-                await trio.sleep(0.2)  # let the gossip leave the building
-        with trio.move_on_after(self.config.drain_s):
-            while self._pipelines and any(p.open_sessions for p in self._pipelines.values()):
-                await trio.sleep(0.1)
+                await self._set_flags(draining=True)
+        if not await self._drain(self.config.drain_s, entry=True):
+            log.warning("sessions still open after %g s: %s; leaving anyway", self.config.drain_s, self.open_sessions())
+        # Stage first: steps still arriving are answered ``shutting_down`` (not left
+        # unanswered) while the departure is announced and those answers are sent.
+        if self.forward is not None:
+            self.forward.leaving = True
         await self._stop_stage("this peer is shutting down")
+        await self.leave_now()
         if self._cancel is not None:
             self._cancel.cancel()
+
+    async def leave_now(self) -> None:
+        """Announce Dead (bounded: a second Ctrl-C must not wait on the network)."""
+        if self.registry is None or self._own_record() is None:
+            return  # never announced anything
+        log.info("announcing departure")
+        with trio.move_on_after(1.0):
+            await self._announce("Dead")
+            await trio.sleep(0.2)  # let the gossip leave the building
+
+    async def _drain(self, timeout: float, *, entry: bool) -> bool:
+        """Wait until no session uses this peer's stage (and, with ``entry``, none that
+        this peer drives as entry is open) for ``DRAIN_QUIET_S``, at most ``timeout`` seconds.
+
+        Quiet for a while, not zero once: an entry moving a session off *another* leaving
+        hop closes the old leg here and opens the new one (still through this peer, the
+        only other way) a moment later."""
+        quiet_since: float | None = None
+        with trio.move_on_after(timeout):
+            while True:
+                sessions = self.open_sessions()
+                if sessions["stage"] == 0 and (not entry or sessions["entry"] == 0):
+                    quiet_since = trio.current_time() if quiet_since is None else quiet_since
+                    if trio.current_time() - quiet_since >= DRAIN_QUIET_S:
+                        return True
+                else:
+                    quiet_since = None
+                await trio.sleep(0.1)
+        return quiet_since is not None
 
     # ------------------------------------------------------- joining the swarm
 
@@ -260,7 +315,7 @@ class Peer:
         return [v for v in self.registry.views() if v.record.model_id == self.config.model_id]
 
     async def _place(self, n_layers: int, cap: int, d_model: int) -> LayerRange:
-        self._n_layers, self._d_model = n_layers, d_model
+        self._n_layers, self._d_model, self._capacity = n_layers, d_model, cap
         if self.config.layers is not None:
             if self.config.layers.end > n_layers:
                 raise ConfigError(f"--layers {self.config.layers} exceeds the model's {n_layers} layers")
@@ -303,6 +358,49 @@ class Peer:
             self._stage_scope.cancel()
         await trio.to_thread.run_sync(stage.engine.close)
 
+    async def _run_healer(self) -> None:
+        healer = Healer(
+            me=NodeId(self.peer_id), n_layers=self._n_layers, capacity=self._capacity, views=self._model_views,
+            can_move=self._can_move, move=self._heal_move, config=self.config.heal,
+        )  # fmt: skip
+        with trio.CancelScope() as self._heal_scope:
+            await healer.run()
+
+    def _can_move(self) -> bool:
+        record = self._own_record()
+        return (
+            not self.shutting_down and self.stage is not None and not self._reload.locked()
+            and record is not None and not record.idle
+        )  # fmt: skip
+
+    async def _heal_move(self, target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+        """Move to ``target`` to heal a gap: drain (entry peers move this stage's sessions
+        to the other holders of its span, which is what made this peer eligible), confirm
+        the election, reload."""
+        await self._set_flags(draining=True)
+        if not await self._drain(self.config.heal.drain_s, entry=False):
+            log.warning("moving with %d sessions still on this stage", self.open_sessions()["stage"])
+        if self.shutting_down:
+            return False
+        if not still_elected():
+            log.info("no longer elected to move to %s; staying", target)
+            await self._set_flags(draining=False)
+            return False
+        assert self.stage is not None
+        previous = self.stage.engine.info.layers
+        try:
+            await self.reassign(target)
+        except (InclavateError, OSError) as exc:
+            log.error("could not load layers %s to heal the gap (%s); back to %s", target, exc, previous)
+            try:
+                await self.reassign(previous)
+            except (InclavateError, OSError) as again:
+                log.error("could not reload layers %s either (%s); leaving the swarm", previous, again)
+                assert self._nursery is not None
+                self._nursery.start_soon(self.shutdown)  # not here: shutdown cancels the healer
+            return False
+        return True
+
     async def reassign(self, layers: LayerRange) -> None:
         """Reload a new range: announce Joining with it (so routing stops using the old
         one), stop the old stage, load the new engine, announce Ready."""
@@ -316,10 +414,11 @@ class Peer:
             await self._start_stage(layers)
             await self._announce("Ready", layers)
 
-    async def _set_idle(self, idle: bool) -> None:
+    async def _set_flags(self, **flags: bool) -> None:
+        """Publish our record with ``idle`` / ``draining`` changed."""
         record = self._own_record()
         assert record is not None and self.registry is not None
-        await self.registry.publish(record.replace(idle=idle))
+        await self.registry.publish(record.replace(**flags))
 
     async def _execute_admin(self, command: AdminCommand) -> dict:
         """Run an admin command addressed to this peer (already authenticated and trusted)."""
@@ -341,7 +440,7 @@ class Peer:
             await self.reassign(layers)
             return {"node_id": target, "start_layer": layers.start, "end_layer": layers.end}
         idle = command.args["state"] == "idle"
-        await self._set_idle(idle)
+        await self._set_flags(idle=idle)
         return {"node_id": target, "state": "Idle" if idle else "Ready"}
 
     def _model_facts(self, model_id: str) -> tuple[int, int] | None:
@@ -387,7 +486,7 @@ class Peer:
             layers = current.layers
         record = (current or self._new_record(layers)).replace(
             state=state, start_layer=layers.start, end_layer=layers.end,
-            multiaddrs=tuple(self.host.multiaddrs()[:MAX_MULTIADDRS]),
+            multiaddrs=tuple(self.host.multiaddrs()[:MAX_MULTIADDRS]), draining=False,
         )
         await self.registry.publish(self._refresh_record(record))
 
@@ -620,19 +719,20 @@ class Peer:
     def pipeline(self, model_id: str) -> Pipeline:
         if self.shutting_down:
             raise ServiceUnavailable("this peer is shutting down; send the request to another peer")
-        assert self.forward is not None
-        me = PeerId(self.peer_id)
-        views = [v for v in self.views() if v.record.model_id == model_id]
-        choose_route(views, ModelId(model_id), me)  # raises NoRoute (503) before any work
-        self.metrics.record_request(model_id)
+        assert self.forward is not None and self.host is not None
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
-            def route_for() -> list:
-                costs = CostModel(link_ms=self.latency.link_ms() if self.latency else {},
-                                  measured_step_ms=self._measured_step_ms(model_id))  # fmt: skip
-                return choose_route(self.views(), ModelId(model_id), me, costs)
-
-            pipeline = self._pipelines[model_id] = SwarmPipeline(self.forward, ModelId(model_id), route_for, 0)
+            pipeline = self._pipelines[model_id] = SwarmPipeline(
+                self.forward, ModelId(model_id), self.views, 0,
+                link_ms=lambda: self.latency.link_ms() if self.latency else {},
+                measured_step_ms=lambda: self._measured_step_ms(model_id),
+                is_connected=self.host.is_connected,
+                probe=self.latency.responds if self.latency else None,
+                policy=self.config.failover, health=self._peer_health,
+            )  # fmt: skip
+        pipeline.check_route()  # raises NoRoute (503) before any work
+        self.metrics.record_request(model_id)
+        views = [v for v in self.views() if v.record.model_id == model_id]
         contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
         pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
         return pipeline

@@ -19,6 +19,7 @@ from inclavate.tensors import WIRE_DTYPES
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig, default_threads
 from node.engines import ENGINE_CHOICES, resolve_engine
+from p2p.failover import FailoverPolicy
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         help="join the swarm: hold a range of a model's layers and serve the REST API",
         description="Pull the model if needed, join the swarm (bootstrap addresses, mDNS), hold a "
         "range of its layers (chosen from the registry unless --layers is given) and serve the "
-        "REST API. Ctrl-C or SIGTERM leaves cleanly.",
+        "REST API. Ctrl-C or SIGTERM leaves politely: the peer stops taking new sessions, lets "
+        "entry peers move its sessions to other holders (up to --drain-timeout), then leaves; a "
+        "second Ctrl-C leaves at once.",
     )
     p.add_argument("--model", required=True, help="model id, e.g. smollm2:135m")
     p.add_argument("--layers", type=_layers, help="layers to hold, A-B, 0-based, end exclusive (e.g. 0-10)")
@@ -67,6 +70,12 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
                    help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
+    p.add_argument("--max-failovers", type=int, default=FailoverPolicy.max_failovers,
+                   help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
+    p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
+                   help="floor of the adaptive deadline after which a silent chain is failed over (default 5)")  # fmt: skip
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on Ctrl-C/SIGTERM, wait at most this long for sessions to move away or finish (default 30)")  # fmt: skip
     p.add_argument("--legacy", action="store_true",
                    help="run without libp2p: register with --orchestrator over HTTP and serve forwards")  # fmt: skip
     p.add_argument("--orchestrator", metavar="URL", help="with --legacy: the peer to register with")
@@ -103,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
     try:
         engine = EngineConfig(n_threads=args.threads, context_length=args.context, max_sessions=args.max_sessions)
+        failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PeerConfig(
@@ -126,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         generators=not args.no_generators,
         join_token=args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None,
         allowed_hosts=tuple(args.allow_host),
+        failover=failover,
+        drain_s=args.drain_timeout,
     )
 
 
@@ -160,16 +172,28 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 async def run_until_signal(config: PeerConfig) -> None:
+    """Run the peer; the first SIGINT/SIGTERM starts the polite stop, a second one exits at
+    once (after a bounded announcement that this peer is gone)."""
     peer = Peer(config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
+            async def leave() -> None:
+                await peer.shutdown()
+                nursery.cancel_scope.cancel()
+
             async def on_signal() -> None:
+                stopping = False
                 async for signum in signals:
-                    log.info("%s received", signal.Signals(signum).name)
-                    await peer.shutdown()
-                    nursery.cancel_scope.cancel()
-                    return
+                    name = signal.Signals(signum).name
+                    if stopping:
+                        log.warning("%s received again: leaving now", name)
+                        await peer.leave_now()
+                        nursery.cancel_scope.cancel()
+                        return
+                    stopping = True
+                    log.info("%s received: stopping", name)
+                    nursery.start_soon(leave)
 
             nursery.start_soon(on_signal)
             await peer.run()

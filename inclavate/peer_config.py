@@ -8,10 +8,12 @@ from pathlib import Path
 from inclavate.errors import ConfigError
 from inclavate.gguf_meta import GgufMetadata
 from inclavate.hardware import available_memory_mb
+from inclavate.healer import HealConfig
 from inclavate.tensors import WireDType
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig
 from node.engines import EngineKind
+from p2p.failover import FailoverPolicy
 from p2p.registry import Liveness
 
 MEMORY_SHARE = 0.5
@@ -50,10 +52,15 @@ class PeerConfig:
     """How long a joining peer watches for others that chose the same layers."""
     join_timeout_s: float = 10.0
     """How long a peer with bootstrap addresses waits to learn the swarm before placing."""
-    drain_s: float = 3.0
-    """On shutdown, how long in-flight generations may run on before they are failed."""
     generators: bool = True
     """Offer the speech models installed in ``home`` as generators (``--no-generators``)."""
+    drain_s: float = 30.0
+    """On Ctrl-C/SIGTERM, how long the peer waits (draining) for its sessions to move to
+    other holders or finish before it leaves anyway (``--drain-timeout``)."""
+    heal: HealConfig = HealConfig()
+    """Moving to a gap in the swarm when this peer's span is replicated."""
+    failover: FailoverPolicy = FailoverPolicy()
+    """As an entry peer: how many times a request may move to a new route, step deadlines."""
     inline_tokens: int = 8
     """Stage batches of at most this many tokens (decode steps) run on the event loop
     thread: a worker-thread round trip added ~10% to every step (measured, 2-core VM)."""
@@ -63,6 +70,8 @@ class PeerConfig:
             raise ConfigError("--max-layers must be at least 1")
         if self.memory_mb is not None and self.memory_mb < 1:
             raise ConfigError("--memory-mb must be positive")
+        if self.drain_s < 0:
+            raise ConfigError("--drain-timeout must not be negative")
 
 
 def _int(value: object, default: int) -> int:

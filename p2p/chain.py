@@ -1,31 +1,55 @@
-"""The entry peer's side of a session: a :class:`~inclavate.pipeline.Pipeline` over the swarm.
+"""The entry peer's side of a session: a :class:`~inclavate.pipeline.Pipeline` over the swarm
+that survives peers leaving.
 
-The route is chosen once, on a session's first step, from the registry as it is then. Prefill
-chunks are sent without waiting (the stages pipeline them: the first stage computes chunk 2
-while the second computes chunk 1); the step that samples waits for its token, or for an
-``error`` from any stage, within ``step_timeout``.
+A session's route is chosen on its first step. Prefill chunks are sent without waiting (the
+stages pipeline them); the step that samples waits for its token. The entry keeps every token
+the session has processed, so when any hop of the route fails the session moves to a new
+route whose hops rebuild their KV cache by *replaying* those tokens, and the step goes on: the
+caller sees a stall, never an error, until ``max_failovers`` is spent or no live node holds
+some layers (``NoRoute``, naming them).
+
+A hop has failed when a stage reports an error (its own, or that the next hop is
+unreachable), when the registry stops calling it Ready with the same layers (Dead, Degraded,
+gone, moved), when our connection to it drops, or when the step misses its adaptive deadline
+(``p2p.failover.StepDeadline``; then the hops that do not answer a ping are blamed). A hop
+that is draining or idle is still serving: its sessions move at the next step boundary, if
+another route exists. Replays go through the *whole* new route from position 0 (see
+docs/ARCHITECTURE.md, "Failover", for the measurements behind that choice); the new route
+keeps the hops before the failed boundary when it can.
+
+Each route is a *leg* (``p2p.legs``) with its own wire session id. Frames still in flight on
+an old route (a stalled hop that wakes up) then carry an id nobody continues, so they can
+neither rewind nor corrupt the new leg; the old leg is closed on every hop that may hold it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from inclavate.types import ModelId, SessionId
+from inclavate.types import ModelId, PeerId, SessionId
 from node.sampling import SamplingParams
 from p2p import wire
 from p2p.errors import P2PError
+from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, replay_plan
+from p2p.legs import Leg, LegWatch, blame
 from p2p.forward import ForwardService
-from p2p.routing import Hop
+from p2p.registry import NodeView
+from p2p.routing import CostModel, Hop, NoRoute, choose_route
 
 log = logging.getLogger(__name__)
 
 _request_ids = itertools.count(1)
+
+CLIENT_ERRORS = frozenset({"context_full", "invalid_batch"})
+"""Error codes caused by the request itself: another route would fail the same way."""
 
 
 class StageFailed(P2PError):
@@ -50,29 +74,94 @@ class ChainTimeout(P2PError):
     """The chain did not answer in time; a peer on the route is stalled or gone."""
 
 
-@dataclass
+class FailoverExhausted(P2PError):
+    """The session's route failed again after every failover it was allowed."""
+
+    def __init__(self, failovers: int, cause: P2PError) -> None:
+        self.cause = cause
+        super().__init__(f"the chain failed again after {failovers} failover(s): {cause}")
+
+
+@dataclass(frozen=True)
+class Broken:
+    """Why a leg cannot go on: the peers to blame (possibly none) and the error to report
+    when no failover is left."""
+
+    peers: frozenset[PeerId]
+    cause: P2PError
+    certain: bool = True
+    """False when the blame is a guess (hops that did not answer a ping after a deadline):
+    they are then used again if no route exists without them."""
+
+
+@dataclass(eq=False)
 class _Session:
-    route: list[Hop]
-    inbox: trio.MemoryReceiveChannel[wire.Message]
-    failed: StageFailed | None = None
+    session_id: SessionId
+    leg: Leg | None = None
+    history: list[int] = field(default_factory=list)
+    """Every token processed so far, by position: what a new route replays."""
+    shapes: list[int] = field(default_factory=list)
+    """Lengths of the steps that processed ``history``: a replay keeps their shapes."""
+    legs: int = 0
+    failovers: int = 0
+    checked: float = 0.0
+    flight_since: float | None = None
+    """When the oldest unanswered frame was sent."""
+    flight_tokens: int = 0
+
+    def record(self, start_pos: int, tokens: Sequence[int]) -> None:
+        """Positions ``start_pos...`` now hold ``tokens`` (a step may rewind)."""
+        del self.history[start_pos:]
+        kept = 0
+        for i, n in enumerate(self.shapes):
+            if kept + n > start_pos:
+                self.shapes[i:] = [start_pos - kept] if start_pos > kept else []
+                break
+            kept += n
+        self.history.extend(int(t) for t in tokens)
+        self.shapes.append(len(tokens))
 
 
 @dataclass
 class SwarmPipeline:
-    """Sessions of one model driven from this peer through routes the router picks."""
+    """Sessions of one model driven from this peer through routes it picks and repairs."""
 
     service: ForwardService
     model_id: ModelId
-    route_for: Callable[[], list[Hop]]
-    """Picks a route from the current registry; raises ``NoRoute``."""
+    views: Callable[[], Iterable[NodeView]]
+    """The registry as it is now."""
     context_length: int
-    step_timeout: float = 120.0
+    link_ms: Callable[[], Mapping[PeerId, float]] = dict
+    measured_step_ms: Callable[[], float] = float
+    """This peer's own ms per layer for the model (0: unmeasured): the reference against
+    which other nodes' speed claims are trusted (:func:`p2p.routing.reference_step_ms`)."""
+    is_connected: Callable[[PeerId], bool] = lambda _peer: True
+    probe: Callable[[PeerId], Awaitable[bool]] | None = None
+    """Whether a peer answers a ping now (used to find the stalled hop after a deadline)."""
+    policy: FailoverPolicy = field(default_factory=FailoverPolicy)
+    health: PeerHealth = field(default_factory=PeerHealth)
     close_timeout: float = 5.0
+    rng: random.Random = field(default_factory=random.Random)
+    deadline: StepDeadline = field(init=False)
     _sessions: dict[SessionId, _Session] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.deadline = StepDeadline(self.policy)
+        self._watch = LegWatch(self.service.me, self.views, self.is_connected, self.probe, self.policy)
 
     def route_of(self, session_id: SessionId) -> list[Hop] | None:
         session = self._sessions.get(session_id)
-        return session.route if session else None
+        return list(session.leg.route) if session and session.leg else None
+
+    def check_route(self) -> list[Hop]:
+        """A route a new session would take now; raises ``NoRoute`` naming missing layers."""
+        return self._reroute((), frozenset(), exclude_load=None)
+
+    @property
+    def open_sessions(self) -> list[SessionId]:
+        return list(self._sessions)
+
+    # ------------------------------------------------------------------ steps
 
     async def step(
         self,
@@ -83,29 +172,255 @@ class SwarmPipeline:
     ) -> int | None:
         session = self._sessions.get(session_id)
         if session is None:
-            route = self.route_for()
-            session = self._sessions[session_id] = _Session(route, self.service.open_inbox(session_id))
-            log.debug("session %s routed through %s", session_id, " -> ".join(f"{h.peer_id[-6:]}[{h.layers}]" for h in route))
-        if session.failed is not None:
-            raise session.failed
-        req = next(_request_ids)
-        msg = wire.Forward(
-            req, session_id, start_pos, tuple(session.route), self.service.me, sampling, tokens=np.asarray(tokens, dtype=np.int32)
-        )
-        await self.service.send(session.route[0].peer_id, msg)
+            session = _Session(session_id)
+            self._open_leg(session, self._reroute((), frozenset(), exclude_load=session))
+            self._sessions[session_id] = session
+        if session.leg is None:
+            raise P2PError(f"session {session_id} lost its route")
+        if start_pos > len(session.history):
+            raise ValueError(f"step at {start_pos} leaves a gap after {len(session.history)} positions")
+        session.record(start_pos, tokens)
+
+        req = await self._check_at_boundary(session, sampling)
+        if req is None:
+            req = await self._send(session, start_pos, tokens, sampling)
         if sampling is None:
+            broken = self._pending_break(session)
+            if broken is not None:
+                await self._fail_over(session, broken, None)
             return None
-        with trio.move_on_after(self.step_timeout) as scope:
-            while True:
-                reply = await session.inbox.receive()
-                if isinstance(reply, wire.Error):
-                    session.failed = stage_failure(reply.code, reply.message, reply.origin)
-                    raise session.failed
-                if isinstance(reply, wire.Result) and reply.req_id == req:
-                    assert reply.token is not None
-                    return reply.token
-        assert scope.cancelled_caught
-        raise ChainTimeout(f"no answer from the chain of {self.model_id} within {self.step_timeout:g} s")
+        while True:
+            outcome = await self._await_token(session, req)
+            if isinstance(outcome, int):
+                return outcome
+            req = await self._fail_over(session, outcome, sampling)
+
+    async def _check_at_boundary(self, session: _Session, sampling: SamplingParams | None) -> int | None:
+        """Look at the route's health (at most every ``poll_s``): fail over from a failed hop,
+        move away from a leaving one. Returns the request to wait for if the step was sent."""
+        now = trio.current_time()
+        if now - session.checked < self.policy.poll_s:
+            return None
+        session.checked = now
+        assert session.leg is not None
+        failed, leaving = self._watch.trouble(session.leg)
+        if failed:
+            return await self._fail_over(session, _departed(failed), sampling)
+        if leaving:
+            return await self._migrate(session, leaving, sampling)
+        return None
+
+    async def _send(self, session: _Session, start_pos: int, tokens: Sequence[int], sampling: SamplingParams | None) -> int:
+        leg = session.leg
+        assert leg is not None
+        req = next(_request_ids)
+        msg = wire.Forward(req, leg.wire_id, start_pos, leg.route, self.service.me, sampling,
+                           tokens=np.asarray(tokens, dtype=np.int32))  # fmt: skip
+        if session.flight_since is None:
+            session.flight_since = trio.current_time()
+        session.flight_tokens += len(tokens)
+        await self.service.send(leg.route[0].peer_id, msg)
+        return req
+
+    async def _await_token(self, session: _Session, req: int) -> int | Broken:
+        leg = session.leg
+        assert leg is not None and session.flight_since is not None
+        limit = self.deadline.seconds(session.flight_tokens)
+        deadline_at = session.flight_since + limit
+        while True:
+            wait = min(self.policy.poll_s, deadline_at - trio.current_time())
+            with trio.move_on_after(max(0.0, wait)):
+                reply = await leg.inbox.receive()
+                outcome = self._on_reply(leg, reply, req)
+                if isinstance(outcome, int):
+                    self.deadline.observe(session.flight_tokens, trio.current_time() - session.flight_since)
+                    session.flight_since, session.flight_tokens = None, 0
+                    return outcome
+                if outcome is not None:
+                    return outcome
+                continue
+            failed, _ = self._watch.trouble(leg)
+            if failed:
+                return _departed(failed)
+            if trio.current_time() >= deadline_at:
+                stalled = await self._watch.stalled(leg)
+                cause = ChainTimeout(f"no answer from the chain of {self.model_id} within {limit:.1f} s")
+                return Broken(stalled, cause, certain=False)
+
+    def _on_reply(self, leg: Leg, reply: wire.Message, req: int) -> int | Broken | None:
+        if isinstance(reply, wire.Error):
+            failure = stage_failure(reply.code, reply.message, reply.origin)
+            if reply.code in CLIENT_ERRORS:
+                raise failure
+            return Broken(blame(leg, reply), failure)
+        if isinstance(reply, wire.Result) and reply.req_id == req:
+            if reply.token is None:
+                last = leg.route[-1].peer_id
+                return Broken(frozenset({last}), StageFailed("protocol", "the last stage answered without a token", last))
+            return reply.token
+        return None
+
+    def _pending_break(self, session: _Session) -> Broken | None:
+        """An error already reported for frames sent without waiting (prefill chunks)."""
+        leg = session.leg
+        assert leg is not None
+        while True:
+            try:
+                reply = leg.inbox.receive_nowait()
+            except trio.WouldBlock:
+                return None
+            outcome = self._on_reply(leg, reply, -1)
+            if isinstance(outcome, Broken):
+                return outcome
+
+    # ------------------------------------------------------------- re-routing
+
+    async def _fail_over(self, session: _Session, broken: Broken, sampling: SamplingParams | None) -> int | None:
+        """Blame, re-route, replay. Returns the request that will carry the step's token."""
+        now = trio.current_time()
+        for peer in broken.peers:
+            self.health.failed(peer, now)
+        if session.failovers >= self.policy.max_failovers:
+            await self._retire(session, broken.peers)
+            raise FailoverExhausted(session.failovers, broken.cause) from broken.cause
+        session.failovers += 1
+        log.warning("session %s: %s (blamed: %s); failover %d/%d", session.session_id, broken.cause,
+                    ", ".join(sorted(p[-6:] for p in broken.peers)) or "nobody",
+                    session.failovers, self.policy.max_failovers)  # fmt: skip
+        assert session.leg is not None
+        old = session.leg.route
+        give_up = trio.current_time() + self.policy.no_route_wait_s
+        while True:
+            try:
+                route = self._reroute(old, broken.peers, exclude_load=session, certain=broken.certain)
+                break
+            except NoRoute:
+                if trio.current_time() >= give_up:
+                    await self._retire(session, broken.peers)
+                    raise
+                await trio.sleep(0.25)
+        log.info("session %s: now through %s", session.session_id, _describe(route))
+        await self._switch(session, route, broken.peers)
+        return await self._replay(session, sampling)
+
+    async def _migrate(self, session: _Session, leaving: frozenset[PeerId], sampling: SamplingParams | None) -> int | None:
+        """Move off hops that are leaving, when another route exists (not a failure: not
+        counted, nobody blamed). The old leg is closed *before* the replay: a hop on both
+        routes must not need two session slots, and the old KV is never reused anyway."""
+        assert session.leg is not None
+        try:
+            route = self._reroute(session.leg.route, leaving, exclude_load=session)
+        except NoRoute:
+            found = self._leave_some(session, leaving)
+            if found is None:
+                return None
+            leaving, route = found
+        log.info("session %s: moving off leaving peer(s) %s to %s", session.session_id,
+                 ", ".join(sorted(p[-6:] for p in leaving)), _describe(route))  # fmt: skip
+        await self._switch(session, route, frozenset())
+        return await self._replay(session, sampling)
+
+    def _leave_some(self, session: _Session, leaving: frozenset[PeerId]) -> tuple[frozenset[PeerId], list[Hop]] | None:
+        """When no route avoids every leaving hop, a route that leaves one of them and keeps
+        the others (a leaving hop still serves the sessions it has). A peer moving to heal
+        a gap that a stopping peer opens needs this: the mover's sessions must leave it
+        while the stopping peer, the only other way through its layers, still serves."""
+        assert session.leg is not None
+        route_nodes = {hop.node_id for hop in session.leg.route}
+        for hop in session.leg.route:
+            if hop.peer_id not in leaving:
+                continue
+            kept = leaving - {hop.peer_id}
+            views = [
+                NodeView(v.record.replace(draining=False, idle=False), v.state)
+                if v.record.peer_id in kept and v.record.node_id in route_nodes else v
+                for v in self.views()
+            ]  # fmt: skip
+            try:
+                route = self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views=views)
+                return frozenset({hop.peer_id}), route
+            except NoRoute:
+                continue
+        return None
+
+    async def _switch(self, session: _Session, route: list[Hop], broken: frozenset[PeerId]) -> None:
+        """Make ``route`` the session's leg, then close the old one. The new leg is in place
+        before the first await, so sessions failing over at the same moment count it when
+        they choose (that is what spreads them over replicas)."""
+        old = session.leg
+        self._open_leg(session, route)
+        await self._close_leg(old, broken)
+
+    def _reroute(self, old: Sequence[Hop], failed: frozenset[PeerId], exclude_load: _Session | None,
+                 certain: bool = True, views: Sequence[NodeView] | None = None) -> list[Hop]:  # fmt: skip
+        """A new route without ``failed``: the old hops before the first failed one, then the
+        cheapest way on from that boundary (a replacement may be split differently); failing
+        that, the cheapest route from layer 0. Peers this entry avoids are left out when a
+        route exists without them, and so are ``failed`` ones blamed without ``certain``ty."""
+        index = next((i for i, h in enumerate(old) if h.peer_id in failed), None)
+        keep = list(old[:index]) if index is not None else []
+        start = old[index].layers.start if index is not None else 0
+        costs = CostModel(link_ms=self.link_ms(), load=self._load(exclude_load), reliability=self.health.reliability(),
+                          measured_step_ms=self.measured_step_ms())  # fmt: skip
+        views = list(self.views() if views is None else views)
+        avoided = self.health.avoided(trio.current_time()) | failed
+        last: NoRoute | None = None
+        for exclude in (avoided, failed) if certain else (avoided, failed, frozenset()):
+            attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
+            for prefix, boundary in attempts:
+                try:
+                    return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng,
+                                                 start=boundary, exclude=exclude)  # fmt: skip
+                except NoRoute as exc:
+                    last = exc  # the last attempt (from layer 0, only the failed left out) says most
+        assert last is not None
+        raise last
+
+    def _load(self, excluding: _Session | None) -> Counter[PeerId]:
+        return Counter(
+            hop.peer_id for s in self._sessions.values() if s is not excluding and s.leg is not None for hop in s.leg.route
+        )
+
+    def _open_leg(self, session: _Session, route: list[Hop]) -> None:
+        wire_id = SessionId(session.session_id if session.legs == 0 else f"{session.session_id}.{session.legs}")
+        session.legs += 1
+        session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id))
+        session.flight_since, session.flight_tokens = None, 0
+        session.checked = trio.current_time()
+        if session.legs == 1:
+            log.debug("session %s routed through %s", session.session_id, _describe(route))
+
+    async def _replay(self, session: _Session, sampling: SamplingParams | None) -> int | None:
+        """Rebuild the new leg's KV from every processed token, in frames that reproduce the
+        cache bit for bit (:func:`p2p.failover.replay_plan`), sent without waiting so the
+        stages pipeline them; the last frame samples when the step does."""
+        frames = replay_plan(session.shapes)
+        req = None
+        for i, (start, n) in enumerate(frames):
+            last = i == len(frames) - 1
+            req = await self._send(session, start, session.history[start : start + n], sampling if last else None)
+        return req
+
+    async def _retire(self, session: _Session, broken: frozenset[PeerId]) -> None:
+        """The session gives up its route for good (no failover left, or no route)."""
+        leg, session.leg = session.leg, None
+        await self._close_leg(leg, broken)
+
+    async def _close_leg(self, leg: Leg | None, broken: frozenset[PeerId]) -> None:
+        """Stop listening to a leg and free it on every hop that may hold it, without waiting
+        for answers. The close follows the route (behind any frame still in flight, so a
+        stalled hop that wakes up cannot reopen the session further on) and goes to each hop
+        directly (the route may be cut); broken hops we lost are skipped."""
+        if leg is None:
+            return
+        self.service.close_inbox(leg.wire_id)
+        live = [h for h in leg.route if h.peer_id not in broken or self.is_connected(h.peer_id)]
+        if live and live[0] == leg.route[0]:
+            await self.service.send(leg.route[0].peer_id, wire.Close(next(_request_ids), leg.wire_id, leg.route, self.service.me))
+        for hop in live:
+            await self.service.send(hop.peer_id, wire.Close(next(_request_ids), leg.wire_id, (hop,), self.service.me))
+
+    # -------------------------------------------------------------- closing
 
     async def close_session(self, session_id: SessionId) -> None:
         """Free the session on every hop.
@@ -117,22 +432,23 @@ class SwarmPipeline:
         has been idle for the stage's idle timeout.
         """
         session = self._sessions.pop(session_id, None)
-        if session is None:
+        if session is None or session.leg is None:
             return
+        leg = session.leg
         try:
             req = next(_request_ids)
-            route = tuple(session.route)
-            await self.service.send(route[0].peer_id, wire.Close(req, session_id, route, self.service.me))
-            if await self._await_closed(session.inbox, {req}):
+            await self.service.send(leg.route[0].peer_id, wire.Close(req, leg.wire_id, leg.route, self.service.me))
+            if await self._await_closed(leg.inbox, {req}):
+                self.health.served(leg.peers)
                 return
             direct = {}
-            for hop in route:
+            for hop in leg.route:
                 direct[next(_request_ids)] = hop
             for hop_req, hop in direct.items():
-                await self.service.send(hop.peer_id, wire.Close(hop_req, session_id, (hop,), self.service.me))
-            await self._await_closed(session.inbox, set(direct))
+                await self.service.send(hop.peer_id, wire.Close(hop_req, leg.wire_id, (hop,), self.service.me))
+            await self._await_closed(leg.inbox, set(direct))
         finally:
-            self.service.close_inbox(session_id)
+            self.service.close_inbox(leg.wire_id)
 
     async def _await_closed(self, inbox: trio.MemoryReceiveChannel[wire.Message], pending: set[int]) -> bool:
         """Wait for ``closed`` of every request in ``pending``; False on an error or timeout."""
@@ -148,6 +464,11 @@ class SwarmPipeline:
                         return True
         return False
 
-    @property
-    def open_sessions(self) -> list[SessionId]:
-        return list(self._sessions)
+
+def _departed(failed: frozenset[PeerId]) -> Broken:
+    """Hops the registry or our connections say are gone (or moved to other layers)."""
+    return Broken(failed, StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed))))
+
+
+def _describe(route: Sequence[Hop]) -> str:
+    return " -> ".join(f"{h.peer_id[-6:]}[{h.layers}]" for h in route)

@@ -110,7 +110,7 @@ class _Link:
                         # A stream idle long enough may have been dropped by the other side;
                         # one retry on a fresh stream tells that apart from a dead peer.
                         if fresh or attempt == 2:
-                            await self._service.undeliverable(msg, self.peer, exc)
+                            await self._service.undeliverable(msg, self.peer, exc, self)
                             break
         if stream is not None:
             await stream.close()
@@ -159,6 +159,8 @@ class ForwardService:
 
     def _is_known(self, peer: PeerId) -> bool:
         return peer == self.me or self.record_of is None or self.record_of(NodeId(peer)) is not None
+        self.leaving = False
+        """Set when the peer leaves: frames for its stage are answered ``shutting_down``."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -175,24 +177,28 @@ class ForwardService:
         if peer == self.me:
             await self._dispatch(msg, self.me)
             return
-        link = self._links.get(peer)
-        if link is None:
-            assert self._nursery is not None, "ForwardService.run has not started"
-            link = self._links[peer] = _Link(self, peer)
-            self._nursery.start_soon(link.run)
-        try:
-            await link.send_channel.send(msg)
-        except trio.ClosedResourceError:  # the link failed while we waited for room
-            await self.undeliverable(msg, peer, StreamClosed("the link to the peer failed"))
+        while True:
+            link = self._links.get(peer)
+            if link is None:
+                assert self._nursery is not None, "ForwardService.run has not started"
+                link = self._links[peer] = _Link(self, peer)
+                self._nursery.start_soon(link.run)
+            try:
+                await link.send_channel.send(msg)
+                return
+            except trio.ClosedResourceError:
+                continue  # the link failed while we waited for room in it: use a fresh one
 
-    async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException) -> None:
+    async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException, link: _Link | None = None) -> None:
         log.warning("cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)
-        link = self._links.pop(peer, None)
-        if link is not None:
-            link.send_channel.close()  # its task drains what is queued, then ends
+        if link is not None and self._links.get(peer) is link:
+            # The peer is gone or unreachable: retire its link. Its task answers what is still
+            # queued (each with an error to the entry) and ends, instead of waiting forever.
+            del self._links[peer]
+            link.send_channel.close()
         if isinstance(msg, (wire.Forward, wire.Close)) and msg.reply_to != peer:
             await self.send(msg.reply_to, wire.Error(
-                msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me))  # fmt: skip
+                msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me, peer))  # fmt: skip
 
     # ----------------------------------------------------------------- inbound
 
@@ -240,6 +246,9 @@ class ForwardService:
         hop = msg.route[0]
         stage = self._serves(hop)
         if stage is None and not (hop.forward_url and self.relay is not None):
+            if self.leaving and hop.node_id == self.node_id:
+                await self._fail(msg, "shutting_down", f"{self.me} has left the swarm")
+                return
             await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}")
             return
         nbytes = msg.nbytes

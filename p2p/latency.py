@@ -82,6 +82,21 @@ class LatencyMonitor:
         return rtt
 
 
+    async def responds(self, peer: PeerId) -> bool:
+        """Whether ``peer`` answers one ping now, on a fresh stream (a failover probe must not
+        share the measuring stream, nor wait behind it)."""
+        try:
+            stream = await self.host.new_stream(peer, PROTOCOL, timeout=self.timeout, max_frame_size=64)
+            try:
+                await stream.send(b"probe", timeout=self.timeout)
+                await stream.receive(timeout=self.timeout)
+            finally:
+                await stream.close()
+        except P2PError:
+            return False
+        return True
+
+
 async def _echo(stream: FramedStream, remote: PeerId) -> None:
     while True:
         await stream.send(await stream.receive(timeout=3600.0), timeout=5.0)

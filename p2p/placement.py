@@ -18,12 +18,19 @@ from p2p.registry import NodeView
 _HOLDS_LAYERS = ("Ready", "Joining")
 
 
-def _holders(views: Iterable[NodeView], model_n_layers: int) -> list[NodeView]:
-    """Nodes that hold (or are loading) their layers and will serve them."""
+def holders(views: Iterable[NodeView], model_n_layers: int) -> list[NodeView]:
+    """Nodes that hold (or are loading) their layers and will keep serving them: not idle,
+    not draining (a draining node is leaving its layers), not silent (Degraded or Dead)."""
     return [
         v for v in views
-        if v.state in _HOLDS_LAYERS and not v.record.idle and v.record.n_layers == model_n_layers
+        if v.state in _HOLDS_LAYERS and not v.record.idle and not v.record.draining
+        and v.record.n_layers == model_n_layers
     ]  # fmt: skip
+
+
+def largest_gap(gaps: Iterable[LayerRange]) -> LayerRange:
+    """The gap to fill first: the widest, the lowest among equals."""
+    return max(gaps, key=lambda g: (len(g), -g.start))
 
 
 def choose_range(views: Iterable[NodeView], n_layers: int, capacity: int) -> LayerRange:
@@ -31,14 +38,14 @@ def choose_range(views: Iterable[NodeView], n_layers: int, capacity: int) -> Lay
     if capacity < 1:
         raise ValueError("a peer must be able to hold at least one layer")
     width = min(capacity, n_layers)
-    holders = _holders(views, n_layers)
-    gaps = uncovered((v.record.layers for v in holders), n_layers)
+    serving = holders(views, n_layers)
+    gaps = uncovered((v.record.layers for v in serving), n_layers)
     if gaps:
-        gap = max(gaps, key=lambda g: (len(g), -g.start))
+        gap = largest_gap(gaps)
         return LayerRange(gap.start, min(gap.end, gap.start + width))
     replicas = [0] * n_layers
     throughput = [0.0] * n_layers
-    for v in holders:
+    for v in serving:
         for layer in range(v.record.start_layer, v.record.end_layer):
             replicas[layer] += v.state == "Ready"
             throughput[layer] += v.record.throughput_tps
@@ -62,7 +69,7 @@ def should_move(
     layers are redundant and the gap is not. Of several peers on one gap exactly one (the
     most senior) stays; the others re-run placement without themselves, so they fan out.
     """
-    others = [v for v in _holders(views, n_layers) if v.record.node_id != me]
+    others = [v for v in holders(views, n_layers) if v.record.node_id != me]
     if not uncovered((v.record.layers for v in others), n_layers):
         return None
     senior = [v.record.layers for v in others if v.state == "Ready" or v.record.node_id < me]

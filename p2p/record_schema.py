@@ -141,6 +141,8 @@ def _read_record(d: dict[str, Any]) -> NodeRecord:
         model_sha256=_sha256(d, "model_sha256"),
         vocab_sha256=_sha256(d, "vocab_sha256"),
         engine=check_engine(read_str(d, "engine", max_len=32, default="llamacpp")),
+        # Added after the first release: a missing or odd value means "not draining".
+        draining=d.get("draining") is True,
         generators=check_generators(tuple(read_list(d, "generators", max_len=16, default=[]))),
     )
 

@@ -113,6 +113,8 @@ class NodeRecord:
     context_length: int = 0
     idle: bool = False
     """Set by an admin: stays in the registry, receives no new chains."""
+    draining: bool = False
+    """The peer is leaving (polite stop): no new chains; entry peers move its sessions away."""
     relayed: bool = False
     """A legacy node vouched for by ``peer_id``; reached through that peer's HTTP forward."""
     forward_url: str = ""

@@ -114,7 +114,7 @@ class NodeView:
 
     @property
     def routable(self) -> bool:
-        return self.state == "Ready" and not self.record.idle
+        return self.state == "Ready" and not self.record.idle and not self.record.draining
 
 
 def apply(

@@ -13,25 +13,37 @@ record claiming to be a thousand times faster cannot attract every session (and 
 prompt); ``link_ms`` is half the round trip this peer measured to it
 (unknown peers get ``DEFAULT_LINK_MS``; the entry peer itself costs nothing), and
 ``HOP_MS`` charges every hop its fixed serialization and scheduling cost, which is what
-makes fewer hops win between otherwise equal chains. Among equally cheap chains one is drawn
-at random, so concurrent sessions spread over replicas.
+makes fewer hops win between otherwise equal chains. Two factors spread sessions over
+replicas: each session this entry already routes through the node raises its cost by
+``SESSION_SHARE`` (measured costs are never exactly equal, so without it every session would
+pile onto the cheapest replica, and all sessions failing over at once onto one survivor;
+with it, replicas share sessions roughly in inverse proportion to their cost), and the
+node's measured reliability divides the cost (a node that failed this entry's sessions
+looks slower).
+Among equally cheap chains one is drawn at random.
+
+A route may start at a boundary other than 0 (failover re-routes from the failed boundary,
+keeping the hops before it), and may exclude peers (the failed one, and those avoided).
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from p2p.coverage import uncovered
 from p2p.errors import P2PError
+from p2p.records import NodeRecord
 from p2p.registry import NodeView
 
 HOP_MS = 1.0
 DEFAULT_STEP_MS_PER_LAYER = 1.0
 DEFAULT_LINK_MS = 5.0
+SESSION_SHARE = 0.5
+MIN_RELIABILITY = 0.1
 _EPSILON = 1e-9
 
 
@@ -67,6 +79,19 @@ class CostModel:
     hop_ms: float = HOP_MS
     measured_step_ms: float = 0.0
     """This peer's own measured ms per layer per step for the model (0: it runs none)."""
+    load: Mapping[PeerId, int] = field(default_factory=dict)
+    """Sessions this entry already routes through each peer."""
+    reliability: Mapping[PeerId, float] = field(default_factory=dict)
+    """Measured share of this entry's sessions a peer served without failing (default 1)."""
+
+    def edge_ms(self, record: NodeRecord, entry: PeerId, reference: float) -> float:
+        """``reference``: see :func:`reference_step_ms`."""
+        step = trusted_step_ms_per_layer(record.step_ms_per_layer, reference)
+        peer = record.peer_id
+        link = 0.0 if peer == entry and not record.relayed else self.link_ms.get(peer, DEFAULT_LINK_MS)
+        cost = len(record.layers) * step + link + self.hop_ms
+        cost *= 1 + SESSION_SHARE * self.load.get(peer, 0)
+        return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(peer, 1.0)))
 
 
 def reference_step_ms(claims: Iterable[float], measured: float = 0.0) -> float:
@@ -93,27 +118,31 @@ def choose_route(
     entry: PeerId,
     costs: CostModel = CostModel(),
     rng: random.Random | None = None,
+    *,
+    start: int = 0,
+    exclude: Collection[PeerId] = (),
 ) -> list[Hop]:
+    """The cheapest chain of routable nodes from boundary ``start`` to the model's last layer."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
     if not candidates:
         raise NoRoute(model_id, 0, [])
     n_layers = max(r.n_layers for r in candidates)
-    candidates = [r for r in candidates if r.n_layers == n_layers]
+    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude]
     edges: dict[int, list[tuple[float, Hop]]] = {}
     reference = reference_step_ms((r.step_ms_per_layer for r in candidates), costs.measured_step_ms)
     for r in candidates:
-        step = trusted_step_ms_per_layer(r.step_ms_per_layer, reference)
-        link = 0.0 if r.peer_id == entry and not r.relayed else costs.link_ms.get(r.peer_id, DEFAULT_LINK_MS)
         hop = Hop(r.node_id, r.peer_id, r.layers, r.forward_url if r.relayed else "")
-        edges.setdefault(r.start_layer, []).append((len(r.layers) * step + link + costs.hop_ms, hop))
+        edges.setdefault(r.start_layer, []).append((costs.edge_ms(r, entry, reference), hop))
 
-    best, preds = _shortest(edges, n_layers)
+    best, preds = _shortest(edges, n_layers, start)
     if n_layers not in best:
-        raise NoRoute(model_id, n_layers, uncovered((r.layers for r in candidates), n_layers))
+        gaps = uncovered((r.layers for r in candidates), n_layers)
+        missing = [LayerRange(max(m.start, start), m.end) for m in gaps if m.end > start]
+        raise NoRoute(model_id, n_layers, missing)
     rng = rng or random.Random()
     route: list[Hop] = []
     boundary = n_layers
-    while boundary != 0:
+    while boundary != start:
         hop = rng.choice(preds[boundary])
         route.append(hop)
         boundary = hop.layers.start
@@ -121,12 +150,12 @@ def choose_route(
 
 
 def _shortest(
-    edges: Mapping[int, list[tuple[float, Hop]]], n_layers: int
+    edges: Mapping[int, list[tuple[float, Hop]]], n_layers: int, start: int
 ) -> tuple[dict[int, float], dict[int, list[Hop]]]:
     """Dijkstra over boundaries, keeping *every* optimal predecessor for random tie-breaks."""
-    best: dict[int, float] = {0: 0.0}
+    best: dict[int, float] = {start: 0.0}
     preds: dict[int, list[Hop]] = {}
-    queue = [(0.0, 0)]
+    queue = [(0.0, start)]
     while queue:
         cost, boundary = heapq.heappop(queue)
         if cost > best.get(boundary, float("inf")) + _EPSILON:

@@ -146,6 +146,8 @@ class Error:
     code: ErrorCode
     message: str
     origin: PeerId
+    failed_peer: PeerId | None = None
+    """For ``unreachable``: the peer ``origin`` could not reach (absent from older peers)."""
 
 
 Message = Forward | Result | Close | Closed | Error
@@ -174,6 +176,8 @@ def encode(msg: Message) -> bytes:
         header.update(route=[_hop_json(h) for h in msg.route], reply_to=msg.reply_to)
     elif isinstance(msg, Error):
         header.update(code=msg.code, message=msg.message[:MAX_MESSAGE_CHARS], origin=msg.origin)
+        if msg.failed_peer is not None:
+            header["failed"] = msg.failed_peer
     raw = json.dumps(header, separators=(",", ":")).encode()
     return _HEADER_LEN.pack(len(raw)) + raw + body
 
@@ -235,5 +239,7 @@ def _build(h: dict[str, Any], body: memoryview) -> Message:
     if kind == Error.TYPE:
         code = read_str(h, "code", max_len=32, choices=_ERROR_CODES)
         message = read_str(h, "message", max_len=MAX_MESSAGE_CHARS)
-        return Error(req, session, code, message, PeerId(read_str(h, "origin", max_len=MAX_ID_CHARS)))  # type: ignore[arg-type]
+        origin = PeerId(read_str(h, "origin", max_len=MAX_ID_CHARS))
+        failed = read_str(h, "failed", max_len=MAX_ID_CHARS, default="")
+        return Error(req, session, code, message, origin, PeerId(failed) if failed else None)  # type: ignore[arg-type]
     raise ValueError("unknown message type")

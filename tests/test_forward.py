@@ -86,6 +86,7 @@ def test_messages_round_trip_through_the_codec() -> None:
     assert back.tokens.tolist() == [1, 2] and back.start_pos == 3
     for msg in (wire.Result(1, SessionId("s"), 5), wire.Closed(2, SessionId("s")),
                 wire.Error(3, SessionId("s"), "context_full", "full", PeerId("p")),
+                wire.Error(5, SessionId("s"), "unreachable", "gone", PeerId("p"), PeerId("q")),
                 wire.Close(4, SessionId("s"), (hop,), PeerId("e"))):  # fmt: skip
         assert wire.decode(wire.encode(msg)) == msg
 
@@ -114,4 +115,26 @@ async def test_latency_monitor_measures_round_trips() -> None:
             assert all(0 < r < 100 for r in rtts)
             assert 0 < monitor.link_ms()[b.peer_id] < 50
             assert await monitor.measure(PeerId(Identity.generate().peer_id)) == UNREACHABLE_MS
+            n.cancel_scope.cancel()
+
+
+async def test_a_link_to_a_peer_that_is_gone_is_retired_and_its_task_ends() -> None:
+    """After a peer dies, the entry is told which peer it was, and nothing of the link to it
+    stays behind (no task waiting forever on a queue nobody writes)."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, trio.open_nursery() as n:
+            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, timeouts=Timeouts(connect=2.0))
+            await n.start(sender.run)
+            async with open_host(Identity.generate()) as b:
+                await a.connect(b.multiaddrs()[0])
+                gone = b.peer_id
+            tasks = len(sender._nursery.child_tasks)
+            inbox = sender.open_inbox(SessionId("s"))
+            await sender.send(gone, _forward(gone, a.peer_id, 4096))
+            error = await inbox.receive()
+            assert isinstance(error, wire.Error) and error.code == "unreachable" and error.failed_peer == gone
+            with trio.fail_after(5):
+                while len(sender._nursery.child_tasks) > tasks:
+                    await trio.sleep(0.05)
+            assert gone not in sender._links
             n.cancel_scope.cancel()

@@ -1,0 +1,195 @@
+"""Failover policy, as pure pieces the entry peer's pipeline (``p2p.chain``) composes.
+
+- :class:`FailoverPolicy`: how many failovers a request may use, how long a step may take.
+- :class:`StepDeadline`: the adaptive per-step deadline. A hop that stops answering is
+  noticed within seconds, not a fixed two minutes, because the deadline follows measured
+  step times: ``max(min_step_s, factor x expected)``, where ``expected`` is the decode step
+  time for a one-token step and tokens x per-token time for a prefill, both moving averages
+  of this entry's own answers. Before anything is measured the ceiling applies.
+- :class:`PeerHealth`: peers that failed this entry's sessions are avoided for a while
+  (capped exponential backoff, like Petals' ``on_request_failure``) and their measured
+  reliability divides their routing weight.
+- :func:`hop_trouble`: what the registry says about one hop of a live route.
+
+Everything here takes the time as an argument, so the rules are unit-tested without sleeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from inclavate.types import PeerId
+from p2p.registry import NodeView
+from p2p.routing import Hop
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    max_failovers: int = 3
+    """Route changes after a failure, per request; one more failure is the client's error."""
+    max_step_s: float = 120.0
+    """Deadline of a step before anything has been measured, and the ceiling after."""
+    min_step_s: float = 5.0
+    """Floor of the adaptive deadline: a busy stage (another session's long prefill batched
+    before our step, a GC pause) must not look dead."""
+    step_factor: float = 10.0
+    """Deadline = this many times the expected time of the step."""
+    poll_s: float = 0.1
+    """While a step is out, how often the registry and connections are looked at."""
+    disconnect_grace_s: float = 0.3
+    """A hop we were connected to is failed once its connection is gone this long (a quick
+    reconnect is reported before the old connection's close)."""
+    probe_timeout_s: float = 2.0
+    """After a deadline: hops that do not answer a ping within this are the stalled ones."""
+    no_route_wait_s: float = 5.0
+    """A failover that finds no route re-reads the registry this long before giving up: a
+    starved event loop sees every record as stale for a moment, and a gap may be healing."""
+    avoid_s: float = 10.0
+    """A failed peer is avoided for new routes this long, doubling per further failure..."""
+    avoid_max_s: float = 300.0
+    """...up to this."""
+
+    def __post_init__(self) -> None:
+        if self.max_failovers < 0:
+            raise ValueError("max_failovers must be at least 0")
+        if not 0 < self.min_step_s <= self.max_step_s:
+            raise ValueError("need 0 < min_step_s <= max_step_s")
+
+
+_DECODE_TOKENS = 4
+"""Steps this short are decode steps: their time is per step, not per token."""
+_ALPHA = 0.2
+
+
+@dataclass
+class StepDeadline:
+    """Seconds to wait for a step's answer, from this entry's measured step times."""
+
+    policy: FailoverPolicy = field(default_factory=FailoverPolicy)
+    step_s: float | None = None
+    """Moving average of a decode step's round trip."""
+    token_s: float | None = None
+    """Moving average of the time per token of multi-token steps (prefill, replay)."""
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= _DECODE_TOKENS:
+            self.step_s = _ema(self.step_s, seconds)
+        else:
+            self.token_s = _ema(self.token_s, seconds / tokens)
+
+    def seconds(self, tokens: int) -> float:
+        """The deadline for a step with ``tokens`` unanswered tokens in flight."""
+        expected = self.step_s if tokens <= _DECODE_TOKENS else None
+        if tokens > _DECODE_TOKENS and self.token_s is not None:
+            expected = tokens * self.token_s + (self.step_s or 0.0)
+        if expected is None:
+            return self.policy.max_step_s
+        p = self.policy
+        return min(p.max_step_s, max(p.min_step_s, p.step_factor * expected))
+
+
+def _ema(previous: float | None, sample: float) -> float:
+    return sample if previous is None else (1 - _ALPHA) * previous + _ALPHA * sample
+
+
+_MAX_TRACKED = 4096
+"""Peers remembered; beyond that, the ones fully recovered are forgotten first."""
+
+
+@dataclass
+class _Record:
+    reliability: float = 1.0
+    strikes: int = 0
+    avoid_until: float = 0.0
+
+
+class PeerHealth:
+    """This entry's experience of other peers: who to avoid, how far to trust each."""
+
+    def __init__(self, policy: FailoverPolicy = FailoverPolicy()) -> None:
+        self.policy = policy
+        self._peers: dict[PeerId, _Record] = {}
+
+    def failed(self, peer: PeerId, now: float) -> None:
+        rec = self._peers.setdefault(peer, _Record())
+        rec.strikes += 1
+        rec.reliability *= 1 - _ALPHA
+        backoff = self.policy.avoid_s * 2 ** min(rec.strikes - 1, 16)
+        rec.avoid_until = now + min(self.policy.avoid_max_s, backoff)
+        self._bound(now)
+
+    def served(self, peers: Iterable[PeerId]) -> None:
+        """A session ended normally through these peers: trust them a little more."""
+        for peer in peers:
+            rec = self._peers.get(peer)
+            if rec is not None:
+                rec.strikes = 0
+                rec.reliability += _ALPHA * (1 - rec.reliability)
+
+    def avoided(self, now: float) -> frozenset[PeerId]:
+        return frozenset(p for p, r in self._peers.items() if r.avoid_until > now)
+
+    def reliability(self) -> dict[PeerId, float]:
+        return {p: r.reliability for p, r in self._peers.items() if r.reliability < 1.0}
+
+    def _bound(self, now: float) -> None:
+        if len(self._peers) <= _MAX_TRACKED:
+            return
+        by_trust = sorted(self._peers.items(), key=lambda item: (item[1].avoid_until > now, -item[1].reliability))
+        for peer, _ in by_trust[: len(self._peers) - _MAX_TRACKED]:
+            del self._peers[peer]
+
+
+EXACT_BATCH = 32
+"""Replay coalesces small steps into frames of at most this many tokens. Measured on
+llama.cpp's CPU backend (SmolLM2 Q4_1): any batch of fewer than 64 tokens leaves the same KV
+bits as the same tokens fed one per step, while a batch of 64 or more takes another kernel
+path and does not (tests/test_replay.py asserts the half we rely on)."""
+
+
+def replay_plan(shapes: Sequence[int], exact_batch: int = EXACT_BATCH) -> list[tuple[int, int]]:
+    """Frames ``(start, length)`` that rebuild a session's cache bit for bit.
+
+    ``shapes`` are the lengths of the steps that built it, in order. A step longer than
+    ``exact_batch`` (a prefill chunk) is replayed in its own shape, since only the same
+    shape reproduces its bits; runs of shorter steps (decode steps, forced tags) are merged
+    into frames of up to ``exact_batch`` tokens, which reproduce theirs.
+    """
+    frames: list[tuple[int, int]] = []
+    pending_start = pending = pos = 0
+    for n in shapes:
+        if n <= exact_batch and pending + n <= exact_batch:
+            pending += n
+        else:
+            if pending:
+                frames.append((pending_start, pending))
+            if n <= exact_batch:
+                pending_start, pending = pos, n
+            else:
+                frames.append((pos, n))
+                pending = 0
+        pos += n
+        if not pending:
+            pending_start = pos
+    if pending:
+        frames.append((pending_start, pending))
+    return frames
+
+
+Trouble = Literal["failed", "leaving"]
+
+
+def hop_trouble(hop: Hop, view: NodeView | None) -> Trouble | None:
+    """What the registry says about a hop of a live route.
+
+    ``failed``: gone from the registry, Dead or Degraded (silent), or now serving other
+    layers (it moved): its sessions must move at once. ``leaving``: draining or set idle:
+    still serving, so its sessions move at the next step boundary, when another route exists.
+    """
+    if view is None or view.state != "Ready" or view.record.layers != hop.layers:
+        return "failed"
+    if view.record.draining or view.record.idle:
+        return "leaving"
+    return None

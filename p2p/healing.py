@@ -1,0 +1,107 @@
+"""Healing a gap: which peer moves to layers nobody serves any more. Pure, like placement.
+
+A *gap* is a run of layers no serving holder covers (:func:`p2p.placement.holders`: Ready or
+Joining, not idle, not draining; a silent peer stops counting once it is Degraded). A peer
+is *spare* when it is Ready and every layer it holds has at least one other Ready holder:
+it can leave without opening a new gap (legacy HTTP nodes never move: their range is fixed
+at registration). Of the spare peers, the one whose span is the most
+replicated moves (ties: the lowest node id), to the largest gap (ties: the lowest start):
+every peer that sees the same table elects the same mover, so one gap gets one mover.
+
+Why the swarm cannot oscillate: a move needs a gap and never opens one, so every move
+strictly shrinks the uncovered layers; healing never rebalances a complete swarm. Around
+that, three guards absorb the moments when peers' tables disagree:
+
+* *settle* (:class:`Settle`): a plan acts only after it stood unchanged for a while, so a
+  peer that missed a few heartbeats and comes back moves nobody;
+* *one mover at a time*: while a spare peer is draining (a mover on its way, or a volunteer
+  leaving a replicated span) nobody else moves;
+* *cooldown*: a peer that moved does not move again for a while (the healer's loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from inclavate.types import LayerRange, NodeId
+from p2p.coverage import uncovered
+from p2p.placement import holders, largest_gap
+from p2p.registry import NodeView
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    gap: LayerRange
+    """The layers nobody serves (the largest such run)."""
+    mover: NodeId
+    """The peer elected to move there."""
+
+
+def replicas(views: Iterable[NodeView], n_layers: int) -> list[int]:
+    """Ready serving holders per layer."""
+    count = [0] * n_layers
+    for v in holders(views, n_layers):
+        if v.state == "Ready":
+            for layer in range(v.record.start_layer, min(v.record.end_layer, n_layers)):
+                count[layer] += 1
+    return count
+
+
+def _spare(view: NodeView, count: Sequence[int]) -> bool:
+    """Every layer of ``view`` has another Ready holder (``count`` includes ``view``)."""
+    return min(count[view.record.start_layer : view.record.end_layer]) >= 2
+
+
+def _in_motion(views: Sequence[NodeView], n_layers: int) -> bool:
+    """A Ready peer drains a span that others also hold: a mover on its way (or a volunteer
+    leaving a replicated span). Its target is not announced yet, so wait for it."""
+    count = replicas(views, n_layers)
+    return any(
+        v.state == "Ready" and v.record.draining and not v.record.idle and v.record.n_layers == n_layers
+        and min(count[v.record.start_layer : v.record.end_layer]) >= 1
+        for v in views
+    )  # fmt: skip
+
+
+def plan_heal(views: Sequence[NodeView], n_layers: int) -> HealPlan | None:
+    """The gap to heal and the peer that should move there, or None (no gap, nobody spare,
+    or a move already under way)."""
+    serving = holders(views, n_layers)
+    gaps = uncovered((v.record.layers for v in serving), n_layers)
+    if not gaps or _in_motion(views, n_layers):
+        return None
+    count = replicas(views, n_layers)
+    spare = [v for v in serving if v.state == "Ready" and not v.record.relayed and _spare(v, count)]
+    if not spare:
+        return None
+    mover = min(spare, key=lambda v: (-min(count[v.record.start_layer : v.record.end_layer]), v.record.node_id))
+    return HealPlan(largest_gap(gaps), mover.record.node_id)
+
+
+def heal_target(plan: HealPlan, capacity: int) -> LayerRange:
+    """The layers the mover takes: the gap from its start, as much as the mover can hold
+    (a gap wider than that stays partly open and elects the next mover)."""
+    if capacity < 1:
+        raise ValueError("a peer must be able to hold at least one layer")
+    return LayerRange(plan.gap.start, min(plan.gap.end, plan.gap.start + capacity))
+
+
+class Settle:
+    """Acts on a plan only once it has stood unchanged for ``settle_s`` (pure: the caller
+    passes the clock). Any change (another gap, another mover, no plan) starts over."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.settle_s = settle_s
+        self._plan: HealPlan | None = None
+        self._since = 0.0
+
+    def observe(self, plan: HealPlan | None, now: float) -> HealPlan | None:
+        if plan != self._plan:
+            self._plan, self._since = plan, now
+        if plan is not None and now - self._since >= self.settle_s:
+            return plan
+        return None
+
+    def reset(self) -> None:
+        self._plan = None

@@ -1,0 +1,99 @@
+"""A session's route as the entry peer drives it (a *leg*), and how the entry tells that a
+hop of it has failed.
+
+Each route of a session is a leg with its own wire session id: frames still in flight on an
+old route (a stalled hop that wakes up) then carry an id nobody continues. :class:`LegWatch`
+reads a leg's health from the registry (Dead, Degraded, gone, moved: failed; draining or
+idle: leaving), from our connections (a hop we were connected to and no longer are, for
+``disconnect_grace_s``: failed), and, after a missed deadline, from pings; :func:`blame`
+reads which hop an ``error`` frame points at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import trio
+
+from inclavate.types import PeerId, SessionId
+from p2p import wire
+from p2p.failover import FailoverPolicy, hop_trouble
+from p2p.registry import NodeView
+from p2p.routing import Hop
+
+
+@dataclass(eq=False)
+class Leg:
+    wire_id: SessionId
+    route: tuple[Hop, ...]
+    inbox: trio.MemoryReceiveChannel[wire.Message]
+    seen: set[PeerId] = field(default_factory=set)
+    """Hops we have been connected to: losing that connection means the hop died."""
+    lost: dict[PeerId, float] = field(default_factory=dict)
+    """When a seen hop's connection was first missed."""
+
+    @property
+    def peers(self) -> frozenset[PeerId]:
+        return frozenset(h.peer_id for h in self.route)
+
+
+def blame(leg: Leg, error: wire.Error) -> frozenset[PeerId]:
+    """The hop an error points at: the unreachable one, else the one that reported it.
+    Only hops of the route can be blamed (a confused or lying stage cannot exclude others)."""
+    peers = [h.peer_id for h in leg.route]
+    if error.code == "unreachable":
+        if error.failed_peer is not None:
+            return frozenset({error.failed_peer}) & leg.peers
+        nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
+        return frozenset(peers[nxt : nxt + 1])
+    return frozenset({error.origin}) & leg.peers
+
+
+@dataclass
+class LegWatch:
+    me: PeerId
+    views: Callable[[], Iterable[NodeView]]
+    is_connected: Callable[[PeerId], bool]
+    probe: Callable[[PeerId], Awaitable[bool]] | None
+    policy: FailoverPolicy
+
+    def trouble(self, leg: Leg) -> tuple[frozenset[PeerId], frozenset[PeerId]]:
+        """(failed, leaving) hops of a leg, from the registry and our connections."""
+        by_node = {v.record.node_id: v for v in self.views()}
+        now = trio.current_time()
+        failed: set[PeerId] = set()
+        leaving: set[PeerId] = set()
+        for hop in leg.route:
+            trouble = hop_trouble(hop, by_node.get(hop.node_id))
+            if trouble == "failed":
+                failed.add(hop.peer_id)
+            elif trouble == "leaving":
+                leaving.add(hop.peer_id)
+            peer = hop.peer_id
+            if peer == self.me:
+                continue
+            if self.is_connected(peer):
+                leg.seen.add(peer)
+                leg.lost.pop(peer, None)
+            elif peer in leg.seen and now - leg.lost.setdefault(peer, now) >= self.policy.disconnect_grace_s:
+                failed.add(peer)
+        return frozenset(failed), frozenset(leaving - failed)
+
+    async def stalled(self, leg: Leg) -> frozenset[PeerId]:
+        """After a missed deadline: the hops that do not answer a ping (none if unknown)."""
+        if self.probe is None:
+            return frozenset()
+        probe = self.probe
+        silent: set[PeerId] = set()
+
+        async def check(peer: PeerId) -> None:
+            with trio.move_on_after(self.policy.probe_timeout_s):
+                if await probe(peer):
+                    return
+            silent.add(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in leg.peers - {self.me}:
+                nursery.start_soon(check, peer)
+        return frozenset(silent)

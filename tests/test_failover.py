@@ -1,0 +1,281 @@
+"""Peers die mid-generation; the entry peer re-routes, replays and the client sees a stall.
+
+Real SmolLM2 peers as processes on 127.0.0.1. Every streamed text is compared with the same
+request run undisturbed; after every scenario no live peer holds a session. Two swarms, each
+reused across its scenarios (they run in file order and each picks its victims from what is
+left):
+
+- f32, greedy, entry A holds layer 0: A 0-10, B/C 10-20, D/E 20-30 (the issue's swarm plus
+  a second last stage). Middle hop killed under 8 streams mid-decode, last stage killed
+  during a prefill, then the last holder of 10-20 killed: a 503 naming those layers, on SSE,
+  /ws/chat and plain JSON.
+- f16, seeded sampling, entry Z holds only the last layers: A/A2/A3 0-10, B 10-20, Z 20-30.
+  The first stage killed under 3 streams, then the replacement killed too; an entry allowed no failover reports the failure.
+
+(Five peers per swarm: with six, py-libp2p 0.8.1 here stops opening streams from the peer
+everyone bootstrapped to, failover or not: a separate problem.)
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import trio
+from swarm import PeerProcess, Swarm, request_json
+
+from inclavate.chat_stream import StreamedChat, stream_chat
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+MODEL = "smollm2:135m"
+# kill -9 is seen through the lost connection; a generous deadline keeps a loaded CI machine
+# from failing over healthy-but-slow hops.
+ADMIN_TOKEN = "failover-test"
+SHARED = ["--max-sessions", "8", "--min-step-deadline", "30", "--admin-token", ADMIN_TOKEN]
+
+
+def ask(question: str, max_tokens: int, **sampling: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, **sampling}  # fmt: skip
+
+
+def health(peer: PeerProcess) -> dict[str, int]:
+    return peer.get("/health")["sessions"]
+
+
+def stage_sessions(peer: PeerProcess) -> int:
+    try:
+        return health(peer)["stage"]
+    except OSError:
+        return -1
+
+
+def wait_no_sessions(s: Swarm, peers: list[PeerProcess]) -> None:
+    live = [p for p in peers if p.alive()]
+    s.wait(lambda: all(health(p) == {"stage": 0, "entry": 0} for p in live), 15, "no session left on any live peer")
+
+
+def kill(peer: PeerProcess) -> None:
+    peer.process.send_signal(signal.SIGKILL)
+    peer.process.wait(10)
+
+
+def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[StreamedChat]], None]) -> list[StreamedChat]:
+    """Stream every body at once; call ``during`` (in this thread) once every stream has text."""
+    started: list[StreamedChat] = []
+    ready = threading.Event()
+
+    def on_delta(chat: StreamedChat) -> None:
+        if chat not in started:
+            started.append(chat)
+            if len(started) == len(bodies):
+                ready.set()
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(stream_chat, entry.url, body, 300, on_delta) for body in bodies]
+        assert ready.wait(240), "the streams did not all start"
+        during(started)
+        return [f.result() for f in futures]
+
+
+def warm_up(s: Swarm, entry: PeerProcess, n: int) -> None:
+    """A few small requests, so that the peers have dialed each other (on a loaded machine a
+    first dial can take seconds) before anything is measured or killed."""
+    def answered() -> bool:
+        return request_json("POST", entry.url + "/v1/chat/completions", ask("Hi", 2), timeout=120)[0] == 200
+
+    for _ in range(n):
+        s.wait(answered, 120, "a warm-up answer", entry)
+
+
+def busiest(peers: list[PeerProcess]) -> PeerProcess:
+    return max((p for p in peers if p.alive()), key=stage_sessions)
+
+
+# ----------------------------------------------------------------- f32, greedy
+
+
+@pytest.fixture(scope="module")
+def greedy_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict[str, PeerProcess]]]:
+    with Swarm(tmp_path_factory.mktemp("failover-f32"), extra_args=["--wire-dtype", "f32", *SHARED]) as s:
+        a = s.start("a", "--layers", "0-10")
+        peers = {"a": a}
+        for name, layers in [("b", "10-20"), ("c", "10-20"), ("d", "20-30"), ("e", "20-30")]:
+            peers[name] = s.start(name, "--layers", layers, bootstrap=a)
+        for peer in peers.values():
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 5, 30, "the whole swarm")
+        warm_up(s, a, 4)
+        yield s, peers
+
+
+QUESTION = "Tell me a short story about a lighthouse keeper."
+
+
+@pytest.fixture(scope="module")
+def greedy_text(greedy_swarm) -> str:
+    s, peers = greedy_swarm
+    status, body = request_json("POST", peers["a"].url + "/v1/chat/completions", ask(QUESTION, 48), timeout=120)
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def test_eight_streams_survive_a_middle_hop_killed_mid_decode(greedy_swarm, greedy_text: str) -> None:
+    s, peers = greedy_swarm
+    victims: list[PeerProcess] = []
+
+    def kill_a_middle_hop(chats: list[StreamedChat]) -> None:
+        victims.append(busiest([peers["b"], peers["c"]]))
+        kill(victims[0])
+
+    chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 8, kill_a_middle_hop)
+    assert [c.error for c in chats] == [None] * 8
+    assert [c.text for c in chats] == [greedy_text] * 8
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_sessions_leave_a_hop_set_idle_at_the_next_step(greedy_swarm, greedy_text: str) -> None:
+    """Not a failure: the hop keeps serving, and the entry moves its sessions to the other
+    holder at a step boundary (what a draining, politely stopping peer gets too)."""
+    s, peers = greedy_swarm
+    moved: list[PeerProcess] = []
+
+    def set_busiest_last_stage_idle(chats: list[StreamedChat]) -> None:
+        leaving = busiest([peers["d"], peers["e"]])
+        node = leaving.get("/health")["peer_id"]
+        status, body = request_json("PATCH", f"{leaving.url}/admin/nodes/{node}/state", {"state": "idle"},
+                                    headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+        assert status == 200, body
+        s.wait(lambda: stage_sessions(leaving) == 0, 60, "the sessions to leave the idle hop", leaving)
+        assert all(c.finish_reason is None for c in chats), "the streams should still be running"
+        moved.append(leaving)
+
+    chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 2, set_busiest_last_stage_idle)
+    assert [(c.error, c.text) for c in chats] == [(None, greedy_text)] * 2
+    node = moved[0].get("/health")["peer_id"]
+    status, _ = request_json("PATCH", f"{moved[0].url}/admin/nodes/{node}/state", {"state": "ready"},
+                             headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+    assert status == 200
+    s.wait(lambda: not any(n["idle"] for n in peers["a"].get("/nodes")), 20, "the hop to be active again")
+    wait_no_sessions(s, list(peers.values()))
+
+
+LONG_QUESTION = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 38
+
+
+def test_the_last_stage_killed_during_prefill(greedy_swarm) -> None:
+    """The kill lands while the prompt's chunks are still crossing the chain (the last stage
+    has taken the first chunk, no token is out yet)."""
+    s, peers = greedy_swarm
+    body = ask(LONG_QUESTION, 8)
+    status, reply = request_json("POST", peers["a"].url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, reply
+    expected = reply["choices"][0]["message"]["content"]
+    started: list[StreamedChat] = []
+    killed_before_first_token: list[bool] = []
+
+    def kill_when_prefill_arrives() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for peer in (peers["d"], peers["e"]):
+                if stage_sessions(peer) > 0:
+                    kill(peer)
+                    killed_before_first_token.append(not started)
+                    return
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(kill_when_prefill_arrives)
+        chat = stream_chat(peers["a"].url, body, 300, started.append)
+        killer.result()
+    assert killed_before_first_token == [True], "the kill should land during the prefill"
+    assert (chat.error, chat.text) == (None, expected)
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_no_live_holder_left_is_a_503_naming_the_layers(greedy_swarm) -> None:
+    s, peers = greedy_swarm
+    entry = peers["a"]
+    (middle,) = [p for p in (peers["b"], peers["c"]) if p.alive()]
+    (chat,) = run_streams(entry, [ask(QUESTION, 48)], lambda _: kill(middle))
+    assert chat.error is not None and chat.error["status"] == 503, chat.error
+    assert "10-20" in chat.error["error"], chat.error
+
+    status, body = request_json("POST", entry.url + "/v1/chat/completions", ask(QUESTION, 8), timeout=60)
+    assert status == 503 and "10-20" in body["error"], body
+
+    async def over_ws() -> dict:
+        from trio_websocket import open_websocket_url
+
+        async with open_websocket_url(f"ws://127.0.0.1:{entry.api_port}/ws/chat") as ws:
+            await ws.send_message(json.dumps(ask(QUESTION, 8)))
+            return json.loads(await ws.get_message())
+
+    frame = trio.run(over_ws)
+    assert frame["status"] == 503 and "10-20" in frame["error"], frame
+    wait_no_sessions(s, list(peers.values()))
+
+
+# ------------------------------------------------------------ f16, seeded sampling
+
+
+@pytest.fixture(scope="module")
+def seeded_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, dict[str, PeerProcess]]]:
+    with Swarm(tmp_path_factory.mktemp("failover-f16"), extra_args=["--wire-dtype", "f16", *SHARED]) as s:
+        z = s.start("z", "--layers", "20-30")
+        peers = {"z": z}
+        for name, layers in [("a", "0-10"), ("a2", "0-10"), ("a3", "0-10"), ("b", "10-20")]:
+            extra = ["--max-failovers", "0"] if name == "b" else []
+            peers[name] = s.start(name, "--layers", layers, *extra, bootstrap=z)
+        for peer in peers.values():
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: z.get("/api/models")[0]["chain_complete"] and len(z.get("/nodes")) == 5, 30, "the whole swarm")
+        warm_up(s, z, 4)
+        yield s, peers
+
+
+SEEDED = {"temperature": 0.9, "seed": 7}
+
+
+def test_the_first_stage_and_then_its_replacement_killed(seeded_swarm) -> None:
+    """The entry holds only the last layers. The stage holding layer 0 for most sessions
+    dies: its sessions move to the two other holders; then the busiest of those dies too.
+    Every stream finishes with the sampled text of an undisturbed run (f16 on the wire)."""
+    s, peers = seeded_swarm
+    body = ask(QUESTION, 96, **SEEDED)
+    status, reply = request_json("POST", peers["z"].url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, reply
+    expected = reply["choices"][0]["message"]["content"]
+    firsts = [peers["a"], peers["a2"], peers["a3"]]
+    spread: list[list[int]] = []
+
+    def kill_twice(chats: list[StreamedChat]) -> None:
+        kill(busiest(firsts))
+        seen = [len(c.times) for c in chats]
+        s.wait(lambda: all(len(c.times) > n + 2 for c, n in zip(chats, seen)), 120, "tokens after the first failover")
+        spread.append(sorted(stage_sessions(p) for p in firsts if p.alive()))
+        kill(busiest(firsts))
+
+    chats = run_streams(peers["z"], [body] * 3, kill_twice)
+    assert [(c.error, c.text) for c in chats] == [(None, expected)] * 3
+    # How the moved sessions spread depends on measured link latencies (on a loaded machine a
+    # replica whose ping timed out costs 1000 ms): tests/test_failover_policy.py asserts the
+    # rule; here it is only reported.
+    print(f"sessions on the two surviving first stages after the first failover: {spread}")
+    assert sum(p.alive() for p in firsts) == 1
+    wait_no_sessions(s, list(peers.values()))
+
+
+def test_an_entry_allowed_no_failover_reports_the_failure(seeded_swarm) -> None:
+    s, peers = seeded_swarm
+    entry = peers["b"]  # started with --max-failovers 0
+    (last_first,) = [p for p in (peers["a"], peers["a2"], peers["a3"]) if p.alive()]
+    (chat,) = run_streams(entry, [ask(QUESTION, 64)], lambda _: kill(last_first))
+    assert chat.error is not None and chat.error["status"] == 503, chat.error
+    assert "after 0 failover" in chat.error["error"], chat.error
+    wait_no_sessions(s, list(peers.values()))

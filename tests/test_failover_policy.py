@@ -1,0 +1,126 @@
+"""Failover's pure rules: route from the failed boundary, spreading, avoidance and backoff,
+the adaptive step deadline, what the registry says about a live hop."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from registry_helpers import MODEL, view
+
+from inclavate.types import LayerRange, NodeId, PeerId
+from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
+from p2p.records import NodeRecord
+from p2p.routing import CostModel, Hop, NoRoute, choose_route
+
+
+def ranges(route) -> list[tuple[str, LayerRange]]:
+    return [(h.node_id, h.layers) for h in route]
+
+
+SWARM = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30)]
+
+
+def test_a_route_can_start_at_a_boundary_and_leave_peers_out() -> None:
+    route = choose_route(SWARM, MODEL, PeerId("a"), start=10, exclude={PeerId("b")})
+    assert ranges(route) == [("c", LayerRange(10, 20)), ("d", LayerRange(20, 30))]
+    # A replacement split differently still meets the boundary.
+    split = [view("a", 0, 10), view("e", 10, 15), view("f", 15, 20), view("d", 20, 30)]
+    assert [h.layers for h in choose_route(split, MODEL, PeerId("a"), start=10)] == [
+        LayerRange(10, 15), LayerRange(15, 20), LayerRange(20, 30)]  # fmt: skip
+
+
+def test_no_route_after_exclusion_names_the_layers_left_without_a_holder() -> None:
+    with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
+        choose_route(SWARM, MODEL, PeerId("a"), exclude={PeerId("b"), PeerId("c")})
+    with pytest.raises(NoRoute, match="layers 0-30 have no Ready node"):
+        choose_route([view("w", 0, 30)], MODEL, PeerId("a"), exclude={PeerId("w")})
+    with pytest.raises(NoRoute, match="layers 15-20 have no Ready node"):
+        choose_route([view("a", 0, 15), view("d", 20, 30)], MODEL, PeerId("a"), start=15)
+
+
+def test_draining_nodes_get_no_new_routes() -> None:
+    views = [view("a", 0, 30, draining=True), view("b", 0, 30)]
+    assert {choose_route(views, MODEL, PeerId("x"))[0].node_id for _ in range(20)} == {"b"}
+
+
+def test_sessions_spread_over_replicas_by_load_even_when_measured_costs_differ() -> None:
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30)]
+    links = {PeerId("b"): 0.4, PeerId("c"): 0.6}
+    load: Counter[PeerId] = Counter()
+    for _ in range(8):
+        route = choose_route(views, MODEL, PeerId("a"), CostModel(link_ms=links, load=load))
+        load.update(h.peer_id for h in route)
+    assert load[PeerId("b")] == load[PeerId("c")] == 4
+    # A replica twice as far still takes a share, smaller.
+    links, load = {PeerId("b"): 2.0, PeerId("c"): 24.0}, Counter()
+    for _ in range(8):
+        route = choose_route(views, MODEL, PeerId("a"), CostModel(link_ms=links, load=load))
+        load.update(h.peer_id for h in route)
+    assert load[PeerId("b")] > load[PeerId("c")] > 0
+
+
+def test_unreliable_peers_weigh_more() -> None:
+    views = [view("a", 0, 30), view("b", 0, 30)]
+    costs = CostModel(reliability={PeerId("a"): 0.5})
+    assert {choose_route(views, MODEL, PeerId("x"), costs, random.Random(i))[0].node_id for i in range(20)} == {"b"}
+
+
+def test_a_failed_peer_is_avoided_with_capped_exponential_backoff() -> None:
+    health = PeerHealth(FailoverPolicy(avoid_s=10, avoid_max_s=25))
+    p = PeerId("p")
+    health.failed(p, now=100.0)
+    assert health.avoided(109.9) == {p} and health.avoided(110.1) == set()
+    health.failed(p, now=200.0)
+    assert health.avoided(219.9) == {p} and not health.avoided(220.1)
+    health.failed(p, now=300.0)  # 40 s, capped at 25
+    assert health.avoided(324.9) == {p} and not health.avoided(325.1)
+    low = health.reliability()[p]
+    assert low < 0.6
+    health.served([p])
+    assert low < health.reliability()[p] < 1.0
+    health.failed(p, now=400.0)  # served reset the strikes: back to the base backoff
+    assert not health.avoided(410.1)
+
+
+def test_the_step_deadline_follows_measured_step_times() -> None:
+    policy = FailoverPolicy(min_step_s=2.0, max_step_s=120.0, step_factor=10.0)
+    deadline = StepDeadline(policy)
+    assert deadline.seconds(1) == deadline.seconds(300) == 120.0  # nothing measured yet
+    for _ in range(20):
+        deadline.observe(1, 0.03)
+    assert deadline.seconds(1) == 2.0  # 10 x 30 ms, floored
+    assert deadline.seconds(300) == 120.0  # a prefill's time per token is still unknown
+    deadline.observe(400, 4.0)
+    assert deadline.seconds(300) == pytest.approx(10 * (300 * 0.01 + 0.03))
+    for _ in range(30):
+        deadline.observe(1, 0.5)
+    assert deadline.seconds(1) == pytest.approx(5.0, rel=0.05)
+
+
+def test_what_the_registry_says_about_a_hop() -> None:
+    hop = Hop(NodeId("b"), PeerId("b"), LayerRange(10, 20))
+    assert hop_trouble(hop, view("b", 10, 20)) is None
+    assert hop_trouble(hop, None) == "failed"
+    assert hop_trouble(hop, view("b", 10, 20, "Dead")) == "failed"
+    assert hop_trouble(hop, view("b", 10, 20, "Degraded")) == "failed"
+    assert hop_trouble(hop, view("b", 0, 10)) == "failed"  # moved to other layers
+    assert hop_trouble(hop, view("b", 10, 20, draining=True)) == "leaving"
+    assert hop_trouble(hop, view("b", 10, 20, idle=True)) == "leaving"
+
+
+def test_the_draining_flag_parses_tolerantly() -> None:
+    base = view("b", 10, 20).record.to_json()
+    assert NodeRecord.from_json(base).draining is False
+    assert NodeRecord.from_json({**base, "draining": True}).draining is True
+    for odd in ("yes", 1, None, [True]):
+        assert NodeRecord.from_json({**base, "draining": odd}).draining is False
+
+
+def test_the_replay_plan_keeps_prefill_shapes_and_coalesces_small_steps() -> None:
+    assert replay_plan([]) == []
+    assert replay_plan([256, 74, 1, 1, 1]) == [(0, 256), (256, 74), (330, 3)]
+    # Decode steps (and a forced 3-token tag) merge into frames of at most 32 tokens.
+    assert replay_plan([256, 256, 10, *[1] * 40, 3, *[1] * 5]) == [(0, 256), (256, 256), (512, 32), (544, 26)]
+    assert replay_plan([20, *[1] * 20]) == [(0, 32), (32, 8)]

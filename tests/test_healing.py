@@ -1,0 +1,196 @@
+"""Gap healing: who moves where, and why the swarm settles instead of oscillating."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import trio
+from registry_helpers import record, view
+
+from inclavate.healer import HealConfig, Healer
+from inclavate.types import LayerRange, NodeId
+from p2p.coverage import uncovered
+from p2p.healing import HealPlan, Settle, heal_target, plan_heal
+from p2p.identity import Identity
+from p2p.placement import choose_range, holders
+from p2p.records import NodeRecord, SignedRecord
+from p2p.registry import NodeView
+
+
+def _swarm(d_state: str = "Dead") -> list[NodeView]:
+    return [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30, d_state)]
+
+
+def test_a_replicated_peer_moves_to_the_gap_a_dead_peer_left() -> None:
+    assert plan_heal(_swarm("Dead"), 30) == HealPlan(LayerRange(20, 30), NodeId("b"))
+    # Degraded (a few heartbeats missed) already counts as gone; settle absorbs a blip.
+    assert plan_heal(_swarm("Degraded"), 30) == HealPlan(LayerRange(20, 30), NodeId("b"))
+    assert plan_heal(_swarm("Ready"), 30) is None
+
+
+def test_only_a_peer_whose_every_layer_is_held_twice_moves() -> None:
+    views = [view("a", 0, 10), view("b", 10, 20), view("d", 20, 30, "Dead")]
+    assert plan_heal(views, 30) is None
+    # b is covered only partly by c (it would open 15-20): c, covered whole by b, moves.
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 15), view("d", 20, 30, "Dead")]
+    assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("c"))
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 12, 25), view("d", 25, 30, "Dead")]
+    assert plan_heal(views, 30) is None
+
+
+def test_the_most_replicated_span_gives_the_mover_then_the_lowest_id() -> None:
+    views = [view("z1", 0, 10), view("z2", 0, 10), view("z3", 0, 10), view("a1", 10, 20), view("a2", 10, 20)]
+    assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("z1"))
+
+
+def test_joining_peers_count_as_replicas_only_once_ready() -> None:
+    # c is still loading 10-20: b is not spare yet (c might fail to load).
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20, "Joining"), view("d", 20, 30, "Dead")]
+    assert plan_heal(views, 30) is None
+    # A newcomer already loading the gap has closed it.
+    views = [*_swarm(), view("e", 20, 30, "Joining")]
+    assert plan_heal(views, 30) is None
+
+
+def test_idle_and_draining_peers_never_move_and_hold_nothing() -> None:
+    views = [view("a", 0, 10), view("b", 10, 20, idle=True), view("c", 10, 20), view("c2", 10, 20),
+             view("d", 20, 30, "Dead")]  # fmt: skip
+    assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("c"))
+    # A legacy node (its range fixed at registration) is never elected.
+    views = [view("a", 0, 10), view("b", 10, 20, relayed=True), view("c", 10, 20), view("d", 20, 30, "Dead")]
+    assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("c"))
+    # A volunteer stopping the only holder of 20-30 opens the gap at once.
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30, draining=True)]
+    assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("b"))
+
+
+def test_nobody_else_moves_while_a_mover_drains() -> None:
+    # b was elected and drains its sessions before it announces the gap: c must wait.
+    views = [view("a", 0, 10), view("b", 10, 20, draining=True), view("c", 10, 20), view("c2", 10, 20),
+             view("d", 20, 30, "Dead")]  # fmt: skip
+    assert plan_heal(views, 30) is None
+
+
+def test_the_mover_takes_the_gap_as_far_as_it_can_hold() -> None:
+    plan = HealPlan(LayerRange(20, 30), NodeId("b"))
+    assert heal_target(plan, 10) == LayerRange(20, 30)
+    assert heal_target(plan, 100) == LayerRange(20, 30)
+    assert heal_target(plan, 4) == LayerRange(20, 24)
+    with pytest.raises(ValueError):
+        heal_target(plan, 0)
+
+
+def test_a_plan_acts_only_after_it_stood_unchanged_for_the_settle_time() -> None:
+    settle = Settle(5.0)
+    plan = HealPlan(LayerRange(20, 30), NodeId("b"))
+    assert settle.observe(plan, 100.0) is None
+    assert settle.observe(plan, 104.9) is None
+    assert settle.observe(plan, 105.0) == plan
+    # The dead peer came back for a moment: start over.
+    assert settle.observe(None, 106.0) is None
+    assert settle.observe(plan, 107.0) is None
+    assert settle.observe(plan, 112.0) == plan
+    # Another mover elected: start over too.
+    other = HealPlan(LayerRange(20, 30), NodeId("c"))
+    assert settle.observe(other, 113.0) is None
+    settle.reset()
+    assert settle.observe(other, 113.5) is None
+
+
+def _apply_heals(views: list[NodeView], n_layers: int, capacity: dict[str, int]) -> list[tuple[str, LayerRange]]:
+    """Run the election round after round like the swarm does (each move completes before
+    the next plan); return the moves made."""
+    moves = []
+    for _ in range(50):
+        plan = plan_heal(views, n_layers)
+        if plan is None:
+            return moves
+        target = heal_target(plan, capacity[plan.mover])
+        before = uncovered((v.record.layers for v in holders(views, n_layers)), n_layers)
+        views = [
+            NodeView(v.record.replace(start_layer=target.start, end_layer=target.end), "Ready")
+            if v.record.node_id == plan.mover else v
+            for v in views
+        ]  # fmt: skip
+        after = uncovered((v.record.layers for v in holders(views, n_layers)), n_layers)
+        assert sum(map(len, after)) < sum(map(len, before)), "a move must shrink the uncovered layers"
+        assert all(any(g.contains(a) for g in before) for a in after), "a move must never open a new gap"
+        moves.append((plan.mover, target))
+    raise AssertionError("healing did not settle")
+
+
+def test_random_swarms_settle_without_ever_opening_a_gap() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        n_layers = rng.choice([12, 30])
+        views, capacity = [], {}
+        for i in range(rng.randint(2, 9)):
+            start = rng.randrange(n_layers)
+            end = rng.randint(start + 1, n_layers)
+            state = rng.choice(["Ready", "Ready", "Ready", "Dead", "Degraded", "Joining"])
+            name = f"p{i}"
+            views.append(view(name, start, end, state, n_layers=n_layers))
+            capacity[name] = rng.randint(1, n_layers)
+        moves = _apply_heals(views, n_layers, capacity)
+        movers = [m for m, _ in moves]
+        assert len(set(movers)) == len(movers), "a peer that healed a gap is never moved again"
+
+
+def test_the_example_swarm_heals_with_one_move() -> None:
+    moves = _apply_heals(_swarm(), 30, {"a": 10, "b": 10, "c": 10})
+    assert moves == [("b", LayerRange(20, 30))]
+
+
+def test_a_newcomer_does_not_join_a_draining_span() -> None:
+    views = [view("a", 0, 15), view("b", 15, 30, draining=True)]
+    assert choose_range(views, 30, 15) == LayerRange(15, 30)
+
+
+def test_the_draining_flag_travels_signed_and_parses_tolerantly() -> None:
+    alice = Identity.generate()
+    rec = SignedRecord.sign(record(alice, 0, 10, draining=True), alice)
+    again = SignedRecord.decode(rec.encode())
+    assert again.verified() and again.record.draining is True
+    data = record(alice, 0, 10).to_json()
+    del data["draining"]  # a peer from before the field existed
+    assert NodeRecord.from_json(data).draining is False
+    assert NodeRecord.from_json({**data, "draining": "yes"}).draining is False
+
+
+async def test_the_healer_moves_the_elected_peer_once_after_settling(autojump_clock: trio.abc.Clock) -> None:
+    table = _swarm()
+    moves: dict[str, list[tuple[float, LayerRange]]] = {"b": [], "c": []}
+
+    def healer(me: str) -> Healer:
+        async def move(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+            assert still_elected()
+            moves[me].append((trio.current_time(), target))
+            return True
+
+        config = HealConfig(settle_s=4.0, cooldown_s=60.0)
+        return Healer(NodeId(me), 30, 10, lambda: table, lambda: True, move, config)
+
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for me in ("b", "c"):
+            nursery.start_soon(healer(me).run)
+        await trio.sleep(30)
+        nursery.cancel_scope.cancel()
+    assert [t for _, t in moves["b"]] == [LayerRange(20, 30)] and moves["c"] == []
+    assert moves["b"][0][0] - start >= 4.0, "moved before the plan settled"
+
+
+async def test_a_mover_whose_gap_was_taken_meanwhile_stays(autojump_clock: trio.abc.Clock) -> None:
+    table = _swarm()
+    h = Healer(NodeId("b"), 30, 10, lambda: table, lambda: True, _never_moves)
+    # b drains; meanwhile a newcomer loads 20-30: b is no longer needed there.
+    table[1] = view("b", 10, 20, draining=True)
+    assert h.still_elected(LayerRange(20, 30))
+    table.append(view("e", 20, 30, "Joining"))
+    assert not h.still_elected(LayerRange(20, 30))
+
+
+async def _never_moves(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+    raise AssertionError("unexpected move")
