@@ -28,7 +28,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass

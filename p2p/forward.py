@@ -29,7 +29,7 @@ from node.errors import ContextFull, InvalidBatch, SessionLimitReached
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import Admission, AdmissionLimits
-from p2p.errors import P2PError, StreamClosed, StreamError
+from p2p.errors import P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
