@@ -384,7 +384,7 @@ class SwarmPipeline:
     def _open_leg(self, session: _Session, route: list[Hop]) -> None:
         wire_id = SessionId(session.session_id if session.legs == 0 else f"{session.session_id}.{session.legs}")
         session.legs += 1
-        session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id))
+        session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id, (h.peer_id for h in route)))
         session.flight_since, session.flight_tokens = None, 0
         session.checked = trio.current_time()
         if session.legs == 1:

@@ -16,7 +16,7 @@ an ``error`` message, never a silent hang.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -138,6 +138,7 @@ class ForwardService:
         """Largest inbound frame: what the model needs (see :func:`p2p.wire.max_frame_bytes`)."""
         self._links: dict[PeerId, _Link] = {}
         self._inboxes: dict[SessionId, trio.MemorySendChannel[wire.Message]] = {}
+        self._inbox_peers: dict[SessionId, frozenset[PeerId]] = {}
         self._nursery: trio.Nursery | None = None
         self.relay: Callable[[wire.Forward | wire.Close], object] | None = None
         """Handles hops that are relayed legacy nodes (set by the legacy-node service)."""
@@ -224,6 +225,11 @@ class ForwardService:
             await self._on_close(msg, remote)
         else:
             inbox = self._inboxes.get(msg.session_id)
+            if inbox is not None and remote not in self._inbox_peers.get(msg.session_id, (remote,)):
+                # Only a peer on the session's route may answer for it: anyone else who learnt
+                # the id could otherwise hand the entry tokens, errors or a false "closed".
+                self.drops.count(FrameReason.FOREIGN_REPLY)
+                return
             if inbox is not None:
                 try:
                     inbox.send_nowait(msg)
@@ -351,13 +357,17 @@ class ForwardService:
 
     # -------------------------------------------------------------- entry side
 
-    def open_inbox(self, session_id: SessionId) -> trio.MemoryReceiveChannel[wire.Message]:
-        """Results, errors and close acknowledgements for a session this peer drives."""
+    def open_inbox(self, session_id: SessionId, route_peers: Iterable[PeerId] | None = None) -> trio.MemoryReceiveChannel[wire.Message]:
+        """Results, errors and close acknowledgements for a session this peer drives, taken
+        only from ``route_peers`` and this peer itself (None: from anyone)."""
         send, receive = trio.open_memory_channel[wire.Message](256)
         self._inboxes[session_id] = send
+        if route_peers is not None:
+            self._inbox_peers[session_id] = frozenset((*route_peers, self.me))
         return receive
 
     def close_inbox(self, session_id: SessionId) -> None:
+        self._inbox_peers.pop(session_id, None)
         inbox = self._inboxes.pop(session_id, None)
         if inbox is not None:
             inbox.close()

@@ -46,6 +46,7 @@ class FrameReason(enum.Enum):
     SESSION_NOT_YOURS = "session_not_yours"
     TOO_LARGE = "too_large"
     MALFORMED = "malformed"
+    FOREIGN_REPLY = "foreign_reply"
 
 
 class FrameRejected(P2PError):

@@ -138,3 +138,26 @@ async def test_a_link_to_a_peer_that_is_gone_is_retired_and_its_task_ends() -> N
                     await trio.sleep(0.05)
             assert gone not in sender._links
             n.cancel_scope.cancel()
+
+
+async def test_only_peers_on_a_session_route_may_answer_for_it() -> None:
+    """A stranger who learnt a session id cannot hand the entry tokens (or a false error):
+    replies are taken from the peers of the session's route only."""
+    with trio.fail_after(30):
+        async with (open_host(Identity.generate()) as entry, open_host(Identity.generate()) as hop,
+                    open_host(Identity.generate()) as stranger, trio.open_nursery() as n):  # fmt: skip
+            services = [ForwardService(h, node_id=NodeId(h.peer_id), stage=None) for h in (entry, hop, stranger)]
+            for service in services:
+                await n.start(service.run)
+            await hop.connect(entry.multiaddrs()[0])
+            await stranger.connect(entry.multiaddrs()[0])
+            session = SessionId("s")
+            inbox = services[0].open_inbox(session, [hop.peer_id])
+            await services[2].send(entry.peer_id, wire.Result(7, session, 999))
+            await services[1].send(entry.peer_id, wire.Result(7, session, 42))
+            got = await inbox.receive()
+            assert isinstance(got, wire.Result) and got.token == 42
+            with trio.move_on_after(0.3):
+                extra = await inbox.receive()
+                raise AssertionError(f"a second reply arrived: {extra}")
+            n.cancel_scope.cancel()
