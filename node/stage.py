@@ -9,7 +9,8 @@ next batch), which is what lets a prefill arrive as several chunks.
 A long job does not hold the engine while other sessions stream: when another session has
 used the stage recently, a job is computed ``prefill_slice_tokens`` at a time, and each round
 runs the decode steps that are due first (one engine call, delivered at once), then one slice
-of each long job. A decoding session then waits at most one slice for its next token, however
+of each long job. With several sessions active, a round first lets this process's runnable
+tasks run (bounded by ``gather_s``), so that steps about to be queued join the same call. A decoding session then waits at most one slice for its next token, however
 long the prompt another session sends (alone, a job runs whole: slicing costs prefill speed).
 
 Results leave through each job's ``deliver`` callback, awaited in order; the network layer
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import trio
+import trio.testing
 
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
@@ -126,12 +128,16 @@ class Stage:
         inline_tokens: int = 0,
         prefill_slice_tokens: int = 64,
         interleave_window_s: float = 2.0,
+        gather_s: float = 0.005,
     ) -> None:
         self.engine = engine
         self.prefill_slice_tokens = prefill_slice_tokens
         """Most positions of one job computed per round while other sessions are active."""
         self.interleave_window_s = interleave_window_s
         """A session that used the stage this recently counts as active (streaming)."""
+        self.gather_s = gather_s
+        """With several sessions active, how long a round may wait for this process's other
+        runnable tasks (the sessions' next steps) before it starts."""
         self.inline_tokens = inline_tokens
         """Batches this small run on the event loop thread instead of a worker thread."""
         self.on_batch = on_batch
@@ -176,6 +182,12 @@ class Stage:
         self._deferred = []
         if not waiting:
             waiting.append(await self._receive.receive())
+        if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
+            # Other sessions' next steps are usually a few scheduler turns away (their
+            # token is being streamed out, their next step being queued): let every task
+            # that can run do so, so that their steps share this engine call.
+            with trio.move_on_after(self.gather_s):
+                await trio.testing.wait_all_tasks_blocked()
         while True:
             try:
                 waiting.append(self._receive.receive_nowait())
