@@ -14,8 +14,8 @@ wait at a barrier then sleep at once instead of spinning."""
 _DEFAULTED_ENV = "INCLAVATE_THREAD_WAIT_DEFAULTED"
 """Names the variable this module set, so a child process tells our default from a user's."""
 
-BOUNDED_SPIN = "300"
-"""libgomp spin iterations before a waiting thread sleeps: a few microseconds."""
+BOUNDED_SPIN = "1000"
+"""libgomp spin iterations before a waiting thread sleeps: tens of microseconds."""
 
 
 def _thread_wait_policy() -> None:
