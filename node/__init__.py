@@ -19,16 +19,17 @@ BOUNDED_SPIN = "1000"
 
 
 def _thread_wait_policy() -> None:
-    """How llama.cpp's OpenMP threads wait at the ~20 barriers per layer of every step.
+    """How llama.cpp's OpenMP threads wait at the barrier after nearly every graph node.
 
     Spinning forever (``OMP_WAIT_POLICY=ACTIVE``) is fastest on an idle machine and a
     collapse on a busy one: a thread spinning for a partner that lost its core burns the
     rest of its time slice. Sleeping at once (``PASSIVE``) costs a futex wake-up per barrier:
     one peer at 2 threads ran at ~0.3x llama.cpp. libgomp's default spins ~3 ms, long
     enough to keep a core busy through a token's whole Python-side turn. A bounded spin
-    catches a barrier whose partners are running (microseconds) and sleeps when they are not,
-    so a lone peer keeps llama.cpp's speed and a busy machine loses little. Peers that know
-    they share the machine with other peers sleep at once. libgomp reads these variables
+    catches a barrier whose partners are running and sleeps when they are not: measured at 2
+    threads, as fast as libgomp's default with free cores, 5x faster than it (half of
+    PASSIVE) on an overloaded machine (docs/ARCHITECTURE.md, performance notes). Peers that
+    know they share the machine with other peers sleep at once. libgomp reads these variables
     when it loads, i.e. at the first ``import llama_cpp``; a user's own setting wins.
     """
     inherited_default = os.environ.pop(_DEFAULTED_ENV, "")
