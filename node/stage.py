@@ -7,7 +7,8 @@ pass over the weights. A session's jobs are run in arrival order (a later one wa
 next batch), which is what lets a prefill arrive as several chunks.
 
 A long job does not hold the engine while other sessions stream: when another session has
-used the stage recently, a job is computed ``prefill_slice_tokens`` at a time, and each round
+used the stage recently, a job is computed in slices of ``prefill_slice_tokens`` (fewer where
+that many take longer than ``prefill_slice_s`` at the measured prefill speed), and each round
 runs the decode steps that are due first (one engine call, delivered at once), then one slice
 of each long job. With several sessions active, a round first lets this process's runnable
 tasks run (bounded by ``gather_s``), so that steps about to be queued join the same call. A decoding session then waits at most one slice for its next token, however
@@ -129,12 +130,17 @@ class Stage:
         prefill_slice_tokens: int = 64,
         interleave_window_s: float = 2.0,
         gather_s: float = 0.005,
+        prefill_slice_s: float = 0.15,
     ) -> None:
         self.engine = engine
         self.prefill_slice_tokens = prefill_slice_tokens
         """Most positions of one job computed per round while other sessions are active."""
         self.interleave_window_s = interleave_window_s
         """A session that used the stage this recently counts as active (streaming)."""
+        self.prefill_slice_s = prefill_slice_s
+        """Time budget of one slice: slices shrink (to 16 positions at least) on a machine or
+        a context length where ``prefill_slice_tokens`` positions take longer."""
+        self._prefill_s_per_token: float | None = None
         self.gather_s = gather_s
         """With several sessions active, how long a round may wait for this process's other
         runnable tasks (the sessions' next steps) before it starts."""
@@ -215,7 +221,7 @@ class Stage:
                         f"{self.engine.info.layers} stayed busy for {self.admission_timeout_s:g} s")))  # fmt: skip
                     continue
             others_streaming = bool(streaming - {job.session_id})
-            limit = self.prefill_slice_tokens if others_streaming else job.remaining
+            limit = self._slice_tokens() if others_streaming else job.remaining
             n = min(limit, job.remaining)
             if job.item is None or (new and free_slots <= 0) or (batch and tokens + n > self.max_batch_tokens):
                 self._deferred.append(job)
@@ -231,6 +237,15 @@ class Stage:
             with trio.move_on_after(0.5):
                 self._deferred.append(await self._receive.receive())
         return batch
+
+    def _slice_tokens(self) -> int:
+        """Positions of one prefill slice: ``prefill_slice_tokens``, fewer if that would take
+        longer than ``prefill_slice_s`` at the prefill speed measured last."""
+        most = self.prefill_slice_tokens
+        if self._prefill_s_per_token is None:
+            return most
+        fits = int(self.prefill_slice_s / max(self._prefill_s_per_token, 1e-9))
+        return max(min(16, most), min(most, fits))
 
     def _streaming_sessions(self, waiting: list[Job]) -> set[SessionId]:
         """Sessions with work waiting or that used the stage within the interleave window."""
@@ -269,6 +284,10 @@ class Stage:
         computed = [w for w, r in zip(group, results) if r.error is None]
         if computed:
             tokens = sum(w.item.n_tokens for w in computed)
+            if not any(w.is_step for w in computed):
+                per_token = elapsed / tokens
+                last = self._prefill_s_per_token
+                self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
             self.stats.record(tokens, elapsed, len(self.engine.info.layers))
             if self.on_batch is not None:
                 self.on_batch(tokens, elapsed * 1000)
