@@ -85,15 +85,18 @@ class _Work:
     """One job's share of a round: the whole job, or its next slice."""
 
     job: Job
-    item: BatchItem
+    item: BatchItem | None
+    """None for a close request."""
 
     @property
     def final(self) -> bool:
-        return self.job.done + self.item.n_tokens == self.job.item.n_tokens if self.job.item else True
+        if self.item is None or self.job.item is None:
+            return True
+        return self.job.done + self.item.n_tokens == self.job.item.n_tokens
 
     @property
     def is_step(self) -> bool:
-        return self.item.n_tokens == 1
+        return self.item is not None and self.item.n_tokens == 1
 
 
 @dataclass
