@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from inclavate.errors import InclavateError
 from inclavate.http_client import request_json
+from node import COLOCATED_ENV
 
 T = TypeVar("T")
 
@@ -78,6 +79,9 @@ class LocalSwarm:
     peer_args: Sequence[str] = ()
     """Arguments every child gets."""
     env: dict[str, str] = field(default_factory=dict)
+    colocated: bool = True
+    """Tell children they share the machine (their engine threads sleep rather than spin
+    while waiting); a benchmark of one lone peer says False."""
     peers: list[PeerProcess] = field(default_factory=list)
 
     def __enter__(self) -> LocalSwarm:
@@ -96,7 +100,8 @@ class LocalSwarm:
                "--data-dir", str(data_dir), *self.peer_args, *args]  # fmt: skip
         if bootstrap is not None:
             cmd += ["--bootstrap", self.multiaddr(bootstrap)]
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1" if self.colocated else "0",
+                     **self.env, **(env or {})}  # fmt: skip
         with open(log_path, "ab") as log:
             process = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         peer = PeerProcess(name, port, process, log_path, data_dir)

@@ -6,6 +6,14 @@ per session, and runs them as one engine call: decode steps of concurrent sessio
 pass over the weights. A session's jobs are run in arrival order (a later one waits for the
 next batch), which is what lets a prefill arrive as several chunks.
 
+A long job does not hold the engine while other sessions stream: when another session has
+used the stage recently, a job is computed in slices of ``prefill_slice_tokens`` (fewer where
+that many take longer than ``prefill_slice_s`` at the measured prefill speed), and each round
+runs the decode steps that are due first (one engine call, delivered at once), then one slice
+of each long job. With several sessions active, a round first lets this process's runnable
+tasks run (bounded by ``gather_s``), so that steps about to be queued join the same call. A decoding session then waits at most one slice for its next token, however
+long the prompt another session sends (alone, a job runs whole: slicing costs prefill speed).
+
 Results leave through each job's ``deliver`` callback, awaited in order; the network layer
 uses it to pass hidden states on or send the sampled token home. The stage knows nothing
 of the network. Sessions idle for ``session_idle_s`` are freed, so an entry peer that died
@@ -19,7 +27,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import trio
+import trio.testing
 
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
@@ -50,6 +60,43 @@ class Job:
     deliver: Deliver
     sampling: SamplingParams | None = None
     enqueued: float = field(default_factory=time.monotonic)
+    done: int = 0
+    """Positions of ``item`` already computed (a job computed in slices)."""
+    hidden_parts: list[np.ndarray] = field(default_factory=list)
+    """Hidden states of the slices computed so far (a range that is not the last)."""
+
+    @property
+    def remaining(self) -> int:
+        return self.item.n_tokens - self.done if self.item is not None else 0
+
+    def piece(self, limit: int) -> BatchItem:
+        """The next ``limit`` positions of the item, as an item of their own."""
+        assert self.item is not None
+        lo, hi = self.done, min(self.item.n_tokens, self.done + limit)
+        if lo == 0 and hi == self.item.n_tokens:
+            return self.item
+        tokens = self.item.tokens[lo:hi] if self.item.tokens is not None else None
+        hidden = self.item.hidden[lo:hi] if self.item.hidden is not None else None
+        return BatchItem(self.session_id, self.item.start_pos + lo, tokens=tokens, hidden=hidden)
+
+
+@dataclass(eq=False)
+class _Work:
+    """One job's share of a round: the whole job, or its next slice."""
+
+    job: Job
+    item: BatchItem | None
+    """None for a close request."""
+
+    @property
+    def final(self) -> bool:
+        if self.item is None or self.job.item is None:
+            return True
+        return self.job.done + self.item.n_tokens == self.job.item.n_tokens
+
+    @property
+    def is_step(self) -> bool:
+        return self.item is not None and self.item.n_tokens == 1
 
 
 @dataclass
@@ -83,8 +130,23 @@ class Stage:
         on_batch: Callable[[int, float], None] | None = None,
         on_error: Callable[[], None] | None = None,
         inline_tokens: int = 0,
+        prefill_slice_tokens: int = 64,
+        interleave_window_s: float = 2.0,
+        gather_s: float = 0.005,
+        prefill_slice_s: float = 0.15,
     ) -> None:
         self.engine = engine
+        self.prefill_slice_tokens = prefill_slice_tokens
+        """Most positions of one job computed per round while other sessions are active."""
+        self.interleave_window_s = interleave_window_s
+        """A session that used the stage this recently counts as active (streaming)."""
+        self.prefill_slice_s = prefill_slice_s
+        """Time budget of one slice: slices shrink (to 16 positions at least) on a machine or
+        a context length where ``prefill_slice_tokens`` positions take longer."""
+        self._prefill_s_per_token: float | None = None
+        self.gather_s = gather_s
+        """With several sessions active, how long a round may wait for this process's other
+        runnable tasks (the sessions' next steps) before it starts."""
         self.inline_tokens = inline_tokens
         """Batches this small run on the event loop thread instead of a worker thread."""
         self.on_batch = on_batch
@@ -126,32 +188,38 @@ class Stage:
                     await self._run_batch(batch)
                 except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the stage
                     log.exception("stage batch failed")
-                    for job in batch:
-                        await _deliver(job, StageResult(error=DecodeFailed(f"stage failure: {exc}")))
+                    for work in batch:
+                        await _deliver(work.job, StageResult(error=DecodeFailed(f"stage failure: {exc}")))
 
-    async def _next_batch(self) -> list[Job]:
-        """The next jobs to run together; may be empty when every waiting job awaits a slot."""
+    async def _next_batch(self) -> list[_Work]:
+        """The next work to run together; may be empty when every waiting job awaits a slot."""
         waiting = self._deferred
         self._deferred = []
         if not waiting:
             waiting.append(await self._receive.receive())
+        if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
+            # Other sessions' next steps are usually a few scheduler turns away (their
+            # token is being streamed out, their next step being queued): let every task
+            # that can run do so, so that their steps share this engine call.
+            with trio.move_on_after(self.gather_s):
+                await trio.testing.wait_all_tasks_blocked()
         while True:
             try:
                 waiting.append(self._receive.receive_nowait())
             except trio.WouldBlock:
                 break
-        batch: list[Job] = []
+        batch: list[_Work] = []
         blocked: set[SessionId] = set()  # sessions whose earlier job waits: keep their order
         tokens = 0
         free_slots = self.engine.config.max_sessions - self.engine.memory().sessions
+        streaming = self._streaming_sessions(waiting)
         for index, job in enumerate(waiting):
             if job.session_id in blocked:
                 self._deferred.append(job)
                 continue
             if job.item is None and not batch:
                 self._deferred.extend(waiting[index + 1 :])
-                return [job]  # a close runs alone, in order with its session's other jobs
-            n = job.item.n_tokens if job.item is not None else 0
+                return [_Work(job, job.item)]  # a close runs alone, in order with its session's other jobs
             new = job.item is not None and self.engine.session_length(job.session_id) == 0
             if new and free_slots <= 0:
                 # Every slot is taken: wait for a session to close rather than fail, within
@@ -161,11 +229,14 @@ class Stage:
                         f"all {self.engine.config.max_sessions} session slots of {self.engine.info.model_id} "
                         f"{self.engine.info.layers} stayed busy for {self.admission_timeout_s:g} s")))  # fmt: skip
                     continue
+            others_streaming = bool(streaming - {job.session_id})
+            limit = self._slice_tokens() if others_streaming else job.remaining
+            n = min(limit, job.remaining)
             if job.item is None or (new and free_slots <= 0) or (batch and tokens + n > self.max_batch_tokens):
                 self._deferred.append(job)
                 blocked.add(job.session_id)
                 continue
-            batch.append(job)
+            batch.append(_Work(job, job.piece(limit)))
             blocked.add(job.session_id)
             tokens += n
             free_slots -= new
@@ -176,55 +247,98 @@ class Stage:
                 self._deferred.append(await self._receive.receive())
         return batch
 
-    async def _run_batch(self, batch: list[Job]) -> None:
+    def _slice_tokens(self) -> int:
+        """Positions of one prefill slice: ``prefill_slice_tokens``, fewer if that would take
+        longer than ``prefill_slice_s`` at the prefill speed measured last."""
+        most = self.prefill_slice_tokens
+        if self._prefill_s_per_token is None:
+            return most
+        fits = int(self.prefill_slice_s / max(self._prefill_s_per_token, 1e-9))
+        return max(min(16, most), min(most, fits))
+
+    def _streaming_sessions(self, waiting: list[Job]) -> set[SessionId]:
+        """Sessions with work waiting or that used the stage within the interleave window."""
+        cutoff = time.monotonic() - self.interleave_window_s
+        recent = {sid for sid, used in self._last_used.items() if used >= cutoff}
+        return recent | {job.session_id for job in waiting if job.item is not None}
+
+    async def _run_batch(self, batch: list[_Work]) -> None:
         if batch[0].item is None:
-            closed = await trio.to_thread.run_sync(self.engine.close_session, batch[0].session_id)
-            self._last_used.pop(batch[0].session_id, None)
-            log.debug("closed session %s (%s)", batch[0].session_id, "freed" if closed else "none held")
-            await _deliver(batch[0], StageResult())
+            session_id = batch[0].job.session_id
+            closed = await trio.to_thread.run_sync(self.engine.close_session, session_id)
+            self._last_used.pop(session_id, None)
+            log.debug("closed session %s (%s)", session_id, "freed" if closed else "none held")
+            await _deliver(batch[0].job, StageResult())
             return
+        # Decode steps first, answered before any prefill slice runs: a streaming session's
+        # next token must not wait behind another session's prompt.
+        steps = [w for w in batch if w.is_step]
+        rest = [w for w in batch if not w.is_step]
+        continued: list[Job] = []
+        for group in (steps, rest):
+            if group:
+                continued += await self._run_group(group)
+        self._deferred[:0] = continued
+
+    async def _run_group(self, group: list[_Work]) -> list[Job]:
+        """One engine call for ``group``; delivers finished jobs, returns those with slices left."""
         started = time.monotonic()
-        if sum(j.item.n_tokens for j in batch if j.item) <= self.inline_tokens:
+        if sum(w.item.n_tokens for w in group) <= self.inline_tokens:
             # A decode step is a few ms of engine time; handing it to a worker thread and
             # back costs two thread switches on the latency path of every hop.
-            results = self._compute(batch)
+            results = self._compute(group)
         else:
-            results = await trio.to_thread.run_sync(self._compute, batch)
+            results = await trio.to_thread.run_sync(self._compute, group)
         elapsed = time.monotonic() - started
-        computed = [j for j, r in zip(batch, results) if r.error is None]
+        computed = [w for w, r in zip(group, results) if r.error is None]
         if computed:
-            tokens = sum(j.item.n_tokens for j in computed if j.item)
+            tokens = sum(w.item.n_tokens for w in computed)
+            if not any(w.is_step for w in computed):
+                per_token = elapsed / tokens
+                last = self._prefill_s_per_token
+                self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
             self.stats.record(tokens, elapsed, len(self.engine.info.layers))
             if self.on_batch is not None:
                 self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()
-        for job, result in zip(batch, results):
+        continued: list[Job] = []
+        for work, result in zip(group, results):
+            job = work.job
             if result.error is None:
                 self._last_used[job.session_id] = now
+                if not work.final:
+                    if result.output is not None and result.output.hidden is not None:
+                        job.hidden_parts.append(result.output.hidden)
+                    job.done += work.item.n_tokens
+                    continued.append(job)
+                    continue
+                result = _whole_job_result(job, result)
             else:
                 self.stats.errors += 1
                 if self.on_error is not None:
                     self.on_error()
             await _deliver(job, result)
+        return continued
 
-    def _compute(self, batch: list[Job]) -> list[StageResult]:
+    def _compute(self, group: list[_Work]) -> list[StageResult]:
         """Runs in a worker thread: one engine call, then sampling on the last range."""
         try:
-            outputs = self.engine.forward([j.item for j in batch if j.item is not None])
+            outputs = self.engine.forward([w.item for w in group])
         except EngineError as exc:
-            if len(batch) == 1:
+            if len(group) == 1:
                 return [StageResult(error=exc)]
             # One bad item must not fail its neighbours: retry each alone.
-            return [r for job in batch for r in self._compute([job])]
+            return [r for work in group for r in self._compute([work])]
         except Exception as exc:  # noqa: BLE001 - a bug must fail the batch, not kill the peer
             log.exception("engine call failed")
-            return [StageResult(error=DecodeFailed(f"engine failure: {exc}"))] * len(batch)
+            return [StageResult(error=DecodeFailed(f"engine failure: {exc}"))] * len(group)
         results = []
-        for job, out in zip(batch, outputs):
+        for work, out in zip(group, outputs):
             token = None
-            if out.logits is not None and job.sampling is not None and job.item is not None:
+            sampling = work.job.sampling
+            if out.logits is not None and sampling is not None and work.final:
                 try:
-                    token = sample(out.logits, job.sampling, job.item.start_pos + job.item.n_tokens)
+                    token = sample(out.logits, sampling, work.item.start_pos + work.item.n_tokens)
                 except ValueError as exc:  # NaN logits from corrupt upstream input: this job only
                     results.append(StageResult(error=InvalidBatch(str(exc))))
                     continue
@@ -264,3 +378,12 @@ async def _deliver(job: Job, result: StageResult) -> None:
 
 async def _ignore(_: StageResult) -> None:
     return None
+
+
+def _whole_job_result(job: Job, last: StageResult) -> StageResult:
+    """A job computed in slices answers as if computed at once: all its hidden states."""
+    if not job.hidden_parts or last.output is None or last.output.hidden is None:
+        return last
+    hidden = np.concatenate([*job.hidden_parts, last.output.hidden])
+    job.hidden_parts = []
+    return StageResult(output=StageOutput(job.session_id, hidden=hidden), token=last.token)

@@ -95,3 +95,51 @@ async def test_waiting_too_long_for_a_slot_is_a_clear_error(engine) -> None:
             result = await run_job(stage, "c", 0, [1, 2])
         assert isinstance(result.error, SessionLimitReached) and "stayed busy" in str(result.error)
         nursery.cancel_scope.cancel()
+
+
+PROMPT = [1, 4093, 198, 19556, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198] * 3
+
+
+async def _stream_while_prefilling(stage: Stage, long_sampling) -> tuple[list[str], StageResult]:
+    """Session a holds a stream; session b sends a long prompt; a's next step goes in behind it.
+    Returns the order in which the jobs finished and b's result."""
+    finished: list[str] = []
+    long_result: list[StageResult] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        await run_job(stage, "a", 0, [1, 2, 3])
+
+        async def long() -> None:
+            long_result.append(await run_job(stage, "b", 0, PROMPT, long_sampling))
+            finished.append("b")
+
+        async def step() -> None:
+            await run_job(stage, "a", 3, [4])
+            finished.append("a")
+
+        async with trio.open_nursery() as inner:
+            inner.start_soon(long)
+            await trio.sleep(0)
+            inner.start_soon(step)
+        nursery.cancel_scope.cancel()
+    return finished, long_result[0]
+
+
+async def test_a_long_prefill_is_sliced_while_another_session_streams(engine) -> None:
+    expected = int(np.argmax(engine.forward([BatchItem(SessionId("ref"), 0, tokens=np.array(PROMPT, np.int32))])[0].logits))
+    engine.close_session(SessionId("ref"))
+    stage = Stage(engine, prefill_slice_tokens=8)
+    finished, result = await _stream_while_prefilling(stage, GREEDY)
+    assert finished == ["a", "b"], "the decode step waited for the whole prompt"
+    assert result.error is None and result.token == expected
+    assert stage.stats.batches >= 1 + 1 + len(PROMPT) // 8, "the prompt ran in one piece"
+
+
+async def test_a_sliced_prefill_passes_on_the_same_hidden_states(smollm2, slice_cache) -> None:
+    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 10),
+                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=2), slice_cache=slice_cache) as first:  # fmt: skip
+        (alone,) = first.forward([BatchItem(SessionId("ref"), 0, tokens=np.array(PROMPT, np.int32))])
+        first.close_session(SessionId("ref"))
+        _, result = await _stream_while_prefilling(Stage(first, prefill_slice_tokens=8), None)
+    assert result.error is None and result.output is not None
+    assert np.array_equal(result.output.hidden, alone.hidden)

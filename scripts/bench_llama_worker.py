@@ -1,0 +1,101 @@
+"""The llama.cpp side of ``scripts/bench_peer``: llama-cpp-python alone, in its own process.
+
+It imports nothing of Inclavate, so llama.cpp runs with its own defaults (no thread-wait
+policy of ours; ``bench_peer`` starts it with every ``OMP_*``/``GOMP_*`` variable removed).
+It stays alive for the whole benchmark and answers one JSON command per stdin line, so the
+benchmark can alternate it with the peer (ABAB) and the two share whatever the machine does.
+
+Commands:
+  {"op": "single", "prompt": str, "n": int}: reset, evaluate the prompt (prefill), then
+      generate n greedy tokens; answers prompt tokens, prefill seconds and decode seconds for
+      the n-1 tokens after the first (what a stream shows after its first token).
+  {"op": "batched", "prompt": str, "sessions": int, "n": int}: llama.cpp batched decoding in
+      this process: every session prefilled with the prompt, then n steps in which one
+      ``llama_decode`` carries one token of every session; answers the steps' seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+
+
+def single(llm: llama_cpp.Llama, prompt: str, n: int) -> dict[str, float]:
+    tokens = llm.tokenize(prompt.encode())
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    token = llm.sample(temp=0)
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        llm.eval([token])
+        token = llm.sample(temp=0)
+    t2 = time.perf_counter()
+    return {"prompt_tokens": len(tokens), "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def batched(llm: llama_cpp.Llama, threads: int, prompt: str, sessions: int, n: int) -> dict[str, float]:
+    tokens = llm.tokenize(prompt.encode())
+    n_ctx = len(tokens) + n + 8
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx * sessions
+    params.n_seq_max = sessions
+    params.n_threads = params.n_threads_batch = threads
+    params.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    batch = llama_cpp.llama_batch_init(max(len(tokens), sessions), 0, 1)
+    n_vocab = llm.n_vocab()
+
+    def decode(rows: list[tuple[int, int, int]]) -> None:
+        """rows: (token, position, sequence); logits for every row."""
+        for i, (token, pos, seq) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, 1
+        batch.n_tokens = len(rows)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(row: int) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n_vocab,))))
+
+    try:
+        last = []
+        for seq in range(sessions):
+            decode([(t, p, seq) for p, t in enumerate(tokens)])
+            last.append(argmax(len(tokens) - 1))
+        t0 = time.perf_counter()
+        for step in range(n):
+            decode([(last[seq], len(tokens) + step, seq) for seq in range(sessions)])
+            last = [argmax(seq) for seq in range(sessions)]
+        return {"decode_s": time.perf_counter() - t0}
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model_path")
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--context", type=int, default=2048)
+    args = parser.parse_args()
+    llm = llama_cpp.Llama(model_path=args.model_path, n_ctx=args.context, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)  # fmt: skip
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "single":
+            answer = single(llm, cmd["prompt"], cmd["n"])
+        else:
+            answer = batched(llm, args.threads, cmd["prompt"], cmd["sessions"], cmd["n"])
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""One peer against llama.cpp on the same machine: single-stream speed, batched throughput,
+stream latency while another session prefills, and resident memory.
+
+The baseline is llama-cpp-python alone (``scripts/bench_llama_worker.py``), same GGUF, same
+thread count, in its own process with llama.cpp's default environment. The peer is
+``inclavate peer`` holding the whole model at default flags (``--threads`` set only where a
+thread count is being compared), measured over its REST API as a user sees it. Both stay up
+for the whole run and are measured alternately (ABAB ...), so a busy machine slows both
+alike; each figure is the best over ``--rounds``.
+
+Sections:
+1. decode and prefill, peer / llama.cpp, at 1 thread, 2 threads and all cores (default flags);
+   target >= 0.95 each, and the default thread count never slower than a smaller one;
+2. 8 concurrent sessions: the peer's aggregate decode rate while all 8 stream, against
+   llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9;
+3. the worst gap between two streamed tokens of a decoding session while another session
+   prefills a ~2,000-token prompt (reported with the session's median gap; no target);
+4. resident memory of a peer holding 10 layers against the size of its slice and KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Measure the defaults: a thread-wait setting inherited from the shell would change both
+# sides (the peer's own default is applied by the peer itself).
+INHERITED_WAIT_ENV = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("OMP_", "GOMP_"))}
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from inclavate.catalog import Catalog  # noqa: E402
+from inclavate.config import inclavate_home  # noqa: E402
+from inclavate.gguf_meta import read_metadata  # noqa: E402
+from inclavate.local_swarm import LocalSwarm, PeerProcess  # noqa: E402
+from inclavate.store import ModelStore  # noqa: E402
+
+TARGET_SINGLE, TARGET_BATCHED, TARGET_DEFAULT_THREADS = 0.95, 0.90, 0.95
+DECODE_PROMPT = "Write a long story about a dragon who learns to cook."
+LONG_DECODE_PROMPT = "Count from 1 to 2000, one number per line, without stopping."
+FILLER = "the quick brown fox jumps over the lazy dog "  # ~9 tokens
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when each content chunk arrived, and the usage it reported."""
+
+    started: float
+    token_times: list[float]
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.started
+
+    @property
+    def decode_rate(self) -> float:
+        if len(self.token_times) < 2:
+            raise RuntimeError(f"{len(self.token_times)} tokens streamed; a decode rate needs at least 2")
+        return (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])
+
+
+def stream(peer: PeerProcess, model: str, prompt: str, max_tokens: int, stop: threading.Event | None = None) -> Stream:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    req = urllib.request.Request(peer.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})  # fmt: skip
+    started = time.perf_counter()
+    times: list[float] = []
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                times.append(time.perf_counter())
+                if stop is not None and stop.is_set():
+                    break  # closing the connection ends the generation
+    if not times:
+        raise RuntimeError(f"{peer.name} streamed no tokens")
+    return Stream(started, times, usage["prompt_tokens"], usage["completion_tokens"])
+
+
+class LlamaBaseline:
+    """The llama-cpp-python worker process for one thread count."""
+
+    def __init__(self, model_path: Path, threads: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+        worker = Path(__file__).with_name("bench_llama_worker.py")
+        self.process = subprocess.Popen([sys.executable, str(worker), str(model_path), "--threads", str(threads)],
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        if not json.loads(self._read()).get("ready"):
+            raise RuntimeError("llama.cpp worker did not start")
+
+    def _read(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp worker exited ({self.process.wait()})")
+        return line
+
+    def ask(self, **cmd: object) -> dict[str, float]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(cmd) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._read())
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(30)
+
+
+def verdict(ratio: float, target: float) -> str:
+    return f"{ratio:7.3f}  target >= {target}: {'met' if ratio >= target else 'NOT met'}"
+
+
+def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int | None, cores: int,
+                  prompt: str, n: int, rounds: int) -> dict[str, float]:  # fmt: skip
+    """Best decode/prefill rates of the peer and of llama.cpp at ``threads`` (None: default)."""
+    count = threads or cores
+    peer = swarm.start(f"whole-{threads or 'default'}", model, *whole_layers(model_path),
+                       *(["--threads", str(threads)] if threads else []))  # fmt: skip
+    swarm.wait_ready(peer)
+    base = LlamaBaseline(model_path, count)
+    best = {"peer_decode": 0.0, "peer_prefill": 0.0, "llama_decode": 0.0, "llama_prefill": 0.0}
+    try:
+        stream(peer, model, DECODE_PROMPT, 4)  # warm: page in the weights, build the template
+        base.ask(op="single", prompt=DECODE_PROMPT, n=4)
+        for _ in range(rounds):
+            b = base.ask(op="single", prompt=DECODE_PROMPT, n=n)
+            best["llama_decode"] = max(best["llama_decode"], (n - 1) / b["decode_s"])
+            s = stream(peer, model, DECODE_PROMPT, n)
+            best["peer_decode"] = max(best["peer_decode"], s.decode_rate)
+            b = base.ask(op="single", prompt=prompt, n=1)
+            best["llama_prefill"] = max(best["llama_prefill"], b["prompt_tokens"] / b["prefill_s"])
+            s = stream(peer, model, prompt, 2)
+            best["peer_prefill"] = max(best["peer_prefill"], s.prompt_tokens / s.ttft)
+    finally:
+        base.close()
+        swarm.stop(peer)
+    return best
+
+
+def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int) -> float:
+    """Aggregate tokens/s while every session streams: from the moment the last one got its
+    first token until the first one finished, counting every session's tokens in between."""
+    results: list[Stream] = []
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results.append(stream(peer, model, f"{DECODE_PROMPT} Story number {i}.", n))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    lo = max(s.token_times[0] for s in results)
+    hi = min(s.token_times[-1] for s in results)
+    if hi <= lo:
+        raise RuntimeError("the sessions never all streamed at once; raise --batched-tokens")
+    tokens = sum(sum(1 for t in s.token_times if lo < t <= hi) for s in results)
+    return tokens / (hi - lo)
+
+
+def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, float]:
+    """Session A streams (a new request whenever one ends); once it streams, session B sends
+    a long prompt. A's worst gap between tokens of one request during B's prefill, against
+    A's median gap before it."""
+    stop = threading.Event()
+    streams: list[Stream] = []
+
+    def keep_streaming() -> None:
+        while not stop.is_set():
+            streams.append(stream(peer, model, LONG_DECODE_PROMPT, 1500, stop))
+
+    a = threading.Thread(target=keep_streaming)
+    a.start()
+    time.sleep(4.0)  # A's prompt is short: by now it streams
+    b = stream(peer, model, "Summarise: " + FILLER * (prompt_words // 9), 1)
+    time.sleep(1.0)
+    stop.set()
+    a.join()
+    gaps = [(t1, t2) for s in streams for t1, t2 in zip(s.token_times, s.token_times[1:])]
+    before = [t2 - t1 for t1, t2 in gaps if t2 <= b.started]
+    during = [(t2 - t1, t1) for t1, t2 in gaps if t2 > b.started and t1 < b.token_times[0]]
+    if not during:
+        raise RuntimeError("session A did not stream during B's prefill")
+    worst, at = max(during)
+    return {"median_ms": statistics.median(before) * 1000 if before else float("nan"), "worst_ms": worst * 1000,
+            "median_during_ms": statistics.median(gap for gap, _ in during) * 1000,
+            "worst_at_s": at - b.started, "prefill_s": b.ttft, "prompt_tokens": b.prompt_tokens}  # fmt: skip
+
+
+def whole_layers(model_path: Path) -> list[str]:
+    return ["--layers", f"0-{read_metadata(model_path).n_layers}"]
+
+
+def rss(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2:135m")
+    parser.add_argument("--rounds", type=int, default=3, help="ABAB rounds per figure (best is kept)")
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=300, help="length of the prefill prompt")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--batched-tokens", type=int, default=48, help="tokens per session in the batched test")
+    parser.add_argument("--gap-prompt-words", type=int, default=1980, help="~tokens of the long prompt in the gap test")
+    parser.add_argument("--skip", action="append", default=[], choices=("single", "batched", "gap", "memory"))
+    args = parser.parse_args()
+
+    home = inclavate_home()
+    spec = Catalog.load(home).get(args.model)
+    model_path = ModelStore(home).pull(spec).path
+    cores = len(os.sched_getaffinity(0))
+    load = os.getloadavg()[0]
+    print(f"model {spec.model_id}, {cores} cores, load average {load:.1f} at start"
+          f"{' (busy machine: ratios are noisy)' if load > cores * 0.5 else ''}; best of {args.rounds}, ABAB")  # fmt: skip
+    if INHERITED_WAIT_ENV:
+        print(f"ignoring inherited {' '.join(f'{k}={v}' for k, v in INHERITED_WAIT_ENV.items())}")
+    prompt = "Summarise this text: " + FILLER * (args.prompt_words // 9)
+    common = ["--p2p-host", "127.0.0.1", "--no-mdns"]
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home)},
+                                                          colocated=False) as swarm:
+        if "single" not in args.skip:
+            print("\n1. one stream, peer (whole model) / llama.cpp, same threads")
+            print(f"{'threads':>12}{'llama dec':>11}{'peer dec':>10}{'llama pre':>11}{'peer pre':>10}   ratios")
+            decode_by_threads: dict[int, float] = {}
+            counts: list[int | None] = sorted({1, min(2, cores)}) + [None]
+            if cores <= 2:
+                counts = [1, None] if cores == 2 else [None]
+            for threads in counts:
+                r = single_stream(swarm, spec.model_id, model_path, threads, cores, prompt, args.decode_tokens, args.rounds)
+                label = f"{threads}" if threads else f"{cores} (default)"
+                decode_by_threads[threads or cores] = r["peer_decode"]
+                print(f"{label:>12}{r['llama_decode']:11.1f}{r['peer_decode']:10.1f}{r['llama_prefill']:11.1f}"
+                      f"{r['peer_prefill']:10.1f}")  # fmt: skip
+                print(f"{'':12} decode  {verdict(r['peer_decode'] / r['llama_decode'], TARGET_SINGLE)}")
+                print(f"{'':12} prefill {verdict(r['peer_prefill'] / r['llama_prefill'], TARGET_SINGLE)}")
+            smaller = [rate for count, rate in decode_by_threads.items() if count < cores]
+            if smaller:
+                print(f"default threads ({cores}) vs the best smaller count, peer decode: "
+                      f"{verdict(decode_by_threads[cores] / max(smaller), TARGET_DEFAULT_THREADS)}")  # fmt: skip
+
+        peer = swarm.start("whole", spec.model_id, *whole_layers(model_path))
+        swarm.wait_ready(peer)
+        if "batched" not in args.skip:
+            base = LlamaBaseline(model_path, cores)
+            try:
+                stream(peer, spec.model_id, DECODE_PROMPT, 4)
+                best_peer = best_llama = 0.0
+                for _ in range(args.rounds):
+                    b = base.ask(op="batched", prompt=DECODE_PROMPT, sessions=args.sessions, n=args.batched_tokens)
+                    best_llama = max(best_llama, args.sessions * args.batched_tokens / b["decode_s"])
+                    best_peer = max(best_peer, concurrent_decode(peer, spec.model_id, args.sessions, args.batched_tokens))
+            finally:
+                base.close()
+            print(f"\n2. {args.sessions} concurrent sessions, aggregate decode tok/s at {cores} threads: "
+                  f"llama.cpp batched {best_llama:.1f}, peer {best_peer:.1f}")  # fmt: skip
+            print(f"   ratio {verdict(best_peer / best_llama, TARGET_BATCHED)}")
+        if "gap" not in args.skip:
+            g = prefill_gap(peer, spec.model_id, args.gap_prompt_words)
+            print(f"\n3. a decoding session while another prefills {g['prompt_tokens']} tokens ({g['prefill_s']:.2f} s):"
+                  f" worst inter-token gap {g['worst_ms']:.0f} ms, {g['worst_at_s']:.2f} s after B's request"
+                  f" (median {g['median_during_ms']:.1f} ms during it, {g['median_ms']:.1f} ms before it)")  # fmt: skip
+        swarm.stop(peer)
+
+        if "memory" not in args.skip:
+            meta = read_metadata(model_path)
+            layers = min(10, meta.n_layers)
+            part = swarm.start("ten-layers", spec.model_id, "--layers", f"0-{layers}")
+            swarm.wait_ready(part)
+            mem = rss(part.process.pid)
+            weights = sum(meta.layer_bytes(i) for i in range(layers)) + meta.tensor_bytes.get("token_embd.weight", 0)
+            heads = int(meta.arch_value("attention.head_count", 1))
+            kv_heads = int(meta.arch_value("attention.head_count_kv", heads))
+            kv = 2048 * 8 * layers * 2 * kv_heads * (meta.d_model // heads) * 2  # default --context, --max-sessions
+            mib = 1024 * 1024
+            print(f"\n4. memory of a peer holding layers 0-{layers} (default flags, idle): RSS {mem['VmRSS'] / mib:.0f} MiB "
+                  f"(anonymous {mem['RssAnon'] / mib:.0f}, file-backed {mem['RssFile'] / mib:.0f}); slice weights "
+                  f"{weights / mib:.0f} MiB, KV cache reserved {kv / mib:.0f} MiB; overhead beyond both "
+                  f"{(mem['VmRSS'] - weights - kv) / mib:.0f} MiB")  # fmt: skip
+            swarm.stop(part)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
