@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, jsonify
+from quart import Response, has_request_context, jsonify, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -73,7 +73,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
         # Routing and protocol errors (404, 405, 413 from MAX_CONTENT_LENGTH) in our shape.
         response = jsonify({"error": exc.description or exc.name})
         response.status_code = exc.code or 500
-        return response
+        return _closing_if_body_unread(response)
 
     @app.errorhandler(Exception)
     async def _on_error(exc: Exception) -> Response:
@@ -82,9 +82,18 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
             log.error("request failed: %s", exc, exc_info=status == 500)
         response = jsonify(body)
         response.status_code = status
-        return response
+        return _closing_if_body_unread(response)
 
     return app
+
+
+def _closing_if_body_unread(response: Response) -> Response:
+    """A refused request may leave part of its body unread (a multipart upload refused on its
+    first field, a body over the limit); the next request on that connection would then wait
+    behind it. Closing the connection after the answer costs the client one reconnect."""
+    if has_request_context() and (request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower()):
+        response.headers["Connection"] = "close"
+    return response
 
 
 async def serve_api(

@@ -6,6 +6,7 @@ chat request could not.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ async def complete_turn(ctx: PeerContext, model: str, message: str, params: Mapp
     }
     if params.get("thinking") is not None:
         body["thinking"] = params["thinking"]
-    job = await prepare_chat(ctx, body)
+    job = await prepare_chat(ctx, json.dumps(body))
     collected = Collected()
 
     async def emit(delta: Delta) -> None:

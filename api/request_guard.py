@@ -7,7 +7,7 @@ Two attacks follow, and this module refuses both before any handler runs:
 * **Cross-site requests (CSRF).** A page can POST to ``http://127.0.0.1:8001/nodes`` with a
   "simple" content type (``text/plain``, form encodings) and no preflight. So a request
   that changes state must say ``Content-Type: application/json`` (or carry no body, or be
-  an upload route marked with :func:`accepts`), else **415**; and if it carries an ``Origin`` that is not this API's own, **403**. Websockets
+  an upload route marked with :func:`takes_any_body`), else **415**; and if it carries an ``Origin`` that is not this API's own, **403**. Websockets
   (``/ws/chat``) get the same ``Origin`` check: browsers do not preflight them.
 * **DNS rebinding.** A page on ``evil.example`` whose name then resolves to 127.0.0.1 is
   same-origin with itself, so the ``Origin`` check passes; its requests still name
@@ -37,7 +37,7 @@ _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
-_ACCEPTS = "inclavate_accepts"
+_ANY_BODY = "inclavate_takes_any_body"
 View = TypeVar("View", bound=Callable[..., object])
 
 
@@ -45,17 +45,13 @@ class UnsupportedMediaType(ApiError):
     status = 415
 
 
-def accepts(*media_types: str) -> Callable[[View], View]:
-    """Let a write route take bodies other than JSON: uploads (``"*"``: any type, as the
-    artifact upload records whatever it is given). Apply it below ``@app.post``. Only the
-    content-type rule is relaxed: a foreign ``Origin`` or ``Host`` is still refused, and a
-    browser always names the origin of a cross-site POST."""
-
-    def mark(view: View) -> View:
-        setattr(view, _ACCEPTS, frozenset(media_types))
-        return view
-
-    return mark
+def takes_any_body(view: View) -> View:
+    """Let a write route take bodies other than JSON: the upload routes, which record the
+    type they are given or parse multipart themselves (answering 400 for anything else).
+    Apply it below ``@app.post``. Only the content-type rule is relaxed: a foreign ``Origin``
+    or ``Host`` is still refused, and a browser always names the origin of a cross-site POST."""
+    setattr(view, _ANY_BODY, True)
+    return view
 
 
 @dataclass(frozen=True)
@@ -106,8 +102,7 @@ def _body_type_accepted(app: QuartTrio) -> bool:
     if mimetype == "application/json" or mimetype.endswith("+json"):
         return True
     view = app.view_functions.get(request.endpoint or "") if request.url_rule is not None else None
-    accepted: frozenset[str] = getattr(view, _ACCEPTS, frozenset())
-    return "*" in accepted or mimetype in accepted
+    return bool(getattr(view, _ANY_BODY, False))
 
 
 def _has_body() -> bool:

@@ -15,7 +15,7 @@ from api.context import PeerContext
 from api.downloads import serve_artifact
 from api.errors import BadRequest
 from api.uploads import RequestChunks, set_body_limit
-from api.request_guard import accepts
+from api.request_guard import takes_any_body
 from inclavate.artifact_types import (
     KINDS,
     LIST_DEFAULT_LIMIT,
@@ -41,7 +41,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     set_body_limit(app, "POST", "/v1/artifacts", cap)
 
     @app.post("/v1/artifacts")
-    @accepts("*")
+    @takes_any_body
     async def upload_artifact():  # type: ignore[no-untyped-def]
         """Upload an artifact: the body, streamed (at most 512 MiB); Content-Type is recorded."""
         artifacts = ctx.artifacts()

@@ -20,7 +20,7 @@ from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
 from api.routes_generations import service
 from api.uploads import set_body_limit
-from api.request_guard import accepts
+from api.request_guard import takes_any_body
 from inclavate.generations import GenerationService, NoGenerator
 from inclavate.jobs import NewJob
 
@@ -182,7 +182,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         raise NoGenerator(f"no music generator is configured: {body['model']!r} cannot generate music here")
 
     @app.post("/v1/audio/transcriptions")
-    @accepts("multipart/form-data")
+    @takes_any_body
     async def audio_transcriptions():  # type: ignore[no-untyped-def]
         """Transcribe an uploaded clip (multipart) with an audio-understanding generator."""
         generations = service(ctx)

@@ -24,7 +24,7 @@ from api.errors import BadRequest, PayloadTooLarge
 from api.multipart import MultipartError, MultipartReader
 from api.routes_artifacts import whole_number
 from api.uploads import RequestChunks, set_body_limit
-from api.request_guard import accepts
+from api.request_guard import takes_any_body
 from inclavate.artifact_types import MAX_PURPOSE_CHARS, MIB, ArtifactMeta, ListQuery, media_type_of, safe_filename
 from inclavate.owner_ids import parse_id
 
@@ -71,7 +71,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     set_body_limit(app, "POST", "/v1/files", cap + MULTIPART_OVERHEAD)
 
     @app.post("/v1/files")
-    @accepts("multipart/form-data")
+    @takes_any_body
     async def create_file():  # type: ignore[no-untyped-def]
         """Upload a file (multipart: purpose, file; at most 64 MiB), stored as an artifact."""
         store = ctx.artifacts().store

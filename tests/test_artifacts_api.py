@@ -67,6 +67,21 @@ async def test_content_type_is_recorded_and_defaults(tmp_path: Path) -> None:
             assert refused.status_code == 400, bad
 
 
+async def test_uploads_take_any_type_but_never_from_another_origin(tmp_path: Path) -> None:
+    """An upload is not JSON, so the JSON-only write rule gives way here; the cross-site rule
+    does not (a browser names the page's origin on every cross-site POST)."""
+    async with serve_store(tmp_path) as (base, store):
+        foreign = await call(httpx.post, f"{base}/v1/artifacts", content=b"x",
+                             headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})  # fmt: skip
+        assert foreign.status_code == 403
+        for path in ("/v1/files", "/v1/audio/transcriptions"):
+            refused = await call(httpx.post, base + path, content=b"x",
+                                 headers={"Content-Type": "multipart/form-data; boundary=b", "Origin": "http://evil.example"})  # fmt: skip
+            assert refused.status_code == 403, path
+        assert (await upload(base, b"x", "text/plain"))["media_type"] == "text/plain"
+        assert store.usage().uploaded.objects == 1
+
+
 async def test_range_reads(tmp_path: Path) -> None:
     data = bytes(range(256)) * 100
     async with serve_store(tmp_path) as (base, _):

@@ -261,7 +261,7 @@ async def test_deadline_expires_a_running_job(served: Served) -> None:
 
 async def test_generation_submission_errors(served: Served) -> None:
     async with client(served) as http:
-        assert (await http.post("/v1/generations", content=b"{nope")).status_code == 400
+        assert (await http.post("/v1/generations", content=b"{nope", headers={"content-type": "application/json"})).status_code == 400
         bad_params = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio", "params": {}})
         assert bad_params.status_code == 400 and "params.text" in bad_params.json()["error"]
         for modality in ("image", "video"):

@@ -80,7 +80,7 @@ def test_kill_9_mid_upload_then_restart(pair) -> None:
     before = httpx.get(url(a, "/v1/artifacts"), timeout=90).json()["artifacts"]
     # An upload that announces 50 MB and stalls after 3 MB: A is killed while it is open.
     with socket.create_connection(("127.0.0.1", a.api_port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/artifacts HTTP/1.1\r\nHost: a\r\nContent-Length: 50000000\r\n\r\n")
+        sock.sendall(f"POST /v1/artifacts HTTP/1.1\r\nHost: 127.0.0.1:{a.api_port}\r\nContent-Length: 50000000\r\n\r\n".encode())
         for _ in range(3):
             sock.sendall(b"x" * 1_000_000)
         tmp = a.data_dir / "artifacts" / "tmp"
