@@ -335,13 +335,25 @@ class P2PHost:
         limit = self._dial_timeout if timeout is None else timeout
         try:
             with trio.fail_after(limit):
-                stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+                stream = await self._open_negotiated(peer_id, TProtocol(protocol))
         except trio.TooSlowError:
             raise DialError(f"opening {protocol} to {peer} timed out after {limit:g}s") from None
         except (BaseLibp2pError, OSError, ValueError) as exc:
             raise DialError(f"cannot open {protocol} to {peer}: {exc}") from exc
         return FramedStream.over_libp2p(stream, remote_peer=PeerId(peer),
                                         max_frame_size=max_frame_size)
+
+    async def _open_negotiated(self, peer_id: ID, protocol: TProtocol) -> INetStream:
+        """One retry, within the caller's deadline: on a busy machine py-libp2p's protocol
+        negotiation on a fresh yamux stream now and then fails at once ("handshake read
+        failed") over a connection that is fine, and the second stream goes through."""
+        try:
+            return await self._host.new_stream(peer_id, [protocol])
+        except BaseLibp2pError:
+            if not self.is_connected(str(peer_id)):
+                raise
+        await trio.sleep(0.05)
+        return await self._host.new_stream(peer_id, [protocol])
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
                            max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
