@@ -3,7 +3,7 @@ and what ``inclavate generate`` runs without any network."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import trio
@@ -55,3 +55,36 @@ class LocalPipeline:
         async with self._lock:
             for engine in self.engines:
                 engine.close_session(session_id)
+
+
+def greedy_run(
+    engines: Sequence[LayerEngine], prompt: Sequence[int], n: int, stop: Callable[[int], bool] = lambda _: False
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and each step's logits through ``engines`` in order, hidden states passed
+    at full precision, ending after ``n`` tokens or the first ``stop`` token.
+
+    The plain reference that split-equals-whole checks and engine comparisons share: no wire
+    rounding, no sampling, the session freed however it ends."""
+    sid, tokens, pos = SessionId("greedy-run"), np.array(prompt, np.int32), 0
+    out: list[int] = []
+    logits: list[np.ndarray] = []
+    try:
+        for _ in range(n):
+            item = BatchItem(sid, pos, tokens=tokens)
+            for engine in engines:
+                (result,) = engine.forward([item])
+                if result.logits is not None:
+                    break
+                item = BatchItem(sid, pos, hidden=result.hidden)
+            else:
+                raise ValueError("the last engine produced no logits")
+            pos += len(tokens)
+            logits.append(result.logits)
+            out.append(int(np.argmax(result.logits)))
+            if stop(out[-1]):
+                break
+            tokens = np.array([out[-1]], np.int32)
+    finally:
+        for engine in engines:
+            engine.close_session(sid)
+    return out, logits

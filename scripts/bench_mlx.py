@@ -15,7 +15,6 @@ part.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import numpy as np
 from bench_engine import run
@@ -24,9 +23,10 @@ from api.chat_model import ChatModel
 from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
 from inclavate.store import ModelStore
-from inclavate.types import LayerRange, ModelId, SessionId
-from node.engine import BatchItem, EngineConfig, LayerEngine
+from inclavate.types import LayerRange, ModelId
+from node.engine import EngineConfig, LayerEngine
 from node.engines import EngineKind, load_engine
+from node.local_pipeline import greedy_run
 
 PROMPTS = [
     "What is the capital of France?",
@@ -35,31 +35,6 @@ PROMPTS = [
     "List three prime numbers.",
     "Explain in two sentences why the sky is blue.",
 ]
-
-
-def greedy(
-    engines: list[LayerEngine], prompt: list[int], n: int, stop: Callable[[int], bool]
-) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and each step's logits, ending after ``n`` or the first ``stop`` token."""
-    sid, tokens, pos, out, logits = SessionId("agree"), np.array(prompt, np.int32), 0, [], []
-    try:
-        for _ in range(n):
-            items = [BatchItem(sid, pos, tokens=tokens)]
-            for engine in engines:
-                (result,) = engine.forward(items)
-                if result.logits is not None:
-                    break
-                items = [BatchItem(sid, pos, hidden=result.hidden)]
-            pos += len(tokens)
-            logits.append(result.logits)
-            out.append(int(np.argmax(result.logits)))
-            if stop(out[-1]):
-                break
-            tokens = np.array([out[-1]], np.int32)
-    finally:
-        for engine in engines:
-            engine.close_session(sid)
-    return out, logits
 
 
 def main_mlx(args: argparse.Namespace) -> int:
@@ -104,8 +79,8 @@ def main_mlx(args: argparse.Namespace) -> int:
           "chain's token was below its pick: a small gap is a near tie)")  # fmt: skip
     for question in PROMPTS:
         tokens = list(chat.prepare([{"role": "user", "content": question}]).tokens)
-        expected, logits = greedy(engines["llamacpp"], tokens, args.decode_tokens, chat.tokenizer.is_eog)
-        got, _ = greedy(mixed, tokens, len(expected), chat.tokenizer.is_eog)
+        expected, logits = greedy_run(engines["llamacpp"], tokens, args.decode_tokens, chat.tokenizer.is_eog)
+        got, _ = greedy_run(mixed, tokens, len(expected), chat.tokenizer.is_eog)
         same = next((i for i, (x, y) in enumerate(zip(expected, got)) if x != y), len(expected))
         gap = f"gap {logits[same][expected[same]] - logits[same][got[same]]:.3f}" if same < len(expected) else ""
         print(f"  {same:3d}/{len(expected):3d} tokens agree {gap:>10}  {question!r}")

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from gguf_factory import write_random_gguf
 
-from inclavate.types import LayerRange, ModelId, SessionId
+from inclavate.types import LayerRange, ModelId
 from node.arch import supported_architectures
-from node.engine import BatchItem, EngineConfig, LayerEngine
+from node.engine import EngineConfig, LayerEngine
 from node.errors import UnsupportedArchitecture
 from node.llamacpp_engine import LlamaCppEngine
+from node.local_pipeline import greedy_run
 
 CONFIG = EngineConfig(n_threads=1, context_length=256, max_sessions=2)
 PROMPT = np.array([1, 4093, 198, 19556, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198] * 3, np.int32)
@@ -34,22 +35,7 @@ CASES = [
 
 
 def _run(engines: list[LayerEngine], n: int) -> list[int]:
-    sid, tokens, pos, out = SessionId("s"), PROMPT, 0, []
-    try:
-        for _ in range(n):
-            items = [BatchItem(sid, pos, tokens=tokens)]
-            for engine in engines:
-                (result,) = engine.forward(items)
-                if result.logits is not None:
-                    break
-                items = [BatchItem(sid, pos, hidden=result.hidden)]
-            pos += len(tokens)
-            out.append(int(np.argmax(result.logits)))
-            tokens = np.array([out[-1]], np.int32)
-    finally:
-        for engine in engines:
-            engine.close_session(sid)
-    return out
+    return greedy_run(engines, PROMPT, n)[0]
 
 
 def _engines(path: Path, cuts: list[int], n_layers: int, cache: Path) -> list[LayerEngine]:
