@@ -12,7 +12,8 @@ from registry_helpers import MODEL, view
 from inclavate.types import LayerRange, NodeId, PeerId
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
-from p2p.routing import CostModel, Hop, NoRoute, choose_route
+from p2p.latency import UNREACHABLE_MS, usable_link_ms
+from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
 
 
 def ranges(route) -> list[tuple[str, LayerRange]]:
