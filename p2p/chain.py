@@ -154,6 +154,16 @@ class _Session:
             pos += n
         return pos
 
+    def split_replay(self, kept: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Frames rebuilding ``[0, kept)`` (a step boundary) and frames of the steps after it,
+        each in the shapes that built them (:func:`p2p.failover.replay_plan`)."""
+        count = pos = 0
+        while pos < kept:
+            pos += self.shapes[count]
+            count += 1
+        rest = [(kept + start, n) for start, n in replay_plan(self.shapes[count:])]
+        return replay_plan(self.shapes[:count]), rest
+
 
 @dataclass
 class SwarmPipeline:
@@ -461,9 +471,10 @@ class SwarmPipeline:
         await self._close_leg(old, broken)
         limit = min(held.values()) if held else 0
         kept = session.shape_boundary(min(limit, len(session.history) - session.shapes[-1]))
-        if kept == 0:
+        rebuild, rest = session.split_replay(kept)
+        if kept == 0 or len(rebuild) > wire.MAX_REPLAY_FRAMES:
             return await self._replay(session, sampling)
-        return await self._replay_span(session, span, kept, sampling)
+        return await self._replay_span(session, span, rebuild, rest, sampling)
 
     async def _adopt(self, old: Leg, new: Leg, hops: Sequence[Hop]) -> dict[PeerId, int]:
         """Ask each kept hop to continue ``old`` as ``new``; the positions each confirms
@@ -482,17 +493,13 @@ class SwarmPipeline:
                     held[pending.pop(reply.req_id)] = reply.length
         return {} if pending else held
 
-    async def _replay_span(self, session: _Session, span: _Span, kept: int, sampling: SamplingParams | None) -> int:
-        """Rebuild positions ``[0, kept)`` in the new span only, then send the steps after
-        them through the whole route. The hop before the span re-sends its kept outputs (the
-        ``replay`` of the first frame, sent ahead of that frame's own output); with no hop
-        before it, this entry sends the tokens itself. Both in the shapes that built them."""
-        count = pos = 0
-        while pos < kept:  # ``kept`` is a step boundary
-            pos += session.shapes[count]
-            count += 1
-        rebuild = replay_plan(session.shapes[:count])
-        rest = [(kept + start, n) for start, n in replay_plan(session.shapes[count:])]
+    async def _replay_span(self, session: _Session, span: _Span, rebuild: list[tuple[int, int]],
+                           rest: list[tuple[int, int]], sampling: SamplingParams | None) -> int:  # fmt: skip
+        """Rebuild the positions of ``rebuild`` in the new span only, then send the steps of
+        ``rest`` through the whole route. The hop before the span re-sends its kept outputs
+        (the ``replay`` of the first frame, sent ahead of that frame's own output); with no hop
+        before it, this entry sends the tokens itself."""
+        kept = rest[0][0]
         replay = None
         if span.lo == 0:
             for start, n in rebuild:

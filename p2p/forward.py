@@ -335,13 +335,14 @@ class ForwardService:
     async def _send_replay(self, msg: wire.Forward, replay: wire.Replay) -> bool:
         """Send the kept outputs of positions ``[0, k)`` into the replaced span, in the frames
         that built them, before the step itself (the same link keeps the order)."""
-        stage = self.stage
+        kept = self.stage.kept if self.stage is not None else None
         ends = [hop.layers.end for hop in msg.route]
         span = msg.route[1 : ends.index(replay.until) + 1]
         try:
-            assert stage is not None and stage.kept is not None
-            frames = [(start, stage.kept.rows(msg.session_id, start, n)) for start, n in replay.frames]
-        except (AssertionError, KeyError, IndexError) as exc:
+            if kept is None:
+                raise KeyError("this stage keeps no outputs")
+            frames = [(start, kept.rows(msg.session_id, start, n)) for start, n in replay.frames]
+        except (KeyError, IndexError) as exc:
             await self._fail(msg, "engine_error", f"cannot replay session {msg.session_id}: {exc}")
             return False
         for start, rows in frames:

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from registry_helpers import MODEL, view
 
-from inclavate.types import LayerRange, NodeId, PeerId
+from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
 from p2p.latency import UNREACHABLE_MS, usable_link_ms
@@ -125,3 +125,15 @@ def test_the_replay_plan_keeps_prefill_shapes_and_coalesces_small_steps() -> Non
     # Decode steps (and a forced 3-token tag) merge into frames of at most 32 tokens.
     assert replay_plan([256, 256, 10, *[1] * 40, 3, *[1] * 5]) == [(0, 256), (256, 256), (512, 32), (544, 26)]
     assert replay_plan([20, *[1] * 20]) == [(0, 32), (32, 8)]
+
+
+def test_a_span_replay_rebuilds_up_to_a_step_boundary_and_resends_the_rest() -> None:
+    from p2p.chain import _Session
+
+    session = _Session(SessionId("s"))
+    for start, tokens in ((0, [1] * 256), (256, [1] * 74), *((330 + i, [2]) for i in range(5))):
+        session.record(start, tokens)
+    # The kept hops confirm 333 and 334 positions: 333 is a step boundary, before the last step.
+    assert session.shape_boundary(333) == 333 and session.shape_boundary(300) == 256
+    assert session.split_replay(333) == ([(0, 256), (256, 74), (330, 3)], [(333, 2)])
+    assert session.split_replay(256) == ([(0, 256)], [(256, 74), (330, 5)])
