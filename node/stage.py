@@ -124,14 +124,22 @@ class StageStats:
     recomputed: int = 0
     """Positions computed again after a rewind (a replay, or a step re-sent after a failover)."""
     step_ms_per_layer: float = 0.0
+    """Moving average of a decode step's time per layer: what routing costs a hop at."""
+    steps: int = 0
     _ema_alpha: float = 0.2
 
-    def record(self, tokens: int, seconds: float, layers: int) -> None:
+    def record(self, tokens: int, seconds: float, layers: int, *, decode: bool = True) -> None:
+        """``decode``: the batch was single-token steps. Only those move ``step_ms_per_layer``:
+        a prefill chunk's seconds are not a step's, and used to make a replica that last ran
+        one claim to be 100x slower, so that routing sent every session elsewhere."""
         self.tokens += tokens
         self.batches += 1
+        if not decode:
+            return
+        self.steps += 1
         per_layer = seconds * 1000 / max(1, layers)
         self.step_ms_per_layer = (
-            per_layer if self.batches == 1 else (1 - self._ema_alpha) * self.step_ms_per_layer + self._ema_alpha * per_layer
+            per_layer if self.steps == 1 else (1 - self._ema_alpha) * self.step_ms_per_layer + self._ema_alpha * per_layer
         )
 
 
@@ -342,7 +350,7 @@ class Stage:
                 per_token = elapsed / tokens
                 last = self._prefill_s_per_token
                 self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
-            self.stats.record(tokens, elapsed, len(self.engine.info.layers))
+            self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=all(w.is_step for w in computed))
             if self.on_batch is not None:
                 self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()

@@ -44,9 +44,12 @@ from p2p.registry import NodeView
 HOP_MS = 1.0
 DEFAULT_STEP_MS_PER_LAYER = 1.0
 DEFAULT_LINK_MS = 5.0
-SESSION_SHARE = 0.5
+SESSION_SHARE = 1.0
+"""Each session this entry already sends through a node adds the node's whole cost again:
+measured speeds of replicas are noisy (one step under load can take 5x another), and a weaker
+share let such noise send all of 8 sessions failing over at once to one survivor."""
 MIN_RELIABILITY = 0.1
-NEAR_EQUAL = 0.05
+NEAR_EQUAL = 0.02
 """Ways to a boundary costing at most this much more than the cheapest count as equal."""
 _EPSILON = 1e-9
 
