@@ -137,3 +137,14 @@ def test_a_span_replay_rebuilds_up_to_a_step_boundary_and_resends_the_rest() -> 
     assert session.shape_boundary(333) == 333 and session.shape_boundary(300) == 256
     assert session.split_replay(333) == ([(0, 256), (256, 74), (330, 3)], [(333, 2)])
     assert session.split_replay(256) == ([(0, 256)], [(256, 74), (330, 5)])
+
+
+def test_a_prefill_batch_does_not_move_the_claimed_step_time() -> None:
+    """Routing costs a hop at its claimed decode step time; a prompt chunk's seconds used to
+    count as a step and make a replica look ~100x slower."""
+    from node.stage import StageStats
+
+    stats = StageStats()
+    stats.record(1, 0.010, 10)
+    stats.record(256, 1.0, 10, decode=False)
+    assert stats.step_ms_per_layer == pytest.approx(1.0) and stats.tokens == 257 and stats.batches == 2
