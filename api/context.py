@@ -50,6 +50,11 @@ class PeerContext(Protocol):
         """KV-holding sessions on this peer's stage, and sessions it drives as entry peer."""
         ...
 
+    def failover_counters(self) -> dict[str, int]:
+        """What failovers cost this peer's stage: sessions it kept under a new leg
+        (``adopted``) and positions it computed again after a rewind (``recomputed``)."""
+        ...
+
     def knows_model(self, model_id: str) -> bool:
         """In the catalog, the overlay, or served by some node of the swarm."""
         ...

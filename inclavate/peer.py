@@ -336,7 +336,7 @@ class Peer:
     async def _start_stage(self, layers: LayerRange) -> None:
         engine = await trio.to_thread.run_sync(self._load_engine, layers)
         stage = Stage(engine, on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error,
-                      inline_tokens=self.config.inline_tokens)
+                      inline_tokens=self.config.inline_tokens, keep_outputs=self.config.wire_dtype)
         assert self._nursery is not None and self.forward is not None
 
         async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -517,7 +517,7 @@ class Peer:
         if self.stage is not None:
             changes.update(
                 step_ms_per_layer=round(self.stage.stats.step_ms_per_layer, 4),
-                vram_mb=self.stage.engine.memory().total_mb,
+                vram_mb=self.stage.engine.memory().total_mb + (self.stage.kept.reserved_bytes >> 20 if self.stage.kept else 0),
             )
         return record.replace(**changes)
 
@@ -562,6 +562,10 @@ class Peer:
     def metrics_archive(self) -> MetricsStore:
         assert self.metrics_store is not None
         return self.metrics_store
+
+    def failover_counters(self) -> dict[str, int]:
+        stats = self.stage.stats if self.stage else None
+        return {"adopted": stats.adopted if stats else 0, "recomputed": stats.recomputed if stats else 0}
 
     def open_sessions(self) -> dict[str, int]:
         return {

@@ -74,6 +74,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                    help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
     p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
                    help="floor of the adaptive deadline after which a silent chain is failed over (default 5)")  # fmt: skip
+    p.add_argument("--failover-replay", choices=("span", "whole"), default="span",
+                   help="after a failover, rebuild only the replaced span (default) or replay the whole new route")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on Ctrl-C/SIGTERM, wait at most this long for sessions to move away or finish (default 30)")  # fmt: skip
     p.add_argument("--legacy", action="store_true",
@@ -112,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
     try:
         engine = EngineConfig(n_threads=args.threads, context_length=args.context, max_sessions=args.max_sessions)
-        failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline)
+        failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline,
+                                  span_replay=args.failover_replay == "span")  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PeerConfig(

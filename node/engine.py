@@ -174,6 +174,11 @@ class LayerEngine(abc.ABC):
         """Free the session's KV cache and slot; False if it held none."""
 
     @abc.abstractmethod
+    def rename_session(self, old: SessionId, new: SessionId) -> int:
+        """Let ``new`` continue ``old``'s cache (a failover keeps a hop's KV under the new leg's
+        id); returns the positions kept, 0 when ``old`` is not held or ``new`` already is."""
+
+    @abc.abstractmethod
     def session_length(self, session_id: SessionId) -> int:
         """Positions cached for the session (0 for an unknown session)."""
 

@@ -365,6 +365,13 @@ class LlamaCppEngine(LayerEngine):
             self._release(session_id)
             return True
 
+    def rename_session(self, old: SessionId, new: SessionId) -> int:
+        with self._lock:
+            if old not in self._slots or new in self._slots:
+                return 0
+            slot = self._slots[new] = self._slots.pop(old)
+            return slot.length
+
     def _release(self, session_id: SessionId) -> None:
         slot = self._slots.pop(session_id)
         llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)

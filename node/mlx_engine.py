@@ -201,6 +201,15 @@ class MlxEngine(LayerEngine):
             return False
         return self._on_thread(lambda: self._sessions.pop(session_id, None) is not None)
 
+    def rename_session(self, old: SessionId, new: SessionId) -> int:
+        def rename() -> int:
+            if old not in self._sessions or new in self._sessions:
+                return 0
+            session = self._sessions[new] = self._sessions.pop(old)
+            return session.length
+
+        return self._on_thread(rename) if self._thread is not None else 0
+
     def memory(self) -> MemoryReport:
         """KV as reserved by every slot at full context (what a peer must budget for)."""
         kv = self._kv_per_position * self.config.context_length * self.config.max_sessions

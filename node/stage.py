@@ -18,6 +18,11 @@ Results leave through each job's ``deliver`` callback, awaited in order; the net
 uses it to pass hidden states on or send the sampled token home. The stage knows nothing
 of the network. Sessions idle for ``session_idle_s`` are freed, so an entry peer that died
 mid-generation does not pin KV cache forever.
+
+With ``keep_outputs`` (a wire dtype), a stage that is not the last keeps what it sent on for
+every session (``node.kept_outputs``) and hands the encoded frame to the network layer, so a
+failover can replay only the span after it. An *adopt* job renames a session (its cache and
+kept outputs) to a failover's new leg id, in order with the session's other jobs.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ import numpy as np
 import trio
 import trio.testing
 
+from inclavate import tensors
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
 from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionLimitReached
+from node.kept_outputs import KeptOutputs
 from node.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,10 @@ class StageResult:
     output: StageOutput | None = None
     token: int | None = None
     error: InclavateError | None = None
+    sent: tensors.EncodedTensor | None = None
+    """The hidden states encoded for the next hop (when the stage keeps its outputs)."""
+    length: int | None = None
+    """For an adopt: the positions the renamed session holds (0: nothing kept)."""
 
 
 Deliver = Callable[[StageResult], Awaitable[None]]
@@ -55,10 +66,12 @@ Deliver = Callable[[StageResult], Awaitable[None]]
 @dataclass(eq=False)
 class Job:
     item: BatchItem | None
-    """None for a close request."""
+    """None for a close request (or an adopt, with ``rename_to``)."""
     session_id: SessionId
     deliver: Deliver
     sampling: SamplingParams | None = None
+    rename_to: SessionId | None = None
+    """With no item: continue ``session_id``'s cache under this id (a failover's adopt)."""
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0
     """Positions of ``item`` already computed (a job computed in slices)."""
@@ -106,15 +119,27 @@ class StageStats:
     tokens: int = 0
     batches: int = 0
     errors: int = 0
+    adopted: int = 0
+    """Sessions kept across a failover (renamed to a new leg with their cache)."""
+    recomputed: int = 0
+    """Positions computed again after a rewind (a replay, or a step re-sent after a failover)."""
     step_ms_per_layer: float = 0.0
+    """Moving average of a decode step's time per layer: what routing costs a hop at."""
+    steps: int = 0
     _ema_alpha: float = 0.2
 
-    def record(self, tokens: int, seconds: float, layers: int) -> None:
+    def record(self, tokens: int, seconds: float, layers: int, *, decode: bool = True) -> None:
+        """``decode``: the batch was single-token steps. Only those move ``step_ms_per_layer``:
+        a prefill chunk's seconds are not a step's, and used to make a replica that last ran
+        one claim to be 100x slower, so that routing sent every session elsewhere."""
         self.tokens += tokens
         self.batches += 1
+        if not decode:
+            return
+        self.steps += 1
         per_layer = seconds * 1000 / max(1, layers)
         self.step_ms_per_layer = (
-            per_layer if self.batches == 1 else (1 - self._ema_alpha) * self.step_ms_per_layer + self._ema_alpha * per_layer
+            per_layer if self.steps == 1 else (1 - self._ema_alpha) * self.step_ms_per_layer + self._ema_alpha * per_layer
         )
 
 
@@ -134,8 +159,15 @@ class Stage:
         interleave_window_s: float = 2.0,
         gather_s: float = 0.005,
         prefill_slice_s: float = 0.15,
+        keep_outputs: tensors.WireDType | None = None,
     ) -> None:
         self.engine = engine
+        info = engine.info
+        self.kept: KeptOutputs | None = None
+        """What this stage sent on, per session (None: last range, or not kept)."""
+        if keep_outputs is not None and not info.is_last:
+            self.kept = KeptOutputs(max_sessions=engine.config.max_sessions, context_length=engine.config.context_length,
+                                    d_model=info.d_model, wire_dtype=keep_outputs)  # fmt: skip
         self.prefill_slice_tokens = prefill_slice_tokens
         """Most positions of one job computed per round while other sessions are active."""
         self.interleave_window_s = interleave_window_s
@@ -264,11 +296,16 @@ class Stage:
 
     async def _run_batch(self, batch: list[_Work]) -> None:
         if batch[0].item is None:
-            session_id = batch[0].job.session_id
-            closed = await trio.to_thread.run_sync(self.engine.close_session, session_id)
-            self._last_used.pop(session_id, None)
-            log.debug("closed session %s (%s)", session_id, "freed" if closed else "none held")
-            await _deliver(batch[0].job, StageResult())
+            job = batch[0].job
+            if job.rename_to is not None:
+                await _deliver(job, StageResult(length=await self._adopt(job.session_id, job.rename_to)))
+                return
+            closed = await trio.to_thread.run_sync(self.engine.close_session, job.session_id)
+            self._last_used.pop(job.session_id, None)
+            if self.kept is not None:
+                self.kept.drop(job.session_id)
+            log.debug("closed session %s (%s)", job.session_id, "freed" if closed else "none held")
+            await _deliver(job, StageResult())
             return
         # Decode steps first, answered before any prefill slice runs: a streaming session's
         # next token must not wait behind another session's prompt.
@@ -280,8 +317,24 @@ class Stage:
                 continued += await self._run_group(group)
         self._deferred[:0] = continued
 
+    async def _adopt(self, old: SessionId, new: SessionId) -> int:
+        """Rename a session and what it keeps; the positions the new id can be trusted with:
+        its cache, and for a stage that keeps outputs, no more than it can send again."""
+        length = await trio.to_thread.run_sync(self.engine.rename_session, old, new)
+        if length == 0:
+            return 0
+        self.stats.adopted += 1
+        self._last_used[new] = self._last_used.pop(old, time.monotonic())
+        if self.kept is None:
+            return length if self.engine.info.is_last else 0
+        self.kept.rename(old, new)
+        return min(length, self.kept.length(new))
+
     async def _run_group(self, group: list[_Work]) -> list[Job]:
         """One engine call for ``group``; delivers finished jobs, returns those with slices left."""
+        for work in group:
+            if work.job.done == 0 and work.item is not None:
+                self.stats.recomputed += max(0, self.engine.session_length(work.job.session_id) - work.item.start_pos)
         started = time.monotonic()
         if sum(w.item.n_tokens for w in group) <= self.inline_tokens:
             # A decode step is a few ms of engine time; handing it to a worker thread and
@@ -297,7 +350,7 @@ class Stage:
                 per_token = elapsed / tokens
                 last = self._prefill_s_per_token
                 self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
-            self.stats.record(tokens, elapsed, len(self.engine.info.layers))
+            self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=all(w.is_step for w in computed))
             if self.on_batch is not None:
                 self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()
@@ -312,13 +365,22 @@ class Stage:
                     job.done += work.item.n_tokens
                     continued.append(job)
                     continue
-                result = _whole_job_result(job, result)
+                result = self._keep(job, _whole_job_result(job, result))
             else:
                 self.stats.errors += 1
                 if self.on_error is not None:
                     self.on_error()
             await _deliver(job, result)
         return continued
+
+    def _keep(self, job: Job, result: StageResult) -> StageResult:
+        """Encode a finished job's hidden states for the wire once, and keep them."""
+        hidden = result.output.hidden if result.output is not None else None
+        if self.kept is None or hidden is None or job.item is None:
+            return result
+        sent = tensors.encode(hidden, self.kept.wire_dtype)
+        self.kept.put(job.session_id, job.item.start_pos, sent, lambda sid: self.engine.session_length(sid) > 0)
+        return StageResult(output=result.output, token=result.token, sent=sent)
 
     def _compute(self, group: list[_Work]) -> list[StageResult]:
         """Runs in a worker thread: one engine call, then sampling on the last range."""

@@ -99,6 +99,12 @@ class Admission:
         owner = self._strangers.get(session_id)
         return self.is_known(remote) or (owner is not None and owner[0] == remote)
 
+    def renamed(self, old: SessionId, new: SessionId) -> None:
+        """A failover adopted the session under a new id: its opener keeps it."""
+        owner = self._strangers.pop(old, None)
+        if owner is not None:
+            self._strangers[new] = owner
+
     def closed(self, session_id: SessionId) -> None:
         self._strangers.pop(session_id, None)
 

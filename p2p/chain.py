@@ -13,9 +13,15 @@ unreachable), when the registry stops calling it Ready with the same layers (Dea
 gone, moved), when our connection to it drops, or when the step misses its adaptive deadline
 (``p2p.failover.StepDeadline``; then the hops that do not answer a ping are blamed). A hop
 that is draining or idle is still serving: its sessions move at the next step boundary, if
-another route exists. Replays go through the *whole* new route from position 0 (see
-docs/ARCHITECTURE.md, "Failover", for the measurements behind that choice); the new route
-keeps the hops before the failed boundary when it can.
+another route exists.
+
+The replay rebuilds only what was lost when it can (*span replay*, see docs/ARCHITECTURE.md,
+"Failover"): the new route keeps the hops before the failed span (prefix) and after it
+(suffix), which *adopt* the session under the new leg id with their caches; the hop before
+the span re-sends the hidden states it kept into the replacement hops, which discard their
+output; then the interrupted steps go on through the whole route. When that is not possible
+(no replacement ends where the failed span did, a kept hop does not confirm, or the policy
+says so), every processed token is replayed through the whole new route from position 0.
 
 Each route is a *leg* (``p2p.legs``) with its own wire session id. Frames still in flight on
 an old route (a stalled hop that wakes up) then carry an id nobody continues, so they can
@@ -38,7 +44,8 @@ from inclavate.types import ModelId, PeerId, SessionId
 from node.sampling import SamplingParams
 from p2p import wire
 from p2p.errors import P2PError
-from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, replay_plan
+from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
+from p2p.latency import usable_link_ms
 from p2p.legs import Leg, LegWatch, blame
 from p2p.forward import ForwardService
 from p2p.registry import NodeView
@@ -94,6 +101,23 @@ class Broken:
     they are then used again if no route exists without them."""
 
 
+@dataclass(frozen=True)
+class _Span:
+    """A new route that keeps the old hops around a replaced span: ``route[lo:hi]`` is new."""
+
+    route: list[Hop]
+    lo: int
+    hi: int
+
+    @property
+    def kept(self) -> list[Hop]:
+        return self.route[: self.lo] + self.route[self.hi :]
+
+    @property
+    def middle(self) -> list[Hop]:
+        return self.route[self.lo : self.hi]
+
+
 @dataclass(eq=False)
 class _Session:
     session_id: SessionId
@@ -120,6 +144,25 @@ class _Session:
             kept += n
         self.history.extend(int(t) for t in tokens)
         self.shapes.append(len(tokens))
+
+    def shape_boundary(self, limit: int) -> int:
+        """The last step boundary at or before ``limit``: a replay must keep the steps' shapes."""
+        pos = 0
+        for n in self.shapes:
+            if pos + n > limit:
+                break
+            pos += n
+        return pos
+
+    def split_replay(self, kept: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Frames rebuilding ``[0, kept)`` (a step boundary) and frames of the steps after it,
+        each in the shapes that built them (:func:`p2p.failover.replay_plan`)."""
+        count = pos = 0
+        while pos < kept:
+            pos += self.shapes[count]
+            count += 1
+        rest = [(kept + start, n) for start, n in replay_plan(self.shapes[count:])]
+        return replay_plan(self.shapes[:count]), rest
 
 
 @dataclass
@@ -210,16 +253,19 @@ class SwarmPipeline:
             return await self._migrate(session, leaving, sampling)
         return None
 
-    async def _send(self, session: _Session, start_pos: int, tokens: Sequence[int], sampling: SamplingParams | None) -> int:
+    async def _send(self, session: _Session, start_pos: int, tokens: Sequence[int], sampling: SamplingParams | None,
+                    *, route: Sequence[Hop] | None = None, replay: wire.Replay | None = None) -> int:  # fmt: skip
+        """Send a frame along the leg, or (``route``) a rebuild-only frame into part of it."""
         leg = session.leg
         assert leg is not None
         req = next(_request_ids)
-        msg = wire.Forward(req, leg.wire_id, start_pos, leg.route, self.service.me, sampling,
-                           tokens=np.asarray(tokens, dtype=np.int32))  # fmt: skip
+        hops = leg.route if route is None else tuple(route)
+        msg = wire.Forward(req, leg.wire_id, start_pos, hops, self.service.me, sampling,
+                           tokens=np.asarray(tokens, dtype=np.int32), discard=route is not None, replay=replay)  # fmt: skip
         if session.flight_since is None:
             session.flight_since = trio.current_time()
         session.flight_tokens += len(tokens)
-        await self.service.send(leg.route[0].peer_id, msg)
+        await self.service.send(hops[0].peer_id, msg)
         return req
 
     async def _await_token(self, session: _Session, req: int) -> int | Broken:
@@ -289,6 +335,10 @@ class SwarmPipeline:
                     session.failovers, self.policy.max_failovers)  # fmt: skip
         assert session.leg is not None
         old = session.leg.route
+        span = self._span_route(old, broken.peers, session) if broken.peers else None
+        if span is not None:
+            log.info("session %s: now through %s (span replay)", session.session_id, _describe(span.route))
+            return await self._move_span(session, span, broken.peers, sampling)
         give_up = trio.current_time() + self.policy.no_route_wait_s
         while True:
             try:
@@ -308,6 +358,11 @@ class SwarmPipeline:
         counted, nobody blamed). The old leg is closed *before* the replay: a hop on both
         routes must not need two session slots, and the old KV is never reused anyway."""
         assert session.leg is not None
+        span = self._span_route(session.leg.route, leaving, session)
+        if span is not None:
+            log.info("session %s: moving off leaving peer(s) %s to %s (span replay)", session.session_id,
+                     ", ".join(sorted(p[-6:] for p in leaving)), _describe(span.route))  # fmt: skip
+            return await self._move_span(session, span, frozenset(), sampling)
         try:
             route = self._reroute(session.leg.route, leaving, exclude_load=session)
         except NoRoute:
@@ -360,8 +415,7 @@ class SwarmPipeline:
         index = next((i for i, h in enumerate(old) if h.peer_id in failed), None)
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
-        costs = CostModel(link_ms=self.link_ms(), load=self._load(exclude_load), reliability=self.health.reliability(),
-                          measured_step_ms=self.measured_step_ms())  # fmt: skip
+        costs = self._costs(exclude_load)
         views = list(self.views() if views is None else views)
         avoided = self.health.avoided(trio.current_time()) | failed
         last: NoRoute | None = None
@@ -375,6 +429,95 @@ class SwarmPipeline:
                     last = exc  # the last attempt (from layer 0, only the failed left out) says most
         assert last is not None
         raise last
+
+    def _span_route(self, old: Sequence[Hop], failed: frozenset[PeerId], session: _Session) -> _Span | None:
+        """A route that replaces only the hops from the first to the last failed one, ending
+        where they ended, so that the hops around them keep their caches; None when the
+        policy says no, nothing around would be kept, a kept hop is itself in trouble, or no
+        replacement ends at that boundary."""
+        index = [i for i, hop in enumerate(old) if hop.peer_id in failed]
+        if not self.policy.span_replay or not index:
+            return None
+        prefix, suffix = list(old[: index[0]]), list(old[index[-1] + 1 :])
+        if not prefix and not suffix:
+            return None
+        views = list(self.views())
+        by_node = {v.record.node_id: v for v in views}
+        if any(hop_trouble(hop, by_node.get(hop.node_id)) is not None for hop in prefix + suffix):
+            return None
+        costs = self._costs(session)
+        kept = frozenset(hop.peer_id for hop in prefix + suffix)
+        start, end = old[index[0]].layers.start, old[index[-1]].layers.end
+        for exclude in (self.health.avoided(trio.current_time()) | failed | kept, failed | kept):
+            try:
+                middle = choose_route(views, self.model_id, self.service.me, costs, self.rng,
+                                      start=start, end=end, exclude=exclude)  # fmt: skip
+            except NoRoute:
+                continue
+            return _Span(prefix + middle + suffix, len(prefix), len(prefix) + len(middle))
+        return None
+
+    async def _move_span(self, session: _Session, span: _Span, broken: frozenset[PeerId],
+                         sampling: SamplingParams | None) -> int | None:  # fmt: skip
+        """Switch to ``span.route`` keeping the caches of the hops around the new span: they
+        adopt the session under the new leg id (stale frames of the old leg still find
+        nothing), say how many positions they hold, and the new span is rebuilt from there."""
+        old = session.leg
+        assert old is not None
+        self._open_leg(session, span.route)
+        leg = session.leg
+        assert leg is not None
+        held = await self._adopt(old, leg, span.kept)
+        await self._close_leg(old, broken)
+        limit = min(held.values()) if held else 0
+        kept = session.shape_boundary(min(limit, len(session.history) - session.shapes[-1]))
+        rebuild, rest = session.split_replay(kept)
+        if kept == 0 or len(rebuild) > wire.MAX_REPLAY_FRAMES:
+            return await self._replay(session, sampling)
+        return await self._replay_span(session, span, rebuild, rest, sampling)
+
+    async def _adopt(self, old: Leg, new: Leg, hops: Sequence[Hop]) -> dict[PeerId, int]:
+        """Ask each kept hop to continue ``old`` as ``new``; the positions each confirms
+        (empty if any does not answer in time: the whole route is then replayed, and a hop
+        that adopts late rewinds to position 0 like any other)."""
+        pending: dict[int, PeerId] = {}
+        for hop in hops:
+            req = next(_request_ids)
+            pending[req] = hop.peer_id
+            await self.service.send(hop.peer_id, wire.Adopt(req, old.wire_id, new.wire_id, (hop,), self.service.me))
+        held: dict[PeerId, int] = {}
+        with trio.move_on_after(self.policy.adopt_timeout_s):
+            while pending:
+                reply = await new.inbox.receive()
+                if isinstance(reply, wire.Adopted) and reply.req_id in pending:
+                    held[pending.pop(reply.req_id)] = reply.length
+        return {} if pending else held
+
+    async def _replay_span(self, session: _Session, span: _Span, rebuild: list[tuple[int, int]],
+                           rest: list[tuple[int, int]], sampling: SamplingParams | None) -> int:  # fmt: skip
+        """Rebuild the positions of ``rebuild`` in the new span only, then send the steps of
+        ``rest`` through the whole route. The hop before the span re-sends its kept outputs
+        (the ``replay`` of the first frame, sent ahead of that frame's own output); with no hop
+        before it, this entry sends the tokens itself."""
+        kept = rest[0][0]
+        replay = None
+        if span.lo == 0:
+            for start, n in rebuild:
+                await self._send(session, start, session.history[start : start + n], None, route=span.middle)
+        else:
+            replay = wire.Replay(span.route[span.lo - 1].layers.end, span.route[span.hi - 1].layers.end, tuple(rebuild))
+            session.flight_tokens += kept  # the new span computes these before the first step's answer
+        req = 0
+        for i, (start, n) in enumerate(rest):
+            last = i == len(rest) - 1
+            req = await self._send(session, start, session.history[start : start + n], sampling if last else None,
+                                   replay=replay if i == 0 else None)  # fmt: skip
+        return req
+
+    def _costs(self, excluding: _Session | None) -> CostModel:
+        links = usable_link_ms(self.link_ms(), self.is_connected)
+        return CostModel(link_ms=links, load=self._load(excluding), reliability=self.health.reliability(),
+                         measured_step_ms=self.measured_step_ms())  # fmt: skip
 
     def _load(self, excluding: _Session | None) -> Counter[PeerId]:
         return Counter(

@@ -50,6 +50,11 @@ class FailoverPolicy:
     """A failed peer is avoided for new routes this long, doubling per further failure..."""
     avoid_max_s: float = 300.0
     """...up to this."""
+    span_replay: bool = True
+    """Rebuild only the replaced span from the outputs kept by the hop before it, keeping the
+    cache of every other hop; False replays every processed token through the whole new route."""
+    adopt_timeout_s: float = 5.0
+    """How long the kept hops get to confirm what they hold before the whole route is replayed."""
 
     def __post_init__(self) -> None:
         if self.max_failovers < 0:

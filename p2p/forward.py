@@ -62,6 +62,7 @@ _REJECTION_CODES: dict[FrameReason, wire.ErrorCode] = {
     FrameReason.NOT_FINITE: "invalid_batch",
     FrameReason.TOKEN_OUT_OF_RANGE: "invalid_batch",
     FrameReason.SESSION_QUOTA: "session_limit",
+    FrameReason.REPLAY_REFUSED: "protocol",
 }
 
 
@@ -223,6 +224,8 @@ class ForwardService:
             await self._on_forward(msg, remote)
         elif isinstance(msg, wire.Close):
             await self._on_close(msg, remote)
+        elif isinstance(msg, wire.Adopt):
+            await self._on_adopt(msg, remote)
         else:
             inbox = self._inboxes.get(msg.session_id)
             if inbox is not None and remote not in self._inbox_peers.get(msg.session_id, (remote,)):
@@ -260,11 +263,13 @@ class ForwardService:
         nbytes = msg.nbytes
         try:
             n_layers = self._n_layers(hop, stage)
-            forward_checks.check_route(msg.route, n_layers or msg.route[-1].layers.end, self.record_of)
+            complete_at = None if msg.discard else n_layers or msg.route[-1].layers.end
+            forward_checks.check_route(msg.route, complete_at, self.record_of)
             item = self._item(msg, stage) if stage is not None else None
             if stage is not None:
                 held = stage.engine.session_length(msg.session_id) > 0
                 self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions)
+                self._check_replay(msg, stage)
             await self.admission.reserve(remote, nbytes)
         except FrameRejected as exc:
             self.drops.count(exc.reason)
@@ -282,6 +287,17 @@ class ForwardService:
             await self._after_stage(msg, result)
 
         await stage.submit(Job(item, msg.session_id, deliver, msg.sampling))
+
+    @staticmethod
+    def _check_replay(msg: wire.Forward, stage: Stage) -> None:
+        """A replay this hop must send: only what it kept, and once per adopt (it consumes the
+        permission the adopt gave)."""
+        replay = msg.replay
+        if replay is None or not forward_checks.check_replay(msg.route, replay.at, replay.until):
+            return
+        kept = stage.kept
+        if kept is None or kept.length(msg.session_id) < replay.positions or not kept.take_replay(msg.session_id):
+            raise FrameRejected(FrameReason.REPLAY_REFUSED, f"no replay of session {msg.session_id} is due here")
 
     @staticmethod
     def _item(msg: wire.Forward, stage: Stage) -> BatchItem:
@@ -303,13 +319,59 @@ class ForwardService:
         if len(msg.route) > 1:
             hidden = result.output.hidden
             assert hidden is not None
+            replay = msg.replay
+            if replay is not None and msg.route[0].layers.end == replay.at:
+                if not await self._send_replay(msg, replay):
+                    return
+                replay = None
             nxt = wire.Forward(
                 msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to, msg.sampling,
-                hidden=tensors.encode(hidden, self.wire_dtype),
+                hidden=result.sent or tensors.encode(hidden, self.wire_dtype), discard=msg.discard, replay=replay,
             )  # fmt: skip
             await self.send(nxt.route[0].peer_id, nxt)
         elif msg.sampling is not None:
             await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, result.token))
+
+    async def _send_replay(self, msg: wire.Forward, replay: wire.Replay) -> bool:
+        """Send the kept outputs of positions ``[0, k)`` into the replaced span, in the frames
+        that built them, before the step itself (the same link keeps the order)."""
+        kept = self.stage.kept if self.stage is not None else None
+        ends = [hop.layers.end for hop in msg.route]
+        span = msg.route[1 : ends.index(replay.until) + 1]
+        try:
+            if kept is None:
+                raise KeyError("this stage keeps no outputs")
+            frames = [(start, kept.rows(msg.session_id, start, n)) for start, n in replay.frames]
+        except (KeyError, IndexError) as exc:
+            await self._fail(msg, "engine_error", f"cannot replay session {msg.session_id}: {exc}")
+            return False
+        for start, rows in frames:
+            await self.send(span[0].peer_id, wire.Forward(msg.req_id, msg.session_id, start, span, msg.reply_to, None,
+                                                          hidden=rows, discard=True))  # fmt: skip
+        return True
+
+    async def _on_adopt(self, msg: wire.Adopt, remote: PeerId) -> None:
+        """Rename a session to a failover's new leg, in order with its other jobs; answer
+        with the positions kept (0 when this hop holds nothing for it)."""
+        try:
+            if not self.admission.may_close(remote, msg.session_id):
+                raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "only the session's own peers may move it")
+            forward_checks.check_route(msg.route, None, self.record_of)
+        except FrameRejected as exc:
+            self.drops.count(exc.reason)
+            log.info("refusing an adopt from %s: %s", remote, exc)
+            return
+        stage = self._serves(msg.route[0])
+        if stage is None:
+            await self.send(msg.reply_to, wire.Adopted(msg.req_id, msg.new_id, 0))
+            return
+
+        async def deliver(result: StageResult) -> None:
+            if result.length:
+                self.admission.renamed(msg.session_id, msg.new_id)
+            await self.send(msg.reply_to, wire.Adopted(msg.req_id, msg.new_id, result.length or 0))
+
+        await stage.submit(Job(None, msg.session_id, deliver, rename_to=msg.new_id))
 
     async def _on_close(self, msg: wire.Close, remote: PeerId) -> None:
         hop = msg.route[0]

@@ -11,6 +11,11 @@ Every hop checks the *remaining* route again, because the hop before it may be t
                     and a libp2p hop is its own node (node id == peer id)
     input           token ids on the first range (inside the vocabulary), finite hidden
                     states of the model's width after it
+    discard         a failover's rebuild frame may end before the last layer (its last hop
+                    drops the output), and never samples
+    replay          names boundaries of the route; the hop ending at ``at`` re-sends only
+                    what it kept for the session, only once per adopt (the entry just moved
+                    it), so a frame cannot make a stage send a session's states at will
 
 A failure is a :class:`FrameRejected` with a fixed :class:`FrameReason`; the forward service
 counts it and answers the entry peer with an ``error`` frame, never an exception that could
@@ -47,6 +52,7 @@ class FrameReason(enum.Enum):
     TOO_LARGE = "too_large"
     MALFORMED = "malformed"
     FOREIGN_REPLY = "foreign_reply"
+    REPLAY_REFUSED = "replay_refused"
 
 
 class FrameRejected(P2PError):
@@ -71,6 +77,15 @@ def check_route(route: Sequence[Hop], n_layers: int | None, record_of: RecordOf 
             raise FrameRejected(FrameReason.ROUTE_UNREGISTERED, f"hop {index} is not what the registry says {hop.node_id} holds")
     if n_layers is not None and route[-1].layers.end != n_layers:
         raise FrameRejected(FrameReason.ROUTE_INCOMPLETE, f"the route ends at layer {route[-1].layers.end}, not {n_layers}")
+
+
+def check_replay(route: Sequence[Hop], at: int, until: int) -> bool:
+    """Raise unless ``at`` and ``until`` are boundaries of ``route`` with a hop between them
+    (``route[0]`` is the receiver); True when the receiver is the hop that re-sends."""
+    ends = [hop.layers.end for hop in route]
+    if at not in ends[:-1] or until not in ends or until <= at:
+        raise FrameRejected(FrameReason.REPLAY_REFUSED, "a replay must name boundaries of its route")
+    return ends[0] == at
 
 
 def _registered(hop: Hop, record: NodeRecord | None) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import trio
 
@@ -18,6 +18,7 @@ from inclavate.types import PeerId
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
+from p2p.routing import DEFAULT_LINK_MS
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,17 @@ class LatencyMonitor:
         except P2PError:
             return False
         return True
+
+
+def usable_link_ms(link_ms: Mapping[PeerId, float], is_connected: Callable[[PeerId], bool]) -> dict[PeerId, float]:
+    """Link costs for routing: a missed ping (the ``UNREACHABLE_MS`` penalty) from a peer we
+    still hold a live connection to counts as an unknown link, not as a second's delay. Under
+    load a starved event loop misses pings of healthy peers, and the penalty used to decide
+    alone where sessions go: eight sessions failing over at once all went to the one replica
+    whose last ping happened to succeed. A peer that is really stalled is caught by the step
+    deadline; one that is gone, by its lost connection and its record."""
+    penalty = UNREACHABLE_MS / 2  # link_ms is half the round trip
+    return {peer: DEFAULT_LINK_MS if ms >= penalty and is_connected(peer) else ms for peer, ms in link_ms.items()}
 
 
 async def _echo(stream: FramedStream, remote: PeerId) -> None:

@@ -20,7 +20,9 @@ pile onto the cheapest replica, and all sessions failing over at once onto one s
 with it, replicas share sessions roughly in inverse proportion to their cost), and the
 node's measured reliability divides the cost (a node that failed this entry's sessions
 looks slower).
-Among equally cheap chains one is drawn at random.
+Among chains within ``NEAR_EQUAL`` of the cheapest one is drawn at random: measured costs
+of replicas on similar machines differ by noise, which must not decide where every session
+goes.
 
 A route may start at a boundary other than 0 (failover re-routes from the failed boundary,
 keeping the hops before it), and may exclude peers (the failed one, and those avoided).
@@ -42,8 +44,13 @@ from p2p.registry import NodeView
 HOP_MS = 1.0
 DEFAULT_STEP_MS_PER_LAYER = 1.0
 DEFAULT_LINK_MS = 5.0
-SESSION_SHARE = 0.5
+SESSION_SHARE = 1.0
+"""Each session this entry already sends through a node adds the node's whole cost again:
+measured speeds of replicas are noisy (one step under load can take 5x another), and a weaker
+share let such noise send all of 8 sessions failing over at once to one survivor."""
 MIN_RELIABILITY = 0.1
+NEAR_EQUAL = 0.02
+"""Ways to a boundary costing at most this much more than the cheapest count as equal."""
 _EPSILON = 1e-9
 
 
@@ -120,9 +127,11 @@ def choose_route(
     rng: random.Random | None = None,
     *,
     start: int = 0,
+    end: int | None = None,
     exclude: Collection[PeerId] = (),
 ) -> list[Hop]:
-    """The cheapest chain of routable nodes from boundary ``start`` to the model's last layer."""
+    """The cheapest chain of routable nodes from boundary ``start`` to boundary ``end`` (the
+    model's last layer when None: a failover may replace only a span in the middle)."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
     if not candidates:
         raise NoRoute(model_id, 0, [])
@@ -134,14 +143,15 @@ def choose_route(
         hop = Hop(r.node_id, r.peer_id, r.layers, r.forward_url if r.relayed else "")
         edges.setdefault(r.start_layer, []).append((costs.edge_ms(r, entry, reference), hop))
 
+    target = n_layers if end is None else end
     best, preds = _shortest(edges, n_layers, start)
-    if n_layers not in best:
+    if target not in best:
         gaps = uncovered((r.layers for r in candidates), n_layers)
-        missing = [LayerRange(max(m.start, start), m.end) for m in gaps if m.end > start]
+        missing = [LayerRange(max(m.start, start), min(m.end, target)) for m in gaps if m.end > start and m.start < target]
         raise NoRoute(model_id, n_layers, missing)
     rng = rng or random.Random()
     route: list[Hop] = []
-    boundary = n_layers
+    boundary = target
     while boundary != start:
         hop = rng.choice(preds[boundary])
         route.append(hop)
@@ -152,9 +162,9 @@ def choose_route(
 def _shortest(
     edges: Mapping[int, list[tuple[float, Hop]]], n_layers: int, start: int
 ) -> tuple[dict[int, float], dict[int, list[Hop]]]:
-    """Dijkstra over boundaries, keeping *every* optimal predecessor for random tie-breaks."""
+    """Dijkstra over boundaries; then, for each boundary, every last hop of a way there
+    within ``NEAR_EQUAL`` of the cheapest (the random draw among them spreads sessions)."""
     best: dict[int, float] = {start: 0.0}
-    preds: dict[int, list[Hop]] = {}
     queue = [(0.0, start)]
     while queue:
         cost, boundary = heapq.heappop(queue)
@@ -162,10 +172,15 @@ def _shortest(
             continue
         for edge_cost, hop in edges.get(boundary, []):
             end, total = hop.layers.end, cost + edge_cost
-            known = best.get(end, float("inf"))
-            if total < known - _EPSILON:
-                best[end], preds[end] = total, [hop]
+            if total < best.get(end, float("inf")) - _EPSILON:
+                best[end] = total
                 heapq.heappush(queue, (total, end))
-            elif abs(total - known) <= _EPSILON:
-                preds[end].append(hop)
+    preds: dict[int, list[Hop]] = {}
+    for boundary, outgoing in edges.items():
+        if boundary not in best:
+            continue
+        for edge_cost, hop in outgoing:
+            end = hop.layers.end
+            if best[boundary] + edge_cost <= best[end] * (1 + NEAR_EQUAL) + _EPSILON:
+                preds.setdefault(end, []).append(hop)
     return best, preds

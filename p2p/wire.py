@@ -8,6 +8,12 @@ Only ``forward`` carries a body: int32 token ids for the first range, or hidden 
 the header's wire dtype (``inclavate.tensors``) after it. Messages are one-way: a stage
 passes ``forward`` down the route; the last stage sends ``result`` (or any stage
 ``error``) straight to ``reply_to``, the entry peer. Hidden states never travel back.
+
+Failover adds three things (``p2p.chain``): ``adopt`` asks one hop to keep a session's cache
+under a new leg id (answered ``adopted`` with the positions it keeps); a ``forward`` may carry
+``replay``, telling the hop whose range ends at ``at`` to send its kept outputs of ``frames``
+into the hops up to boundary ``until`` first; and those frames carry ``discard``: the route
+ends before the model does and its last hop only rebuilds its cache.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import numpy as np
 
 from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
-from inclavate.untrusted import Malformed, as_dict, as_int, as_list, as_str, parse_json, read_dict, read_int, read_list, read_str
+from inclavate.untrusted import (
+    Malformed, as_dict, as_int, as_list, as_str, parse_json, read_bool, read_dict, read_int, read_list, read_str,
+)  # fmt: skip
 from node.sampling import SamplingParams
 from p2p.errors import ProtocolError
 from p2p.routing import Hop
@@ -36,6 +44,8 @@ MAX_ID_CHARS = 256
 MAX_URL_CHARS = 2048
 MAX_MESSAGE_CHARS = 4096
 MAX_DIM = 1 << 24
+MAX_REPLAY_FRAMES = 4096
+"""Frames one replay may name (a 128k context in 32-position frames)."""
 
 def max_frame_bytes(context_length: int, d_model: int) -> int:
     """The largest forward frame a model can need: a whole context of float32 hidden states
@@ -82,6 +92,44 @@ def _sampling(raw: Any) -> SamplingParams | None:
     return SamplingParams(temperature, top_p, seed)  # checks types and ranges itself
 
 
+@dataclass(frozen=True)
+class Replay:
+    """Positions ``[0, k)`` rebuilt from the kept outputs of the hop whose range ends at
+    ``at``, sent (in these frames, the shapes that built them) through the hops up to
+    boundary ``until``, which discard their result: the hops after ``until`` still hold them."""
+
+    at: int
+    until: int
+    frames: tuple[tuple[int, int], ...]
+
+    @property
+    def positions(self) -> int:
+        start, n = self.frames[-1]
+        return start + n
+
+
+def _replay(raw: Any, start_pos: int) -> Replay | None:
+    if raw is None:
+        return None
+    spec = as_dict(raw, "replay", max_len=3)
+    at, until = read_int(spec, "at", lo=1, hi=MAX_DIM), read_int(spec, "until", lo=2, hi=MAX_DIM)
+    if until <= at:
+        raise ValueError("a replay ends after the hop that sends it")
+    frames, pos = [], 0
+    for item in read_list(spec, "frames", max_len=MAX_REPLAY_FRAMES):
+        pair = as_list(item, "replay frame", max_len=2)
+        if len(pair) != 2:
+            raise ValueError("a replay frame is [start, length]")
+        start, n = as_int(pair[0], "replay start", lo=0, hi=MAX_DIM), as_int(pair[1], "replay length", lo=1, hi=MAX_DIM)
+        if start != pos:
+            raise ValueError("replay frames are contiguous from position 0")
+        frames.append((start, n))
+        pos += n
+    if not frames or pos != start_pos:
+        raise ValueError("a replay rebuilds exactly the positions before its frame")
+    return Replay(at, until, tuple(frames))
+
+
 @dataclass(frozen=True, eq=False)
 class Forward:
     """Run ``tokens`` or ``hidden`` at positions ``start_pos...`` through ``route[0]`` onward."""
@@ -96,6 +144,10 @@ class Forward:
     sampling: SamplingParams | None
     tokens: np.ndarray | None = None
     hidden: tensors.EncodedTensor | None = None
+    discard: bool = False
+    """Rebuild the cache only: the route may end before the model's last layer, and its
+    last hop drops its output (a failover replay into a replaced span)."""
+    replay: Replay | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -150,7 +202,30 @@ class Error:
     """For ``unreachable``: the peer ``origin`` could not reach (absent from older peers)."""
 
 
-Message = Forward | Result | Close | Closed | Error
+@dataclass(frozen=True)
+class Adopt:
+    """Keep ``session_id``'s cache (and kept outputs) as ``new_id``: a failover's new leg goes
+    on through this hop. ``route`` is the one receiving hop. Answered with ``adopted``."""
+
+    TYPE: ClassVar[str] = "adopt"
+    req_id: int
+    session_id: SessionId
+    new_id: SessionId
+    route: tuple[Hop, ...]
+    reply_to: PeerId
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """``session_id`` (the new id) holds ``length`` positions here (0: nothing was kept)."""
+
+    TYPE: ClassVar[str] = "adopted"
+    req_id: int
+    session_id: SessionId
+    length: int
+
+
+Message = Forward | Result | Close | Closed | Error | Adopt | Adopted
 
 
 def encode(msg: Message) -> bytes:
@@ -163,6 +238,10 @@ def encode(msg: Message) -> bytes:
             reply_to=msg.reply_to,
             sampling=None if msg.sampling is None else [msg.sampling.temperature, msg.sampling.top_p, msg.sampling.seed],
         )
+        if msg.discard:
+            header["discard"] = True
+        if msg.replay is not None:
+            header["replay"] = {"at": msg.replay.at, "until": msg.replay.until, "frames": [list(f) for f in msg.replay.frames]}
         if msg.tokens is not None:
             header["input"] = {"kind": "tokens", "shape": [int(msg.tokens.shape[0])]}
             body = np.ascontiguousarray(msg.tokens, dtype="<i4").tobytes()
@@ -174,6 +253,10 @@ def encode(msg: Message) -> bytes:
         header["token"] = msg.token
     elif isinstance(msg, Close):
         header.update(route=[_hop_json(h) for h in msg.route], reply_to=msg.reply_to)
+    elif isinstance(msg, Adopt):
+        header.update(new=msg.new_id, route=[_hop_json(h) for h in msg.route], reply_to=msg.reply_to)
+    elif isinstance(msg, Adopted):
+        header["length"] = msg.length
     elif isinstance(msg, Error):
         header.update(code=msg.code, message=msg.message[:MAX_MESSAGE_CHARS], origin=msg.origin)
         if msg.failed_peer is not None:
@@ -228,7 +311,11 @@ def _build(h: dict[str, Any], body: memoryview) -> Message:
             raise ValueError("a forward carries at least one position")
         start_pos = read_int(h, "start_pos", lo=0, hi=MAX_DIM)
         reply_to = PeerId(read_str(h, "reply_to", max_len=MAX_ID_CHARS))
-        return Forward(req, session, start_pos, _route(h), reply_to, sampling, tokens, hidden)
+        discard = read_bool(h, "discard", default=False)
+        replay = _replay(h.get("replay"), start_pos)
+        if discard and (sampling is not None or replay is not None):
+            raise ValueError("a discarded frame neither samples nor replays")
+        return Forward(req, session, start_pos, _route(h), reply_to, sampling, tokens, hidden, discard, replay)
     if kind == Result.TYPE:
         token = h.get("token")
         return Result(req, session, None if token is None else as_int(token, "token", lo=0, hi=2**31 - 1))
@@ -236,6 +323,14 @@ def _build(h: dict[str, Any], body: memoryview) -> Message:
         return Close(req, session, _route(h), PeerId(read_str(h, "reply_to", max_len=MAX_ID_CHARS)))
     if kind == Closed.TYPE:
         return Closed(req, session)
+    if kind == Adopt.TYPE:
+        new = SessionId(read_str(h, "new", max_len=MAX_ID_CHARS))
+        route = _route(h)
+        if new == session or len(route) != 1:
+            raise ValueError("an adopt names one hop and a new session id")
+        return Adopt(req, session, new, route, PeerId(read_str(h, "reply_to", max_len=MAX_ID_CHARS)))
+    if kind == Adopted.TYPE:
+        return Adopted(req, session, read_int(h, "length", lo=0, hi=MAX_DIM))
     if kind == Error.TYPE:
         code = read_str(h, "code", max_len=32, choices=_ERROR_CODES)
         message = read_str(h, "message", max_len=MAX_MESSAGE_CHARS)

@@ -3,15 +3,20 @@
 Peers A 0-10 (the entry), B and C 10-20 (replicas), D 20-30, as separate processes. Each
 stream's prompt is long enough that the session holds ``--context-tokens`` positions when
 the middle hop carrying it is killed with SIGKILL; the entry re-routes to the replica and
-replays the session there. Reported, in one run:
+rebuilds the session there. Measured twice, in two fresh swarms one after the other: with
+the default *span replay* (A and D keep their caches; A re-sends its kept outputs into C)
+and with the entry forced to replay the whole route (``--failover-replay whole``).
+Reported for each:
 
-- **stall**: the longest gap between two tokens of a stream across the kill (target <= 2 s);
+- **stall**: the longest gap between two tokens of a stream across the kill (target <= 2 s,
+  for the default);
 - **total**: the disturbed generation's time against the same request undisturbed;
 - **identical**: whether the disturbed text equals the undisturbed one;
-- **replay cost**, in-process, for the design choice in docs/ARCHITECTURE.md ("Failover"):
-  replaying the context through the whole route (what failover does) against only the
-  replaced span (what keeping each span's input hidden states at the entry would allow), and
-  what keeping them would cost every session on every step.
+
+and once:
+
+- **replay cost**, in-process: the context through the whole route against the 10-layer
+  span alone, and what the kept outputs hold per session;
 
 - **whole again**: seconds from ``kill -9`` of the only holder of a span to
   ``chain_complete`` again, healed by a spare replica moving there (target <= 30 s).
@@ -132,6 +137,41 @@ def replay_costs(model_path: Path, model_id: str, context: int, slices: Path) ->
             engine.close()
 
 
+def measure_failover(args: argparse.Namespace, home: Path, model_id: str, bodies: list[dict], kill_after: int,
+                     replay: str, heal: bool) -> tuple[list[StreamedChat], list[StreamedChat], float | None]:  # fmt: skip
+    """Undisturbed and disturbed streams in a fresh swarm whose entry replays ``replay``;
+    with ``heal``, then the time until the swarm is whole again."""
+    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(args.threads), "--wire-dtype", args.wire_dtype,
+              "--context", "2048", "--max-sessions", str(max(2, args.streams))]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home)}) as swarm:
+        a = swarm.start("a", model_id, "--layers", "0-10", "--failover-replay", replay)
+        b, c, d = (swarm.start(n, model_id, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
+        for peer in (a, b, c, d):
+            swarm.wait_ready(peer)
+        swarm.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the swarm")
+        run_streams(a, bodies, None, [])  # warm-up: connections, slices in the page cache
+        calm = run_streams(a, bodies, None, [])
+        disturbed = run_streams(a, bodies, kill_after, [b, c])
+        kept = sum(p.get("/health")["failover"]["adopted"] for p in (a, d))
+        print(f"[{replay} replay] sessions kept by the entry and the last stage across the failover: {kept}")
+        healed = measure_heal(swarm, a, d, model_id) if heal else None
+    return calm, disturbed, healed
+
+
+def report(replay: str, calm: list[StreamedChat], disturbed: list[StreamedChat]) -> tuple[float, bool]:
+    calm_total = max(ch.total for ch in calm)
+    hurt_total = max(ch.total for ch in disturbed)
+    stall = max(ch.longest_gap for ch in disturbed)
+    normal_gap = max(ch.longest_gap for ch in calm)
+    ttft = max(ch.times[0] - ch.started for ch in calm)
+    same = [ch.text for ch in disturbed] == [ch.text for ch in calm] and all(ch.error is None for ch in disturbed)
+    print(f"[{replay} replay] stall: longest gap {stall:.2f} s across the kill (undisturbed: longest gap "
+          f"{normal_gap:.2f} s, first token after {ttft:.2f} s, which includes the prefill); "
+          f"stall / first token {stall / ttft:.2f}; total disturbed/undisturbed {hurt_total:.2f}/{calm_total:.2f} s "
+          f"= {hurt_total / calm_total:.2f}; identical text: {'yes' if same else 'NO'}")  # fmt: skip
+    return stall, same
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2:135m")
@@ -149,43 +189,28 @@ def main() -> int:
     with Tokenizer(path) as tok:
         prompt = prompt_of(tok, args.context_tokens - kill_after)
     bodies = [body(spec.model_id, prompt, args.decode_tokens)] * args.streams
-    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(args.threads), "--wire-dtype", args.wire_dtype,
-              "--context", "2048", "--max-sessions", str(max(2, args.streams))]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home)}) as swarm:
-        a = swarm.start("a", spec.model_id, "--layers", "0-10")
-        b, c, d = (swarm.start(n, spec.model_id, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
-        for peer in (a, b, c, d):
-            swarm.wait_ready(peer)
-        swarm.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the swarm")
-        run_streams(a, bodies, None, [])  # warm-up: connections, slices in the page cache
-        calm = run_streams(a, bodies, None, [])
-        disturbed = run_streams(a, bodies, kill_after, [b, c])
-        healed = measure_heal(swarm, a, d, spec.model_id)
+    print(f"command: INCLAVATE_HOME={home} scripts/bench_failover " + " ".join(sys.argv[1:]))
+    span = measure_failover(args, home, spec.model_id, bodies, kill_after, "span", heal=True)
+    whole = measure_failover(args, home, spec.model_id, bodies, kill_after, "whole", heal=False)
     replay_whole, replay_span = replay_costs(path, spec.model_id, args.context_tokens, home / "slices")
 
-    calm_total = max(ch.total for ch in calm)
-    hurt_total = max(ch.total for ch in disturbed)
-    stall = max(ch.longest_gap for ch in disturbed)
-    normal_gap = max(ch.longest_gap for ch in calm)
-    same = [ch.text for ch in disturbed] == [ch.text for ch in calm] and all(ch.error is None for ch in disturbed)
     print(f"model {spec.model_id}: A 0-10 (entry), B/C 10-20, D 20-30; {args.streams} stream(s), "
           f"{args.context_tokens}-token context at the kill, wire {args.wire_dtype}, {args.threads} thread(s) per peer")  # fmt: skip
-    ttft = max(ch.times[0] - ch.started for ch in calm)
-    print(f"stall: longest gap {stall:.2f} s across the kill (undisturbed: longest gap {normal_gap:.2f} s, "
-          f"first token after {ttft:.2f} s, which includes the same prefill a replay redoes)")  # fmt: skip
-    print(f"stall / first token of the undisturbed run: {stall / ttft:.2f} (the replay redoes that prefill; "
-          f"a ratio holds on a loaded machine, where seconds do not)")  # fmt: skip
-    print(f"total: disturbed {hurt_total:.2f} s vs undisturbed {calm_total:.2f} s (ratio {hurt_total / calm_total:.2f})")
-    print(f"identical text: {'yes' if same else 'NO'}")
+    stall, same = report("span", span[0], span[1])
+    stall_whole, _ = report("whole", whole[0], whole[1])
+    print(f"stall span / whole route: {stall / stall_whole:.2f} (in two swarms one after the other; a ratio "
+          f"holds on a loaded machine, where seconds do not)")  # fmt: skip
+    healed = span[2]
+    assert healed is not None
     print(f"time until whole again: {healed:.1f} s from kill -9 of the only holder of 20-30 to chain_complete "
           f"(target <= {TARGET_HEALED_S:g} s: {'met' if healed <= TARGET_HEALED_S else 'NOT met'})")
     d_model, nbytes = spec.d_model, 2 if args.wire_dtype != "f32" else 4
     print(f"replay of {args.context_tokens} positions in-process: whole route {replay_whole:.2f} s, "
-          f"the 10-layer span alone {replay_span:.2f} s")  # fmt: skip
-    print(f"keeping span inputs instead: every step sends {d_model * nbytes} B per boundary back to the entry, "
-          f"which holds {args.context_tokens * d_model * nbytes * 2 / 1e6:.1f} MB per session (2 boundaries)")  # fmt: skip
+          f"the 10-layer span alone {replay_span:.2f} s (ratio {replay_span / replay_whole:.2f})")  # fmt: skip
+    print(f"kept outputs: each stage before the last holds {args.context_tokens * d_model * nbytes / 1e6:.1f} MB "
+          f"per session at this context, no extra bytes on the wire")  # fmt: skip
     met = stall <= TARGET_STALL_S and same
-    print(f"target: stall <= {TARGET_STALL_S:g} s with identical text: {'met' if met else 'NOT met'}")
+    print(f"target: stall <= {TARGET_STALL_S:g} s with identical text (span replay): {'met' if met else 'NOT met'}")
     return 0
 
 

@@ -66,6 +66,9 @@ class LocalContext:
     def local_engine(self) -> tuple[NodeId, ModelId, LayerRange] | None:
         return NodeId("local"), self.model_id, self.engine.info.layers
 
+    def failover_counters(self) -> dict[str, int]:
+        return {"adopted": 0, "recomputed": 0}
+
     def open_sessions(self) -> dict[str, int]:
         return {"stage": self.engine.memory().sessions, "entry": 0}
 

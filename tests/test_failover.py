@@ -11,6 +11,8 @@ left):
   /ws/chat and plain JSON.
 - f16, seeded sampling, entry Z holds only the last layers: A/A2/A3 0-10, B 10-20, Z 20-30.
   The first stage killed under 3 streams, then the replacement killed too; an entry allowed no failover reports the failure.
+- f32, greedy, three replicas of the middle span: 8 sessions on one of them fail over at
+  once and spread over the two survivors.
 
 (Five peers per swarm: with six, py-libp2p 0.8.1 here stops opening streams from the peer
 everyone bootstrapped to, failover or not: a separate problem.)
@@ -24,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import trio
@@ -125,17 +128,32 @@ def greedy_text(greedy_swarm) -> str:
     return body["choices"][0]["message"]["content"]
 
 
+def counters(peers: list[PeerProcess]) -> tuple[int, int]:
+    """Sessions these peers' stages kept across failovers, and positions they recomputed."""
+    totals = [p.get("/health")["failover"] for p in peers]
+    return sum(t["adopted"] for t in totals), sum(t["recomputed"] for t in totals)
+
+
 def test_eight_streams_survive_a_middle_hop_killed_mid_decode(greedy_swarm, greedy_text: str) -> None:
+    """Span replay: the hops before and after the dead one keep their caches (they adopt the
+    moved sessions); only the replacement computes the past positions again."""
     s, peers = greedy_swarm
-    victims: list[PeerProcess] = []
+    lasts = [peers["d"], peers["e"]]
+    before = counters(lasts)
+    moved: list[int] = []
 
     def kill_a_middle_hop(chats: list[StreamedChat]) -> None:
-        victims.append(busiest([peers["b"], peers["c"]]))
-        kill(victims[0])
+        victim = busiest([peers["b"], peers["c"]])
+        moved.append(stage_sessions(victim))
+        kill(victim)
 
     chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 8, kill_a_middle_hop)
     assert [c.error for c in chats] == [None] * 8
     assert [c.text for c in chats] == [greedy_text] * 8
+    adopted, recomputed = (after - was for after, was in zip(counters(lasts), before))
+    assert adopted >= moved[0] > 0, (adopted, moved)
+    # Each moved session's last stage redid at most its last step or two, not its ~80 positions.
+    assert recomputed <= 4 * adopted, recomputed
     wait_no_sessions(s, list(peers.values()))
 
 
@@ -279,3 +297,52 @@ def test_an_entry_allowed_no_failover_reports_the_failure(seeded_swarm) -> None:
     assert chat.error is not None and chat.error["status"] == 503, chat.error
     assert "after 0 failover" in chat.error["error"], chat.error
     wait_no_sessions(s, list(peers.values()))
+
+
+# ------------------------------------------------- spreading over the survivors
+
+
+def set_state(peer: PeerProcess, state: str) -> None:
+    node = peer.get("/health")["peer_id"]
+    status, body = request_json("PATCH", f"{peer.url}/admin/nodes/{node}/state", {"state": state},
+                                headers={"X-Admin-Token": ADMIN_TOKEN})  # fmt: skip
+    assert status == 200, body
+
+
+def test_eight_sessions_failing_over_at_once_spread_over_the_survivors(tmp_path: Path) -> None:
+    """A 0-10 (entry), B/C1/C2 10-20, D 20-30. The replicas C1 and C2 are idle while 8 greedy
+    streams start, so all 8 go through B; they are active again, then B is killed: all 8
+    move at once, and both survivors take some of them. Every text is the undisturbed one."""
+    with Swarm(tmp_path, extra_args=["--wire-dtype", "f32", *SHARED]) as s:
+        a = s.start("a", "--layers", "0-10")
+        b, c1, c2, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in
+                        (("b", "10-20"), ("c1", "10-20"), ("c2", "10-20"), ("d", "20-30")))  # fmt: skip
+        peers = [a, b, c1, c2, d]
+        for peer in peers:
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 5, 30, "the whole swarm")
+        warm_up(s, a, 3)
+        body = ask(QUESTION, 64)
+        status, reply = request_json("POST", a.url + "/v1/chat/completions", body, timeout=120)
+        assert status == 200, reply
+        expected = reply["choices"][0]["message"]["content"]
+        replicas = [c1, c2]
+        for peer in replicas:
+            set_state(peer, "idle")
+        s.wait(lambda: sum(n["idle"] for n in a.get("/nodes")) == 2, 20, "the replicas to be idle")
+        spread: list[int] = []
+
+        def kill_b_when_replicas_are_back(chats: list[StreamedChat]) -> None:
+            assert stage_sessions(b) == 8
+            for peer in replicas:
+                set_state(peer, "ready")
+            s.wait(lambda: not any(n["idle"] for n in a.get("/nodes")), 20, "the replicas to be active")
+            kill(b)
+            s.wait(lambda: sum(stage_sessions(p) for p in replicas) == 8 or all(c.finish_reason for c in chats), 60,
+                   "the sessions to move")  # fmt: skip
+            spread.extend(stage_sessions(p) for p in replicas)
+
+        chats = run_streams(a, [body] * 8, kill_b_when_replicas_are_back)
+        assert [(c.error, c.text) for c in chats] == [(None, expected)] * 8
+        assert sum(spread) == 8 and min(spread) > 0, spread
+        wait_no_sessions(s, peers)

@@ -9,10 +9,11 @@ from collections import Counter
 import pytest
 from registry_helpers import MODEL, view
 
-from inclavate.types import LayerRange, NodeId, PeerId
+from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
-from p2p.routing import CostModel, Hop, NoRoute, choose_route
+from p2p.latency import UNREACHABLE_MS, usable_link_ms
+from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
 
 
 def ranges(route) -> list[tuple[str, LayerRange]]:
@@ -124,3 +125,26 @@ def test_the_replay_plan_keeps_prefill_shapes_and_coalesces_small_steps() -> Non
     # Decode steps (and a forced 3-token tag) merge into frames of at most 32 tokens.
     assert replay_plan([256, 256, 10, *[1] * 40, 3, *[1] * 5]) == [(0, 256), (256, 256), (512, 32), (544, 26)]
     assert replay_plan([20, *[1] * 20]) == [(0, 32), (32, 8)]
+
+
+def test_a_span_replay_rebuilds_up_to_a_step_boundary_and_resends_the_rest() -> None:
+    from p2p.chain import _Session
+
+    session = _Session(SessionId("s"))
+    for start, tokens in ((0, [1] * 256), (256, [1] * 74), *((330 + i, [2]) for i in range(5))):
+        session.record(start, tokens)
+    # The kept hops confirm 333 and 334 positions: 333 is a step boundary, before the last step.
+    assert session.shape_boundary(333) == 333 and session.shape_boundary(300) == 256
+    assert session.split_replay(333) == ([(0, 256), (256, 74), (330, 3)], [(333, 2)])
+    assert session.split_replay(256) == ([(0, 256)], [(256, 74), (330, 5)])
+
+
+def test_a_prefill_batch_does_not_move_the_claimed_step_time() -> None:
+    """Routing costs a hop at its claimed decode step time; a prompt chunk's seconds used to
+    count as a step and make a replica look ~100x slower."""
+    from node.stage import StageStats
+
+    stats = StageStats()
+    stats.record(1, 0.010, 10)
+    stats.record(256, 1.0, 10, decode=False)
+    assert stats.step_ms_per_layer == pytest.approx(1.0) and stats.tokens == 257 and stats.batches == 2

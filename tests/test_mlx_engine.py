@@ -105,6 +105,13 @@ def test_rewind_recomputes_from_the_given_position(whole, prompts) -> None:
         (again,) = whole.forward([BatchItem(sid, len(prompt) - 1, tokens=prompt[-1:])])
         assert whole.session_length(sid) == len(prompt)
         assert np.max(np.abs(again.logits - first.logits)) < 1e-4
+        # A failover's adopt: the cache continues under a new id, never onto a held one.
+        moved = SessionId("rewind.1")
+        assert whole.rename_session(sid, moved) == len(prompt)
+        assert whole.session_length(sid) == 0 and whole.rename_session(sid, moved) == 0
+        (after,) = whole.forward([BatchItem(moved, len(prompt) - 1, tokens=prompt[-1:])])
+        assert np.array_equal(after.logits, again.logits)
+        whole.close_session(moved)
     finally:
         whole.close_session(sid)
 

@@ -20,7 +20,8 @@ from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, chat, 
 from reference import whole_model_text
 from swarm import PeerProcess, Swarm, request_json
 
-from inclavate.types import LayerRange, NodeId, PeerId
+from inclavate import tensors
+from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from node.sampling import SamplingParams
 from p2p import wire
 from p2p.errors import P2PError
@@ -274,4 +275,38 @@ def test_a_last_stage_that_answers_a_token_outside_the_vocabulary(live, expected
     assert a.alive()
     evil_gone = lambda: all(n["state"] != "Ready" for n in a.get("/nodes") if n["node_id"] not in {x[0] for x in baseline})  # noqa: E731
     s.wait(evil_gone, 20, "the stranger's record to age out", a)
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+# ------------------------------------------------------- failover's span replay
+
+
+def test_a_stranger_cannot_make_a_stage_resend_or_move_what_it_keeps(live, expected, baseline) -> None:
+    """A stage re-sends a session's kept outputs only right after an adopt, once, and only
+    the session's opener (or a registered peer) may adopt it: a stranger who learnt a session
+    id can neither pull its hidden states out again nor move it."""
+    s, (a, b, c) = live
+    route = (hop(b, "10-20"), hop(c, "20-30"))
+    replay = wire.Replay(20, 30, ((0, 2),))
+
+    def again(evil: HostilePeer, session: str) -> bytes:
+        return wire.encode(wire.Forward(2, SessionId(session), 2, route, evil.peer_id, None,
+                                        hidden=tensors.encode(finite_hidden(), "f32"), replay=replay))  # fmt: skip
+
+    async def run(evil: HostilePeer, stream: FramedStream, replies: list) -> None:
+        await stream.send(forward(evil, route, session="mine", hidden=finite_hidden(2)), timeout=10)
+        await stream.send(again(evil, "mine"), timeout=10)  # no adopt before it: refused
+        adopt = wire.Adopt(3, SessionId("mine"), SessionId("mine.1"), route[:1], evil.peer_id)
+        await stream.send(wire.encode(adopt), timeout=10)  # its own session: allowed
+        await trio.sleep(0.5)
+        await stream.send(again(evil, "mine.1"), timeout=10)  # once...
+        await stream.send(again(evil, "mine.1"), timeout=10)  # ...and no more
+        theirs = wire.Adopt(4, SessionId("someone-elses"), SessionId("stolen"), route[:1], evil.peer_id)
+        await stream.send(wire.encode(theirs), timeout=10)  # a session it did not open: no answer
+        for session in ("mine", "mine.1"):  # its own sessions: it may free them along the route
+            await stream.send(wire.encode(wire.Close(5, SessionId(session), route, evil.peer_id)), timeout=10)
+
+    replies = attack(b, s, run, settle=2.0)
+    assert errors(replies) == ["protocol", "protocol"], replies
+    assert [(r.session_id, r.length) for r in replies if isinstance(r, wire.Adopted)] == [("mine.1", 2)]
     assert_swarm_healthy([a, b, c], expected, baseline)
