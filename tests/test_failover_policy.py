@@ -148,3 +148,25 @@ def test_a_prefill_batch_does_not_move_the_claimed_step_time() -> None:
     stats.record(1, 0.010, 10)
     stats.record(256, 1.0, 10, decode=False)
     assert stats.step_ms_per_layer == pytest.approx(1.0) and stats.tokens == 257 and stats.batches == 2
+
+
+def test_a_missed_ping_from_a_connected_peer_does_not_decide_the_route() -> None:
+    """Under load, pings of healthy peers time out (the 1000 ms penalty); a peer we hold a
+    live connection to is then costed as an unknown link, so replicas still share sessions."""
+    links = usable_link_ms({PeerId("b"): 0.4, PeerId("c"): UNREACHABLE_MS / 2, PeerId("x"): UNREACHABLE_MS / 2},
+                           lambda peer: peer != PeerId("x"))  # fmt: skip
+    assert links == {PeerId("b"): 0.4, PeerId("c"): DEFAULT_LINK_MS, PeerId("x"): UNREACHABLE_MS / 2}
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30)]
+    load: Counter[PeerId] = Counter()
+    for _ in range(8):
+        load.update(h.peer_id for h in choose_route(views, MODEL, PeerId("a"), CostModel(link_ms=links, load=load)))
+    assert load[PeerId("b")] > 0 and load[PeerId("c")] > 0
+
+
+def test_near_equal_routes_are_drawn_at_random() -> None:
+    views = [view("a", 0, 30), view("b", 0, 30)]
+    costs = CostModel(link_ms={PeerId("a"): 1.0, PeerId("b"): 1.0 + 30 * NEAR_EQUAL / 2})
+    picks = Counter(choose_route(views, MODEL, PeerId("x"), costs, random.Random(i))[0].node_id for i in range(200))
+    assert min(picks["a"], picks["b"]) > 50
+    costs = CostModel(link_ms={PeerId("a"): 1.0, PeerId("b"): 1.0 + 40 * NEAR_EQUAL})
+    assert {choose_route(views, MODEL, PeerId("x"), costs, random.Random(i))[0].node_id for i in range(50)} == {"a"}
