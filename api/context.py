@@ -50,6 +50,10 @@ class PeerContext(Protocol):
         """KV-holding sessions on this peer's stage, and sessions it drives as entry peer."""
         ...
 
+    def stage_batching(self) -> dict[str, float] | None:
+        """How many sessions this peer's stage batches per decode-step call (None: no stage)."""
+        ...
+
     def knows_model(self, model_id: str) -> bool:
         """In the catalog, the overlay, or served by some node of the swarm."""
         ...

@@ -21,6 +21,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             model_id=engine[1] if engine else None,
             layers=[engine[2].start, engine[2].end] if engine else None,
             sessions=ctx.open_sessions(),
+            batching=ctx.stage_batching(),
         )
 
     @app.get("/openapi.json")
