@@ -128,7 +128,7 @@ class _Link:
             while len(burst) < _BURST_MAX:
                 try:
                     burst.append(self._receive.receive_nowait())
-                except trio.WouldBlock:
+                except (trio.WouldBlock, trio.EndOfChannel):  # ended: the link was retired
                     break
             if len(burst) == more:
                 return burst
