@@ -145,6 +145,7 @@ async def test_a_sliced_prefill_passes_on_the_same_hidden_states(smollm2, slice_
     assert np.array_equal(result.output.hidden, alone.hidden)
 
 
+@pytest.mark.slow
 async def test_decoding_sessions_out_of_step_come_to_share_one_call(engine) -> None:
     """Two sessions whose steps arrive apart (as they do from a previous stage of a chain)
     end up in one engine call per step: the stage waits for the one it expects soon."""
