@@ -55,6 +55,10 @@ class PeerContext(Protocol):
         (``adopted``) and positions it computed again after a rewind (``recomputed``)."""
         ...
 
+    def stage_batching(self) -> dict[str, float] | None:
+        """How many sessions this peer's stage batches per decode-step call (None: no stage)."""
+        ...
+
     def knows_model(self, model_id: str) -> bool:
         """In the catalog, the overlay, or served by some node of the swarm."""
         ...

@@ -22,6 +22,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             layers=[engine[2].start, engine[2].end] if engine else None,
             sessions=ctx.open_sessions(),
             failover=ctx.failover_counters(),
+            batching=ctx.stage_batching(),
         )
 
     @app.get("/openapi.json")

@@ -573,6 +573,13 @@ class Peer:
             "entry": sum(len(p.open_sessions) for p in self._pipelines.values()),
         }
 
+    def stage_batching(self) -> dict[str, float] | None:
+        if self.stage is None:
+            return None
+        stats = self.stage.stats
+        return {"step_rounds": stats.step_rounds, "step_jobs": stats.step_jobs,
+                "mean_step_batch": round(stats.mean_step_batch, 3)}  # fmt: skip
+
     # ------------------------------------------------- admin and legacy nodes
 
     def _record_of(self, node_id: str) -> NodeView:

@@ -10,9 +10,14 @@ A long job does not hold the engine while other sessions stream: when another se
 used the stage recently, a job is computed in slices of ``prefill_slice_tokens`` (fewer where
 that many take longer than ``prefill_slice_s`` at the measured prefill speed), and each round
 runs the decode steps that are due first (one engine call, delivered at once), then one slice
-of each long job. With several sessions active, a round first lets this process's runnable
-tasks run (bounded by ``gather_s``), so that steps about to be queued join the same call. A decoding session then waits at most one slice for its next token, however
+of each long job. A decoding session then waits at most one slice for its next token, however
 long the prompt another session sends (alone, a job runs whole: slicing costs prefill speed).
+
+With several sessions active, a round first lets this process's runnable tasks run (bounded
+by ``gather_s``), so that steps about to be queued join the same call, then waits briefly for
+the steps of other decoding sessions expected soon (bounded by half their period and
+``align_s``): in a chain, steps arrive one frame at a time from the previous stage, and
+without that wait the sessions split into small groups that never meet again.
 
 Results leave through each job's ``deliver`` callback, awaited in order; the network layer
 uses it to pass hidden states on or send the sampled token home. The stage knows nothing
@@ -126,7 +131,16 @@ class StageStats:
     step_ms_per_layer: float = 0.0
     """Moving average of a decode step's time per layer: what routing costs a hop at."""
     steps: int = 0
+    step_rounds: int = 0
+    """Engine calls that ran decode steps (one position per session)."""
+    step_jobs: int = 0
+    """Decode steps those calls ran: ``step_jobs / step_rounds`` is how many sessions a
+    step call batched, on average (what concurrent sessions gain from sharing a call)."""
     _ema_alpha: float = 0.2
+
+    @property
+    def mean_step_batch(self) -> float:
+        return self.step_jobs / self.step_rounds if self.step_rounds else 0.0
 
     def record(self, tokens: int, seconds: float, layers: int, *, decode: bool = True) -> None:
         """``decode``: the batch was single-token steps. Only those move ``step_ms_per_layer``:
@@ -160,6 +174,7 @@ class Stage:
         gather_s: float = 0.005,
         prefill_slice_s: float = 0.15,
         keep_outputs: tensors.WireDType | None = None,
+        align_s: float = 0.25,
     ) -> None:
         self.engine = engine
         info = engine.info
@@ -179,6 +194,12 @@ class Stage:
         self.gather_s = gather_s
         """With several sessions active, how long a round may wait for this process's other
         runnable tasks (the sessions' next steps) before it starts."""
+        self.align_s = align_s
+        """With decode steps queued, the longest a round waits for the next steps of the
+        other sessions decoding here, so that they share the call (see :meth:`_align`)."""
+        self._last_step: dict[SessionId, float] = {}
+        """When each decoding session's last step arrived."""
+        self._step_period: dict[SessionId, float] = {}
         self.inline_tokens = inline_tokens
         """Batches this small run on the event loop thread instead of a worker thread."""
         self.on_batch = on_batch
@@ -235,11 +256,8 @@ class Stage:
             # that can run do so, so that their steps share this engine call.
             with trio.move_on_after(self.gather_s):
                 await trio.testing.wait_all_tasks_blocked()
-        while True:
-            try:
-                waiting.append(self._receive.receive_nowait())
-            except trio.WouldBlock:
-                break
+        self._drain(waiting)
+        await self._align(waiting)
         batch: list[_Work] = []
         blocked: set[SessionId] = set()  # sessions whose earlier job waits: keep their order
         tokens = 0
@@ -279,6 +297,61 @@ class Stage:
                 self._deferred.append(await self._receive.receive())
         return batch
 
+    def _drain(self, waiting: list[Job]) -> None:
+        while True:
+            try:
+                waiting.append(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+    async def _align(self, waiting: list[Job]) -> None:
+        """Wait a little for the next steps of the other sessions decoding here.
+
+        In a chain, a stage's steps come from the previous stage (or from the entry's
+        generation loops) one frame at a time; running whatever is queued would split the
+        sessions into small calls, and they would stay split, each group going round the
+        chain on its own. Every decoding session comes back about once per its *period*
+        (the time between its last two steps here), so its next arrival is predictable:
+        the round waits for the sessions expected within half the period of the steps
+        already queued (at most ``align_s``). Of two groups going round, one always finds
+        the other within that window, so they merge and then stay together (a stage hands
+        the next one a whole batch at once). A session that is overdue (a slow client, a
+        generation that ended) is not waited for, so it costs nothing."""
+        periods = [self._step_period.get(job.session_id) for job in waiting if _is_step(job)]
+        known = [p for p in periods if p is not None]
+        if self.align_s <= 0 or not known:
+            return
+        budget = min(self.align_s, 0.5 * min(known))
+        now = time.monotonic()
+        deadline = now + budget
+        while True:
+            here = {job.session_id for job in waiting}
+            expected = [
+                self._last_step[sid] + period for sid, period in self._step_period.items()
+                if sid not in here and sid in self._last_step
+            ]  # fmt: skip
+            if not any(now - budget <= at <= deadline for at in expected):
+                return
+            with trio.move_on_after(max(0.0, deadline - now)):
+                waiting.append(await self._receive.receive())
+                self._drain(waiting)
+                now = time.monotonic()
+                continue
+            return
+
+    def _note_arrival(self, job: Job, is_step: bool) -> None:
+        """Learn each decoding session's period: the time between its steps' arrivals."""
+        sid = job.session_id
+        last = self._last_step.pop(sid, None)
+        if not is_step:
+            self._step_period.pop(sid, None)
+            return
+        self._last_step[sid] = job.enqueued
+        if last is not None:
+            period = job.enqueued - last
+            known = self._step_period.get(sid)
+            self._step_period[sid] = period if known is None else 0.7 * known + 0.3 * period
+
     def _slice_tokens(self) -> int:
         """Positions of one prefill slice: ``prefill_slice_tokens``, fewer if that would take
         longer than ``prefill_slice_s`` at the prefill speed measured last."""
@@ -302,6 +375,8 @@ class Stage:
                 return
             closed = await trio.to_thread.run_sync(self.engine.close_session, job.session_id)
             self._last_used.pop(job.session_id, None)
+            self._last_step.pop(job.session_id, None)
+            self._step_period.pop(job.session_id, None)
             if self.kept is not None:
                 self.kept.drop(job.session_id)
             log.debug("closed session %s (%s)", job.session_id, "freed" if closed else "none held")
@@ -325,6 +400,9 @@ class Stage:
             return 0
         self.stats.adopted += 1
         self._last_used[new] = self._last_used.pop(old, time.monotonic())
+        for timing in (self._last_step, self._step_period):
+            if old in timing:
+                timing[new] = timing.pop(old)
         if self.kept is None:
             return length if self.engine.info.is_last else 0
         self.kept.rename(old, new)
@@ -350,7 +428,11 @@ class Stage:
                 per_token = elapsed / tokens
                 last = self._prefill_s_per_token
                 self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
-            self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=all(w.is_step for w in computed))
+            decode = all(w.is_step for w in computed)
+            self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=decode)
+            if decode:
+                self.stats.step_rounds += 1
+                self.stats.step_jobs += len(computed)
             if self.on_batch is not None:
                 self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()
@@ -359,6 +441,8 @@ class Stage:
             job = work.job
             if result.error is None:
                 self._last_used[job.session_id] = now
+                if work.final:
+                    self._note_arrival(job, work.is_step)
                 if not work.final:
                     if result.output is not None and result.output.hidden is not None:
                         job.hidden_parts.append(result.output.hidden)
@@ -428,6 +512,10 @@ class Stage:
                 break
         for job in pending:
             await _deliver(job, StageResult(error=error) if job.item is not None else StageResult())
+
+
+def _is_step(job: Job) -> bool:
+    return job.item is not None and job.item.n_tokens == 1
 
 
 async def _deliver(job: Job, result: StageResult) -> None:

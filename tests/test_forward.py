@@ -161,3 +161,16 @@ async def test_only_peers_on_a_session_route_may_answer_for_it() -> None:
                 extra = await inbox.receive()
                 raise AssertionError(f"a second reply arrived: {extra}")
             n.cancel_scope.cancel()
+
+
+async def test_a_link_gathers_a_burst_and_ends_cleanly_when_retired() -> None:
+    """Frames queued behind each other leave together; a link retired (its queue closed)
+    while it gathers ends its burst instead of raising (it once took the peer down)."""
+    from p2p.forward import _Link
+
+    link = _Link(None, PeerId("next"))  # type: ignore[arg-type]
+    messages = [wire.Result(i, SessionId("s"), i) for i in range(3)]
+    for msg in messages[1:]:
+        link.send_channel.send_nowait(msg)
+    link.send_channel.close()
+    assert await link._burst(messages[0]) == messages

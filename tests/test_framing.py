@@ -47,6 +47,25 @@ async def test_frames_keep_their_boundaries_and_order() -> None:
         assert [await b.receive(1.0) for _ in payloads] == payloads
 
 
+async def test_a_burst_of_frames_keeps_boundaries_in_few_writes() -> None:
+    writes: list[int] = []
+    left, right = trio.testing.memory_stream_pair()
+    a, b = FramedStream.over_trio(left), FramedStream.over_trio(right)
+    write = a._raw.write
+
+    async def counted(data: bytes) -> None:
+        writes.append(len(data))
+        await write(data)
+
+    a._raw.write = counted  # type: ignore[method-assign]
+    payloads = [os.urandom(n) for n in (3, 0, 2_000, 70_000, 5, *[40_000] * 3)]
+    with trio.fail_after(5):
+        await a.send_many(payloads, 1.0)
+        assert [await b.receive(1.0) for _ in payloads] == payloads
+    # small frames joined up to the coalescing limit; the large one in two writes
+    assert len(writes) == 5
+
+
 async def test_concurrent_senders_do_not_interleave() -> None:
     a, b = memory_pair()
     # Above the coalescing limit each frame is two writes: without the lock, a second

@@ -143,3 +143,29 @@ async def test_a_sliced_prefill_passes_on_the_same_hidden_states(smollm2, slice_
         _, result = await _stream_while_prefilling(Stage(first, prefill_slice_tokens=8), None)
     assert result.error is None and result.output is not None
     assert np.array_equal(result.output.hidden, alone.hidden)
+
+
+@pytest.mark.slow
+async def test_decoding_sessions_out_of_step_come_to_share_one_call(engine) -> None:
+    """Two sessions whose steps arrive apart (as they do from a previous stage of a chain)
+    end up in one engine call per step: the stage waits for the one it expects soon."""
+    stage = Stage(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        first = {name: (await run_job(stage, name, 0, [1, 2, 3])).token for name in ("a", "b")}
+
+        async def decode(name: str, lag: float) -> None:
+            await trio.sleep(lag)
+            token, pos = first[name], 3
+            for _ in range(6):
+                result = await run_job(stage, name, pos, [token])
+                assert result.error is None
+                token, pos = result.token, pos + 1
+                await trio.sleep(0.3)  # the rest of the round trip: the session's period
+
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(decode, "a", 0.0)
+            sessions.start_soon(decode, "b", 0.1)
+        nursery.cancel_scope.cancel()
+    assert stage.stats.step_jobs == 12
+    assert stage.stats.step_rounds <= 9, "the sessions' steps never shared a call"
