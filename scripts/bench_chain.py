@@ -5,17 +5,25 @@ same machine: a single peer holding all layers (one process) is the baseline, th
 three peers holding a third each. Decode rate is the streamed token rate after the first
 token; prefill rate is prompt tokens over the time to the first token. Each peer runs its
 engine on the same thread count, so the ratio isolates what the chain costs.
+
+The script is a list of sections (``SECTIONS``), each starting its own peers and returning
+its figures against their targets; ``--sections`` runs a subset.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
@@ -24,6 +32,7 @@ from inclavate.local_swarm import LocalSwarm, PeerProcess
 from inclavate.store import ModelStore
 
 TARGET_DECODE, TARGET_PREFILL = 0.85, 0.90
+TARGET_HOP_MS = 0.5
 
 
 def stream(peer: PeerProcess, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int, int]:
@@ -64,6 +73,117 @@ def measure(peer: PeerProcess, model: str, prompt: str, n: int, rounds: int) -> 
     return best_prefill, best_decode
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One figure against its target."""
+
+    name: str
+    value: float
+    target: float
+    higher_is_better: bool = True
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def line(self) -> str:
+        op = ">=" if self.higher_is_better else "<="
+        return f"{self.name}: {self.value:.3f} (target {op} {self.target}): {'met' if self.met else 'NOT met'}"
+
+
+@dataclass
+class Bench:
+    """What every section needs: arguments, the model, and a way to start peers."""
+
+    args: argparse.Namespace
+    home: Path
+    spec: Any
+    workdir: Path
+    prompt: str
+    short: str = "Write a long story about a dragon who learns to cook."
+
+    def swarm(self) -> LocalSwarm:
+        common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(self.args.threads),
+                  "--wire-dtype", self.args.wire_dtype, "--context", "2048", "--max-sessions", "2"]  # fmt: skip
+        return LocalSwarm(Path(tempfile.mkdtemp(dir=self.workdir)), common, {"INCLAVATE_HOME": str(self.home)})
+
+    def start_whole(self, swarm: LocalSwarm) -> PeerProcess:
+        whole = swarm.start("whole", self.spec.model_id, "--layers", f"0-{self.spec.n_layers}")
+        swarm.wait_ready(whole)
+        return whole
+
+    def start_chain(self, swarm: LocalSwarm) -> PeerProcess:
+        """Start a chain of ``--peers`` peers; returns its entry (the first range)."""
+        ranges = split_evenly(self.spec.n_layers, self.args.peers)
+        chain = [swarm.start("chain-1", self.spec.model_id, "--layers", str(ranges[0]))]
+        chain += [swarm.start(f"chain-{i + 1}", self.spec.model_id, "--layers", str(r), bootstrap=chain[0])
+                  for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
+        for peer in chain:
+            swarm.wait_ready(peer)
+        swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+        return chain[0]
+
+    def rates(self, peer: PeerProcess) -> tuple[float, float]:
+        """(best prefill tok/s, best decode tok/s) of ``peer``."""
+        return (measure(peer, self.spec.model_id, self.prompt, 2, self.args.rounds)[0],
+                measure(peer, self.spec.model_id, self.short, self.args.decode_tokens, self.args.rounds)[1])  # fmt: skip
+
+
+def whole_vs_chain(bench: Bench) -> list[Verdict]:
+    """The chain against one peer holding the whole model, each on its own thread count."""
+    with bench.swarm() as swarm:
+        whole = bench.start_whole(swarm)
+        wp, wd = bench.rates(whole)
+        swarm.stop(whole)
+        cp, cd = bench.rates(bench.start_chain(swarm))
+    hops = bench.args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
+    print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    print(f"{'whole':8}{wp:15.1f}{wd:15.1f}")
+    print(f"{'chain':8}{cp:15.1f}{cd:15.1f}")
+    print(f"decode step: whole {1000 / wd:.2f} ms, chain {1000 / cd:.2f} ms; "
+          f"added latency {max(0.0, (1 / cd - 1 / wd) * 1000 / hops):.2f} ms per hop ({hops} messages per step)")
+    return [Verdict("prefill chain/whole", cp / wp, TARGET_PREFILL), Verdict("decode chain/whole", cd / wd, TARGET_DECODE)]
+
+
+@contextmanager
+def pinned_to_one_core() -> Iterator[int]:
+    """This process and every peer it starts meanwhile (children inherit the mask) on one core."""
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def pinned_hop_cost(bench: Bench) -> list[Verdict]:
+    """Every process on one core: the CPU a hop costs, isolated from the cores it could borrow.
+
+    Per-hop overhead = (chain decode step - whole-peer decode step) / hops: on one core the
+    stages' compute adds up to the whole model's, so what is left is what the hops cost."""
+    with pinned_to_one_core() as core, bench.swarm() as swarm:
+        whole = bench.start_whole(swarm)
+        wp, wd = bench.rates(whole)
+        swarm.stop(whole)
+        cp, cd = bench.rates(bench.start_chain(swarm))
+    hops = bench.args.peers
+    per_hop_ms = (1 / cd - 1 / wd) * 1000 / hops
+    print(f"all processes on core {core}: decode whole {wd:.1f} tok/s ({1000 / wd:.2f} ms/step), "
+          f"chain {cd:.1f} tok/s ({1000 / cd:.2f} ms/step); prefill whole {wp:.1f}, chain {cp:.1f} tok/s")
+    print(f"per-hop overhead: {per_hop_ms:.2f} ms ({hops} messages per step)")
+    return [Verdict("pinned per-hop overhead ms", per_hop_ms, TARGET_HOP_MS, higher_is_better=False),
+            Verdict("pinned prefill chain/whole", cp / wp, TARGET_PREFILL),
+            Verdict("pinned decode chain/whole", cd / wd, TARGET_DECODE)]
+
+
+SECTIONS: dict[str, Callable[[Bench], list[Verdict]]] = {
+    "chain": whole_vs_chain,
+    "pinned": pinned_hop_cost,
+}
+"""Each section starts its own peers and returns its figures; ``--sections`` picks some."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2:135m")
@@ -73,45 +193,30 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="engine threads per peer")
     parser.add_argument("--wire-dtype", default="f16", choices=("f16", "bf16", "f32"))
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
+    chosen = [s for s in args.sections.split(",") if s]
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
 
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
     ModelStore(home).pull(spec)
-    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(args.threads),
-              "--wire-dtype", args.wire_dtype, "--context", "2048", "--max-sessions", "2"]  # fmt: skip
     prompt = "Summarise this text: " + " ".join(["the quick brown fox jumps over the lazy dog"] * (args.prompt_words // 9))
-    short = "Write a long story about a dragon who learns to cook."
-    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home)}) as swarm:
-        whole = swarm.start("whole", spec.model_id, "--layers", f"0-{spec.n_layers}")
-        swarm.wait_ready(whole)
-        results = {"whole": (measure(whole, spec.model_id, prompt, 2, args.rounds)[0],
-                             measure(whole, spec.model_id, short, args.decode_tokens, args.rounds)[1])}  # fmt: skip
-        swarm.stop(whole)
-        ranges = split_evenly(spec.n_layers, args.peers)
-        chain = [swarm.start("chain-1", spec.model_id, "--layers", str(ranges[0]))]
-        chain += [swarm.start(f"chain-{i + 1}", spec.model_id, "--layers", str(r), bootstrap=chain[0])
-                  for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
-        for peer in chain:
-            swarm.wait_ready(peer)
-        swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
-        entry = chain[0]
-        results["chain"] = (measure(entry, spec.model_id, prompt, 2, args.rounds)[0],
-                            measure(entry, spec.model_id, short, args.decode_tokens, args.rounds)[1])  # fmt: skip
-
-    (wp, wd), (cp, cd) = results["whole"], results["chain"]
-    hops = args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
-    per_hop_ms = max(0.0, (1 / cd - 1 / wd) * 1000 / hops)
-    print(f"model {spec.model_id}: {args.peers}-peer chain {' '.join(map(str, ranges))} vs one peer; "
-          f"{args.threads} engine thread(s) per peer, wire {args.wire_dtype}, best of {args.rounds}")  # fmt: skip
-    print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}")
-    print(f"{'whole':8}{wp:15.1f}{wd:15.1f}")
-    print(f"{'chain':8}{cp:15.1f}{cd:15.1f}")
-    print(f"{'ratio':8}{cp / wp:15.3f}{cd / wd:15.3f}")
-    print(f"decode step: whole {1000 / wd:.2f} ms, chain {1000 / cd:.2f} ms; "
-          f"added latency {per_hop_ms:.2f} ms per hop ({hops} messages per step)")
-    ok = cd / wd >= TARGET_DECODE and cp / wp >= TARGET_PREFILL
-    print(f"target: decode >= {TARGET_DECODE}, prefill >= {TARGET_PREFILL}: {'met' if ok else 'NOT met'}")
+    print(f"model {spec.model_id}: {args.peers}-peer chain vs one peer; {args.threads} engine thread(s) per peer, "
+          f"wire {args.wire_dtype}, best of {args.rounds}; load average {os.getloadavg()[0]:.2f}")
+    print("reproduce: scripts/bench_chain " + " ".join(sys.argv[1:]))
+    verdicts: list[Verdict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(args, home, spec, Path(tmp), prompt)
+        for name in chosen:
+            print(f"\n== {name}: {SECTIONS[name].__doc__.splitlines()[0]}")
+            verdicts += SECTIONS[name](bench)
+    print()
+    for verdict in verdicts:
+        print(verdict.line())
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
 
