@@ -123,6 +123,13 @@ class Bench:
         swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
         return chain[0]
 
+    def decode_cpu_ms(self, entry: PeerProcess, swarm: LocalSwarm) -> dict[str, float]:
+        """CPU milliseconds (user + system) each running peer spends per streamed token."""
+        peers = [p for p in swarm.peers if p.alive()]
+        before = {p.name: process_cpu_s(p.process.pid) for p in peers}
+        completion = stream(entry, self.spec.model_id, self.short, self.args.decode_tokens)[2]
+        return {p.name: (process_cpu_s(p.process.pid) - before[p.name]) * 1000 / completion for p in peers}
+
     def rates(self, peer: PeerProcess) -> tuple[float, float]:
         """(best prefill tok/s, best decode tok/s) of ``peer``."""
         return (measure(peer, self.spec.model_id, self.prompt, 2, self.args.rounds)[0],
@@ -145,6 +152,12 @@ def whole_vs_chain(bench: Bench) -> list[Verdict]:
     return [Verdict("prefill chain/whole", cp / wp, TARGET_PREFILL), Verdict("decode chain/whole", cd / wd, TARGET_DECODE)]
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
 def pinned_to_one_core() -> Iterator[int]:
     """This process and every peer it starts meanwhile (children inherit the mask) on one core."""
@@ -165,9 +178,15 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
     with pinned_to_one_core() as core, bench.swarm() as swarm:
         whole = bench.start_whole(swarm)
         wp, wd = bench.rates(whole)
+        whole_cpu = bench.decode_cpu_ms(whole, swarm)
         swarm.stop(whole)
-        cp, cd = bench.rates(bench.start_chain(swarm))
+        entry = bench.start_chain(swarm)
+        cp, cd = bench.rates(entry)
+        chain_cpu = bench.decode_cpu_ms(entry, swarm)
     hops = bench.args.peers
+    cpu_per_hop = (sum(chain_cpu.values()) - sum(whole_cpu.values())) / hops
+    print("CPU ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in {**whole_cpu, **chain_cpu}.items())
+          + f"; chain minus whole per hop {cpu_per_hop:.2f}")
     per_hop_ms = (1 / cd - 1 / wd) * 1000 / hops
     print(f"all processes on core {core}: decode whole {wd:.1f} tok/s ({1000 / wd:.2f} ms/step), "
           f"chain {cd:.1f} tok/s ({1000 / cd:.2f} ms/step); prefill whole {wp:.1f}, chain {cp:.1f} tok/s")
