@@ -4,24 +4,21 @@ forward service using a direct link (or libp2p when the other side offers none).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
+from direct_helpers import ECHO, direct_pair
 
 from inclavate.types import NodeId, PeerId, SessionId
 from p2p import wire
-from p2p.direct import DirectLimits, DirectLinks, Grant
+from p2p.direct import Grant
 from p2p.errors import DialError, FrameTooLarge, ProtocolError, StreamClosed
 from p2p.forward import ForwardService
 from p2p.framing import FramedStream
-from p2p.host import P2PHost, open_host
+from p2p.host import open_host
 from p2p.identity import Identity
 from p2p.sealed import SealedStream, Sealer
-
-ECHO = "/test/echo/1"
 
 
 def test_sealed_frames_open_in_order_and_only_in_order() -> None:
@@ -102,25 +99,6 @@ async def test_an_unsealed_frame_resets_the_stream() -> None:
         assert sealed.is_broken
         with pytest.raises(StreamClosed):
             await plain.receive(10.0)  # the other end was told
-
-
-@asynccontextmanager
-async def direct_pair(limits: DirectLimits = DirectLimits()) -> AsyncIterator[tuple[P2PHost, P2PHost, DirectLinks, DirectLinks]]:
-    """Two connected hosts, each serving direct links; b echoes on ECHO with the dialer's id."""
-    async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
-        links_a, links_b = DirectLinks(a, limits=limits), DirectLinks(b, limits=limits)
-
-        async def echo(stream: SealedStream, remote: PeerId) -> None:
-            while True:
-                payload = await stream.receive(timeout=30)
-                await stream.send(remote.encode() + b":" + payload, timeout=5)
-
-        links_b.set_handler(ECHO, echo)
-        await n.start(links_a.run)
-        await n.start(links_b.run)
-        await a.connect(b.multiaddrs()[0])
-        yield a, b, links_a, links_b
-        n.cancel_scope.cancel()
 
 
 async def test_a_direct_link_is_bound_to_the_noise_authenticated_dialer() -> None:
