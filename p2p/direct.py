@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import trio
 
 from inclavate.types import PeerId
-from p2p.errors import DialError, P2PError, ProtocolError
+from p2p.errors import DialError, ListenError, P2PError, ProtocolError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.sealed import KEY_BYTES, SealedStream
@@ -103,9 +103,10 @@ class Grant:
 class DirectLinks:
     """Serves and dials direct connections for the protocols given a handler."""
 
-    def __init__(self, host: P2PHost, *, limits: DirectLimits = DirectLimits(),
+    def __init__(self, host: P2PHost, *, port: int = 0, limits: DirectLimits = DirectLimits(),
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self._host = host
+        self._listen_port = port
         self.limits = limits
         self._clock = clock
         self._handlers: dict[str, DirectHandler] = {}
@@ -121,7 +122,10 @@ class DirectLinks:
         self._handlers[protocol] = handler
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host=self._host.listen_host)
+        try:
+            listeners = await trio.open_tcp_listeners(self._listen_port, host=self._host.listen_host)
+        except OSError as exc:
+            raise ListenError(f"cannot listen for direct links on {self._host.listen_host}:{self._listen_port}: {exc}") from exc
         self.port = listeners[0].socket.getsockname()[1]
         self._host.set_stream_handler(PROTOCOL, self._grant, max_frame_size=_CONTROL_FRAME_BYTES)
         try:

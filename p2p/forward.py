@@ -137,11 +137,12 @@ class ForwardService:
         timeouts: Timeouts = Timeouts(),
         admission: AdmissionLimits = AdmissionLimits(),
         max_frame_bytes: int = DEFAULT_MAX_FRAME_SIZE,
-        direct: bool = True,
+        direct_port: int | None = 0,
     ) -> None:
         self.host = host
-        self.direct = DirectLinks(host) if direct else None
-        """The direct data plane (:mod:`p2p.direct`); None: libp2p streams only."""
+        self.direct = DirectLinks(host, port=direct_port) if direct_port is not None else None
+        """The direct data plane (:mod:`p2p.direct`) on ``direct_port`` (0: any free port);
+        None: libp2p streams only."""
         self.me = host.peer_id
         self.node_id = node_id
         self._stage = stage

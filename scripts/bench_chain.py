@@ -112,11 +112,11 @@ class Bench:
         swarm.wait_ready(whole)
         return whole
 
-    def start_chain(self, swarm: LocalSwarm) -> PeerProcess:
-        """Start a chain of ``--peers`` peers; returns its entry (the first range)."""
+    def start_chain(self, swarm: LocalSwarm, *extra: str, prefix: str = "") -> PeerProcess:
+        """Start a chain of ``--peers`` peers (``extra`` arguments each); returns its entry."""
         ranges = split_evenly(self.spec.n_layers, self.args.peers)
-        chain = [swarm.start("chain-1", self.spec.model_id, "--layers", str(ranges[0]))]
-        chain += [swarm.start(f"chain-{i + 1}", self.spec.model_id, "--layers", str(r), bootstrap=chain[0])
+        chain = [swarm.start(f"{prefix}chain-1", self.spec.model_id, "--layers", str(ranges[0]), *extra)]
+        chain += [swarm.start(f"{prefix}chain-{i + 1}", self.spec.model_id, "--layers", str(r), *extra, bootstrap=chain[0])
                   for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
         for peer in chain:
             swarm.wait_ready(peer)
@@ -129,6 +129,14 @@ class Bench:
         before = {p.name: process_cpu_s(p.process.pid) for p in peers}
         completion = stream(entry, self.spec.model_id, self.short, self.args.decode_tokens)[2]
         return {p.name: (process_cpu_s(p.process.pid) - before[p.name]) * 1000 / completion for p in peers}
+
+    def idle_cpu_ms_per_s(self, swarm: LocalSwarm, seconds: float = 3.0) -> dict[str, float]:
+        """CPU milliseconds per second each running peer spends with no request (gossip,
+        heartbeats, pings): part of what every extra process adds on a shared core."""
+        peers = [p for p in swarm.peers if p.alive()]
+        before = {p.name: process_cpu_s(p.process.pid) for p in peers}
+        time.sleep(seconds)
+        return {p.name: (process_cpu_s(p.process.pid) - before[p.name]) * 1000 / seconds for p in peers}
 
     def rates(self, peer: PeerProcess) -> tuple[float, float]:
         """(best prefill tok/s, best decode tok/s) of ``peer``."""
@@ -174,26 +182,36 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
     """Every process on one core: the CPU a hop costs, isolated from the cores it could borrow.
 
     Per-hop overhead = (chain decode step - whole-peer decode step) / hops: on one core the
-    stages' compute adds up to the whole model's, so what is left is what the hops cost."""
+    stages' compute adds up to the whole model's, so what is left is what the hops cost. The
+    chain runs twice: over the direct data plane (the default) and over libp2p streams only
+    (``--direct-port -1``, what every hop cost before)."""
+    hops = bench.args.peers
     with pinned_to_one_core() as core, bench.swarm() as swarm:
         whole = bench.start_whole(swarm)
         wp, wd = bench.rates(whole)
-        whole_cpu = bench.decode_cpu_ms(whole, swarm)
+        cpu = bench.decode_cpu_ms(whole, swarm)
         swarm.stop(whole)
-        entry = bench.start_chain(swarm)
-        cp, cd = bench.rates(entry)
-        chain_cpu = bench.decode_cpu_ms(entry, swarm)
-    hops = bench.args.peers
-    cpu_per_hop = (sum(chain_cpu.values()) - sum(whole_cpu.values())) / hops
-    print("CPU ms per token: " + ", ".join(f"{k} {v:.2f}" for k, v in {**whole_cpu, **chain_cpu}.items())
-          + f"; chain minus whole per hop {cpu_per_hop:.2f}")
-    per_hop_ms = (1 / cd - 1 / wd) * 1000 / hops
-    print(f"all processes on core {core}: decode whole {wd:.1f} tok/s ({1000 / wd:.2f} ms/step), "
-          f"chain {cd:.1f} tok/s ({1000 / cd:.2f} ms/step); prefill whole {wp:.1f}, chain {cp:.1f} tok/s")
-    print(f"per-hop overhead: {per_hop_ms:.2f} ms ({hops} messages per step)")
-    return [Verdict("pinned per-hop overhead ms", per_hop_ms, TARGET_HOP_MS, higher_is_better=False),
+        print(f"all processes on core {core}; whole: decode {wd:.1f} tok/s ({1000 / wd:.2f} ms/step), "
+              f"prefill {wp:.1f} tok/s, CPU {cpu['whole']:.2f} ms/token")
+        figures = {}
+        for plane, extra in (("direct", ()), ("libp2p", ("--direct-port", "-1"))):
+            entry = bench.start_chain(swarm, *extra, prefix=f"{plane}-")
+            cp, cd = bench.rates(entry)
+            chain_cpu = bench.decode_cpu_ms(entry, swarm)
+            idle = bench.idle_cpu_ms_per_s(swarm)
+            swarm.stop_all()
+            per_hop = (1 / cd - 1 / wd) * 1000 / hops
+            figures[plane] = (cp, cd, per_hop)
+            print(f"chain over {plane}: decode {cd:.1f} tok/s ({1000 / cd:.2f} ms/step), prefill {cp:.1f} tok/s; "
+                  f"per-hop overhead {per_hop:.2f} ms ({hops} messages per step)")
+            print(f"  CPU ms/token " + ", ".join(f"{k} {v:.2f}" for k, v in chain_cpu.items())
+                  + f": {(sum(chain_cpu.values()) - cpu['whole']) / hops:.2f} more than the whole peer per hop; "
+                  f"idle background {', '.join(f'{v:.0f}' for v in idle.values())} ms CPU/s per peer")
+    cp, cd, per_hop = figures["direct"]
+    return [Verdict("pinned per-hop overhead ms", per_hop, TARGET_HOP_MS, higher_is_better=False),
             Verdict("pinned prefill chain/whole", cp / wp, TARGET_PREFILL),
-            Verdict("pinned decode chain/whole", cd / wd, TARGET_DECODE)]
+            Verdict("pinned decode chain/whole", cd / wd, TARGET_DECODE),
+            Verdict("pinned decode direct/libp2p (no target)", cd / figures["libp2p"][1], 1.0)]
 
 
 SECTIONS: dict[str, Callable[[Bench], list[Verdict]]] = {

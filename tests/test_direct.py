@@ -141,7 +141,7 @@ async def test_forward_frames_take_the_direct_link_or_fall_back_to_libp2p(receiv
     with trio.fail_after(30):
         async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
             sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None)
-            receiver = _Recording(b, node_id=NodeId(b.peer_id), stage=None, direct=receiver_direct)
+            receiver = _Recording(b, node_id=NodeId(b.peer_id), stage=None, direct_port=0 if receiver_direct else None)
             await n.start(sender.run)
             await n.start(receiver.run)
             await a.connect(b.multiaddrs()[0])
