@@ -150,7 +150,7 @@ def whole_vs_chain(bench: Bench) -> list[Verdict]:
         whole = bench.start_whole(swarm)
         wp, wd = bench.rates(whole)
         swarm.stop(whole)
-        cp, cd = bench.rates(bench.start_chain(swarm))
+        cp, cd = bench.rates(bench.start_chain(swarm, *(("--direct-port", "-1") if bench.args.libp2p_only else ())))
     hops = bench.args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
     print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}")
     print(f"{'whole':8}{wp:15.1f}{wd:15.1f}")
@@ -230,6 +230,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="engine threads per peer")
     parser.add_argument("--wire-dtype", default="f16", choices=("f16", "bf16", "f32"))
+    parser.add_argument("--libp2p-only", action="store_true",
+                        help="the chain section's peers forward over libp2p streams (no direct data plane)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
     chosen = [s for s in args.sections.split(",") if s]
