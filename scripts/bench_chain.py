@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +64,6 @@ def stream(peer: PeerProcess, model: str, prompt: str, max_tokens: int) -> tuple
     return first - start, last - first, usage["completion_tokens"], usage["prompt_tokens"]
 
 
-def measure(peer: PeerProcess, model: str, prompt: str, n: int, rounds: int) -> tuple[float, float]:
-    """Best prefill and decode tokens/s over ``rounds``."""
-    best_prefill = best_decode = 0.0
-    for _ in range(rounds):
-        ttft, rest, completion, prompt_tokens = stream(peer, model, prompt, n)
-        best_prefill = max(best_prefill, prompt_tokens / ttft)
-        best_decode = max(best_decode, (completion - 1) / rest)
-    return best_prefill, best_decode
-
-
 @dataclass(frozen=True)
 class Verdict:
     """One figure against its target."""
@@ -112,8 +103,8 @@ class Bench:
         swarm.wait_ready(whole)
         return whole
 
-    def start_chain(self, swarm: LocalSwarm, *extra: str, prefix: str = "") -> PeerProcess:
-        """Start a chain of ``--peers`` peers (``extra`` arguments each); returns its entry."""
+    def start_chain(self, swarm: LocalSwarm, *extra: str, prefix: str = "") -> list[PeerProcess]:
+        """Start a chain of ``--peers`` peers (``extra`` arguments each); the entry first."""
         ranges = split_evenly(self.spec.n_layers, self.args.peers)
         chain = [swarm.start(f"{prefix}chain-1", self.spec.model_id, "--layers", str(ranges[0]), *extra)]
         chain += [swarm.start(f"{prefix}chain-{i + 1}", self.spec.model_id, "--layers", str(r), *extra, bootstrap=chain[0])
@@ -121,36 +112,49 @@ class Bench:
         for peer in chain:
             swarm.wait_ready(peer)
         swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
-        return chain[0]
+        return chain
 
-    def decode_cpu_ms(self, entry: PeerProcess, swarm: LocalSwarm) -> dict[str, float]:
-        """CPU milliseconds (user + system) each running peer spends per streamed token."""
-        peers = [p for p in swarm.peers if p.alive()]
-        before = {p.name: process_cpu_s(p.process.pid) for p in peers}
-        completion = stream(entry, self.spec.model_id, self.short, self.args.decode_tokens)[2]
-        return {p.name: (process_cpu_s(p.process.pid) - before[p.name]) * 1000 / completion for p in peers}
+    def interleaved(self, setups: dict[str, list[PeerProcess]]) -> dict[str, Rates]:
+        """Each setup's best prefill and decode rate and least decode CPU, measured in turns
+        (one round of every setup, ``--rounds`` times), so a load that changes meanwhile
+        touches them all alike. A setup is its peers, the entry first."""
+        best = {name: Rates(0.0, 0.0, math.inf) for name in setups}
+        for _ in range(self.args.rounds):
+            for name, peers in setups.items():
+                ttft, _, _, prompt_tokens = stream(peers[0], self.spec.model_id, self.prompt, 2)
+                before = sum(process_cpu_s(p.process.pid) for p in peers)
+                _, rest, completion, _ = stream(peers[0], self.spec.model_id, self.short, self.args.decode_tokens)
+                cpu_ms = (sum(process_cpu_s(p.process.pid) for p in peers) - before) * 1000 / completion
+                old = best[name]
+                best[name] = Rates(max(old.prefill, prompt_tokens / ttft), max(old.decode, (completion - 1) / rest),
+                                   min(old.cpu_ms, cpu_ms))  # fmt: skip
+        return best
 
-    def idle_cpu_ms_per_s(self, swarm: LocalSwarm, seconds: float = 3.0) -> dict[str, float]:
-        """CPU milliseconds per second each running peer spends with no request (gossip,
-        heartbeats, pings): part of what every extra process adds on a shared core."""
-        peers = [p for p in swarm.peers if p.alive()]
-        before = {p.name: process_cpu_s(p.process.pid) for p in peers}
+    def idle_cpu_ms_per_s(self, peers: list[PeerProcess], seconds: float = 3.0) -> list[float]:
+        """CPU milliseconds per second each peer spends with no request (gossip, heartbeats,
+        pings): part of what every extra process adds on a shared core."""
+        before = [process_cpu_s(p.process.pid) for p in peers]
         time.sleep(seconds)
-        return {p.name: (process_cpu_s(p.process.pid) - before[p.name]) * 1000 / seconds for p in peers}
+        return [(process_cpu_s(p.process.pid) - b) * 1000 / seconds for p, b in zip(peers, before)]
 
-    def rates(self, peer: PeerProcess) -> tuple[float, float]:
-        """(best prefill tok/s, best decode tok/s) of ``peer``."""
-        return (measure(peer, self.spec.model_id, self.prompt, 2, self.args.rounds)[0],
-                measure(peer, self.spec.model_id, self.short, self.args.decode_tokens, self.args.rounds)[1])  # fmt: skip
+
+@dataclass(frozen=True)
+class Rates:
+    prefill: float
+    """Prompt tokens per second to the first token."""
+    decode: float
+    """Streamed tokens per second after the first."""
+    cpu_ms: float
+    """CPU milliseconds (user + system, all the setup's processes) per streamed token."""
 
 
 def whole_vs_chain(bench: Bench) -> list[Verdict]:
     """The chain against one peer holding the whole model, each on its own thread count."""
     with bench.swarm() as swarm:
-        whole = bench.start_whole(swarm)
-        wp, wd = bench.rates(whole)
-        swarm.stop(whole)
-        cp, cd = bench.rates(bench.start_chain(swarm, *(("--direct-port", "-1") if bench.args.libp2p_only else ())))
+        whole = [bench.start_whole(swarm)]
+        chain = bench.start_chain(swarm, *(("--direct-port", "-1") if bench.args.libp2p_only else ()))
+        rates = bench.interleaved({"whole": whole, "chain": chain})
+    (wp, wd, _), (cp, cd, _) = (astuple(rates["whole"]), astuple(rates["chain"]))
     hops = bench.args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
     print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}")
     print(f"{'whole':8}{wp:15.1f}{wd:15.1f}")
@@ -183,40 +187,49 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
 
     Per-hop overhead = (chain decode step - whole-peer decode step) / hops: on one core the
     stages' compute adds up to the whole model's, so what is left is what the hops cost. The
-    chain runs twice: over the direct data plane (the default) and over libp2p streams only
-    (``--direct-port -1``, what every hop cost before)."""
+    chain runs twice, in turns with the whole peer: over the direct data plane (the default)
+    and over libp2p streams only (``--direct-port -1``, what every hop cost before)."""
     hops = bench.args.peers
     with pinned_to_one_core() as core, bench.swarm() as swarm:
-        whole = bench.start_whole(swarm)
-        wp, wd = bench.rates(whole)
-        cpu = bench.decode_cpu_ms(whole, swarm)
-        swarm.stop(whole)
-        print(f"all processes on core {core}; whole: decode {wd:.1f} tok/s ({1000 / wd:.2f} ms/step), "
-              f"prefill {wp:.1f} tok/s, CPU {cpu['whole']:.2f} ms/token")
-        figures = {}
-        for plane, extra in (("direct", ()), ("libp2p", ("--direct-port", "-1"))):
-            entry = bench.start_chain(swarm, *extra, prefix=f"{plane}-")
-            cp, cd = bench.rates(entry)
-            chain_cpu = bench.decode_cpu_ms(entry, swarm)
-            idle = bench.idle_cpu_ms_per_s(swarm)
-            swarm.stop_all()
-            per_hop = (1 / cd - 1 / wd) * 1000 / hops
-            figures[plane] = (cp, cd, per_hop)
-            print(f"chain over {plane}: decode {cd:.1f} tok/s ({1000 / cd:.2f} ms/step), prefill {cp:.1f} tok/s; "
-                  f"per-hop overhead {per_hop:.2f} ms ({hops} messages per step)")
-            print(f"  CPU ms/token " + ", ".join(f"{k} {v:.2f}" for k, v in chain_cpu.items())
-                  + f": {(sum(chain_cpu.values()) - cpu['whole']) / hops:.2f} more than the whole peer per hop; "
-                  f"idle background {', '.join(f'{v:.0f}' for v in idle.values())} ms CPU/s per peer")
-    cp, cd, per_hop = figures["direct"]
-    return [Verdict("pinned per-hop overhead ms", per_hop, TARGET_HOP_MS, higher_is_better=False),
-            Verdict("pinned prefill chain/whole", cp / wp, TARGET_PREFILL),
-            Verdict("pinned decode chain/whole", cd / wd, TARGET_DECODE),
-            Verdict("pinned decode direct/libp2p (no target)", cd / figures["libp2p"][1], 1.0)]
+        setups = {"whole": [bench.start_whole(swarm)],
+                  "direct": bench.start_chain(swarm, prefix="direct-"),
+                  "libp2p": bench.start_chain(swarm, "--direct-port", "-1", prefix="libp2p-")}  # fmt: skip
+        rates = bench.interleaved(setups)
+        idle = {name: bench.idle_cpu_ms_per_s(peers) for name, peers in setups.items()}
+    whole = rates["whole"]
+    print(f"all processes on core {core}; best of {bench.args.rounds} in turns; idle background CPU per peer "
+          + ", ".join(f"{name} {'/'.join(f'{v:.0f}' for v in values)}" for name, values in idle.items()) + " ms/s")
+    print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}{'ms/step':>10}{'CPU ms/token':>14}"
+          f"{'hop ms':>8}{'hop CPU ms':>12}")
+    for name, r in rates.items():
+        hop = (1 / r.decode - 1 / whole.decode) * 1000 / hops
+        hop_cpu = (r.cpu_ms - whole.cpu_ms) / hops
+        extra = f"{hop:8.2f}{hop_cpu:12.2f}" if name != "whole" else ""
+        print(f"{name:8}{r.prefill:15.1f}{r.decode:15.1f}{1000 / r.decode:10.2f}{r.cpu_ms:14.2f}{extra}")
+    direct = rates["direct"]
+    return [Verdict("pinned per-hop overhead ms", (1 / direct.decode - 1 / whole.decode) * 1000 / hops, TARGET_HOP_MS,
+                    higher_is_better=False),
+            Verdict("pinned per-hop CPU ms", (direct.cpu_ms - whole.cpu_ms) / hops, TARGET_HOP_MS, higher_is_better=False),
+            Verdict("pinned prefill chain/whole", direct.prefill / whole.prefill, TARGET_PREFILL),
+            Verdict("pinned decode chain/whole", direct.decode / whole.decode, TARGET_DECODE),
+            Verdict("pinned decode direct/libp2p (must not be slower)", direct.decode / rates["libp2p"].decode, 1.0)]  # fmt: skip
+
+
+def transport_cost(bench: Bench) -> list[Verdict]:
+    """One message between two processes on one core, no model: libp2p, direct, plain TCP."""
+    import bench_transport  # beside this script
+
+    best = bench_transport.measure()
+    for kind, (rtt, cpu) in best.items():
+        print(f"{kind:8} round trip {rtt:.3f} ms, client CPU {cpu:.3f} ms per round trip (a message each way)")
+    return [Verdict("direct message ms (half a round trip)", best["direct"][0] / 2, TARGET_HOP_MS, higher_is_better=False),
+            Verdict("libp2p/direct round trip (no target)", best["libp2p"][0] / best["direct"][0], 1.0)]  # fmt: skip
 
 
 SECTIONS: dict[str, Callable[[Bench], list[Verdict]]] = {
     "chain": whole_vs_chain,
     "pinned": pinned_hop_cost,
+    "transport": transport_cost,
 }
 """Each section starts its own peers and returns its figures; ``--sections`` picks some."""
 
