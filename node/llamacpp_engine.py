@@ -103,9 +103,6 @@ class LlamaCppEngine(LayerEngine):
             )
             self._capture_name = f"l_out-{self._slice_layers - 1}".encode()
             self._captures: list[np.ndarray] = []
-            # Looked up once: the callback runs for every node of the graph (hundreds per
-            # step), and ``llamacpp_lib.ggml()`` takes a lock on each call.
-            self._ggml_name = llamacpp_lib.ggml().ggml_get_name
             # Keep a reference: ctypes frees the trampoline when the Python object dies.
             self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
             self._ctx = self._new_context()
@@ -337,11 +334,11 @@ class LlamaCppEngine(LayerEngine):
         still returns 0 (and goes on to the next ubatch), and the KV cache of every block in
         this range has been written.
         """
-        if ask:
-            return self._ggml_name(tensor) == self._capture_name
-        if self._ggml_name(tensor) != self._capture_name:
-            return True
         lib = llamacpp_lib.ggml()
+        if ask:
+            return lib.ggml_get_name(tensor) == self._capture_name
+        if lib.ggml_get_name(tensor) != self._capture_name:
+            return True
         header = llamacpp_lib.TensorHeader.from_address(tensor)
         rows, width = int(header.ne[1]), int(header.ne[0])
         if header.type != llamacpp_lib.GGML_TYPE_F32 or width != self.info.d_model:
