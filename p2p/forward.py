@@ -29,9 +29,9 @@ from node.errors import ContextFull, InvalidBatch, SessionLimitReached
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import Admission, AdmissionLimits
+from p2p.direct import DirectLinks
 from p2p.errors import P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
-from p2p.direct import DirectLinks
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
 from p2p.routing import Hop
@@ -92,9 +92,9 @@ class _Link:
         self.peer = peer
         self._service = service
         self.send_channel, self._receive = trio.open_memory_channel[wire.Message](64)
+        self._stream: FramedStream | SealedStream | None = None
 
     async def run(self) -> None:
-        self._stream: FramedStream | SealedStream | None = None
         try:
             await self._send_all()
         except BaseException:
