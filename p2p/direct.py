@@ -161,9 +161,16 @@ class DirectLinks:
             del self._tickets[ticket]
 
     async def _accept(self, tcp: trio.SocketStream) -> None:
+        """Serve one inbound connection; its socket is closed however that ends (a refusal,
+        the handler's end, a cancel while the ticket is awaited)."""
+        try:
+            await self._serve_connection(tcp)
+        finally:
+            await trio.aclose_forcefully(tcp)
+
+    async def _serve_connection(self, tcp: trio.SocketStream) -> None:
         if self._unauthenticated >= self.limits.max_unauthenticated:
             self.refused += 1
-            await trio.aclose_forcefully(tcp)
             return
         self._unauthenticated += 1
         try:
@@ -173,7 +180,6 @@ class DirectLinks:
         if ticket is None or self._links.get(ticket.peer, 0) >= self.limits.links_per_peer \
                 or sum(self._links.values()) >= self.limits.max_links:  # fmt: skip
             self.refused += 1
-            await trio.aclose_forcefully(tcp)
             return
         handler = self._handlers.get(ticket.protocol)
         stream = SealedStream(FramedStream.over_trio(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)

@@ -162,6 +162,8 @@ class ForwardService:
         self.admission = Admission(admission, is_known=self._is_known)
         self.drops = DropCounter()
         """Frames refused, by :class:`~p2p.forward_checks.FrameReason`."""
+        self.leaving = False
+        """Set when the peer leaves: frames for its stage are answered ``shutting_down``."""
 
     @property
     def stage(self) -> Stage | None:
@@ -174,8 +176,6 @@ class ForwardService:
 
     def _is_known(self, peer: PeerId) -> bool:
         return peer == self.me or self.record_of is None or self.record_of(NodeId(peer)) is not None
-        self.leaving = False
-        """Set when the peer leaves: frames for its stage are answered ``shutting_down``."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 from direct_helpers import ECHO, direct_pair
 
-from inclavate.types import NodeId, PeerId, SessionId
+from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.direct import Grant
 from p2p.errors import DialError, FrameTooLarge, ProtocolError, StreamClosed
@@ -18,6 +19,7 @@ from p2p.forward import ForwardService
 from p2p.framing import FramedStream
 from p2p.host import open_host
 from p2p.identity import Identity
+from p2p.routing import Hop
 from p2p.sealed import SealedStream, Sealer
 
 
@@ -150,4 +152,23 @@ async def test_forward_frames_take_the_direct_link_or_fall_back_to_libp2p(receiv
             assert receiver.got == [(wire.Result(3, SessionId("s"), 42), a.peer_id)]
             link_stream = sender._links[b.peer_id]._stream
             assert isinstance(link_stream, SealedStream) is receiver_direct
+            n.cancel_scope.cancel()
+
+
+async def test_a_forward_for_a_stage_not_loaded_is_answered_wrong_route() -> None:
+    """The entry hears why at once (a missing attribute used to turn this into a logged
+    exception and a silent wait)."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+            entry = ForwardService(a, node_id=NodeId(a.peer_id), stage=None)
+            idle = ForwardService(b, node_id=NodeId(b.peer_id), stage=None)
+            await n.start(entry.run)
+            await n.start(idle.run)
+            await a.connect(b.multiaddrs()[0])
+            inbox = entry.open_inbox(SessionId("s"), [b.peer_id])
+            hop = Hop(NodeId(b.peer_id), b.peer_id, LayerRange(0, 30))
+            await entry.send(b.peer_id, wire.Forward(1, SessionId("s"), 0, (hop,), a.peer_id, None,
+                                                     tokens=np.array([1, 2], np.int32)))  # fmt: skip
+            error = await inbox.receive()
+            assert isinstance(error, wire.Error) and error.code == "wrong_route" and error.origin == b.peer_id
             n.cancel_scope.cancel()
