@@ -4,6 +4,9 @@ forward service using a direct link (or libp2p when the other side offers none).
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -138,37 +141,37 @@ class _Recording(ForwardService):
         self.arrived.set()
 
 
+@asynccontextmanager
+async def two_services(receiver: type[ForwardService], **receiver_args: Any) -> AsyncIterator[tuple[ForwardService, Any]]:
+    """A sender's forward service and a ``receiver``'s, on two connected hosts."""
+    async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+        services = (ForwardService(a, node_id=NodeId(a.peer_id), stage=None),
+                    receiver(b, node_id=NodeId(b.peer_id), stage=None, **receiver_args))  # fmt: skip
+        for service in services:
+            await n.start(service.run)
+        await a.connect(b.multiaddrs()[0])
+        yield services
+        n.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("receiver_direct", [True, False])
 async def test_forward_frames_take_the_direct_link_or_fall_back_to_libp2p(receiver_direct: bool) -> None:
     with trio.fail_after(30):
-        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
-            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None)
-            receiver = _Recording(b, node_id=NodeId(b.peer_id), stage=None, direct_port=0 if receiver_direct else None)
-            await n.start(sender.run)
-            await n.start(receiver.run)
-            await a.connect(b.multiaddrs()[0])
-            await sender.send(b.peer_id, wire.Result(3, SessionId("s"), 42))
+        async with two_services(_Recording, direct_port=0 if receiver_direct else None) as (sender, receiver):
+            await sender.send(receiver.me, wire.Result(3, SessionId("s"), 42))
             await receiver.arrived.wait()
-            assert receiver.got == [(wire.Result(3, SessionId("s"), 42), a.peer_id)]
-            link_stream = sender._links[b.peer_id]._stream
+            assert receiver.got == [(wire.Result(3, SessionId("s"), 42), sender.me)]
+            link_stream = sender._links[receiver.me]._stream
             assert isinstance(link_stream, SealedStream) is receiver_direct
-            n.cancel_scope.cancel()
 
 
 async def test_a_forward_for_a_stage_not_loaded_is_answered_wrong_route() -> None:
     """The entry hears why at once (a missing attribute used to turn this into a logged
     exception and a silent wait)."""
     with trio.fail_after(30):
-        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
-            entry = ForwardService(a, node_id=NodeId(a.peer_id), stage=None)
-            idle = ForwardService(b, node_id=NodeId(b.peer_id), stage=None)
-            await n.start(entry.run)
-            await n.start(idle.run)
-            await a.connect(b.multiaddrs()[0])
-            inbox = entry.open_inbox(SessionId("s"), [b.peer_id])
-            hop = Hop(NodeId(b.peer_id), b.peer_id, LayerRange(0, 30))
-            await entry.send(b.peer_id, wire.Forward(1, SessionId("s"), 0, (hop,), a.peer_id, None,
-                                                     tokens=np.array([1, 2], np.int32)))  # fmt: skip
+        async with two_services(ForwardService) as (entry, idle):
+            inbox = entry.open_inbox(SessionId("s"), [idle.me])
+            hop = Hop(NodeId(idle.me), idle.me, LayerRange(0, 30))
+            await entry.send(idle.me, wire.Forward(1, SessionId("s"), 0, (hop,), entry.me, None, tokens=np.array([1, 2], np.int32)))
             error = await inbox.receive()
-            assert isinstance(error, wire.Error) and error.code == "wrong_route" and error.origin == b.peer_id
-            n.cancel_scope.cancel()
+            assert isinstance(error, wire.Error) and error.code == "wrong_route" and error.origin == idle.me
