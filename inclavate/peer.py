@@ -199,6 +199,7 @@ class Peer:
                     await nursery.start(run_metrics, self.metrics, self.metrics_store, self.views)
                     await nursery.start(run_discovery, host, list(cfg.bootstrap))
                     self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype,
+                                                  direct_port=cfg.direct_port,
                                                   max_frame_bytes=max_frame_bytes(cfg.engine.context_length, meta.d_model))
                     self.forward.record_of = self._registered
                     await nursery.start(self.forward.run)

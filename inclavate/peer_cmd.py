@@ -70,6 +70,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
                    help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
+    p.add_argument("--direct-port", type=int, default=0, metavar="PORT",
+                   help="TCP port for direct, sealed links to neighbours (default: any free port; -1: "
+                   "forward over libp2p streams only, 5-10x the CPU per hop)")  # fmt: skip
     p.add_argument("--max-failovers", type=int, default=FailoverPolicy.max_failovers,
                    help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
     p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
@@ -136,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         engine=engine,
         engine_kind=resolve_engine(args.engine),
         wire_dtype=args.wire_dtype,
+        direct_port=None if args.direct_port < 0 else args.direct_port,
         generators=not args.no_generators,
         join_token=args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None,
         allowed_hosts=tuple(args.allow_host),

@@ -47,6 +47,9 @@ class PeerConfig:
     engine_kind: EngineKind = "llamacpp"
     """Which engine runs the range (``--engine``, already resolved from "auto")."""
     wire_dtype: WireDType = "f16"
+    direct_port: int | None = 0
+    """TCP port of the direct data plane (``p2p.direct``; 0: any free port; None: forward
+    over libp2p streams only, ``--direct-port -1``)."""
     liveness: Liveness = Liveness()
     settle_s: float = 2.0
     """How long a joining peer watches for others that chose the same layers."""

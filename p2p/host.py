@@ -203,8 +203,10 @@ class P2PHost:
 
     def __init__(self, identity: Identity, host: BasicHost, pubsub: SwarmPubsub,
                  gossip: GossipConfig, topics: dict[str, Broadcast],
-                 connection_events: Broadcast, dial_timeout: float) -> None:
+                 connection_events: Broadcast, dial_timeout: float, listen_host: str = "127.0.0.1") -> None:
         self.identity = identity
+        self.listen_host = listen_host
+        """The interface the host listens on (the direct data plane listens there too)."""
         self.peer_id: PeerId = identity.peer_id
         self._host = host
         self._network = host.get_network()
@@ -232,6 +234,14 @@ class P2PHost:
 
     def is_connected(self, peer: str) -> bool:
         return bool(self._network.connections.get(_parse_peer(peer)))
+
+    def remote_ip(self, peer: str) -> str | None:
+        """The IP address our live connection to ``peer`` reaches it at, or None."""
+        for conn in self._network.connections.get(_parse_peer(peer), ()):
+            address = conn.muxed_conn.get_remote_address()
+            if address:
+                return str(address[0])
+        return None
 
     def known_addrs(self, peer: str) -> list[str]:
         """Full multiaddrs (with ``/p2p/``) we know for ``peer``; empty if none."""
@@ -486,7 +496,7 @@ async def open_host(
     pubsub, router = build_gossip(libp2p_host, gossip, topics)
     events = Broadcast("connection events")
     libp2p_host.get_network().register_notifee(_ConnectionNotifee(events))
-    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout)
+    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout, listen_host)
     try:
         async with libp2p_host.run([listen]):
             try:

@@ -2,102 +2,218 @@
 
 Both sides are measured through the same peer API and generation loop, in one run on the
 same machine: a single peer holding all layers (one process) is the baseline, the chain is
-three peers holding a third each. Both stay up for the whole run and are measured
-alternately (whole, chain, whole, ...), so a busy machine slows both alike; each figure is
-the best over ``--rounds``. Each peer runs its engine on the same thread count, so the
-ratio isolates what the chain costs.
+three peers holding a third each. Decode rate is the streamed token rate after the first
+token; prefill rate is prompt tokens over the time to the first token. Each peer runs its
+engine on the same thread count, so the ratio isolates what the chain costs.
 
-Sections (``--only``/``--skip`` take their names):
-- ``single``: one stream. Decode rate is the streamed token rate after the first token;
-  prefill rate is prompt tokens over the time to the first token. Targets: decode >= 0.85,
-  prefill >= 0.9.
-- ``concurrency``: 1, 4 and 8 sessions streaming at once, aggregate decode tok/s while all
-  of them stream. Target at 8: chain >= 0.85x the whole peer.
-- ``long-prefill``: a ~2,000-token prompt, prompt tokens over the time to the first token.
-  Target: chain >= 0.9x the whole peer.
+The script is a list of sections (``SECTIONS``), each starting its own peers and returning
+its figures against their targets; ``--sections`` runs a subset:
+- ``chain``: one stream, decode and prefill rates (targets: decode >= 0.85, prefill >= 0.9).
+- ``pinned``: every process on one core; per-hop overhead and CPU (target <= 0.5 ms).
+- ``transport``: one message between two processes over libp2p, the direct link, plain TCP.
+- ``concurrency``: 1, 4 and 8 sessions streaming at once, aggregate decode tok/s and how
+  many sessions each stage's step calls batched (target at 8: chain >= 0.85x whole).
+- ``long-prefill``: a ~2,000-token prompt, prompt tok/s to the first token (target >= 0.9).
+Setups within a section are measured in turns (whole, chain, whole, ...), best of ``--rounds``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import shlex
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 from bench_peer import FILLER, concurrent_decode, stream
 
-from inclavate.catalog import Catalog, ModelSpec
+from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
 from inclavate.generate_cmd import split_evenly
 from inclavate.local_swarm import LocalSwarm, PeerProcess
 from inclavate.store import ModelStore
 
 TARGET_DECODE, TARGET_PREFILL = 0.85, 0.90
+TARGET_HOP_MS = 0.5
 TARGET_CONCURRENT, TARGET_LONG_PREFILL = 0.85, 0.90
-SHORT_PROMPT = "Write a long story about a dragon who learns to cook."
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One figure against its target."""
+
+    name: str
+    value: float
+    target: float
+    higher_is_better: bool = True
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def line(self) -> str:
+        op = ">=" if self.higher_is_better else "<="
+        return f"{self.name}: {self.value:.3f} (target {op} {self.target}): {'met' if self.met else 'NOT met'}"
 
 
 @dataclass
 class Bench:
-    """What every section gets: the two sides, up at once, and the run's arguments."""
+    """What every section needs: arguments, the model, and a way to start peers."""
 
     args: argparse.Namespace
-    spec: ModelSpec
-    whole: PeerProcess
-    chain: list[PeerProcess]
-    """The chain's peers in route order: requests to the first go through every stage."""
+    home: Path
+    spec: Any
+    workdir: Path
+    prompt: str
+    short: str = "Write a long story about a dragon who learns to cook."
 
-    @property
-    def entry(self) -> PeerProcess:
-        return self.chain[0]
+    def swarm(self) -> LocalSwarm:
+        common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(self.args.threads),
+                  "--wire-dtype", self.args.wire_dtype, "--context", "2048",
+                  "--max-sessions", str(max(2, *self.args.sessions))]  # fmt: skip
+        return LocalSwarm(Path(tempfile.mkdtemp(dir=self.workdir)), common, {"INCLAVATE_HOME": str(self.home)})
 
-    def sides(self) -> tuple[tuple[str, PeerProcess], ...]:
-        return (("whole", self.whole), ("chain", self.entry))
+    def start_whole(self, swarm: LocalSwarm) -> PeerProcess:
+        whole = swarm.start("whole", self.spec.model_id, "--layers", f"0-{self.spec.n_layers}")
+        swarm.wait_ready(whole)
+        return whole
+
+    def start_chain(self, swarm: LocalSwarm, *extra: str, prefix: str = "") -> list[PeerProcess]:
+        """Start a chain of ``--peers`` peers (``extra`` arguments each); the entry first."""
+        ranges = split_evenly(self.spec.n_layers, self.args.peers)
+        chain = [swarm.start(f"{prefix}chain-1", self.spec.model_id, "--layers", str(ranges[0]), *extra)]
+        chain += [swarm.start(f"{prefix}chain-{i + 1}", self.spec.model_id, "--layers", str(r), *extra, bootstrap=chain[0])
+                  for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
+        for peer in chain:
+            swarm.wait_ready(peer)
+        swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+        return chain
+
+    def interleaved(self, setups: dict[str, list[PeerProcess]]) -> dict[str, Rates]:
+        """Each setup's best prefill and decode rate and least decode CPU, measured in turns
+        (one round of every setup, ``--rounds`` times), so a load that changes meanwhile
+        touches them all alike. A setup is its peers, the entry first."""
+        best = {name: Rates(0.0, 0.0, math.inf) for name in setups}
+        for _ in range(self.args.rounds):
+            for name, peers in setups.items():
+                prefill = stream(peers[0], self.spec.model_id, self.prompt, 2)
+                before = sum(process_cpu_s(p.process.pid) for p in peers)
+                decode = stream(peers[0], self.spec.model_id, self.short, self.args.decode_tokens)
+                cpu_ms = (sum(process_cpu_s(p.process.pid) for p in peers) - before) * 1000 / decode.completion_tokens
+                old = best[name]
+                best[name] = Rates(max(old.prefill, prefill.prompt_tokens / prefill.ttft),
+                                   max(old.decode, decode.decode_rate), min(old.cpu_ms, cpu_ms))  # fmt: skip
+        return best
+
+    def idle_cpu_ms_per_s(self, peers: list[PeerProcess], seconds: float = 3.0) -> list[float]:
+        """CPU milliseconds per second each peer spends with no request (gossip, heartbeats,
+        pings): part of what every extra process adds on a shared core."""
+        before = [process_cpu_s(p.process.pid) for p in peers]
+        time.sleep(seconds)
+        return [(process_cpu_s(p.process.pid) - b) * 1000 / seconds for p, b in zip(peers, before)]
 
 
-def verdict(ratio: float, target: float) -> str:
-    return f"ratio {ratio:.3f}, target >= {target}: {'met' if ratio >= target else 'NOT met'}"
+@dataclass(frozen=True)
+class Rates:
+    prefill: float
+    """Prompt tokens per second to the first token."""
+    decode: float
+    """Streamed tokens per second after the first."""
+    cpu_ms: float
+    """CPU milliseconds (user + system, all the setup's processes) per streamed token."""
 
 
-def best_of(bench: Bench, measure: Callable[[PeerProcess], float]) -> dict[str, float]:
-    """Best figure of each side over the rounds, the sides alternating."""
-    best = {"whole": 0.0, "chain": 0.0}
-    for _ in range(bench.args.rounds):
-        for name, peer in bench.sides():
-            best[name] = max(best[name], measure(peer))
-    return best
-
-
-def prefill_rate(bench: Bench, prompt: str) -> Callable[[PeerProcess], float]:
-    def measure(peer: PeerProcess) -> float:
-        s = stream(peer, bench.spec.model_id, prompt, 1)
-        return s.prompt_tokens / s.ttft
-
-    return measure
-
-
-def section_single(bench: Bench) -> None:
-    """One stream: decode and prefill rates, and the latency each hop adds to a step."""
-    args = bench.args
-    prompt = "Summarise this text: " + FILLER * (args.prompt_words // 9)
-    prefill = best_of(bench, prefill_rate(bench, prompt))
-    decode = best_of(bench, lambda p: stream(p, bench.spec.model_id, SHORT_PROMPT, args.decode_tokens).decode_rate)
-    (wp, cp), (wd, cd) = (prefill["whole"], prefill["chain"]), (decode["whole"], decode["chain"])
-    hops = args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
-    per_hop_ms = max(0.0, (1 / cd - 1 / wd) * 1000 / hops)
-    print(f"\n[single] one stream, {args.prompt_words}-word prefill prompt, {args.decode_tokens} decoded tokens")
+def whole_vs_chain(bench: Bench) -> list[Verdict]:
+    """The chain against one peer holding the whole model, each on its own thread count."""
+    with bench.swarm() as swarm:
+        whole = [bench.start_whole(swarm)]
+        chain = bench.start_chain(swarm, *(("--direct-port", "-1") if bench.args.libp2p_only else ()))
+        rates = bench.interleaved({"whole": whole, "chain": chain})
+    (wp, wd, _), (cp, cd, _) = (astuple(rates["whole"]), astuple(rates["chain"]))
+    hops = bench.args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
     print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}")
     print(f"{'whole':8}{wp:15.1f}{wd:15.1f}")
     print(f"{'chain':8}{cp:15.1f}{cd:15.1f}")
-    print(f"{'ratio':8}{cp / wp:15.3f}{cd / wd:15.3f}")
     print(f"decode step: whole {1000 / wd:.2f} ms, chain {1000 / cd:.2f} ms; "
-          f"added latency {per_hop_ms:.2f} ms per hop ({hops} messages per step)")  # fmt: skip
-    print(f"decode  {verdict(cd / wd, TARGET_DECODE)}")
-    print(f"prefill {verdict(cp / wp, TARGET_PREFILL)}")
+          f"added latency {max(0.0, (1 / cd - 1 / wd) * 1000 / hops):.2f} ms per hop ({hops} messages per step)")
+    return [Verdict("prefill chain/whole", cp / wp, TARGET_PREFILL), Verdict("decode chain/whole", cd / wd, TARGET_DECODE)]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def pinned_to_one_core() -> Iterator[int]:
+    """This process and every peer it starts meanwhile (children inherit the mask) on one core."""
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def pinned_hop_cost(bench: Bench) -> list[Verdict]:
+    """Every process on one core: the CPU a hop costs, isolated from the cores it could borrow.
+
+    Per-hop overhead = (chain decode step - whole-peer decode step) / hops: on one core the
+    stages' compute adds up to the whole model's, so what is left is what the hops cost. The
+    chain runs twice, in turns with the whole peer: over the direct data plane (the default)
+    and over libp2p streams only (``--direct-port -1``, what every hop cost before)."""
+    hops = bench.args.peers
+    with pinned_to_one_core() as core, bench.swarm() as swarm:
+        setups = {"whole": [bench.start_whole(swarm)],
+                  "direct": bench.start_chain(swarm, prefix="direct-"),
+                  "libp2p": bench.start_chain(swarm, "--direct-port", "-1", prefix="libp2p-")}  # fmt: skip
+        rates = bench.interleaved(setups)
+        idle = {name: bench.idle_cpu_ms_per_s(peers) for name, peers in setups.items()}
+    whole = rates["whole"]
+    print(f"all processes on core {core}; best of {bench.args.rounds} in turns; idle background CPU per peer "
+          + ", ".join(f"{name} {'/'.join(f'{v:.0f}' for v in values)}" for name, values in idle.items()) + " ms/s")
+    print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}{'ms/step':>10}{'CPU ms/token':>14}"
+          f"{'hop ms':>8}{'hop CPU ms':>12}")
+    for name, r in rates.items():
+        hop = (1 / r.decode - 1 / whole.decode) * 1000 / hops
+        hop_cpu = (r.cpu_ms - whole.cpu_ms) / hops
+        extra = f"{hop:8.2f}{hop_cpu:12.2f}" if name != "whole" else ""
+        print(f"{name:8}{r.prefill:15.1f}{r.decode:15.1f}{1000 / r.decode:10.2f}{r.cpu_ms:14.2f}{extra}")
+    direct = rates["direct"]
+    return [Verdict("pinned per-hop overhead ms", (1 / direct.decode - 1 / whole.decode) * 1000 / hops, TARGET_HOP_MS,
+                    higher_is_better=False),
+            Verdict("pinned per-hop CPU ms", (direct.cpu_ms - whole.cpu_ms) / hops, TARGET_HOP_MS, higher_is_better=False),
+            Verdict("pinned prefill chain/whole", direct.prefill / whole.prefill, TARGET_PREFILL),
+            Verdict("pinned decode chain/whole", direct.decode / whole.decode, TARGET_DECODE),
+            Verdict("pinned decode direct/libp2p (must not be slower)", direct.decode / rates["libp2p"].decode, 1.0)]  # fmt: skip
+
+
+def transport_cost(bench: Bench) -> list[Verdict]:
+    """One message between two processes on one core, no model: libp2p, direct, plain TCP."""
+    import bench_transport  # beside this script
+
+    best = bench_transport.measure()
+    for kind, (rtt, cpu) in best.items():
+        print(f"{kind:8} round trip {rtt:.3f} ms, client CPU {cpu:.3f} ms per round trip (a message each way)")
+    return [Verdict("direct message ms (half a round trip)", best["direct"][0] / 2, TARGET_HOP_MS, higher_is_better=False),
+            Verdict("libp2p/direct round trip (no target)", best["libp2p"][0] / best["direct"][0], 1.0)]  # fmt: skip
+
+
+def best_in_turns(bench: Bench, setups: dict[str, PeerProcess], measure: Callable[[PeerProcess], float]) -> dict[str, float]:
+    """Each setup's best figure over ``--rounds``, the setups measured in turns."""
+    best = dict.fromkeys(setups, 0.0)
+    for _ in range(bench.args.rounds):
+        for name, entry in setups.items():
+            best[name] = max(best[name], measure(entry))
+    return best
 
 
 def step_batching(peers: list[PeerProcess]) -> list[tuple[int, int]]:
@@ -106,43 +222,56 @@ def step_batching(peers: list[PeerProcess]) -> list[tuple[int, int]]:
     return [(c.get("step_rounds", 0), c.get("step_jobs", 0)) for c in counts]
 
 
-def section_concurrency(bench: Bench) -> None:
+def concurrency(bench: Bench) -> list[Verdict]:
     """Aggregate decode rate with 1, 4, 8 sessions streaming at once, and how many sessions
     each stage's decode-step calls batched on average (all rounds of that level)."""
     args = bench.args
-    peers = [bench.whole, *bench.chain]
-    print(f"\n[concurrency] aggregate decode tok/s while every session streams ({args.concurrent_tokens} tokens each)")
-    print(f"{'sessions':>8}{'whole':>10}{'chain':>10}{'ratio':>9}   mean sessions per step call: whole | chain stages")
-    ratio = 0.0
-    for sessions in args.sessions:
-        before = step_batching(peers)
-        best = best_of(bench, lambda p: concurrent_decode(p, bench.spec.model_id, sessions, args.concurrent_tokens))
-        after = step_batching(peers)
-        means = [(j1 - j0) / max(1, r1 - r0) for (r0, j0), (r1, j1) in zip(before, after)]
-        ratio = best["chain"] / best["whole"]
-        print(f"{sessions:>8}{best['whole']:10.1f}{best['chain']:10.1f}{ratio:9.3f}   "
-              f"{means[0]:.2f} | {' '.join(f'{m:.2f}' for m in means[1:])}")  # fmt: skip
-    print(f"{args.sessions[-1]} sessions: {verdict(ratio, TARGET_CONCURRENT)}")
+    with bench.swarm() as swarm:
+        whole, chain = bench.start_whole(swarm), bench.start_chain(swarm)
+        peers = [whole, *chain]
+        print(f"aggregate decode tok/s while every session streams ({args.concurrent_tokens} tokens each)")
+        print(f"{'sessions':>8}{'whole':>10}{'chain':>10}{'ratio':>9}   mean sessions per step call: whole | chain stages")
+        ratio = 0.0
+        for sessions in args.sessions:
+            before = step_batching(peers)
+            best = best_in_turns(bench, {"whole": whole, "chain": chain[0]},
+                                 lambda p: concurrent_decode(p, bench.spec.model_id, sessions, args.concurrent_tokens))  # fmt: skip
+            after = step_batching(peers)
+            means = [(j1 - j0) / max(1, r1 - r0) for (r0, j0), (r1, j1) in zip(before, after)]
+            ratio = best["chain"] / best["whole"]
+            print(f"{sessions:>8}{best['whole']:10.1f}{best['chain']:10.1f}{ratio:9.3f}   "
+                  f"{means[0]:.2f} | {' '.join(f'{m:.2f}' for m in means[1:])}")  # fmt: skip
+    return [Verdict(f"{args.sessions[-1]} sessions chain/whole", ratio, TARGET_CONCURRENT)]
 
 
-def section_long_prefill(bench: Bench) -> None:
+def long_prefill(bench: Bench) -> list[Verdict]:
     """Prefill of a ~2,000-token prompt: the entry's chunks pipeline across the stages."""
     prompt = "Summarise: " + FILLER * (bench.args.long_prompt_tokens // 9)
-    best = best_of(bench, prefill_rate(bench, prompt))
-    ratio = best["chain"] / best["whole"]
-    print(f"\n[long-prefill] ~{bench.args.long_prompt_tokens}-token prompt, prompt tok/s to the first token")
-    print(f"whole {best['whole']:.1f}, chain {best['chain']:.1f}: {verdict(ratio, TARGET_LONG_PREFILL)}")
+
+    def rate(peer: PeerProcess) -> float:
+        s = stream(peer, bench.spec.model_id, prompt, 1)
+        return s.prompt_tokens / s.ttft
+
+    with bench.swarm() as swarm:
+        setups = {"whole": bench.start_whole(swarm), "chain": bench.start_chain(swarm)[0]}
+        best = best_in_turns(bench, setups, rate)
+    print(f"~{bench.args.long_prompt_tokens}-token prompt, prompt tok/s to the first token: "
+          f"whole {best['whole']:.1f}, chain {best['chain']:.1f}")
+    return [Verdict("long prefill chain/whole", best["chain"] / best["whole"], TARGET_LONG_PREFILL)]
 
 
-SECTIONS: dict[str, Callable[[Bench], None]] = {
-    "single": section_single,
-    "concurrency": section_concurrency,
-    "long-prefill": section_long_prefill,
+SECTIONS: dict[str, Callable[[Bench], list[Verdict]]] = {
+    "chain": whole_vs_chain,
+    "pinned": pinned_hop_cost,
+    "transport": transport_cost,
+    "concurrency": concurrency,
+    "long-prefill": long_prefill,
 }
+"""Each section starts its own peers and returns its figures; ``--sections`` picks some."""
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2:135m")
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -150,40 +279,35 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="engine threads per peer")
     parser.add_argument("--wire-dtype", default="f16", choices=("f16", "bf16", "f32"))
+    parser.add_argument("--libp2p-only", action="store_true",
+                        help="the chain section's peers forward over libp2p streams (no direct data plane)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels")
-    parser.add_argument("--concurrent-tokens", type=int, default=48, help="tokens per session, concurrency")
+    parser.add_argument("--concurrent-tokens", type=int, default=48, help="tokens per session, concurrency section")
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
-    parser.add_argument("--only", action="append", choices=tuple(SECTIONS), help="run only these sections")
-    parser.add_argument("--skip", action="append", default=[], choices=tuple(SECTIONS))
-    parser.add_argument("--peer-arg", action="append", default=[], help="extra argument for every peer")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
-    sections = [name for name in (args.only or SECTIONS) if name not in args.skip]
+    chosen = [s for s in args.sections.split(",") if s]
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
 
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
     ModelStore(home).pull(spec)
-    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(args.threads), "--wire-dtype", args.wire_dtype,
-              "--context", "2048", "--max-sessions", str(max(args.sessions)), *args.peer_arg]  # fmt: skip
-    ranges = split_evenly(spec.n_layers, args.peers)
-    print(f"model {spec.model_id}: {args.peers}-peer chain {' '.join(map(str, ranges))} vs one peer; "
-          f"{args.threads} engine thread(s) per peer, wire {args.wire_dtype}, best of {args.rounds}, alternating; "
-          f"{len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
-    print("reproduce: scripts/bench_chain " + shlex.join(sys.argv[1:]))
-    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home)}) as swarm:
-        # Two separate swarms: the whole peer has no bootstrap, so the chain never routes through it.
-        whole = swarm.start("whole", spec.model_id, "--layers", f"0-{spec.n_layers}")
-        chain = [swarm.start("chain-1", spec.model_id, "--layers", str(ranges[0]))]
-        chain += [swarm.start(f"chain-{i + 1}", spec.model_id, "--layers", str(r), bootstrap=chain[0])
-                  for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
-        for peer in (whole, *chain):
-            swarm.wait_ready(peer)
-        swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
-        bench = Bench(args, spec, whole, chain)
-        for peer in (whole, chain[0]):
-            stream(peer, spec.model_id, SHORT_PROMPT, 4)  # warm up
-        for name in sections:
-            SECTIONS[name](bench)
-    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+    prompt = "Summarise this text: " + FILLER * (args.prompt_words // 9)
+    print(f"model {spec.model_id}: {args.peers}-peer chain vs one peer; {args.threads} engine thread(s) per peer, "
+          f"wire {args.wire_dtype}, best of {args.rounds}; load average {os.getloadavg()[0]:.2f}")
+    print("reproduce: scripts/bench_chain " + " ".join(sys.argv[1:]))
+    verdicts: list[Verdict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(args, home, spec, Path(tmp), prompt)
+        for name in chosen:
+            print(f"\n== {name}: {SECTIONS[name].__doc__.splitlines()[0]}")
+            verdicts += SECTIONS[name](bench)
+    print()
+    for verdict in verdicts:
+        print(verdict.line())
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -1,0 +1,258 @@
+"""The direct data plane: one plain TCP connection per neighbour, sealed with a key agreed
+over Noise, beside libp2p.
+
+Why: on loopback a decode-sized frame (1-2 KiB) costs ~1 ms of CPU per message through
+py-libp2p's pure-Python yamux and Noise framing, against ~0.15 ms over a plain socket
+(measured: see docs/ARCHITECTURE.md, "Wire format"). A token crosses every hop of a chain,
+so that difference is most of what a hop cost.
+
+Handshake (A dials B; both already share a Noise-authenticated libp2p connection)::
+
+    A -> B  over libp2p /inclavate/direct/1:  the protocol A wants to speak (UTF-8)
+    B -> A  over libp2p:  1 | TCP port u16 | ticket (16 random bytes) | key (32 random bytes)
+            (or 0 | reason: no such protocol here)
+    A -> B  TCP to the IP of A's libp2p connection to B, that port:  "INCLDP01" | ticket
+    B -> A  TCP: a sealed empty frame (B proves it holds the key)
+    then    sealed frames both ways (:mod:`p2p.sealed`)
+
+The ticket is used once and expires in seconds; B binds the TCP connection to the PeerID it
+issued the ticket to, so every frame on it is as authenticated as one over libp2p. A
+stranger's connection is closed at once when its first 24 bytes are not a live ticket, or
+after ``hello_timeout_s`` when they do not come. Tickets and connections are bounded per
+peer and in all. Whoever cannot make a direct connection (firewall, NAT, an older peer)
+uses the libp2p stream, as before: :meth:`DirectLinks.open` fails fast and remembers the
+failure for a while.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from inclavate.types import PeerId
+from p2p.errors import DialError, ListenError, P2PError, ProtocolError
+from p2p.framing import FramedStream
+from p2p.host import P2PHost
+from p2p.sealed import KEY_BYTES, SealedStream
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/inclavate/direct/1"
+MAGIC = b"INCLDP01"
+TICKET_BYTES = 16
+_GRANT = struct.Struct(f">BH{TICKET_BYTES}s{KEY_BYTES}s")
+_MAX_PROTOCOL_BYTES = 128
+_CONTROL_FRAME_BYTES = 256
+
+DirectHandler = Callable[[SealedStream, PeerId], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class DirectLimits:
+    ticket_ttl_s: float = 10.0
+    tickets_per_peer: int = 4
+    """Unused tickets one peer may hold; asking for more drops its oldest."""
+    max_tickets: int = 1024
+    hello_timeout_s: float = 2.0
+    """An accepted TCP connection must show its ticket within this, or it is closed."""
+    max_unauthenticated: int = 64
+    """Accepted connections still waiting for their ticket; more are closed at once."""
+    links_per_peer: int = 4
+    """Live inbound direct connections of one peer (one per protocol and direction is normal)."""
+    max_links: int = 512
+    retry_after_s: float = 60.0
+    """After a failed direct dial, use libp2p to that peer for this long."""
+
+
+@dataclass(frozen=True)
+class _Ticket:
+    peer: PeerId
+    protocol: str
+    key: bytes
+    expires: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What B answers A over libp2p: where to connect and with what."""
+
+    port: int
+    ticket: bytes
+    key: bytes
+
+    def encode(self) -> bytes:
+        return _GRANT.pack(1, self.port, self.ticket, self.key)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Grant:
+        if len(data) != _GRANT.size or data[0] != 1:
+            reason = data[1:120].decode("utf-8", "replace") if data[:1] == b"\0" else "malformed grant"
+            raise DialError(f"direct connection refused: {reason}")
+        _, port, ticket, key = _GRANT.unpack(data)
+        if port == 0:
+            raise DialError("direct connection refused: port 0")
+        return cls(port, ticket, key)
+
+
+class DirectLinks:
+    """Serves and dials direct connections for the protocols given a handler."""
+
+    def __init__(self, host: P2PHost, *, port: int = 0, limits: DirectLimits = DirectLimits(),
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._host = host
+        self._listen_port = port
+        self.limits = limits
+        self._clock = clock
+        self._handlers: dict[str, DirectHandler] = {}
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._unauthenticated = 0
+        self._links: dict[PeerId, int] = {}
+        self._failed_until: dict[PeerId, float] = {}
+        self.port: int | None = None
+        self.refused = 0
+        """Inbound connections closed before a handler saw them (no ticket, bounds)."""
+
+    def set_handler(self, protocol: str, handler: DirectHandler) -> None:
+        self._handlers[protocol] = handler
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            listeners = await trio.open_tcp_listeners(self._listen_port, host=self._host.listen_host)
+        except OSError as exc:
+            raise ListenError(f"cannot listen for direct links on {self._host.listen_host}:{self._listen_port}: {exc}") from exc
+        self.port = listeners[0].socket.getsockname()[1]
+        self._host.set_stream_handler(PROTOCOL, self._grant, max_frame_size=_CONTROL_FRAME_BYTES)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, self._accept, listeners)
+                task_status.started()
+        finally:
+            self._host.remove_stream_handler(PROTOCOL)
+
+    # ------------------------------------------------------------------ acceptor
+
+    async def _grant(self, control: FramedStream, remote: PeerId) -> None:
+        """Hand ``remote`` a one-time ticket and key for a direct connection."""
+        request = await control.receive(timeout=self.limits.hello_timeout_s)
+        protocol = request.decode("utf-8", "replace")
+        if len(request) > _MAX_PROTOCOL_BYTES or protocol not in self._handlers or self.port is None:
+            await control.send(b"\0no direct handler for that protocol", timeout=self.limits.hello_timeout_s)
+            return
+        self._prune_tickets()
+        mine = [t for t, v in self._tickets.items() if v.peer == remote]
+        for old in mine[: max(0, len(mine) - self.limits.tickets_per_peer + 1)]:
+            del self._tickets[old]
+        if len(self._tickets) >= self.limits.max_tickets:
+            await control.send(b"\0too many tickets outstanding", timeout=self.limits.hello_timeout_s)
+            return
+        grant = Grant(self.port, os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES))
+        self._tickets[grant.ticket] = _Ticket(remote, protocol, grant.key, self._clock() + self.limits.ticket_ttl_s)
+        await control.send(grant.encode(), timeout=self.limits.hello_timeout_s)
+
+    def _prune_tickets(self) -> None:
+        now = self._clock()
+        for ticket in [t for t, v in self._tickets.items() if v.expires <= now]:
+            del self._tickets[ticket]
+
+    async def _accept(self, tcp: trio.SocketStream) -> None:
+        """Serve one inbound connection; its socket is closed however that ends (a refusal,
+        the handler's end, a cancel while the ticket is awaited)."""
+        try:
+            await self._serve_connection(tcp)
+        finally:
+            await trio.aclose_forcefully(tcp)
+
+    async def _serve_connection(self, tcp: trio.SocketStream) -> None:
+        if self._unauthenticated >= self.limits.max_unauthenticated:
+            self.refused += 1
+            return
+        self._unauthenticated += 1
+        try:
+            ticket = await self._read_ticket(tcp)
+        finally:
+            self._unauthenticated -= 1
+        if ticket is None or self._links.get(ticket.peer, 0) >= self.limits.links_per_peer \
+                or sum(self._links.values()) >= self.limits.max_links:  # fmt: skip
+            self.refused += 1
+            return
+        handler = self._handlers.get(ticket.protocol)
+        stream = SealedStream(FramedStream.over_trio(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
+        self._links[ticket.peer] = self._links.get(ticket.peer, 0) + 1
+        try:
+            async with stream:
+                await stream.send(b"", timeout=self.limits.hello_timeout_s)
+                if handler is not None:
+                    await handler(stream, ticket.peer)
+        except P2PError as exc:
+            log.debug("direct %s link from %s ended: %s", ticket.protocol, ticket.peer, exc)
+        except Exception:  # noqa: BLE001 - one link's failure stays with it
+            log.exception("direct %s handler failed on a link from %s", ticket.protocol, ticket.peer)
+        finally:
+            left = self._links.get(ticket.peer, 1) - 1
+            if left > 0:
+                self._links[ticket.peer] = left
+            else:
+                self._links.pop(ticket.peer, None)
+
+    async def _read_ticket(self, tcp: trio.SocketStream) -> _Ticket | None:
+        """The live ticket this connection shows first, or None (closed by the caller)."""
+        want = len(MAGIC) + TICKET_BYTES
+        hello = b""
+        with trio.move_on_after(self.limits.hello_timeout_s):
+            try:
+                while len(hello) < want:
+                    chunk = await tcp.receive_some(want - len(hello))
+                    if not chunk:
+                        return None
+                    hello += chunk
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+        if len(hello) < want or not hello.startswith(MAGIC):
+            return None
+        ticket = self._tickets.pop(hello[len(MAGIC):], None)
+        if ticket is None or ticket.expires <= self._clock():
+            return None
+        return ticket
+
+    # -------------------------------------------------------------------- dialer
+
+    async def open(self, peer: PeerId, protocol: str, timeout: float) -> SealedStream:
+        """A sealed direct stream to ``peer`` speaking ``protocol``; :class:`DialError` when
+        none can be made (the caller falls back to libp2p)."""
+        if self._failed_until.get(peer, 0.0) > self._clock():
+            raise DialError(f"no direct connection to {peer} (failed recently)")
+        ip = self._host.remote_ip(peer)
+        if ip is None:  # not a failure of the direct path: no libp2p connection to learn it from
+            raise DialError(f"not connected to {peer} over libp2p: no address to dial directly")
+        try:
+            with trio.fail_after(timeout):
+                return await self._dial(peer, ip, protocol, timeout)
+        except (trio.TooSlowError, DialError, P2PError, OSError, trio.BrokenResourceError) as exc:
+            if len(self._failed_until) >= 4096:
+                self._failed_until.clear()
+            self._failed_until[peer] = self._clock() + self.limits.retry_after_s
+            if isinstance(exc, DialError):
+                raise
+            raise DialError(f"direct connection to {peer} failed: {exc!r}") from exc
+
+    async def _dial(self, peer: PeerId, ip: str, protocol: str, timeout: float) -> SealedStream:
+        async with await self._host.new_stream(peer, PROTOCOL, timeout=timeout,
+                                               max_frame_size=_CONTROL_FRAME_BYTES) as control:  # fmt: skip
+            await control.send(protocol.encode(), timeout=timeout)
+            grant = Grant.decode(await control.receive(timeout=timeout))
+        tcp = await trio.open_tcp_stream(ip, grant.port)
+        try:
+            await tcp.send_all(MAGIC + grant.ticket)
+            stream = SealedStream(FramedStream.over_trio(tcp), grant.key, dialer=True, remote_peer=peer, transport=tcp)
+            if await stream.receive(timeout=timeout) != b"":
+                raise ProtocolError("the direct connection's first frame is not the acceptor's proof")
+        except BaseException:
+            await trio.aclose_forcefully(tcp)
+            raise
+        return stream

@@ -1,0 +1,147 @@
+"""Frames sealed with a shared key: the record layer of the direct data plane.
+
+A :class:`SealedStream` is a :class:`~p2p.framing.FramedStream` whose every payload is
+ChaCha20-Poly1305 (IETF) ciphertext under a 32-byte key that the two ends agreed over a
+Noise-authenticated libp2p stream (:mod:`p2p.direct`). libsodium does the work, at C speed.
+
+Nonces are never sent: each direction counts its frames, and the 12-byte nonce is the
+direction (who dialed) followed by the frame's number. So one key serves both directions
+without a nonce ever repeating, and a frame replayed, dropped, reordered or reflected back
+fails authentication, which resets the stream like any other protocol error. The length
+prefix is not authenticated by itself, but a forged one splits the ciphertext where no tag
+verifies. A stream stops after 2**64 frames (it never gets there).
+"""
+
+from __future__ import annotations
+
+import struct
+from types import TracebackType
+
+import trio
+from nacl.bindings import (
+    crypto_aead_chacha20poly1305_ietf_ABYTES,
+    crypto_aead_chacha20poly1305_ietf_decrypt,
+    crypto_aead_chacha20poly1305_ietf_encrypt,
+    crypto_aead_chacha20poly1305_ietf_KEYBYTES,
+)
+from nacl.exceptions import CryptoError
+
+from inclavate.types import PeerId
+from p2p.errors import FrameTooLarge, ProtocolError
+from p2p.framing import FramedStream
+
+KEY_BYTES = crypto_aead_chacha20poly1305_ietf_KEYBYTES
+TAG_BYTES = crypto_aead_chacha20poly1305_ietf_ABYTES
+_NONCE = struct.Struct("<4sQ")
+_MAX_COUNTER = 2**64 - 1
+
+
+class Sealer:
+    """Seals (or opens) the frames of one direction, in order."""
+
+    def __init__(self, key: bytes, *, dialer_to_acceptor: bool) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a key is {KEY_BYTES} bytes, got {len(key)}")
+        self._key = bytes(key)
+        self._direction = b"\x01\0\0\0" if dialer_to_acceptor else b"\x02\0\0\0"
+        self._counter = 0
+
+    def _next_nonce(self) -> bytes:
+        if self._counter >= _MAX_COUNTER:
+            raise ProtocolError("a sealed stream ran out of nonces")
+        nonce = _NONCE.pack(self._direction, self._counter)
+        self._counter += 1
+        return nonce
+
+    def seal(self, plaintext: bytes) -> bytes:
+        return crypto_aead_chacha20poly1305_ietf_encrypt(plaintext, None, self._next_nonce(), self._key)
+
+    def open(self, ciphertext: bytes) -> bytes:
+        """The plaintext, or :class:`ProtocolError` if the frame is not the next one sealed
+        with our key in this direction (forged, replayed, reordered, truncated)."""
+        if len(ciphertext) < TAG_BYTES:
+            raise ProtocolError("a sealed frame is shorter than its tag")
+        try:
+            return crypto_aead_chacha20poly1305_ietf_decrypt(ciphertext, None, self._next_nonce(), self._key)
+        except CryptoError:
+            raise ProtocolError("a sealed frame failed authentication") from None
+
+
+class SealedStream:
+    """The :class:`FramedStream` interface over a framed stream of sealed payloads.
+
+    The remote peer's identity is the one the key was agreed with over Noise: only it (and
+    we) can seal a frame that opens here.
+    """
+
+    def __init__(self, inner: FramedStream, key: bytes, *, dialer: bool, remote_peer: PeerId,
+                 transport: trio.abc.AsyncResource | None = None) -> None:  # fmt: skip
+        self._inner = inner
+        self._transport = transport
+        """Closed after a graceful close too (a socket's FIN alone leaves its descriptor open)."""
+        self._out = Sealer(key, dialer_to_acceptor=dialer)
+        self._in = Sealer(key, dialer_to_acceptor=not dialer)
+        self._send_lock = trio.Lock()  # seal and write in one order: the nonce counts frames
+        self._recv_lock = trio.Lock()
+        self.remote_peer = remote_peer
+
+    @property
+    def max_frame_size(self) -> int:
+        return self._inner.max_frame_size - TAG_BYTES
+
+    @max_frame_size.setter
+    def max_frame_size(self, value: int) -> None:
+        self._inner.max_frame_size = value + TAG_BYTES
+
+    @property
+    def is_broken(self) -> bool:
+        return self._inner.is_broken
+
+    async def send(self, payload: bytes, timeout: float) -> None:
+        """As :meth:`FramedStream.send`; the deadline covers the wait for our lock too."""
+        if len(payload) > self.max_frame_size:  # refused before a nonce is spent on it
+            raise FrameTooLarge(len(payload), self.max_frame_size)
+        started = trio.current_time()
+        async with self._send_lock:
+            sealed = self._out.seal(bytes(payload))
+            await self._inner.send(sealed, max(0.0, timeout - (trio.current_time() - started)))
+
+    async def send_many(self, payloads: list[bytes], timeout: float) -> None:
+        """As :meth:`FramedStream.send_many`: each payload sealed as its own frame (nonces in
+        order), the burst handed to the framed stream at once so it leaves in few writes."""
+        for payload in payloads:
+            if len(payload) > self.max_frame_size:
+                raise FrameTooLarge(len(payload), self.max_frame_size)
+        started = trio.current_time()
+        async with self._send_lock:
+            sealed = [self._out.seal(bytes(payload)) for payload in payloads]
+            await self._inner.send_many(sealed, max(0.0, timeout - (trio.current_time() - started)))
+
+    async def receive(self, timeout: float) -> bytes:
+        async with self._recv_lock:
+            sealed = await self._inner.receive(timeout)
+            try:
+                return self._in.open(sealed)
+            except ProtocolError:
+                await self._inner.reset()
+                raise
+
+    async def close(self) -> None:
+        try:
+            await self._inner.close()
+        finally:
+            if self._transport is not None:
+                await trio.aclose_forcefully(self._transport)
+
+    async def reset(self) -> None:
+        await self._inner.reset()
+
+    async def __aenter__(self) -> SealedStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        if exc is None:
+            await self.close()
+        else:
+            await self.reset()

@@ -1,0 +1,146 @@
+"""Strangers attack the direct data plane's TCP port (``p2p.direct``).
+
+Anyone can reach the port; only a peer that got a ticket over its Noise-authenticated
+libp2p connection may use it, once, soon, as itself. Everything else is closed at once (or
+after the short hello deadline), counted, and never reaches a handler."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+from direct_helpers import ECHO, direct_pair
+
+from inclavate.types import PeerId
+from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, Grant
+from p2p.errors import DialError
+from p2p.framing import FramedStream
+from p2p.host import P2PHost
+from p2p.sealed import SealedStream
+
+FAST = DirectLimits(hello_timeout_s=0.5, max_unauthenticated=3, tickets_per_peer=2, ticket_ttl_s=5.0)
+
+
+async def _closed_within(tcp: trio.SocketStream, seconds: float) -> bool:
+    """Whether the other side closes ``tcp`` (EOF or reset) within ``seconds``."""
+    with trio.move_on_after(seconds):
+        try:
+            while await tcp.receive_some(4096):
+                pass
+        except trio.BrokenResourceError:
+            pass
+        return True
+    return False
+
+
+async def _grant(asker: P2PHost, target: PeerId, protocol: str = ECHO) -> Grant:
+    async with await asker.new_stream(target, PROTOCOL) as control:
+        await control.send(protocol.encode(), timeout=5)
+        return Grant.decode(await control.receive(timeout=5))
+
+
+@pytest.mark.parametrize("hello", [b"", b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40, MAGIC + os.urandom(TICKET_BYTES),
+                                   b"INCLDP02" + os.urandom(TICKET_BYTES)])  # fmt: skip
+async def test_a_connection_without_a_live_ticket_is_closed_fast(hello: bytes) -> None:
+    with trio.fail_after(30):
+        async with direct_pair(FAST) as (_, b, _, links_b):
+            tcp = await trio.open_tcp_stream("127.0.0.1", links_b.port)
+            await tcp.send_all(hello)
+            started = trio.current_time()
+            assert await _closed_within(tcp, 5)
+            # silence waits out the hello deadline; anything else is refused on arrival
+            assert trio.current_time() - started < (FAST.hello_timeout_s + 0.5 if not hello else 0.4)
+            assert links_b.refused == 1
+            await tcp.aclose()
+
+
+async def test_a_ticket_works_once_and_only_for_its_holder_s_key() -> None:
+    with trio.fail_after(30):
+        async with direct_pair(FAST) as (a, b, _, links_b):
+            grant = await _grant(a, b.peer_id)
+            tcp = await trio.open_tcp_stream("127.0.0.1", grant.port)
+            await tcp.send_all(MAGIC + grant.ticket)
+            stream = SealedStream(FramedStream.over_trio(tcp), grant.key, dialer=True, remote_peer=b.peer_id, transport=tcp)
+            assert await stream.receive(timeout=5) == b""
+            again = await trio.open_tcp_stream("127.0.0.1", grant.port)
+            await again.send_all(MAGIC + grant.ticket)  # the same ticket a second time
+            assert await _closed_within(again, 1)
+            await again.aclose()
+            await stream.send(b"hi", timeout=5)
+            assert await stream.receive(timeout=5) == a.peer_id.encode() + b":hi"
+            await stream.close()
+
+
+async def test_a_stolen_ticket_without_the_key_reaches_no_handler() -> None:
+    """Someone who saw the ticket go by on the wire (it is sent in clear) still lacks the key:
+    its first frame fails authentication and the connection is reset."""
+    with trio.fail_after(30):
+        async with direct_pair(FAST) as (a, b, _, _):
+            grant = await _grant(a, b.peer_id)
+            tcp = await trio.open_tcp_stream("127.0.0.1", grant.port)
+            await tcp.send_all(MAGIC + grant.ticket)
+            forged = SealedStream(FramedStream.over_trio(tcp), os.urandom(32), dialer=True, remote_peer=b.peer_id, transport=tcp)
+            await forged.send(b"hidden states", timeout=5)
+            raw = b""
+            with trio.move_on_after(3):
+                try:
+                    while chunk := await tcp.receive_some(4096):
+                        raw += chunk
+                except trio.BrokenResourceError:
+                    pass
+            assert a.peer_id.encode() not in raw  # the echo handler never answered
+            await tcp.aclose()
+
+
+async def test_expired_tickets_and_excess_tickets_are_refused() -> None:
+    now = [0.0]
+    limits = FAST
+    async with direct_pair(limits) as (a, b, _, links_b):
+        links_b._clock = lambda: now[0]
+        grants = [await _grant(a, b.peer_id) for _ in range(3)]  # 2 per peer: the first is dropped
+        now[0] = 1.0
+        for grant, usable in ((grants[0], False), (grants[1], True)):
+            tcp = await trio.open_tcp_stream("127.0.0.1", grant.port)
+            await tcp.send_all(MAGIC + grant.ticket)
+            stream = SealedStream(FramedStream.over_trio(tcp), grant.key, dialer=True, remote_peer=b.peer_id, transport=tcp)
+            if usable:
+                assert await stream.receive(timeout=5) == b""
+            else:
+                assert await _closed_within(tcp, 1)
+            await stream.reset()
+        now[0] = 1.0 + limits.ticket_ttl_s
+        tcp = await trio.open_tcp_stream("127.0.0.1", grants[2].port)
+        await tcp.send_all(MAGIC + grants[2].ticket)  # expired by now
+        assert await _closed_within(tcp, 1)
+        await tcp.aclose()
+
+
+async def test_a_flood_of_silent_connections_is_bounded() -> None:
+    with trio.fail_after(30):
+        async with direct_pair(FAST) as (a, b, links_a, links_b):
+            silent = [await trio.open_tcp_stream("127.0.0.1", links_b.port) for _ in range(FAST.max_unauthenticated)]
+            await trio.sleep(0.1)
+            extra = await trio.open_tcp_stream("127.0.0.1", links_b.port)
+            assert await _closed_within(extra, 0.3)  # over the bound: closed on arrival
+            for tcp in silent:
+                assert await _closed_within(tcp, FAST.hello_timeout_s + 1)
+            # and an honest peer still gets through afterwards
+            stream = await links_a.open(b.peer_id, ECHO, timeout=5)
+            await stream.send(b"ok", timeout=5)
+            assert await stream.receive(timeout=5) == a.peer_id.encode() + b":ok"
+            await stream.close()
+            for tcp in (*silent, extra):
+                await tcp.aclose()
+
+
+async def test_live_links_per_peer_are_bounded() -> None:
+    with trio.fail_after(30):
+        async with direct_pair(DirectLimits(links_per_peer=1)) as (a, b, links_a, links_b):
+            first = await links_a.open(b.peer_id, ECHO, timeout=5)
+            with pytest.raises(DialError):
+                await links_a.open(b.peer_id, ECHO, timeout=5)
+            assert links_b.refused == 1
+            await first.send(b"still", timeout=5)
+            assert await first.receive(timeout=5) == a.peer_id.encode() + b":still"
+            await first.close()
