@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import libp2p.pubsub.gossipsub
+import libp2p.pubsub.pubsub
 import trio
-from libp2p.abc import INetStream
+from libp2p.abc import IHost, INetStream
 from libp2p.host.basic_host import BasicHost
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import (
@@ -169,9 +173,77 @@ class SwarmPubsub(Pubsub):
             logger.warning("libp2p RpcQueue changed shape; outbound queue left at default")
 
 
+class SwarmGossipSub(GossipSub):
+    """GossipSub without IDONTWANT.
+
+    py-libp2p 0.8.1 (gossipsub >= 1.2) sends an IDONTWANT to every mesh neighbour for every
+    message it receives, whatever its size; go-libp2p sends it only above 1 KiB, where it
+    saves a large duplicate. Registry records are 1-8 KB and CPU, not bandwidth, is what an
+    idle swarm spends: the notice cost as much as the duplicate it might spare (one extra
+    RPC per message and neighbour, each a Noise frame and a loopback send)."""
+
+    async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Iterable[str]) -> None:
+        return None
+
+
+# Every pubsub RPC carries the sender's signed peer record ("senderRecord"), and py-libp2p
+# rebuilds it (re-reading every listen address as text) for every RPC sent, then parses and
+# verifies it (protobuf + Ed25519 + a peerstore update), twice, for every RPC received. The
+# record only changes with the addresses, so both ends do that work once per record here.
+_SENDER_RECORD_TTL_S = 10.0
+"""How long a built sender record is reused (a changed listen address shows up after it)."""
+_CONSUMED_TTL_S = 300.0
+"""How long an already consumed sender record is not consumed again (the peerstore keeps
+it for 7200 s)."""
+_CONSUMED_KEPT = 1024
+_built: dict[bytes, tuple[float, tuple[bytes, bool]]] = {}
+"""By the host's PeerID (a process may run several hosts, in tests)."""
+_consumed: dict[tuple[bytes, bytes], float] = {}
+
+
+def _cached_sender_record(build: Callable[[IHost], tuple[bytes, bool]]) -> Callable[[IHost], tuple[bytes, bool]]:
+    def sender_record(host: IHost) -> tuple[bytes, bool]:
+        now = time.monotonic()
+        key = host.get_id().to_bytes()
+        held = _built.get(key)
+        if held is None or held[0] < now:
+            held = (now + _SENDER_RECORD_TTL_S, build(host))
+            _built[key] = held
+        return held[1]
+
+    return sender_record
+
+
+def _consume_once(consume: Callable[..., bool]) -> Callable[..., bool]:
+    def consume_sender_record(msg: rpc_pb2.RPC, host: IHost, peer_id: ID | None = None) -> bool:
+        if peer_id is None or not msg.HasField("senderRecord"):
+            return consume(msg, host, peer_id)
+        key, now = (peer_id.to_bytes(), msg.senderRecord), time.monotonic()
+        if _consumed.get(key, 0.0) > now:
+            return True  # the same bytes from the same peer, already verified and stored
+        ok = consume(msg, host, peer_id)
+        if ok:
+            while len(_consumed) >= _CONSUMED_KEPT:
+                del _consumed[next(iter(_consumed))]
+            _consumed[key] = now + _CONSUMED_TTL_S
+        return ok
+
+    return consume_sender_record
+
+
+def _share_sender_records() -> None:
+    """Install the two caches above where the pubsub modules look the functions up (once)."""
+    for module in (libp2p.pubsub.pubsub, libp2p.pubsub.gossipsub):
+        if not getattr(module, "_inclavate_cached", False):
+            module.env_to_send_in_RPC = _cached_sender_record(module.env_to_send_in_RPC)  # type: ignore[attr-defined]
+            module.maybe_consume_signed_record = _consume_once(module.maybe_consume_signed_record)  # type: ignore[attr-defined]
+            module._inclavate_cached = True  # type: ignore[attr-defined]
+
+
 def build_gossip(host: BasicHost, config: GossipConfig,
                   topics: dict[str, Broadcast]) -> tuple[SwarmPubsub, GossipSub]:
-    router = GossipSub(
+    _share_sender_records()
+    router = SwarmGossipSub(
         protocols=[PROTOCOL_ID_V20, PROTOCOL_ID_V14, PROTOCOL_ID_V13, PROTOCOL_ID_V12,
                    PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=config.degree,
