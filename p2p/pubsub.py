@@ -38,8 +38,8 @@ from inclavate.types import PeerId
 
 logger = logging.getLogger(__name__)
 
-# The GossipSub defaults are sized for this swarm: ~100 peers, each publishing a ~3 KB
-# record every few seconds (2 s, to be safe).
+# The GossipSub defaults are sized for this swarm: a 100-peer swarm beats every 2 s
+# (p2p.registry.Cadence keeps larger swarms near 20 records/s), 1-8 KB each.
 _SWARM_PEERS = 100
 _RECORD_PERIOD_S = 2.0
 _MARGIN = 4
@@ -52,9 +52,15 @@ class GossipConfig:
     heartbeat_interval: float = 1.0
     """Mesh maintenance and IHAVE gossip cadence. The library's 120 s default would leave
     a new peer outside the mesh (and missing messages) for two minutes."""
-    degree: int = 6
-    degree_low: int = 4
-    degree_high: int = 12
+    degree: int = 3
+    degree_low: int = 2
+    degree_high: int = 4
+    """Mesh degree (library default 6, 4..12). Every message reaches a peer about once per
+    mesh neighbour, and on this stack each copy costs a Noise frame, a yamux window update
+    and a protobuf parse in Python: the mesh degree multiplies what every record costs every
+    peer. Links are symmetric, so a peer grafting ``degree`` others ends up with up to
+    ``degree_high``; 3..4 still leaves each record several paths (a 1,000-peer mesh is ~6
+    hops deep), and IHAVE/IWANT gossip and anti-entropy mend what a broken path loses."""
     max_messages_per_topic_per_second: float = _SWARM_PEERS / _RECORD_PERIOD_S * _MARGIN
     """Spam limit, per forwarding peer and topic, applied to *forwarding*: above it the
     library drops messages without a word. One mesh neighbour can relay every record in
