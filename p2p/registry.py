@@ -46,7 +46,7 @@ class Liveness:
     dead_after_s: float = 12.0
     drop_after_s: float = 60.0
     max_future_skew_s: float = 10.0
-    max_heartbeat_s: float = 60.0
+    max_heartbeat_s: float = 300.0
     """The longest announced interval believed: a record claiming more stays Ready no longer."""
 
     def for_record(self, record: NodeRecord) -> Liveness:
@@ -71,8 +71,8 @@ class Cadence:
     ``details_refresh_s`` while their samples move, and both spacings also grow beyond
     ``details_per_s`` full records a second in all."""
 
-    heartbeats_per_s: float = 20.0
-    details_per_s: float = 2.0
+    heartbeats_per_s: float = 2.5
+    details_per_s: float = 1.0
     details_min_s: float = 5.0
     details_refresh_s: float = 60.0
 

@@ -200,7 +200,7 @@ def main() -> int:
     cadence = Cadence()
     print(f"model: cpu(N) = base + N / T_hb(N) x c_hb + N / T_full(N) x c_full; fitted base {base:.2f}%, c_hb "
           f"{c_hb * 1e3:.2f} ms CPU per heartbeat received (gossipsub included), c_full {c_full * 1e3:.2f} ms; "
-          f"T_hb(N) = clamp(N / {cadence.heartbeats_per_s:g}, 2, 60) s, T_full(N) = max({cadence.details_refresh_s:g}, "
+          f"T_hb(N) = clamp(N / {cadence.heartbeats_per_s:g}, {Liveness().heartbeat_s:g}, {Liveness().max_heartbeat_s:g}) s, T_full(N) = max({cadence.details_refresh_s:g}, "
           f"N / {cadence.details_per_s:g}) s")  # fmt: skip
     print(f"projection at {PROJECTED_SIZE} peers: T_hb {PROJECTED_SIZE / hb:.0f} s, T_full {PROJECTED_SIZE / fr:.0f} s, "
           f"{hb:.1f} heartbeats + {fr:.1f} full records received per s, {projected:.1f}% of a core per peer "
