@@ -46,6 +46,8 @@ _MAX_SYNC_BYTES = 64 * 1024 * 1024
 _SYNC_TIMEOUT_S = 10.0
 _VALIDATED_KEPT = 64
 """Validated envelopes awaiting delivery (a miss only costs decoding again)."""
+_DETAILS_ASK_S = 30.0
+"""How often we may ask a node's owner for the details we lack (see :meth:`_ask_details`)."""
 
 
 class RegistryService:
@@ -74,6 +76,9 @@ class RegistryService:
         """When each of our records was last published in full, and as what."""
         self._changed = trio.Event()
         self._banned: dict[NodeId, int] = {}
+        self._asked: dict[NodeId, float] = {}
+        """When we last asked a node's owner for its full record (bounded by the table)."""
+        self._nursery: trio.Nursery | None = None
         self._validated: dict[bytes, SignedRecord] = {}
         """Envelopes the gossip validator accepted, by their bytes, until delivered (bounded)."""
         self.drops = DropCounter()
@@ -197,6 +202,7 @@ class RegistryService:
         messages = await self.host.subscribe(TOPIC)
         events = self.host.connection_events()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._receive, messages)
             nursery.start_soon(self._heartbeat)
             nursery.start_soon(self._age)
@@ -335,9 +341,28 @@ class RegistryService:
         table, verdict = apply(self.table, signed, self.clock(), self.liveness, via, self.limits)  # type: ignore[arg-type]
         if verdict is Verdict.ACCEPTED:
             self._set_table(table)
+            self._ask_details(table, signed.record)
         elif verdict.rejected:
             self.drops.count(verdict)
         return verdict
+
+    def _ask_details(self, table: Table, record: NodeRecord) -> None:
+        """A heartbeat of a node whose full record we never got (we joined after it was
+        gossiped, and the neighbour we synced from lacked it too): pull the owner's table,
+        at most once per ``_DETAILS_ASK_S`` per node, and only from an owner we are connected
+        to, so strangers' heartbeats cannot make us dial anyone."""
+        entry = table.get(record.node_id)
+        if entry is None or entry.details is not None or self._nursery is None:
+            return
+        now = trio.current_time()
+        if now - self._asked.get(record.node_id, -_DETAILS_ASK_S) < _DETAILS_ASK_S:
+            return
+        if not self.host.is_connected(record.peer_id):
+            return
+        if len(self._asked) >= self.limits.max_records:
+            self._asked.clear()
+        self._asked[record.node_id] = now
+        self._nursery.start_soon(self.sync_with, PeerId(record.peer_id))
 
     def _set_table(self, table: Table, notify: bool = True) -> None:
         if table is self.table:

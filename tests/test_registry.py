@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import trio
 from registry_helpers import MODEL, signed, view
 
 from inclavate.types import LayerRange
@@ -239,3 +240,31 @@ async def test_heartbeats_are_slim_and_details_go_out_on_change_no_faster_than_t
     await beat(2, requests_by_model={MODEL: 4}, samples=moved)
     assert service.table.get(ALICE.peer_id).record.samples == moved
     assert service.own(ALICE.peer_id).samples == moved
+
+
+async def test_a_heartbeat_without_known_details_asks_its_connected_owner_once() -> None:
+    class Connected(_Wire):
+        def __init__(self, connected: set[str]) -> None:
+            super().__init__()
+            self.connected = connected
+
+        def is_connected(self, peer: str) -> bool:
+            return peer in self.connected
+
+    asked: list[str] = []
+    bob = Identity.generate()
+    service = RegistryService(Connected({ALICE.peer_id}), Identity.generate(), LIVE, clock=lambda: NOW)  # type: ignore[arg-type]
+
+    async def sync_with(peer: str) -> int:
+        asked.append(peer)
+        return 0
+
+    service.sync_with = sync_with  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        service._nursery = nursery
+        for seq in (2, 3):  # two heartbeats, one question
+            service._take(SignedRecord.sign(slim_record(_full(seq).record), ALICE).encode(), "gossip")
+        service._take(SignedRecord.sign(slim_record(signed(bob, 10, 20, ts_ms=NOW).record), bob).encode(), "gossip")
+        service._take(_full(4).encode(), "gossip")
+    assert asked == [ALICE.peer_id]  # bob is not connected: its heartbeat makes us dial nobody
+    assert service.table.get(ALICE.peer_id).record.samples  # the full record filled the gap

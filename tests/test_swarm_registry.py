@@ -52,6 +52,11 @@ def test_every_peer_converges_to_the_same_registry(five) -> None:
     swarm.wait(lambda: all(p.get("/api/models")[0]["chain_complete"] for p in peers), 15.0, "a complete chain")
     ranges = sorted(registry(peers[0]).values())
     assert ranges == [(0, 6), (6, 12), (12, 18), (18, 24), (24, 30)]
+    # Heartbeats are slim: hardware travels in full records, and every peer still has it.
+    def details_everywhere() -> bool:
+        return all("gpu" in p.get(f"/nodes/{node}/hardware") for p in peers for node in ids)
+
+    swarm.wait(details_everywhere, 10.0, "every node's hardware on every peer")
 
 
 def _record(identity: Identity, seq: int, ts: int, end: int = 1, node: str | None = None) -> NodeRecord:
