@@ -71,7 +71,7 @@ class Cadence:
     ``details_refresh_s`` while their samples move, and both spacings also grow beyond
     ``details_per_s`` full records a second in all."""
 
-    heartbeats_per_s: float = 2.5
+    heartbeats_per_s: float = 2.0
     details_per_s: float = 1.0
     details_min_s: float = 5.0
     details_refresh_s: float = 60.0

@@ -19,7 +19,8 @@ Reported:
   full records in a swarm of N (:class:`p2p.registry.Cadence`). ``base`` and ``c_hb`` (CPU
   per heartbeat received, gossipsub's own work included: duplicates from the mesh,
   IHAVE/IWANT, forwarding) are fitted to the measured sizes by least squares (full records
-  are ~3% of the messages there); ``c_full`` = ``c_hb`` + the in-process difference between
+  are ~3% of the messages there) or, where the sizes cannot separate them (the cadence keeps
+  the rate nearly flat from 5 peers on), bounded from above with base 0; ``c_full`` = ``c_hb`` + the in-process difference between
   decoding a full record and a heartbeat.
 
 Before the heartbeat slimmed down (every record full, every 2 s), the same run measured
@@ -138,11 +139,16 @@ def fit(sizes: list[int], cpu: list[float]) -> tuple[float, float]:
     """Least-squares ``cpu = base + rate x c`` with ``rate`` the heartbeats received per
     second: (base %, c in CPU-seconds per received heartbeat)."""
     rates = [heartbeat_rate(n) for n in sizes]
-    if len(set(rates)) < 2:
-        return 0.0, statistics.fmean(cpu) / 100 / statistics.fmean(rates)
     mean_r, mean_c = statistics.fmean(rates), statistics.fmean(cpu)
-    slope = sum((r - mean_r) * (c - mean_c) for r, c in zip(rates, cpu)) / sum((r - mean_r) ** 2 for r in rates)
-    return mean_c - slope * mean_r, slope / 100
+    spread = sum((r - mean_r) ** 2 for r in rates)
+    if spread > 0:
+        slope = sum((r - mean_r) * (c - mean_c) for r, c in zip(rates, cpu)) / spread
+        if 0 <= mean_c - slope * mean_r and slope > 0:
+            return mean_c - slope * mean_r, slope / 100
+    # The cadence holds the rate nearly constant from 5 peers on, so the sizes cannot tell a
+    # fixed cost from a per-message one: charge every bit of CPU to the messages instead
+    # (base 0, the largest cpu / rate seen), an upper bound for the projection.
+    return 0.0, max(c / r for c, r in zip(cpu, rates)) / 100
 
 
 def main() -> int:

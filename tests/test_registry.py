@@ -197,7 +197,7 @@ def test_silence_is_judged_by_the_senders_announced_interval_within_bounds() -> 
 
 def test_the_cadence_bounds_the_records_a_peer_receives() -> None:
     cadence = Cadence()
-    assert cadence.heartbeat_s(5, LIVE) == LIVE.heartbeat_s  # small swarms (the tests') beat every 2 s
+    assert cadence.heartbeat_s(4, LIVE) == LIVE.heartbeat_s  # small swarms (the tests') beat every 2 s
     assert LIVE.heartbeat_s < cadence.heartbeat_s(12, LIVE) < cadence.heartbeat_s(100, LIVE) <= LIVE.max_heartbeat_s
     for nodes in (100, 1000, 4000):
         assert nodes / cadence.heartbeat_s(nodes, LIVE) <= max(cadence.heartbeats_per_s, nodes / LIVE.max_heartbeat_s)
