@@ -20,8 +20,8 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
-import functools
 import enum
+import functools
 import json
 import re
 import time
@@ -218,6 +218,7 @@ def details_changed(record: NodeRecord, sent: NodeRecord, *, samples: bool) -> b
     """Whether ``record``'s details differ from those last sent in full (``samples``: count
     the metric samples, which change every 10 s even on an idle peer)."""
     return any(getattr(record, name) != getattr(sent, name) for name in DETAIL_FIELDS if samples or name != "samples")
+
 
 MAX_GENERATORS = 8
 MAX_GENERATORS_BYTES = 4096
