@@ -1,8 +1,11 @@
 """The registry as a service: gossip it, sync it, age it.
 
 * Every peer publishes its own signed record on the topic ``inclavate/registry/1`` when it
-  changes and as a heartbeat (``Liveness.heartbeat_s``), plus the records of legacy nodes
-  it vouches for.
+  changes and as a heartbeat, plus the records of legacy nodes it vouches for. A heartbeat
+  is slim (no samples, buckets, hardware...: :data:`p2p.records.DETAIL_FIELDS`); a full
+  record goes out when those details changed or the samples are due, no more often than
+  :class:`p2p.registry.Cadence` allows, and the heartbeat interval grows with the swarm, so
+  the records a peer receives per second stay bounded (docs/ARCHITECTURE.md has the model).
 * A topic validator runs the registry's own rules (:func:`p2p.registry.apply`) on every
   message, so forged, replayed or future-dated records are neither delivered nor forwarded.
 * Anti-entropy (``/inclavate/registry-sync/1``): on every new connection, and every
@@ -32,8 +35,8 @@ from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.identity import Identity
 from p2p.record_schema import MAX_RECORD_BYTES, fit_record
-from p2p.records import InvalidRecord, NodeRecord, SignedRecord, now_ms
-from p2p.registry import Liveness, NodeView, RegistryLimits, Table, Verdict, apply, expire, remove
+from p2p.records import InvalidRecord, NodeRecord, SignedRecord, details_changed, now_ms, slim_record
+from p2p.registry import Cadence, Liveness, NodeView, RegistryLimits, Table, Verdict, apply, expire, remove
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,10 @@ TOPIC = "inclavate/registry/1"
 SYNC_PROTOCOL = "/inclavate/registry-sync/1"
 _MAX_SYNC_BYTES = 64 * 1024 * 1024
 _SYNC_TIMEOUT_S = 10.0
+_VALIDATED_KEPT = 64
+"""Validated envelopes awaiting delivery (a miss only costs decoding again)."""
+_DETAILS_ASK_S = 30.0
+"""How often we may ask a node's owner for the details we lack (see :meth:`_ask_details`)."""
 
 
 class RegistryService:
@@ -53,18 +60,27 @@ class RegistryService:
         sync_interval: float = 30.0,
         clock: Callable[[], int] = now_ms,
         limits: RegistryLimits = RegistryLimits(),
+        cadence: Cadence = Cadence(),
     ) -> None:
         self.host = host
         self.identity = identity
         self.liveness = liveness
+        self.cadence = cadence
         self.limits = limits
         self.sync_interval = sync_interval
         self.clock = clock
         self.table = Table()
         self._own: dict[NodeId, NodeRecord] = {}
         """Records this peer publishes: its own, and legacy nodes it vouches for."""
+        self._sent_full: dict[NodeId, tuple[int, NodeRecord]] = {}
+        """When each of our records was last published in full, and as what."""
         self._changed = trio.Event()
         self._banned: dict[NodeId, int] = {}
+        self._asked: dict[NodeId, float] = {}
+        """When we last asked a node's owner for its full record (bounded by the table)."""
+        self._nursery: trio.Nursery | None = None
+        self._validated: dict[bytes, SignedRecord] = {}
+        """Envelopes the gossip validator accepted, by their bytes, until delivered (bounded)."""
         self.drops = DropCounter()
         """Rejected inputs by fixed reason code (exposed for tests and diagnostics)."""
         self.refresh: Callable[[NodeRecord], NodeRecord] | None = None
@@ -85,26 +101,35 @@ class RegistryService:
     async def wait_changed(self) -> None:
         await self._changed.wait()
 
+    def heartbeat_s(self) -> float:
+        """This peer's heartbeat interval, from the size of its table."""
+        return self.cadence.heartbeat_s(len(self.table), self.liveness)
+
     # --------------------------------------------------------------- writing
 
     async def publish(self, record: NodeRecord) -> NodeRecord:
-        """Sign and publish one of our records (bumping its sequence number) now."""
+        """Sign and publish one of our records (bumping its sequence number) now: in full if
+        its details are due (:meth:`_full_due`), else as a slim heartbeat."""
         previous = self._own.get(record.node_id)
         ts = self.clock()
         seq = max(ts, previous.seq + 1 if previous else 0, record.seq + 1)
-        record = record.replace(seq=seq, ts_ms=ts, peer_id=self.identity.peer_id)
+        record = record.replace(seq=seq, ts_ms=ts, peer_id=self.identity.peer_id, slim=False,
+                                heartbeat_ms=round(self.heartbeat_s() * 1000))  # fmt: skip
         fitted = fit_record(record, MAX_RECORD_BYTES)
         if fitted is not record:
             log.warning("the record of %s outgrew %d bytes; published it without its oldest metrics",
                         record.node_id, MAX_RECORD_BYTES)  # fmt: skip
             record = fitted
-        signed = SignedRecord.sign(record, self.identity)
+        full = self._full_due(record, ts)
+        signed = SignedRecord.sign(record if full else slim_record(record), self.identity)
         try:  # what every receiver will do with it: refuse here, loudly, rather than there
             SignedRecord.decode(signed.encode())
         except InvalidRecord as exc:
             log.warning("not publishing the record of %s: receivers would refuse it (%s)", record.node_id, exc)
             raise
         self._own[record.node_id] = record
+        if full:
+            self._sent_full[record.node_id] = (ts, record)
         verdict = self._accept(signed, "gossip")
         if verdict.rejected:  # every receiver would refuse it too: never fail silently
             log.warning("our own record of %s is refused by the registry rules: %s", record.node_id, verdict.value)
@@ -113,6 +138,21 @@ class RegistryService:
         except P2PError as exc:  # nobody subscribed yet, or a transient failure
             log.debug("publishing %s failed: %s", record.node_id, exc)
         return record
+
+    def _full_due(self, record: NodeRecord, now: int) -> bool:
+        """A full record: the first, then when details other than the samples changed (no
+        sooner than the cadence's spacing after the last one), or when the samples moved
+        and the longer refresh spacing has passed."""
+        sent = self._sent_full.get(record.node_id)
+        if sent is None:
+            return True
+        at, last = sent
+        nodes = len(self.table)
+        for refresh in (False, True):
+            spacing_ms = self.cadence.details_spacing_s(nodes, refresh=refresh) * 1000
+            if now - at >= spacing_ms and details_changed(record, last, samples=refresh):
+                return True
+        return False
 
     def remember(self, record: NodeRecord) -> NodeRecord:
         """Update one of our records for the next heartbeat, without publishing now."""
@@ -125,6 +165,7 @@ class RegistryService:
         if record is not None:
             await self.publish(record.replace(state="Dead"))
             del self._own[node_id]
+            self._sent_full.pop(node_id, None)
 
     def forget(self, node_id: str) -> None:
         """Drop a node from this peer's table at once (it comes back if it publishes again)."""
@@ -135,12 +176,14 @@ class RegistryService:
         the node is not told, so it keeps publishing for a while)."""
         self._banned[NodeId(node_id)] = self.clock() + int(seconds * 1000)
         self._own.pop(NodeId(node_id), None)
+        self._sent_full.pop(NodeId(node_id), None)
         self.forget(node_id)
 
     def stop_vouching(self, node_id: str) -> None:
         """Stop republishing a relayed node's record without announcing anything: its record
         ages to Degraded and Dead like a peer that went silent."""
         self._own.pop(NodeId(node_id), None)
+        self._sent_full.pop(NodeId(node_id), None)
 
     def _is_banned(self, node_id: str) -> bool:
         until = self._banned.get(NodeId(node_id))
@@ -159,6 +202,7 @@ class RegistryService:
         messages = await self.host.subscribe(TOPIC)
         events = self.host.connection_events()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._receive, messages)
             nursery.start_soon(self._heartbeat)
             nursery.start_soon(self._age)
@@ -175,7 +219,7 @@ class RegistryService:
 
     async def _heartbeat(self) -> None:
         while True:
-            await trio.sleep(self.liveness.heartbeat_s)
+            await trio.sleep(self.heartbeat_s())
             for node_id, record in list(self._own.items()):
                 if record.state == "Dead":
                     continue
@@ -225,7 +269,7 @@ class RegistryService:
                 await stream.send(b"{}", timeout=5.0)
                 payload = await stream.receive(timeout=_SYNC_TIMEOUT_S)
             body = parse_json(payload, max_bytes=_MAX_SYNC_BYTES, max_depth=2)
-            envelopes = read_list(body, "records", max_len=self.limits.max_records)
+            envelopes = read_list(body, "records", max_len=2 * self.limits.max_records)  # liveness + details
         except P2PError as exc:
             log.debug("registry sync with %s failed: %s", peer, exc)
             return 0
@@ -250,10 +294,22 @@ class RegistryService:
 
     # -------------------------------------------------------------- internals
 
+    def _decode(self, data: bytes) -> SignedRecord:
+        """Decode an envelope, or take the value the gossip validator decoded from the same
+        bytes a moment ago: every gossiped message is validated, then delivered, and decoding
+        (the typed schema) and the signature check are what a received record costs."""
+        signed = self._validated.pop(data, None)
+        return signed if signed is not None else SignedRecord.decode(data)
+
+    def _remember_validated(self, data: bytes, signed: SignedRecord) -> None:
+        self._validated[data] = signed
+        while len(self._validated) > _VALIDATED_KEPT:
+            del self._validated[next(iter(self._validated))]
+
     def _take(self, data: bytes, via: str) -> Verdict | None:
         """Decode and apply one envelope from the network; a failure stays with it."""
         try:
-            signed = SignedRecord.decode(data)
+            signed = self._decode(data)
             return self._accept(signed, via)
         except InvalidRecord as exc:
             self.drops.count(exc.reason)
@@ -275,7 +331,9 @@ class RegistryService:
         if verdict.rejected:
             self.drops.count(verdict)
             log.debug("rejected a record from %s: %s", origin, verdict.value)
-        return not verdict.rejected
+            return False
+        self._remember_validated(data, signed)
+        return True
 
     def _accept(self, signed: SignedRecord, via: str) -> Verdict:
         if self._is_banned(signed.record.node_id):
@@ -283,9 +341,28 @@ class RegistryService:
         table, verdict = apply(self.table, signed, self.clock(), self.liveness, via, self.limits)  # type: ignore[arg-type]
         if verdict is Verdict.ACCEPTED:
             self._set_table(table)
+            self._ask_details(table, signed.record)
         elif verdict.rejected:
             self.drops.count(verdict)
         return verdict
+
+    def _ask_details(self, table: Table, record: NodeRecord) -> None:
+        """A heartbeat of a node whose full record we never got (we joined after it was
+        gossiped, and the neighbour we synced from lacked it too): pull the owner's table,
+        at most once per ``_DETAILS_ASK_S`` per node, and only from an owner we are connected
+        to, so strangers' heartbeats cannot make us dial anyone."""
+        entry = table.get(record.node_id)
+        if entry is None or entry.details is not None or self._nursery is None:
+            return
+        now = trio.current_time()
+        if now - self._asked.get(record.node_id, -_DETAILS_ASK_S) < _DETAILS_ASK_S:
+            return
+        if not self.host.is_connected(record.peer_id):
+            return
+        if len(self._asked) >= self.limits.max_records:
+            self._asked.clear()
+        self._asked[record.node_id] = now
+        self._nursery.start_soon(self.sync_with, PeerId(record.peer_id))
 
     def _set_table(self, table: Table, notify: bool = True) -> None:
         if table is self.table:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import libp2p.pubsub.gossipsub
+import libp2p.pubsub.pubsub
 import trio
-from libp2p.abc import INetStream
+from libp2p.abc import IHost, INetStream
 from libp2p.host.basic_host import BasicHost
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import (
@@ -34,8 +38,8 @@ from inclavate.types import PeerId
 
 logger = logging.getLogger(__name__)
 
-# The GossipSub defaults are sized for this swarm: ~100 peers, each publishing a ~3 KB
-# record every few seconds (2 s, to be safe).
+# The GossipSub defaults are sized for this swarm: a 100-peer swarm beats every 2 s
+# (p2p.registry.Cadence keeps larger swarms near 20 records/s), 1-8 KB each.
 _SWARM_PEERS = 100
 _RECORD_PERIOD_S = 2.0
 _MARGIN = 4
@@ -48,9 +52,15 @@ class GossipConfig:
     heartbeat_interval: float = 1.0
     """Mesh maintenance and IHAVE gossip cadence. The library's 120 s default would leave
     a new peer outside the mesh (and missing messages) for two minutes."""
-    degree: int = 6
-    degree_low: int = 4
-    degree_high: int = 12
+    degree: int = 3
+    degree_low: int = 2
+    degree_high: int = 4
+    """Mesh degree (library default 6, 4..12). Every message reaches a peer about once per
+    mesh neighbour, and on this stack each copy costs a Noise frame, a yamux window update
+    and a protobuf parse in Python: the mesh degree multiplies what every record costs every
+    peer. Links are symmetric, so a peer grafting ``degree`` others ends up with up to
+    ``degree_high``; 3..4 still leaves each record several paths (a 1,000-peer mesh is ~6
+    hops deep), and IHAVE/IWANT gossip and anti-entropy mend what a broken path loses."""
     max_messages_per_topic_per_second: float = _SWARM_PEERS / _RECORD_PERIOD_S * _MARGIN
     """Spam limit, per forwarding peer and topic, applied to *forwarding*: above it the
     library drops messages without a word. One mesh neighbour can relay every record in
@@ -169,9 +179,77 @@ class SwarmPubsub(Pubsub):
             logger.warning("libp2p RpcQueue changed shape; outbound queue left at default")
 
 
+class SwarmGossipSub(GossipSub):
+    """GossipSub without IDONTWANT.
+
+    py-libp2p 0.8.1 (gossipsub >= 1.2) sends an IDONTWANT to every mesh neighbour for every
+    message it receives, whatever its size; go-libp2p sends it only above 1 KiB, where it
+    saves a large duplicate. Registry records are 1-8 KB and CPU, not bandwidth, is what an
+    idle swarm spends: the notice cost as much as the duplicate it might spare (one extra
+    RPC per message and neighbour, each a Noise frame and a loopback send)."""
+
+    async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Iterable[str]) -> None:
+        return None
+
+
+# Every pubsub RPC carries the sender's signed peer record ("senderRecord"), and py-libp2p
+# rebuilds it (re-reading every listen address as text) for every RPC sent, then parses and
+# verifies it (protobuf + Ed25519 + a peerstore update), twice, for every RPC received. The
+# record only changes with the addresses, so both ends do that work once per record here.
+_SENDER_RECORD_TTL_S = 10.0
+"""How long a built sender record is reused (a changed listen address shows up after it)."""
+_CONSUMED_TTL_S = 300.0
+"""How long an already consumed sender record is not consumed again (the peerstore keeps
+it for 7200 s)."""
+_CONSUMED_KEPT = 1024
+_built: dict[bytes, tuple[float, tuple[bytes, bool]]] = {}
+"""By the host's PeerID (a process may run several hosts, in tests)."""
+_consumed: dict[tuple[bytes, bytes], float] = {}
+
+
+def _cached_sender_record(build: Callable[[IHost], tuple[bytes, bool]]) -> Callable[[IHost], tuple[bytes, bool]]:
+    def sender_record(host: IHost) -> tuple[bytes, bool]:
+        now = time.monotonic()
+        key = host.get_id().to_bytes()
+        held = _built.get(key)
+        if held is None or held[0] < now:
+            held = (now + _SENDER_RECORD_TTL_S, build(host))
+            _built[key] = held
+        return held[1]
+
+    return sender_record
+
+
+def _consume_once(consume: Callable[..., bool]) -> Callable[..., bool]:
+    def consume_sender_record(msg: rpc_pb2.RPC, host: IHost, peer_id: ID | None = None) -> bool:
+        if peer_id is None or not msg.HasField("senderRecord"):
+            return consume(msg, host, peer_id)
+        key, now = (peer_id.to_bytes(), msg.senderRecord), time.monotonic()
+        if _consumed.get(key, 0.0) > now:
+            return True  # the same bytes from the same peer, already verified and stored
+        ok = consume(msg, host, peer_id)
+        if ok:
+            while len(_consumed) >= _CONSUMED_KEPT:
+                del _consumed[next(iter(_consumed))]
+            _consumed[key] = now + _CONSUMED_TTL_S
+        return ok
+
+    return consume_sender_record
+
+
+def _share_sender_records() -> None:
+    """Install the two caches above where the pubsub modules look the functions up (once)."""
+    for module in (libp2p.pubsub.pubsub, libp2p.pubsub.gossipsub):
+        if not getattr(module, "_inclavate_cached", False):
+            module.env_to_send_in_RPC = _cached_sender_record(module.env_to_send_in_RPC)  # type: ignore[attr-defined]
+            module.maybe_consume_signed_record = _consume_once(module.maybe_consume_signed_record)  # type: ignore[attr-defined]
+            module._inclavate_cached = True  # type: ignore[attr-defined]
+
+
 def build_gossip(host: BasicHost, config: GossipConfig,
                   topics: dict[str, Broadcast]) -> tuple[SwarmPubsub, GossipSub]:
-    router = GossipSub(
+    _share_sender_records()
+    router = SwarmGossipSub(
         protocols=[PROTOCOL_ID_V20, PROTOCOL_ID_V14, PROTOCOL_ID_V13, PROTOCOL_ID_V12,
                    PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=config.degree,

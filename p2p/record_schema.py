@@ -67,6 +67,8 @@ MAX_URL: Final = 512
 MAX_MODELS: Final = 64
 MAX_MULTIADDRS: Final = 32
 """A peer on many interfaces (container bridges) advertises its first 32."""
+MAX_HEARTBEAT_MS: Final = 3_600_000
+"""An announced heartbeat interval; receivers clamp it further (:class:`p2p.registry.Liveness`)."""
 _SIG_BYTES: Final = 64
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 
@@ -144,6 +146,8 @@ def _read_record(d: dict[str, Any]) -> NodeRecord:
         # Added after the first release: a missing or odd value means "not draining".
         draining=d.get("draining") is True,
         generators=check_generators(tuple(read_list(d, "generators", max_len=16, default=[]))),
+        slim=d.get("slim") is True,
+        heartbeat_ms=read_int(d, "heartbeat_ms", lo=0, hi=MAX_HEARTBEAT_MS, default=0),
     )
 
 

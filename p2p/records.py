@@ -18,8 +18,10 @@ is inside it.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import enum
+import functools
 import json
 import re
 import time
@@ -136,6 +138,13 @@ class NodeRecord:
     """sha256 of the model file this node serves ("" if unknown)."""
     vocab_sha256: str = ""
     """sha256 of the vocab-only GGUF it serves on ``/inclavate/vocab/1`` ("" until computed)."""
+    slim: bool = False
+    """A heartbeat: the :data:`DETAIL_FIELDS` are left out (empty here) and receivers keep
+    those of this node's newest full record (:func:`with_details`). Missing or not a boolean:
+    a full record, as every record was before heartbeats slimmed down."""
+    heartbeat_ms: int = 0
+    """The publisher's heartbeat interval, which grows with the swarm
+    (:class:`p2p.registry.Cadence`); receivers judge its silence by it. 0: their default."""
 
     @property
     def layers(self) -> LayerRange:
@@ -145,11 +154,16 @@ class NodeRecord:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        """Field by field rather than ``dataclasses.asdict``, whose recursive deep copy of 120
+        samples and buckets made signing a record cost milliseconds on every heartbeat."""
+        data = {f.name: getattr(self, f.name) for f in _RECORD_FIELDS}
+        data["hardware"] = copy.deepcopy(self.hardware)
+        data["counters"] = dataclasses.asdict(self.counters)
         data["multiaddrs"] = list(self.multiaddrs)
-        data["samples"] = [dataclasses.asdict(s) for s in self.samples]
-        data["buckets"] = [dataclasses.asdict(b) for b in self.buckets]
-        data["generators"] = [dict(g) for g in self.generators]
+        data["samples"] = [{"tps": s.tps, "latency_ms": s.latency_ms, "ts_ms": s.ts_ms} for s in self.samples]
+        data["buckets"] = [{"ts_ms": b.ts_ms, "requests": b.requests, "tokens": b.tokens} for b in self.buckets]
+        data["requests_by_model"] = dict(self.requests_by_model)
+        data["generators"] = [copy.deepcopy(g) for g in self.generators]
         return data
 
     @classmethod
@@ -173,6 +187,37 @@ class NodeRecord:
         elif self.node_id != self.peer_id:
             raise InvalidRecord("a peer may only publish its own record, or vouch for a relayed node",
                                 RecordProblem.NOT_OWNER)
+
+
+_RECORD_FIELDS = dataclasses.fields(NodeRecord)
+
+DETAIL_FIELDS: tuple[str, ...] = (
+    "samples", "buckets", "requests_by_model", "hardware", "generators", "model_sha256", "vocab_sha256", "version",
+)  # fmt: skip
+"""Bulky or slowly changing fields: sent in full records only (on change, rate-limited, and
+when the samples are due), never in every heartbeat. The samples and buckets are 85% of a
+busy peer's record and most of what decoding one costs."""
+_EMPTY_DETAILS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                  for f in _RECORD_FIELDS if f.name in DETAIL_FIELDS}  # fmt: skip
+
+
+def slim_record(record: NodeRecord) -> NodeRecord:
+    """``record`` as a heartbeat: its details left out, ``slim`` set."""
+    return record.replace(slim=True, **_EMPTY_DETAILS)
+
+
+def with_details(live: NodeRecord, details: NodeRecord | None) -> NodeRecord:
+    """A node's record as readers see it: its newest liveness record (``live``, slim or
+    full) with the details of its newest full record (``details``)."""
+    if not live.slim or details is None:
+        return live
+    return live.replace(**{name: getattr(details, name) for name in DETAIL_FIELDS})
+
+
+def details_changed(record: NodeRecord, sent: NodeRecord, *, samples: bool) -> bool:
+    """Whether ``record``'s details differ from those last sent in full (``samples``: count
+    the metric samples, which change every 10 s even on an idle peer)."""
+    return any(getattr(record, name) != getattr(sent, name) for name in DETAIL_FIELDS if samples or name != "samples")
 
 
 MAX_GENERATORS = 8
@@ -258,6 +303,12 @@ class SignedRecord:
         return cls(record, payload, identity.sign(payload))
 
     def verified(self) -> bool:
+        return self._signature_ok
+
+    @functools.cached_property
+    def _signature_ok(self) -> bool:
+        """Checked once per decoded envelope: the gossip validator and the delivery that
+        follows it share the decoded value (:class:`p2p.gossip.RegistryService`)."""
         return verify(self.record.peer_id, self.payload, self.signature)
 
     def encode(self) -> bytes:

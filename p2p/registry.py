@@ -21,6 +21,7 @@ fresher than its own timestamp, so a dead peer's last record does not come back 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,20 +29,59 @@ from types import MappingProxyType
 from typing import Literal
 
 from inclavate.types import NodeId
-from p2p.records import NodeRecord, NodeState, SignedRecord
+from p2p.records import NodeRecord, NodeState, SignedRecord, with_details
 
 
 @dataclass(frozen=True)
 class Liveness:
     """How long silence lasts before a node is Degraded, Dead, then forgotten.
 
-    With a 2 s heartbeat, Degraded means three beats missed and Dead six."""
+    With a 2 s heartbeat, Degraded means three beats missed and Dead six. A publisher in a
+    large swarm beats less often (:class:`Cadence`) and says so in its records
+    (``heartbeat_ms``); its silence is judged by :meth:`for_record`, the same number of beats,
+    never less time than the defaults here and never more than ``max_heartbeat_s`` allows."""
 
     heartbeat_s: float = 2.0
     degraded_after_s: float = 6.0
     dead_after_s: float = 12.0
     drop_after_s: float = 60.0
     max_future_skew_s: float = 10.0
+    max_heartbeat_s: float = 300.0
+    """The longest announced interval believed: a record claiming more stays Ready no longer."""
+
+    def for_record(self, record: NodeRecord) -> Liveness:
+        """The thresholds for a node that announced ``record.heartbeat_ms``."""
+        announced = min(record.heartbeat_ms / 1000, self.max_heartbeat_s)
+        if announced <= self.heartbeat_s:
+            return self
+        k = announced / self.heartbeat_s
+        return dataclasses.replace(self, heartbeat_s=announced, degraded_after_s=self.degraded_after_s * k,
+                                   dead_after_s=self.dead_after_s * k, drop_after_s=self.drop_after_s * k)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often a peer publishes, from the size of its swarm: the cost model in
+    docs/ARCHITECTURE.md ("Gossip: the registry").
+
+    Every peer receives every record, so an idle peer's CPU is ``base + rate x cost``, and
+    the rate is what must not grow with the swarm. The heartbeat interval grows instead,
+    beyond ``heartbeats_per_s`` records a second in all; full records (details) are sent on
+    change no sooner than ``details_min_s`` after the previous one, at least every
+    ``details_refresh_s`` while their samples move, and both spacings also grow beyond
+    ``details_per_s`` full records a second in all."""
+
+    heartbeats_per_s: float = 2.0
+    details_per_s: float = 1.0
+    details_min_s: float = 5.0
+    details_refresh_s: float = 60.0
+
+    def heartbeat_s(self, nodes: int, liveness: Liveness) -> float:
+        return min(liveness.max_heartbeat_s, max(liveness.heartbeat_s, nodes / self.heartbeats_per_s))
+
+    def details_spacing_s(self, nodes: int, *, refresh: bool) -> float:
+        floor = self.details_refresh_s if refresh else self.details_min_s
+        return max(floor, nodes / self.details_per_s)
 
 
 class Verdict(enum.Enum):
@@ -79,12 +119,24 @@ class RegistryLimits:
 @dataclass(frozen=True)
 class Entry:
     signed: SignedRecord
+    """The node's newest record (a slim heartbeat or a full record): its liveness."""
     fresh_ms: int
     """Our clock's time this record was last known to be current."""
+    details: SignedRecord | None = None
+    """The node's newest full record, whose :data:`~p2p.records.DETAIL_FIELDS` readers see."""
+    record: NodeRecord = field(default=None)  # type: ignore[assignment]
+    """``signed``'s record with ``details``' details: what every reader uses."""
 
-    @property
-    def record(self) -> NodeRecord:
-        return self.signed.record
+    def __post_init__(self) -> None:
+        if self.record is None:
+            details = self.details.record if self.details is not None else None
+            object.__setattr__(self, "record", with_details(self.signed.record, details))
+
+    def envelopes(self) -> list[SignedRecord]:
+        """What a neighbour needs to hold the same entry (anti-entropy)."""
+        if self.details is None or self.details is self.signed:
+            return [self.signed]
+        return [self.details, self.signed]
 
 
 @dataclass(frozen=True)
@@ -98,7 +150,7 @@ class Table:
         return self.entries.get(NodeId(node_id))
 
     def signed_records(self) -> list[SignedRecord]:
-        return [e.signed for e in self.entries.values()]
+        return [signed for e in self.entries.values() for signed in e.envelopes()]
 
     def views(self, now_ms: int, liveness: Liveness) -> Iterator[NodeView]:
         for entry in sorted(self.entries.values(), key=lambda e: e.record.node_id):
@@ -128,14 +180,20 @@ def apply(
     record = signed.record
     if record.ts_ms > now_ms + liveness.max_future_skew_s * 1000:
         return table, Verdict.FROM_THE_FUTURE
-    if record.ts_ms < now_ms - liveness.drop_after_s * 1000:
+    if record.ts_ms < now_ms - liveness.for_record(record).drop_after_s * 1000:
         return table, Verdict.TOO_OLD
     if record.seq > record.ts_ms + limits.max_seq_lead_s * 1000:
         return table, Verdict.SEQ_AHEAD
     held = table.entries.get(record.node_id)
-    if held is not None and record.seq <= held.record.seq:
-        verdict = Verdict.DUPLICATE if record.seq == held.record.seq else Verdict.REPLAY
-        return table, verdict
+    # A record counts twice over: as liveness if newer than the newest record held, and (a
+    # full record) as details if newer than the newest full record held; a full record
+    # overtaken in flight by the next heartbeat still brings its details.
+    newer_live = held is None or record.seq > held.signed.record.seq
+    held_details = held.details if held is not None else None
+    newer_details = not record.slim and (held_details is None or record.seq > held_details.record.seq)
+    if held is not None and not (newer_live or newer_details):
+        same = record.seq in (held.signed.record.seq, held_details.record.seq if held_details else -1)
+        return table, Verdict.DUPLICATE if same else Verdict.REPLAY
     if held is None:
         if len(table.entries) >= limits.max_records:
             return table, Verdict.TABLE_FULL
@@ -143,9 +201,15 @@ def apply(
             return table, Verdict.SIGNER_FULL
     if not signed.verified():  # last: the only costly check
         return table, Verdict.BAD_SIGNATURE
-    fresh = now_ms if via == "gossip" else min(now_ms, record.ts_ms)
+    details = signed if newer_details else held_details
+    if newer_live:
+        fresh = now_ms if via == "gossip" else min(now_ms, record.ts_ms)
+        entry = Entry(signed, fresh, details)
+    else:
+        assert held is not None
+        entry = Entry(held.signed, held.fresh_ms, details)
     entries = dict(table.entries)
-    entries[record.node_id] = Entry(signed, fresh)
+    entries[record.node_id] = entry
     return Table(MappingProxyType(entries)), Verdict.ACCEPTED
 
 
@@ -153,6 +217,7 @@ def effective_state(entry: Entry, now_ms: int, liveness: Liveness) -> NodeState:
     record = entry.record
     if record.state == "Dead":
         return "Dead"
+    liveness = liveness.for_record(record)
     age_s = (now_ms - entry.fresh_ms) / 1000
     if age_s > liveness.dead_after_s:
         return "Dead"
@@ -167,8 +232,8 @@ def expire(table: Table, now_ms: int, liveness: Liveness) -> Table:
     Nothing forgotten can be replayed: its records are then older than the drop horizon,
     which :func:`apply` refuses on the timestamp alone.
     """
-    horizon = now_ms - liveness.drop_after_s * 1000
-    keep = {node: entry for node, entry in table.entries.items() if entry.fresh_ms >= horizon}
+    keep = {node: entry for node, entry in table.entries.items()
+            if entry.fresh_ms >= now_ms - liveness.for_record(entry.record).drop_after_s * 1000}  # fmt: skip
     if len(keep) == len(table.entries):
         return table
     return Table(MappingProxyType(keep))

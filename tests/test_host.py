@@ -317,3 +317,37 @@ async def test_mdns_failure_does_not_break_startup(monkeypatch: pytest.MonkeyPat
     with trio.fail_after(10):
         async with running_hosts(1, enable_mdns=True) as (a,):
             assert a.multiaddrs()
+
+
+def test_a_sender_record_is_verified_once_per_sender_and_bytes_and_failures_are_not_remembered() -> None:
+    """Pubsub RPCs each carry the sender's signed peer record; it is consumed (parsed,
+    verified, stored) once per distinct bytes from that sender, never taken on trust from
+    another sender or after a failure."""
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from p2p import pubsub
+
+    calls: list[bytes] = []
+    verdicts = {b"good": True, b"bad": False}
+
+    def consume(msg: rpc_pb2.RPC, host: object, peer_id: ID | None = None) -> bool:
+        calls.append(msg.senderRecord)
+        return verdicts[msg.senderRecord]
+
+    once = pubsub._consume_once(consume)
+    alice, bob = (ID.from_base58(Identity.generate().peer_id) for _ in range(2))
+
+    def rpc(record: bytes) -> rpc_pb2.RPC:
+        message = rpc_pb2.RPC()
+        message.senderRecord = record
+        return message
+
+    assert once(rpc(b"good"), None, alice) and once(rpc(b"good"), None, alice)
+    assert calls == [b"good"]
+    assert once(rpc(b"good"), None, bob) and calls == [b"good", b"good"]  # another sender: checked
+    assert not once(rpc(b"bad"), None, alice) and not once(rpc(b"bad"), None, alice)
+    assert calls.count(b"bad") == 2  # a refusal is never remembered as a pass
+    verdicts[b""] = True
+    once(rpc_pb2.RPC(), None, alice)  # no record: the library decides, nothing remembered
+    assert calls[-1] == b""

@@ -21,8 +21,9 @@ from p2p.records import (
     SignedRecord,
     canonical_bytes,
     legacy_node_id,
+    slim_record,
 )
-from p2p.registry import Liveness, RegistryLimits, Table, Verdict, apply
+from p2p.registry import Liveness, RegistryLimits, Table, Verdict, apply, effective_state, expire
 
 ALICE = Identity.generate()
 NOW = 1_000_000
@@ -68,6 +69,9 @@ def test_an_honest_record_round_trips() -> None:
         ({"hardware": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {}}}}}}}}}, Reason.TOO_DEEP),
         ({"node_id": "x" * 10_000}, Reason.TOO_LONG),
         ({"start_layer": 10, "end_layer": 10}, RecordProblem.BAD_LAYERS),
+        ({"heartbeat_ms": "2000"}, Reason.WRONG_TYPE),
+        ({"heartbeat_ms": -1}, Reason.OUT_OF_RANGE),
+        ({"heartbeat_ms": 2**40}, Reason.OUT_OF_RANGE),
     ],
 )
 def test_a_mistyped_field_is_a_typed_rejection(changes: dict[str, Any], reason: object) -> None:
@@ -148,3 +152,36 @@ def test_decoded_numbers_are_safe_for_sqlite_sums() -> None:
     from p2p.record_schema import MAX_COUNT
 
     assert RegistryLimits().max_records * MAX_COUNT < 2**63
+
+
+def test_a_slow_heartbeat_claim_buys_a_bounded_grace_and_never_fakes_freshness() -> None:
+    """A record may announce a long heartbeat (a large swarm's); a liar claiming an hour is
+    believed up to ``max_heartbeat_s``, and its silence still ends in Dead and then oblivion."""
+    live = Liveness()
+    liar = signed(ALICE, 0, 10, seq=NOW, ts_ms=NOW, heartbeat_ms=3_600_000)
+    table, verdict = apply(Table(), liar, NOW, live)
+    assert verdict is Verdict.ACCEPTED
+    bound = live.for_record(liar.record)
+    assert bound.heartbeat_s == live.max_heartbeat_s
+    entry = table.get(ALICE.peer_id)
+    assert effective_state(entry, NOW + int(bound.dead_after_s * 1000) + 1, live) == "Dead"
+    assert len(expire(table, NOW + int(bound.drop_after_s * 1000) + 1, live)) == 0
+
+
+def test_details_cannot_be_replayed_or_forged_through_the_details_path() -> None:
+    """Full records carry the details (samples, buckets, hashes...) readers see through every
+    slim heartbeat: an older full record, or one signed by someone else, changes nothing."""
+    live = Liveness()
+    details = signed(ALICE, 0, 10, seq=NOW, ts_ms=NOW, model_sha256="a" * 64)
+    heartbeat = SignedRecord.sign(slim_record(details.record.replace(seq=NOW + 2000, ts_ms=NOW + 2000)), ALICE)
+    table, _ = apply(Table(), details, NOW, live)
+    table, _ = apply(table, heartbeat, NOW + 2000, live)
+    older = signed(ALICE, 0, 10, seq=NOW - 5000, ts_ms=NOW - 5000, model_sha256="b" * 64)
+    assert apply(table, older, NOW + 2000, live)[1] is Verdict.REPLAY
+    mallory = Identity.generate()
+    newer = details.record.replace(seq=NOW + 1000, model_sha256="c" * 64)
+    forged = SignedRecord(newer, canonical_bytes(newer), mallory.sign(canonical_bytes(newer)))
+    assert apply(table, forged, NOW + 2000, live)[1] is Verdict.BAD_SIGNATURE
+    assert table.get(ALICE.peer_id).record.model_sha256 == "a" * 64
+    # Both parts of every node count as one record against the quotas (one entry each).
+    assert len(table) == 1 and len(table.signed_records()) == 2
