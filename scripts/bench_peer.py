@@ -234,6 +234,8 @@ def main() -> int:
     parser.add_argument("--batched-tokens", type=int, default=48, help="tokens per session in the batched test")
     parser.add_argument("--gap-prompt-words", type=int, default=1980, help="~tokens of the long prompt in the gap test")
     parser.add_argument("--skip", action="append", default=[], choices=("single", "batched", "gap", "memory"))
+    parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment of the peers (e.g. GOMP_SPINCOUNT=30000 to try another thread wait)")
     args = parser.parse_args()
 
     home = inclavate_home()
@@ -245,9 +247,15 @@ def main() -> int:
           f"{' (busy machine: ratios are noisy)' if load > cores * 0.5 else ''}; best of {args.rounds}, ABAB")  # fmt: skip
     if INHERITED_WAIT_ENV:
         print(f"ignoring inherited {' '.join(f'{k}={v}' for k, v in INHERITED_WAIT_ENV.items())}")
+    peer_env = dict(item.split("=", 1) for item in args.peer_env)
+    if peer_env:
+        # This process imported node/, which chose a default wait policy and marked it as a
+        # default; a child seeing that mark would choose again and drop the variable asked for.
+        peer_env.setdefault("INCLAVATE_THREAD_WAIT_DEFAULTED", "")
+        print(f"peers run with {' '.join(args.peer_env)}")
     prompt = "Summarise this text: " + FILLER * (args.prompt_words // 9)
     common = ["--p2p-host", "127.0.0.1", "--no-mdns"]
-    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home)},
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home), **peer_env},
                                                           colocated=False) as swarm:
         if "single" not in args.skip:
             print("\n1. one stream, peer (whole model) / llama.cpp, same threads")
