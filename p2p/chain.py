@@ -132,6 +132,9 @@ class _Session:
     flight_since: float | None = None
     """When the oldest unanswered frame was sent."""
     flight_tokens: int = 0
+    failing_since: float | None = None
+    """When the failover in progress began (the failure was seen): its timeline is logged
+    from there to the step's token."""
 
     def record(self, start_pos: int, tokens: Sequence[int]) -> None:
         """Positions ``start_pos...`` now hold ``tokens`` (a step may rewind)."""
@@ -280,6 +283,10 @@ class SwarmPipeline:
                 outcome = self._on_reply(leg, reply, req)
                 if isinstance(outcome, int):
                     self.deadline.observe(session.flight_tokens, trio.current_time() - session.flight_since)
+                    if session.failing_since is not None:
+                        log.info("session %s: failover: token %.3f s after the failure was seen",
+                                 session.session_id, trio.current_time() - session.failing_since)  # fmt: skip
+                        session.failing_since = None
                     session.flight_since, session.flight_tokens = None, 0
                     return outcome
                 if outcome is not None:
@@ -330,6 +337,7 @@ class SwarmPipeline:
             await self._retire(session, broken.peers)
             raise FailoverExhausted(session.failovers, broken.cause) from broken.cause
         session.failovers += 1
+        session.failing_since = now
         log.warning("session %s: %s (blamed: %s); failover %d/%d", session.session_id, broken.cause,
                     ", ".join(sorted(p[-6:] for p in broken.peers)) or "nobody",
                     session.failovers, self.policy.max_failovers)  # fmt: skip
@@ -468,6 +476,9 @@ class SwarmPipeline:
         leg = session.leg
         assert leg is not None
         held = await self._adopt(old, leg, span.kept)
+        if session.failing_since is not None:
+            log.info("session %s: failover: adopts answered %.3f s after the failure was seen (%s)", session.session_id,
+                     trio.current_time() - session.failing_since, held or "not all: whole route")  # fmt: skip
         await self._close_leg(old, broken)
         limit = min(held.values()) if held else 0
         kept = session.shape_boundary(min(limit, len(session.history) - session.shapes[-1]))

@@ -16,6 +16,7 @@ an ``error`` message, never a silent hang.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -94,16 +95,41 @@ class _Link:
         self._service = service
         self.send_channel, self._receive = trio.open_memory_channel[wire.Message](64)
         self._stream: FramedStream | SealedStream | None = None
+        self._watching = trio.CancelScope()
+        self._ended = False
 
     async def run(self) -> None:
         try:
             await self._send_all()
         except BaseException:
+            self._end()
             if self._stream is not None:  # cancelled: a direct link's socket must not leak
                 await self._stream.reset()
             raise
+        self._end()
         if self._stream is not None:
             await self._stream.close()
+
+    def _end(self) -> None:
+        self._ended = True
+        self._watching.cancel()
+
+    def watch(self, nursery: trio.Nursery, stream: FramedStream | SealedStream) -> None:
+        self._watching = trio.CancelScope()
+        nursery.start_soon(self._watch, stream, self._watching)
+
+    async def _watch(self, stream: FramedStream | SealedStream, scope: trio.CancelScope) -> None:
+        """Wait for the end of ``stream``'s other direction. The receiving peer never writes
+        on it, and keeps it open while it lives (its idle timeout is an hour), so an end or
+        a reset means the peer is gone: a ``kill -9`` is seen here at once, where the libp2p
+        connection's loss is seen a few hundred ms later."""
+        with scope:
+            try:
+                await stream.receive(timeout=math.inf)
+            except (P2PError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            if self._stream is stream and not self._ended:
+                self._service.link_lost(self.peer, self)
 
     async def _send_all(self) -> None:
         async with self._receive:
@@ -115,6 +141,7 @@ class _Link:
                     try:
                         if self._stream is None:
                             self._stream = await self._service.open_stream(self.peer)
+                            self.watch(self._service.nursery, self._stream)
                         await self._stream.send_many(payloads, timeout=self._service.timeouts.send(sum(map(len, payloads))))
                         break
                     except P2PError as exc:
@@ -241,13 +268,36 @@ class ForwardService:
                 log.info("forwarding to %s over libp2p: %s", peer, exc)
         return await self.host.new_stream(peer, wire.PROTOCOL, timeout=self.timeouts.connect)
 
-    async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException, link: _Link | None = None) -> None:
-        log.warning("cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)
-        if link is not None and self._links.get(peer) is link:
-            # The peer is gone or unreachable: retire its link. Its task answers what is still
-            # queued (each with an error to the entry) and ends, instead of waiting forever.
+    @property
+    def nursery(self) -> trio.Nursery:
+        assert self._nursery is not None, "ForwardService.run has not started"
+        return self._nursery
+
+    def link_lost(self, peer: PeerId, link: _Link) -> None:
+        """``peer``'s end of our link closed: retire the link (what is queued on it is
+        answered with errors) and tell every session this peer drives through ``peer`` now,
+        with an ``unreachable`` error naming it, instead of waiting for the connection's grace."""
+        log.warning("the link to %s ended: the peer is gone", peer)
+        self._retire(peer, link)
+        for session_id, peers in self._inbox_peers.items():
+            if peer in peers and session_id in self._inboxes:
+                lost = wire.Error(0, session_id, "unreachable", f"peer {peer} closed its link", self.me, peer)
+                try:
+                    self._inboxes[session_id].send_nowait(lost)
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # a full inbox: the connection's loss is seen soon after anyway
+
+    def _retire(self, peer: PeerId, link: _Link) -> None:
+        if self._links.get(peer) is link:
             del self._links[peer]
             link.send_channel.close()
+
+    async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException, link: _Link | None = None) -> None:
+        log.warning("cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)
+        if link is not None:
+            # The peer is gone or unreachable: retire its link. Its task answers what is still
+            # queued (each with an error to the entry) and ends, instead of waiting forever.
+            self._retire(peer, link)
         if isinstance(msg, (wire.Forward, wire.Close)) and msg.reply_to != peer:
             await self.send(msg.reply_to, wire.Error(
                 msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me, peer))  # fmt: skip

@@ -154,6 +154,9 @@ def measure_failover(args: argparse.Namespace, home: Path, model_id: str, bodies
         disturbed = run_streams(a, bodies, kill_after, [b, c])
         kept = sum(p.get("/health")["failover"]["adopted"] for p in (a, d))
         print(f"[{replay} replay] sessions kept by the entry and the last stage across the failover: {kept}")
+        for line in a.log_path.read_text(errors="replace").splitlines():
+            if "failover" in line or "link to" in line:  # the entry's timeline of the failover
+                print(f"[{replay} replay] entry log: {line}")
         healed = measure_heal(swarm, a, d, model_id) if heal else None
     return calm, disturbed, healed
 

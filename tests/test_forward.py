@@ -140,6 +140,34 @@ async def test_a_link_to_a_peer_that_is_gone_is_retired_and_its_task_ends() -> N
             n.cancel_scope.cancel()
 
 
+async def test_the_end_of_a_link_tells_the_sessions_through_that_peer_at_once() -> None:
+    """A peer that dies (here: its service and host stop) closes the other end of our link:
+    every session this peer drives through it is told at once with an ``unreachable`` error
+    naming it, without anything more being sent, and the link is retired."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, trio.open_nursery() as n:
+            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None)
+            await n.start(sender.run)
+            async with open_host(Identity.generate()) as b, trio.open_nursery() as nb:
+                receiver = ForwardService(b, node_id=NodeId(b.peer_id), stage=None)
+                await nb.start(receiver.run)
+                await a.connect(b.multiaddrs()[0])
+                gone = b.peer_id
+                through, elsewhere = SessionId("s"), SessionId("t")
+                inbox = sender.open_inbox(through, [gone])
+                other = sender.open_inbox(elsewhere, [PeerId(Identity.generate().peer_id)])
+                await sender.send(gone, wire.Closed(1, SessionId("x")))
+                while gone not in sender._links or sender._links[gone]._stream is None:
+                    await trio.sleep(0.01)
+                nb.cancel_scope.cancel()
+            error = await inbox.receive()
+            assert isinstance(error, wire.Error) and error.code == "unreachable" and error.failed_peer == gone
+            assert gone not in sender._links
+            with pytest.raises(trio.WouldBlock):
+                other.receive_nowait()
+            n.cancel_scope.cancel()
+
+
 async def test_only_peers_on_a_session_route_may_answer_for_it() -> None:
     """A stranger who learnt a session id cannot hand the entry tokens (or a false error):
     replies are taken from the peers of the session's route only."""
