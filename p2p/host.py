@@ -354,16 +354,23 @@ class P2PHost:
                                         max_frame_size=max_frame_size)
 
     async def _open_negotiated(self, peer_id: ID, protocol: TProtocol) -> INetStream:
-        """One retry, within the caller's deadline: on a busy machine py-libp2p's protocol
+        """Retries, within the caller's deadline: on a busy machine py-libp2p's protocol
         negotiation on a fresh yamux stream now and then fails at once ("handshake read
-        failed") over a connection that is fine, and the second stream goes through."""
-        try:
-            return await self._host.new_stream(peer_id, [protocol])
-        except BaseLibp2pError:
-            if not self.is_connected(str(peer_id)):
-                raise
-        await trio.sleep(0.05)
-        return await self._host.new_stream(peer_id, [protocol])
+        failed") over a connection that is fine, and the second stream goes through; or it
+        leaves the connection unusable, and a fresh connection is dialled for the third."""
+        for attempt in range(3):
+            try:
+                return await self._host.new_stream(peer_id, [protocol])
+            except BaseLibp2pError:
+                if attempt == 2 or not self.is_connected(str(peer_id)):
+                    raise
+            await trio.sleep(0.05)
+            if attempt == 1:
+                # The failed negotiation can leave py-libp2p holding only a connection it
+                # now deems invalid ("No valid connections available"), which new_stream
+                # never replaces by itself: dial a fresh one.
+                await self._network.dial_peer_replacement(peer_id)
+        raise AssertionError("unreachable")
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
                            max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
