@@ -450,16 +450,23 @@ class ForwardService:
                                                           hidden=rows, discard=True))  # fmt: skip
         return True
 
-    async def _on_adopt(self, msg: wire.Adopt, remote: PeerId) -> None:
-        """Rename a session to a failover's new leg, in order with its other jobs; answer
-        with the positions kept (0 when this hop holds nothing for it)."""
+    def _admits_control(self, msg: wire.Adopt | wire.Close, remote: PeerId, kind: str) -> bool:
+        """A close or adopt acts on a session: only its own peers may send one, along a
+        registered route; anything else is counted and dropped without an answer."""
         try:
             if not self.admission.may_close(remote, msg.session_id):
-                raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "only the session's own peers may move it")
+                raise FrameRejected(FrameReason.SESSION_NOT_YOURS, f"only the session's own peers may {kind} it")
             forward_checks.check_route(msg.route, None, self.record_of)
         except FrameRejected as exc:
             self.drops.count(exc.reason)
-            log.info("refusing an adopt from %s: %s", remote, exc)
+            log.info("refusing a %s from %s: %s", kind, remote, exc)
+            return False
+        return True
+
+    async def _on_adopt(self, msg: wire.Adopt, remote: PeerId) -> None:
+        """Rename a session to a failover's new leg, in order with its other jobs; answer
+        with the positions kept (0 when this hop holds nothing for it)."""
+        if not self._admits_control(msg, remote, "adopt"):
             return
         stage = self._serves(msg.route[0])
         if stage is None:
@@ -475,13 +482,7 @@ class ForwardService:
 
     async def _on_close(self, msg: wire.Close, remote: PeerId) -> None:
         hop = msg.route[0]
-        try:
-            if not self.admission.may_close(remote, msg.session_id):
-                raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "only the session's own peers may close it")
-            forward_checks.check_route(msg.route, None, self.record_of)
-        except FrameRejected as exc:
-            self.drops.count(exc.reason)
-            log.info("refusing a close from %s: %s", remote, exc)
+        if not self._admits_control(msg, remote, "close"):
             return
         if self.stage is None or hop.node_id != self.node_id:
             if hop.forward_url and self.relay is not None:
