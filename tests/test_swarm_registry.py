@@ -89,7 +89,7 @@ async def test_forged_replayed_and_future_records_are_rejected(five) -> None:
             def everyone_has_it() -> bool:
                 return all(registry(p).get(me.peer_id) == (0, 2) for p in peers)
 
-            await trio.to_thread.run_sync(swarm.wait, everyone_has_it, 10.0, "the genuine record everywhere")
+            await trio.to_thread.run_sync(swarm.wait, everyone_has_it, 30.0, "the genuine record everywhere")
 
             # Forged: claims to be peer 1, signed with our key.
             forged = _record(me, seq=now_ms() + 10**9, ts=now_ms(), end=3, node=victim["peer_id"])
