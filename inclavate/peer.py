@@ -58,6 +58,7 @@ from inclavate.store import ModelStore
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from node.gguf_slice import write_vocab_only
 from node.engine import LayerEngine
+from node.engine_thread import EngineThread
 from node.engines import load_engine
 from node.errors import EngineError
 from node.generators.chat_reader import ChatModelReader
@@ -335,9 +336,14 @@ class Peer:
         return layers
 
     async def _start_stage(self, layers: LayerRange) -> None:
-        engine = await trio.to_thread.run_sync(self._load_engine, layers)
-        stage = Stage(engine, on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error,
-                      inline_tokens=self.config.inline_tokens, keep_outputs=self.config.wire_dtype)
+        engine_thread = EngineThread(f"engine {layers}")
+        try:
+            engine = await engine_thread.run(self._load_engine, layers)
+        except BaseException:
+            engine_thread.close()
+            raise
+        stage = Stage(engine, engine_thread=engine_thread, on_batch=self.metrics.record_tokens,
+                      on_error=self.metrics.record_error, keep_outputs=self.config.wire_dtype)
         assert self._nursery is not None and self.forward is not None
 
         async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -357,7 +363,7 @@ class Peer:
         await stage.fail_pending(EngineError(reason))
         if self._stage_scope is not None:
             self._stage_scope.cancel()
-        await trio.to_thread.run_sync(stage.engine.close)
+        await stage.close_engine()
 
     async def _run_healer(self) -> None:
         healer = Healer(

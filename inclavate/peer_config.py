@@ -64,9 +64,6 @@ class PeerConfig:
     """Moving to a gap in the swarm when this peer's span is replicated."""
     failover: FailoverPolicy = FailoverPolicy()
     """As an entry peer: how many times a request may move to a new route, step deadlines."""
-    inline_tokens: int = 8
-    """Stage batches of at most this many tokens (decode steps) run on the event loop
-    thread: a worker-thread round trip added ~10% to every step (measured, 2-core VM)."""
 
     def __post_init__(self) -> None:
         if self.max_layers is not None and self.max_layers < 1:

@@ -45,6 +45,7 @@ from inclavate import tensors
 from inclavate.errors import InclavateError
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
+from node.engine_thread import EngineThread
 from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionLimitReached
 from node.kept_outputs import KeptOutputs
 from node.sampling import SamplingParams, sample
@@ -168,7 +169,7 @@ class Stage:
         admission_timeout_s: float = 60.0,
         on_batch: Callable[[int, float], None] | None = None,
         on_error: Callable[[], None] | None = None,
-        inline_tokens: int = 0,
+        engine_thread: EngineThread | None = None,
         prefill_slice_tokens: int = 64,
         interleave_window_s: float = 2.0,
         gather_s: float = 0.005,
@@ -200,8 +201,8 @@ class Stage:
         self._last_step: dict[SessionId, float] = {}
         """When each decoding session's last step arrived."""
         self._step_period: dict[SessionId, float] = {}
-        self.inline_tokens = inline_tokens
-        """Batches this small run on the event loop thread instead of a worker thread."""
+        self.engine_thread = engine_thread or EngineThread()
+        """Where every call into the engine runs (one OS thread: see ``node.engine_thread``)."""
         self.on_batch = on_batch
         """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
         self.on_error = on_error
@@ -373,7 +374,7 @@ class Stage:
             if job.rename_to is not None:
                 await _deliver(job, StageResult(length=await self._adopt(job.session_id, job.rename_to)))
                 return
-            closed = await trio.to_thread.run_sync(self.engine.close_session, job.session_id)
+            closed = await self.engine_thread.run(self.engine.close_session, job.session_id)
             self._last_used.pop(job.session_id, None)
             self._last_step.pop(job.session_id, None)
             self._step_period.pop(job.session_id, None)
@@ -395,7 +396,7 @@ class Stage:
     async def _adopt(self, old: SessionId, new: SessionId) -> int:
         """Rename a session and what it keeps; the positions the new id can be trusted with:
         its cache, and for a stage that keeps outputs, no more than it can send again."""
-        length = await trio.to_thread.run_sync(self.engine.rename_session, old, new)
+        length = await self.engine_thread.run(self.engine.rename_session, old, new)
         if length == 0:
             return 0
         self.stats.adopted += 1
@@ -414,12 +415,7 @@ class Stage:
             if work.job.done == 0 and work.item is not None:
                 self.stats.recomputed += max(0, self.engine.session_length(work.job.session_id) - work.item.start_pos)
         started = time.monotonic()
-        if sum(w.item.n_tokens for w in group) <= self.inline_tokens:
-            # A decode step is a few ms of engine time; handing it to a worker thread and
-            # back costs two thread switches on the latency path of every hop.
-            results = self._compute(group)
-        else:
-            results = await trio.to_thread.run_sync(self._compute, group)
+        results = await self.engine_thread.run(self._compute, group)
         elapsed = time.monotonic() - started
         computed = [w for w, r in zip(group, results) if r.error is None]
         if computed:
@@ -467,7 +463,7 @@ class Stage:
         return StageResult(output=result.output, token=result.token, sent=sent)
 
     def _compute(self, group: list[_Work]) -> list[StageResult]:
-        """Runs in a worker thread: one engine call, then sampling on the last range."""
+        """Runs on the engine thread: one engine call, then sampling on the last range."""
         try:
             outputs = self.engine.forward([w.item for w in group])
         except EngineError as exc:
@@ -500,6 +496,13 @@ class Stage:
                 if used < cutoff:
                     log.info("freeing session %s: idle for %.0f s", session_id, self.session_idle_s)
                     await self.submit(Job(None, session_id, _ignore))
+
+    async def close_engine(self) -> None:
+        """Free the engine (on its thread, after every call queued there), then end the thread."""
+        try:
+            await self.engine_thread.run(self.engine.close)
+        finally:
+            self.engine_thread.close()
 
     async def fail_pending(self, error: EngineError) -> None:
         """Answer every queued job with ``error`` (the stage is going away), so the peers
