@@ -30,6 +30,7 @@ from inclavate.gguf_meta import read_metadata
 from inclavate.types import LayerRange, ModelId, SessionId
 from node import llamacpp_lib
 from node.arch import rules_for
+from node.eval_capture import CaptureError, EvalCapture
 from node.engine import (
     BatchItem,
     EngineConfig,
@@ -101,10 +102,7 @@ class LlamaCppEngine(LayerEngine):
                 if self.info.is_first or self._rules.embd_input_scale is None
                 else self._rules.embd_input_scale(_HParams(arch, self._model))
             )
-            self._capture_name = f"l_out-{self._slice_layers - 1}".encode()
-            self._captures: list[np.ndarray] = []
-            # Keep a reference: ctypes frees the trampoline when the Python object dies.
-            self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+            self._capture = EvalCapture(f"l_out-{self._slice_layers - 1}", d_model, config.n_batch)
             self._ctx = self._new_context()
             self._memory = llama_cpp.llama_get_memory(self._ctx)
             embd = 0 if self.info.is_first else d_model
@@ -156,8 +154,8 @@ class LlamaCppEngine(LayerEngine):
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED  # llama.cpp's own default (auto) on CPU
         params.no_perf = True
         if not self.info.is_last:
-            params.cb_eval = self._eval_cb
-            params.cb_eval_user_data = None
+            params.cb_eval = self._capture.callback
+            params.cb_eval_user_data = self._capture.user_data
         ctx = llama_cpp.llama_init_from_model(self._model, params)
         if not ctx:
             raise EngineLoadError(
@@ -295,7 +293,8 @@ class LlamaCppEngine(LayerEngine):
         self._n_seq_id[:n] = 1
         self._batch.n_tokens = n
 
-        self._captures = []
+        if not self.info.is_last:
+            self._capture.reset()
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code == 1:
             raise ContextFull(
@@ -307,10 +306,13 @@ class LlamaCppEngine(LayerEngine):
 
         out: list[tuple[_Segment, np.ndarray | None]] = []
         if not self.info.is_last:
-            captured = self._captures[0] if len(self._captures) == 1 else np.concatenate(self._captures or [np.empty((0, 0))])
+            try:
+                captured = self._capture.captured()
+            except CaptureError as exc:
+                raise DecodeFailed(str(exc)) from exc
             if captured.shape != (n, self.info.d_model):
                 raise DecodeFailed(
-                    f"captured {captured.shape} from {self._capture_name.decode()}, expected ({n}, {self.info.d_model})"
+                    f"captured {captured.shape} from {self._capture.tensor_name}, expected ({n}, {self.info.d_model})"
                 )
             offset = 0
             for seg in ordered:
@@ -326,28 +328,6 @@ class LlamaCppEngine(LayerEngine):
                 row = np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
             out.append((seg, row))
         return out
-
-    def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
-        """ggml's scheduler callback: ask=True "do you want this node?", then the node itself.
-
-        Returning False after the copy aborts the rest of this ubatch's graph; llama_decode
-        still returns 0 (and goes on to the next ubatch), and the KV cache of every block in
-        this range has been written.
-        """
-        lib = llamacpp_lib.ggml()
-        if ask:
-            return lib.ggml_get_name(tensor) == self._capture_name
-        if lib.ggml_get_name(tensor) != self._capture_name:
-            return True
-        header = llamacpp_lib.TensorHeader.from_address(tensor)
-        rows, width = int(header.ne[1]), int(header.ne[0])
-        if header.type != llamacpp_lib.GGML_TYPE_F32 or width != self.info.d_model:
-            log.error("unexpected %s: type %d width %d", self._capture_name.decode(), header.type, width)
-            return False
-        out = np.empty((rows, width), dtype=np.float32)
-        lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
-        self._captures.append(out)
-        return False
 
     # ---------------------------------------------------------------- sessions
 

@@ -1,0 +1,74 @@
+"""The eval callback that reads a non-last range's output: the C one (built on first use)
+and the Python one it replaces where no compiler works must give the same bits."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from inclavate.types import LayerRange, ModelId, SessionId
+from node import eval_capture
+from node.engine import BatchItem, EngineConfig
+from node.llamacpp_engine import LlamaCppEngine
+
+
+def _engine(smollm2, slice_cache) -> LlamaCppEngine:
+    return LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 10),
+                          config=EngineConfig(n_threads=1, context_length=1024, max_sessions=2, n_batch=1024),
+                          slice_cache=slice_cache)  # fmt: skip
+
+
+def _run(engine: LlamaCppEngine) -> list[np.ndarray]:
+    """A prefill longer than one ubatch (512), then decode steps of two sessions batched."""
+    rng = np.random.default_rng(7)
+    a, b = SessionId("a"), SessionId("b")
+    outs = [engine.forward([BatchItem(a, 0, tokens=rng.integers(1, 40000, 600).astype(np.int32))])[0].hidden]
+    outs.append(engine.forward([BatchItem(b, 0, tokens=rng.integers(1, 40000, 9).astype(np.int32))])[0].hidden)
+    for step in range(4):
+        pair = engine.forward([BatchItem(a, 600 + step, tokens=np.array([5 + step], np.int32)),
+                               BatchItem(b, 9 + step, tokens=np.array([7 + step], np.int32))])  # fmt: skip
+        outs += [o.hidden for o in pair]
+    return outs
+
+
+def test_native_and_python_callbacks_capture_identical_hidden_states(smollm2, slice_cache, monkeypatch) -> None:
+    assert eval_capture.native_library() is not None, "the C callback should build where llama.cpp was built"
+    with _engine(smollm2, slice_cache) as native:
+        assert native._capture.native
+        fast = _run(native)
+    monkeypatch.setattr(eval_capture, "native_library", lambda: None)
+    with _engine(smollm2, slice_cache) as python:
+        assert not python._capture.native
+        slow = _run(python)
+    assert fast[0].shape == (600, 576)
+    for x, y in zip(fast, slow, strict=True):
+        assert x.dtype == np.float32 and np.array_equal(x, y)
+
+
+@pytest.fixture
+def fresh_build_state(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(eval_capture, "_native", None)
+    monkeypatch.setattr(eval_capture, "_native_tried", False)
+
+
+def test_without_a_working_compiler_the_python_callback_is_used_and_said(fresh_build_state, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(eval_capture, "_compilers", lambda: [["false"], ["/nonexistent/cc"]])
+    with caplog.at_level(logging.WARNING, logger="node.llamacpp"):
+        assert eval_capture.native_library() is None
+        assert eval_capture.native_library() is None  # tried once per process
+    assert len([r for r in caplog.records if "eval callback in Python" in r.message]) == 1
+    assert not list((eval_capture.cache_dir()).glob("*.so"))
+
+
+def test_the_native_callback_can_be_turned_off(fresh_build_state, monkeypatch) -> None:
+    monkeypatch.setenv(eval_capture.NATIVE_ENV, "0")
+    assert eval_capture.native_library() is None
+
+
+def test_a_build_is_cached_per_source(fresh_build_state) -> None:
+    first = eval_capture._build()
+    stamp = first.stat().st_mtime_ns
+    assert eval_capture._build() == first and first.stat().st_mtime_ns == stamp
