@@ -8,6 +8,7 @@ the context terminates every child (SIGTERM, then SIGKILL), so nothing outlives 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,41 @@ class SwarmError(InclavateError):
     """A child peer exited, or did not become ready in time."""
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nobody listens on now, for a child to bind a moment later.
+
+    Chosen below the kernel's ephemeral range: a port the kernel handed out for ``bind(0)``
+    (what this used to do) can be handed out again to the next ``bind(0)`` before the child
+    binds it, and a benchmark's peer once found its API port taken by another peer's libp2p
+    listener. Listeners bound to port 0 never land below that range, and this process
+    never hands a port out twice.
+    """
+    low, _ = _ephemeral_range()
+    lowest = max(1024, low - 16384)
+    for _ in range(200):
+        port = random.randrange(lowest, low) if low - lowest >= 1024 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = int(s.getsockname()[1])
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free port on {host} below {low}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535  # IANA's dynamic range: what BSDs and macOS use
 
 
 def _die_with_parent() -> None:
