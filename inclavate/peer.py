@@ -342,8 +342,9 @@ class Peer:
         except BaseException:
             engine_thread.close()
             raise
-        stage = Stage(engine, engine_thread=engine_thread, on_batch=self.metrics.record_tokens,
-                      on_error=self.metrics.record_error, keep_outputs=self.config.wire_dtype)
+        stage = Stage(engine, engine_thread=engine_thread, inline_tokens=self.config.inline_tokens,
+                      on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error,
+                      keep_outputs=self.config.wire_dtype)
         assert self._nursery is not None and self.forward is not None
 
         async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

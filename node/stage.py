@@ -170,6 +170,7 @@ class Stage:
         on_batch: Callable[[int, float], None] | None = None,
         on_error: Callable[[], None] | None = None,
         engine_thread: EngineThread | None = None,
+        inline_tokens: int = 0,
         prefill_slice_tokens: int = 64,
         interleave_window_s: float = 2.0,
         gather_s: float = 0.005,
@@ -202,7 +203,11 @@ class Stage:
         """When each decoding session's last step arrived."""
         self._step_period: dict[SessionId, float] = {}
         self.engine_thread = engine_thread or EngineThread()
-        """Where every call into the engine runs (one OS thread: see ``node.engine_thread``)."""
+        """Where calls into the engine run (one OS thread: see ``node.engine_thread``)."""
+        self.inline_tokens = inline_tokens if engine.config.n_threads == 1 else 0
+        """Batches this small run on the event-loop thread instead. Only at one engine thread:
+        llama.cpp then opens no OpenMP region, so the calling thread does not matter, and a
+        decode step skips two thread hand-offs (and the GIL hand-over that comes with them)."""
         self.on_batch = on_batch
         """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
         self.on_error = on_error
@@ -415,7 +420,10 @@ class Stage:
             if work.job.done == 0 and work.item is not None:
                 self.stats.recomputed += max(0, self.engine.session_length(work.job.session_id) - work.item.start_pos)
         started = time.monotonic()
-        results = await self.engine_thread.run(self._compute, group)
+        if sum(w.item.n_tokens for w in group) <= self.inline_tokens:
+            results = self._compute(group)
+        else:
+            results = await self.engine_thread.run(self._compute, group)
         elapsed = time.monotonic() - started
         computed = [w for w, r in zip(group, results) if r.error is None]
         if computed:
@@ -463,7 +471,7 @@ class Stage:
         return StageResult(output=result.output, token=result.token, sent=sent)
 
     def _compute(self, group: list[_Work]) -> list[StageResult]:
-        """Runs on the engine thread: one engine call, then sampling on the last range."""
+        """One engine call, then sampling on the last range (on the engine thread, or inline)."""
         try:
             outputs = self.engine.forward([w.item for w in group])
         except EngineError as exc:
