@@ -4,6 +4,7 @@ and the Python one it replaces where no compiler works must give the same bits."
 from __future__ import annotations
 
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -34,7 +35,9 @@ def _run(engine: LlamaCppEngine) -> list[np.ndarray]:
 
 
 def test_native_and_python_callbacks_capture_identical_hidden_states(smollm2, slice_cache, monkeypatch) -> None:
-    assert eval_capture.native_library() is not None, "the C callback should build where llama.cpp was built"
+    if not any(shutil.which(cc[0]) for cc in eval_capture._compilers()):
+        pytest.skip("no C compiler on this machine: peers use the Python callback")
+    assert eval_capture.native_library() is not None, "a C compiler is here: the callback must build"
     with _engine(smollm2, slice_cache) as native:
         assert native._capture.native
         fast = _run(native)
