@@ -257,11 +257,7 @@ class Stage:
         if not waiting:
             waiting.append(await self._receive.receive())
         if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
-            # Other sessions' next steps are usually a few scheduler turns away (their
-            # token is being streamed out, their next step being queued): let every task
-            # that can run do so, so that their steps share this engine call.
-            with trio.move_on_after(self.gather_s):
-                await trio.testing.wait_all_tasks_blocked()
+            await self._gather(waiting)
         self._drain(waiting)
         await self._align(waiting)
         batch: list[_Work] = []
@@ -302,6 +298,33 @@ class Stage:
             with trio.move_on_after(0.5):
                 self._deferred.append(await self._receive.receive())
         return batch
+
+    async def _gather(self, waiting: list[Job]) -> None:
+        """Let the other sessions' next steps join this call. They are usually a few scheduler
+        turns away (their token being handed back, their next step being queued): wait until
+        every session decoding here has a job queued, or no task of this process can run, or
+        ``gather_s``. Not waiting for the whole process to go idle once every step is here
+        lets the engine compute while the event loop streams the last tokens out."""
+        self._drain(waiting)
+        if not self._steps_missing(waiting):
+            return
+        with trio.move_on_after(self.gather_s):
+            async with trio.open_nursery() as nursery:
+
+                async def until_idle() -> None:
+                    await trio.testing.wait_all_tasks_blocked()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(until_idle)
+                while self._steps_missing(waiting):
+                    waiting.append(await self._receive.receive())
+                    self._drain(waiting)
+                nursery.cancel_scope.cancel()
+
+    def _steps_missing(self, waiting: list[Job]) -> bool:
+        """Whether a session decoding here (a step seen, not closed since) has no job queued."""
+        here = {job.session_id for job in waiting}
+        return any(sid not in here for sid in self._last_step)
 
     def _drain(self, waiting: list[Job]) -> None:
         while True:

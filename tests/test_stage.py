@@ -169,3 +169,27 @@ async def test_decoding_sessions_out_of_step_come_to_share_one_call(engine) -> N
         nursery.cancel_scope.cancel()
     assert stage.stats.step_jobs == 12
     assert stage.stats.step_rounds <= 9, "the sessions' steps never shared a call"
+
+
+async def test_a_round_with_every_decoding_session_queued_does_not_wait_for_a_busy_loop(engine) -> None:
+    """The gather wait ends when every session decoding here has its step queued, not when
+    the whole process is idle: a busy event loop (tokens being streamed out) must not hold
+    the engine back. A task that never blocks stands in for it; the gather window is 60 s."""
+    stage = Stage(engine, gather_s=60.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        tokens = {name: (await run_job(stage, name, 0, [1, 2, 3])).token for name in ("a", "b")}
+        for name in ("a", "b"):  # one step each: both are now decoding here
+            tokens[name] = (await run_job(stage, name, 3, [tokens[name]])).token
+
+        async def busy() -> None:
+            while True:
+                await trio.sleep(0)
+
+        nursery.start_soon(busy)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as steps:
+                for name in ("a", "b"):
+                    steps.start_soon(run_job, stage, name, 4, [tokens[name]])
+        nursery.cancel_scope.cancel()
+    assert stage.stats.step_jobs == 4 and stage.stats.step_rounds == 3, "the last two steps shared one call"
