@@ -99,18 +99,13 @@ class SealedStream:
 
     async def send(self, payload: bytes, timeout: float) -> None:
         """As :meth:`FramedStream.send`; the deadline covers the wait for our lock too."""
-        if len(payload) > self.max_frame_size:  # refused before a nonce is spent on it
-            raise FrameTooLarge(len(payload), self.max_frame_size)
-        started = trio.current_time()
-        async with self._send_lock:
-            sealed = self._out.seal(bytes(payload))
-            await self._inner.send(sealed, max(0.0, timeout - (trio.current_time() - started)))
+        await self.send_many([payload], timeout)
 
     async def send_many(self, payloads: list[bytes], timeout: float) -> None:
         """As :meth:`FramedStream.send_many`: each payload sealed as its own frame (nonces in
         order), the burst handed to the framed stream at once so it leaves in few writes."""
         for payload in payloads:
-            if len(payload) > self.max_frame_size:
+            if len(payload) > self.max_frame_size:  # refused before a nonce is spent on it
                 raise FrameTooLarge(len(payload), self.max_frame_size)
         started = trio.current_time()
         async with self._send_lock:
