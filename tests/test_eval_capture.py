@@ -3,6 +3,7 @@ and the Python one it replaces where no compiler works must give the same bits."
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 
@@ -75,3 +76,56 @@ def test_a_build_is_cached_per_source(fresh_build_state) -> None:
     first = eval_capture._build()
     stamp = first.stat().st_mtime_ns
     assert eval_capture._build() == first and first.stat().st_mtime_ns == stamp
+
+
+class _FakeTensor(ctypes.Structure):
+    """The leading fields of ``struct ggml_tensor`` the C callback reads."""
+
+    _fields_ = [("type", ctypes.c_int32), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4)]
+
+
+_GET_NAME = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)  # a const char *, kept alive by the test
+_TENSOR_GET = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t)
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+
+
+def test_the_c_callback_never_writes_past_its_buffer_nor_takes_a_wrong_tensor() -> None:
+    """Driven directly, with ggml's accessors stood in: a tensor with more rows than the
+    buffer holds, or of another type or width, is refused (the engine turns the error into a
+    failed batch) and not a byte lands outside the buffer."""
+    library = eval_capture.native_library()
+    if library is None:
+        pytest.skip("the C callback did not build here")
+    width, capacity = 4, 3
+    buffer = np.full((capacity + 1, width), -1.0, dtype=np.float32)  # one guard row past the end
+    names = {}
+    get_name = _GET_NAME(lambda tensor: names[tensor])
+    tensor_get = _TENSOR_GET(lambda tensor, dest, offset, size: ctypes.memset(dest, 0x3F, size))
+    state = eval_capture.CaptureState(
+        get_name=ctypes.cast(get_name, ctypes.c_void_p).value, tensor_get=ctypes.cast(tensor_get, ctypes.c_void_p).value,
+        dest=buffer.ctypes.data, capacity_rows=capacity, width=width, name=b"l_out-9",
+    )  # fmt: skip
+    callback = _CALLBACK(ctypes.cast(library.inclavate_eval_capture, ctypes.c_void_p).value)
+    user = ctypes.addressof(state)
+
+    def tensor(name: bytes, rows: int, type_: int = 0, cols: int = width) -> int:
+        t = _FakeTensor(type=type_, ne=(ctypes.c_int64 * 4)(cols, rows, 1, 1))
+        address = ctypes.addressof(t)
+        text = ctypes.create_string_buffer(name)
+        names[address] = ctypes.addressof(text)
+        keep.extend((t, text))
+        return address
+
+    keep: list[object] = []
+    other = tensor(b"attn_norm-3", 2)
+    assert callback(other, True, user) is False and callback(other, False, user) is True
+    good = tensor(b"l_out-9", 2)
+    assert callback(good, True, user) is True
+    assert callback(good, False, user) is False and (state.rows, state.error) == (2, 0)  # copied, graph aborted
+    assert callback(tensor(b"l_out-9", 2), False, user) is False and state.error == 2  # 2 + 2 > 3 rows
+    assert state.rows == 2
+    state.error = 0
+    assert callback(tensor(b"l_out-9", 1, type_=1), False, user) is False and state.error == 1  # f16, not f32
+    state.error = 0
+    assert callback(tensor(b"l_out-9", 1, cols=width + 1), False, user) is False and state.error == 1
+    assert (buffer[2:] == -1.0).all(), "nothing was written past the rows taken"
