@@ -38,6 +38,7 @@ from inclavate.peer_config import PeerConfig
 from inclavate.store import ModelStore
 from inclavate.types import LayerRange, ModelId, PeerId
 from node.engine import BatchItem
+from node.engine_thread import EngineThread
 from node.llamacpp_engine import LlamaCppEngine
 from node.stage import Job, Stage, StageResult
 from p2p import wire
@@ -101,10 +102,11 @@ class LegacyNode:
             if status != 200 or layers is None:
                 raise ConfigError(f"{self.orchestrator} refused the registration ({status}): {answer}")
             log.info("registered as %s with %s: layers %s", self.node_id, self.orchestrator, layers)
-            engine = await trio.to_thread.run_sync(lambda: LlamaCppEngine(
+            engine_thread = EngineThread(f"engine {layers}")  # the stage's: one thread calls the engine
+            engine = await engine_thread.run(lambda: LlamaCppEngine(
                 model_id=ModelId(spec.model_id), model_path=path, model_sha256=spec.gguf_sha256,
                 layers=layers, config=cfg.engine, slice_cache=home / "slices"))  # fmt: skip
-            self.stage = Stage(engine)
+            self.stage = Stage(engine, engine_thread=engine_thread)
             await nursery.start(self.stage.run)
             nursery.start_soon(self._heartbeat)
             log.info("legacy node ready: %s layers %s at %s", spec.model_id, layers, self.url)
