@@ -81,7 +81,12 @@ def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[S
 
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(stream_chat, entry.url, body, 300, on_delta) for body in bodies]
-        assert ready.wait(240), "the streams did not all start"
+        deadline = time.monotonic() + 240
+        while not ready.wait(0.2):
+            # A stream that ended before its first text (an error) would never set ``ready``.
+            ended = [f.result() for f in futures if f.done()]
+            assert not ended, f"a stream ended before every stream had text: {ended[0]}\n{entry.log_tail()}"
+            assert time.monotonic() < deadline, f"the streams did not all start\n{entry.log_tail()}"
         during(started)
         return [f.result() for f in futures]
 
@@ -293,6 +298,10 @@ def test_an_entry_allowed_no_failover_reports_the_failure(seeded_swarm) -> None:
     s, peers = seeded_swarm
     entry = peers["b"]  # started with --max-failovers 0
     (last_first,) = [p for p in (peers["a"], peers["a2"], peers["a3"]) if p.alive()]
+    # The entry must have seen the killed first stages fall silent: with no failover allowed,
+    # a route through one of them would fail before the first token.
+    s.wait(lambda: [n["peer_id"] for n in entry.get("/nodes") if n["start_layer"] == 0 and n["state"] == "Ready"]
+           == [last_first.get("/health")["peer_id"]], 60, "the entry to see one live first stage", entry)  # fmt: skip
     (chat,) = run_streams(entry, [ask(QUESTION, 64)], lambda _: kill(last_first))
     assert chat.error is not None and chat.error["status"] == 503, chat.error
     assert "after 0 failover" in chat.error["error"], chat.error
