@@ -43,12 +43,33 @@ _HEADER = struct.Struct(">I")
 # Reads are capped so a socket-backed stream never allocates a 32 MiB receive buffer
 # for what arrives in 64 KiB pieces anyway.
 _READ_CHUNK = 1024 * 1024
+# Every read asks for at least this much: a small frame's header and payload (and the frames
+# queued behind it) arrive in one read instead of two or more.
+_READ_AHEAD = 64 * 1024
 # Below this, header and payload go out in one write: one yamux/Noise frame instead of
 # two, which is what a decode step (a few KiB, latency-bound) wants. Above it, two
 # writes avoid copying a large payload just to prepend four bytes.
 _COALESCE_LIMIT = 64 * 1024
 # How long a best-effort FIN or RST may take before we give up on telling the peer.
 _CLOSE_TIMEOUT = 1.0
+
+
+def _deadline(timeout: float) -> trio.CancelScope:
+    """A scope that ends the call ``timeout`` seconds from now; the caller checks
+    ``cancelled_caught`` (trio's ``fail_after`` is this inside two generator-based context
+    managers, which costs more per frame than the rest of the framing)."""
+    return trio.CancelScope(deadline=trio.current_time() + timeout)
+
+
+async def take(lock: trio.Lock) -> None:
+    """Acquire ``lock``; an uncontended one without the scheduler round trip that trio's
+    ``acquire`` always makes (the I/O that follows is the call's checkpoint). A frame on the
+    hot path passes two such locks each way."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
 
 
 def _writes(payloads: list[bytes]) -> list[bytes]:
@@ -166,6 +187,8 @@ class FramedStream:
         self.remote_peer = remote_peer
         self._send_lock = trio.Lock()
         self._recv_lock = trio.Lock()
+        self._buffer = bytearray()
+        """Bytes read past the last frame returned (at most one read's worth)."""
         self._broken: StreamError | None = None
         self._peer_finished = False  # clean EOF seen at a frame boundary
         self._local_finished = False  # we closed our sending side
@@ -204,15 +227,17 @@ class FramedStream:
             raise StreamClosed("send after close")
         started = False
         try:
-            with trio.fail_after(timeout):
-                async with self._send_lock:
+            with _deadline(timeout) as deadline:
+                await take(self._send_lock)
+                try:
                     self._check_usable()
                     started = True
                     for write in _writes(payloads):
                         await self._raw.write(write)
-        except trio.TooSlowError:
-            raise await self._fail(
-                StreamTimeout(f"send missed its {timeout:g}s deadline")) from None
+                finally:
+                    self._send_lock.release()
+            if deadline.cancelled_caught:
+                raise await self._fail(StreamTimeout(f"send missed its {timeout:g}s deadline"))
         except StreamError as exc:
             await self._fail(exc)
             raise
@@ -225,8 +250,9 @@ class FramedStream:
         """Receive one frame. Raises StreamTimeout, StreamClosed, or ProtocolError."""
         started = False
         try:
-            with trio.fail_after(timeout):
-                async with self._recv_lock:
+            with _deadline(timeout):
+                await take(self._recv_lock)
+                try:
                     if self._peer_finished:
                         raise StreamClosed("the peer closed the stream")
                     self._check_usable()
@@ -236,9 +262,10 @@ class FramedStream:
                     if length > self.max_frame_size:
                         raise FrameTooLarge(length, self.max_frame_size)
                     return await self._read_exactly(length, at_boundary=False)
-        except trio.TooSlowError:
-            raise await self._fail(
-                StreamTimeout(f"receive missed its {timeout:g}s deadline")) from None
+                finally:
+                    self._recv_lock.release()
+            # Only reached when the deadline's scope ended the read (it returns otherwise).
+            raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
         except StreamError as exc:
             if not self._peer_finished:  # a clean close is no failure: keep the send side
                 await self._fail(exc)
@@ -290,18 +317,22 @@ class FramedStream:
             raise StreamClosed(f"stream unusable: {self._broken}")
 
     async def _read_exactly(self, n: int, *, at_boundary: bool) -> bytes:
-        chunks: list[bytes] = []
-        remaining = n
-        while remaining:
-            chunk = await self._raw.read(min(remaining, _READ_CHUNK))
+        """``n`` bytes: first what an earlier read brought ahead, then reads of at least
+        ``_READ_AHEAD`` (what arrives beyond ``n`` waits in the buffer for the next frame)."""
+        buffer = self._buffer
+        while len(buffer) < n:
+            chunk = await self._raw.read(min(max(n - len(buffer), _READ_AHEAD), _READ_CHUNK))
             if not chunk:
-                if at_boundary and remaining == n:
+                if at_boundary and not buffer:
                     self._peer_finished = True
                     raise StreamClosed("the peer closed the stream")
-                raise ProtocolError(f"stream ended {n - remaining} bytes into a {n}-byte read")
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                raise ProtocolError(f"stream ended {len(buffer)} bytes into a {n}-byte read")
+            if not buffer and len(chunk) == n:
+                return chunk  # the common case of a large payload: no copy
+            buffer += chunk
+        data = bytes(buffer[:n])
+        del buffer[:n]
+        return data
 
     async def _fail(self, error: StreamError) -> StreamError:
         """Mark the stream dead and reset it (once), shielded: a stream we are abandoning

@@ -28,7 +28,7 @@ from nacl.exceptions import CryptoError
 
 from inclavate.types import PeerId
 from p2p.errors import FrameTooLarge, ProtocolError
-from p2p.framing import FramedStream
+from p2p.framing import FramedStream, take
 
 KEY_BYTES = crypto_aead_chacha20poly1305_ietf_KEYBYTES
 TAG_BYTES = crypto_aead_chacha20poly1305_ietf_ABYTES
@@ -108,18 +108,24 @@ class SealedStream:
             if len(payload) > self.max_frame_size:  # refused before a nonce is spent on it
                 raise FrameTooLarge(len(payload), self.max_frame_size)
         started = trio.current_time()
-        async with self._send_lock:
+        await take(self._send_lock)
+        try:
             sealed = [self._out.seal(bytes(payload)) for payload in payloads]
             await self._inner.send_many(sealed, max(0.0, timeout - (trio.current_time() - started)))
+        finally:
+            self._send_lock.release()
 
     async def receive(self, timeout: float) -> bytes:
-        async with self._recv_lock:
+        await take(self._recv_lock)
+        try:
             sealed = await self._inner.receive(timeout)
             try:
                 return self._in.open(sealed)
             except ProtocolError:
                 await self._inner.reset()
                 raise
+        finally:
+            self._recv_lock.release()
 
     async def close(self) -> None:
         try:

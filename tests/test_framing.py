@@ -179,3 +179,86 @@ async def test_context_manager_resets_on_error() -> None:
                 raise RuntimeError("boom")
         with pytest.raises(StreamClosed):
             await b.receive(1.0)
+
+
+class CountedReads:
+    """A byte stream handing out what was written to it, at most ``piece`` bytes per read."""
+
+    def __init__(self, data: bytes, piece: int) -> None:
+        self.data, self.piece, self.reads = data, piece, 0
+
+    async def read(self, max_bytes: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        self.reads += 1
+        n = min(max_bytes, self.piece)
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    async def write(self, data: bytes) -> None:
+        raise AssertionError("read-only")
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+def frames(*payloads: bytes) -> bytes:
+    return b"".join(struct.pack(">I", len(p)) + p for p in payloads)
+
+
+async def test_frames_that_arrive_in_one_read_come_out_one_at_a_time() -> None:
+    payloads = [os.urandom(n) for n in (1400, 0, 7, 1400, 3000)]
+    raw = CountedReads(frames(*payloads), piece=1 << 20)
+    stream = FramedStream(raw)
+    with trio.fail_after(2):
+        assert [await stream.receive(1.0) for _ in payloads] == payloads
+        # One read brought them all; what was read ahead never leaks into a later frame.
+        assert raw.reads == 1
+        with pytest.raises(StreamClosed):
+            await stream.receive(1.0)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 5, 1404])
+async def test_a_frame_split_across_reads_is_put_back_together(piece: int) -> None:
+    payloads = [os.urandom(1400), os.urandom(2), os.urandom(9000)]
+    stream = FramedStream(CountedReads(frames(*payloads), piece=piece))
+    with trio.fail_after(5):
+        assert [await stream.receive(1.0) for _ in payloads] == payloads
+
+
+async def test_read_ahead_then_an_end_mid_frame_is_a_protocol_error() -> None:
+    whole, cut = os.urandom(100), frames(os.urandom(100))[:50]
+    stream = FramedStream(CountedReads(frames(whole) + cut, piece=1 << 20))
+    with trio.fail_after(2):
+        assert await stream.receive(1.0) == whole
+        with pytest.raises(ProtocolError):
+            await stream.receive(1.0)
+
+
+async def test_a_receive_cancelled_before_it_starts_leaves_the_stream_usable() -> None:
+    a, b = memory_pair()
+    with trio.fail_after(2):
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await b.receive(1.0)
+        assert not b.is_broken
+        await a.send(b"after", 1.0)
+        assert await b.receive(1.0) == b"after"
+
+
+async def test_receivers_waiting_on_the_lock_each_get_one_whole_frame() -> None:
+    a, b = memory_pair()
+    got: list[bytes] = []
+
+    async def take_one() -> None:
+        got.append(await b.receive(2.0))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(take_one)
+            await trio.testing.wait_all_tasks_blocked()
+            await a.send_many([b"x" * 10, b"y" * 20, b"z" * 30], 1.0)  # one write: all read ahead at once
+    assert sorted(got) == [b"x" * 10, b"y" * 20, b"z" * 30]
