@@ -220,8 +220,13 @@ class Stage:
         self._last_used: dict[SessionId, float] = {}
 
     async def submit(self, job: Job) -> None:
-        """Queue a job; waits only when the queue is full (backpressure on the sender)."""
-        await self._send.send(job)
+        """Queue a job; waits only when the queue is full (backpressure on the sender). No
+        scheduler turn otherwise: the caller goes on with its next frame, the stage starts
+        this one at the next turn."""
+        try:
+            self._send.send_nowait(job)
+        except trio.WouldBlock:
+            await self._send.send(job)
 
     def try_submit(self, job: Job) -> bool:
         try:

@@ -156,12 +156,13 @@ class _Link:
                             break
 
     async def _burst(self, first: wire.Message) -> list[wire.Message]:
-        """``first`` and the messages queued right behind it. A stage hands on a batch's
-        results one after another, a scheduler turn apart: yielding while more keep coming
-        lets the whole batch leave in one write, and arrive at the next stage together."""
+        """``first`` and the messages queued right behind it. A stage queues a batch's
+        results without yielding, so they are all here when this task runs; while more keep
+        coming (several producers), yielding lets them join the write, and the batch arrives
+        at the next stage together. A lone message (one session decoding) leaves at once:
+        a scheduler turn here is a turn of other tasks' work ahead of the next hop."""
         burst = [first]
         while len(burst) < _BURST_MAX:
-            await trio.sleep(0)
             more = len(burst)
             while len(burst) < _BURST_MAX:
                 try:
@@ -170,6 +171,7 @@ class _Link:
                     break
             if len(burst) == more:
                 return burst
+            await trio.sleep(0)
         return burst
 
 
@@ -253,7 +255,10 @@ class ForwardService:
                 link = self._links[peer] = _Link(self, peer)
                 self._nursery.start_soon(link.run)
             try:
-                await link.send_channel.send(msg)
+                try:
+                    link.send_channel.send_nowait(msg)  # no scheduler turn: see _Link._burst
+                except trio.WouldBlock:
+                    await link.send_channel.send(msg)
                 return
             except trio.ClosedResourceError:
                 continue  # the link failed while we waited for room in it: use a fresh one

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
@@ -202,3 +203,14 @@ async def test_a_link_gathers_a_burst_and_ends_cleanly_when_retired() -> None:
         link.send_channel.send_nowait(msg)
     link.send_channel.close()
     assert await link._burst(messages[0]) == messages
+
+
+async def test_a_lone_frame_leaves_its_link_without_a_scheduler_turn() -> None:
+    """One session decoding: nothing else is coming, so its frame must not wait a turn of
+    the other tasks' work before it is written (every hop of every token pays that turn)."""
+    from p2p.forward import _Link
+
+    link = _Link(None, PeerId("next"))  # type: ignore[arg-type]
+    msg = wire.Result(1, SessionId("s"), 1)
+    with trio.testing.assert_no_checkpoints():
+        assert await link._burst(msg) == [msg]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from inclavate.types import LayerRange, ModelId, SessionId
 from node.engine import BatchItem, EngineConfig
@@ -193,3 +194,21 @@ async def test_a_round_with_every_decoding_session_queued_does_not_wait_for_a_bu
                     steps.start_soon(run_job, stage, name, 4, [tokens[name]])
         nursery.cancel_scope.cancel()
     assert stage.stats.step_jobs == 4 and stage.stats.step_rounds == 3, "the last two steps shared one call"
+
+
+async def test_submit_queues_without_a_scheduler_turn_and_waits_only_when_full(engine) -> None:
+    """The forward service hands a frame to the stage and reads the next one at once; only
+    a full queue holds it back (backpressure on the sending peer)."""
+    stage = Stage(engine, queue_size=1)
+
+    async def ignore(_: StageResult) -> None:
+        return None
+
+    def job(pos: int) -> Job:
+        return Job(BatchItem(SessionId("s"), pos, tokens=np.array([1], np.int32)), SessionId("s"), ignore, GREEDY)
+
+    with trio.testing.assert_no_checkpoints():
+        await stage.submit(job(0))
+    with trio.move_on_after(0.2) as waited:  # the stage is not running: its queue stays full
+        await stage.submit(job(1))
+    assert waited.cancelled_caught
