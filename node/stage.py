@@ -43,6 +43,7 @@ import trio.testing
 
 from inclavate import tensors
 from inclavate.errors import InclavateError
+from inclavate.turns import send_or_wait
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
 from node.engine_thread import EngineThread
@@ -223,10 +224,7 @@ class Stage:
         """Queue a job; waits only when the queue is full (backpressure on the sender). No
         scheduler turn otherwise: the caller goes on with its next frame, the stage starts
         this one at the next turn."""
-        try:
-            self._send.send_nowait(job)
-        except trio.WouldBlock:
-            await self._send.send(job)
+        await send_or_wait(self._send, job)
 
     def try_submit(self, job: Job) -> bool:
         try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import trio
 
 from inclavate import tensors
+from inclavate.turns import send_or_wait
 from inclavate.types import NodeId, PeerId, SessionId
 from inclavate.untrusted import DropCounter
 from node.engine import BatchItem
@@ -255,10 +256,7 @@ class ForwardService:
                 link = self._links[peer] = _Link(self, peer)
                 self._nursery.start_soon(link.run)
             try:
-                try:
-                    link.send_channel.send_nowait(msg)  # no scheduler turn: see _Link._burst
-                except trio.WouldBlock:
-                    await link.send_channel.send(msg)
+                await send_or_wait(link.send_channel, msg)  # no scheduler turn: see _Link._burst
                 return
             except trio.ClosedResourceError:
                 continue  # the link failed while we waited for room in it: use a fresh one

@@ -33,6 +33,7 @@ from libp2p.abc import INetStream
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.stream.exceptions import StreamEOF
 
+from inclavate.turns import QuickLock
 from inclavate.types import PeerId
 from p2p.errors import FrameTooLarge, ProtocolError, StreamClosed, StreamError, StreamTimeout
 
@@ -59,17 +60,6 @@ def _deadline(timeout: float) -> trio.CancelScope:
     ``cancelled_caught`` (trio's ``fail_after`` is this inside two generator-based context
     managers, which costs more per frame than the rest of the framing)."""
     return trio.CancelScope(deadline=trio.current_time() + timeout)
-
-
-async def take(lock: trio.Lock) -> None:
-    """Acquire ``lock``; an uncontended one without the scheduler round trip that trio's
-    ``acquire`` always makes (the I/O that follows is the call's checkpoint). A frame on the
-    hot path passes two such locks each way."""
-    await trio.lowlevel.checkpoint_if_cancelled()
-    try:
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
 
 
 def _writes(payloads: list[bytes]) -> list[bytes]:
@@ -185,8 +175,8 @@ class FramedStream:
         self._raw = raw
         self.max_frame_size = max_frame_size
         self.remote_peer = remote_peer
-        self._send_lock = trio.Lock()
-        self._recv_lock = trio.Lock()
+        self._send_lock = QuickLock()
+        self._recv_lock = QuickLock()
         self._buffer = bytearray()
         """Bytes read past the last frame returned (at most one read's worth)."""
         self._broken: StreamError | None = None
@@ -228,14 +218,11 @@ class FramedStream:
         started = False
         try:
             with _deadline(timeout) as deadline:
-                await take(self._send_lock)
-                try:
+                async with self._send_lock:
                     self._check_usable()
                     started = True
                     for write in _writes(payloads):
                         await self._raw.write(write)
-                finally:
-                    self._send_lock.release()
             if deadline.cancelled_caught:
                 raise await self._fail(StreamTimeout(f"send missed its {timeout:g}s deadline"))
         except StreamError as exc:
@@ -251,8 +238,7 @@ class FramedStream:
         started = False
         try:
             with _deadline(timeout):
-                await take(self._recv_lock)
-                try:
+                async with self._recv_lock:
                     if self._peer_finished:
                         raise StreamClosed("the peer closed the stream")
                     self._check_usable()
@@ -262,8 +248,6 @@ class FramedStream:
                     if length > self.max_frame_size:
                         raise FrameTooLarge(length, self.max_frame_size)
                     return await self._read_exactly(length, at_boundary=False)
-                finally:
-                    self._recv_lock.release()
             # Only reached when the deadline's scope ended the read (it returns otherwise).
             raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
         except StreamError as exc:

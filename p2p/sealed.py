@@ -26,9 +26,10 @@ from nacl.bindings import (
 )
 from nacl.exceptions import CryptoError
 
+from inclavate.turns import QuickLock
 from inclavate.types import PeerId
 from p2p.errors import FrameTooLarge, ProtocolError
-from p2p.framing import FramedStream, take
+from p2p.framing import FramedStream
 
 KEY_BYTES = crypto_aead_chacha20poly1305_ietf_KEYBYTES
 TAG_BYTES = crypto_aead_chacha20poly1305_ietf_ABYTES
@@ -81,8 +82,8 @@ class SealedStream:
         """Closed after a graceful close too (a socket's FIN alone leaves its descriptor open)."""
         self._out = Sealer(key, dialer_to_acceptor=dialer)
         self._in = Sealer(key, dialer_to_acceptor=not dialer)
-        self._send_lock = trio.Lock()  # seal and write in one order: the nonce counts frames
-        self._recv_lock = trio.Lock()
+        self._send_lock = QuickLock()  # seal and write in one order: the nonce counts frames
+        self._recv_lock = QuickLock()
         self.remote_peer = remote_peer
 
     @property
@@ -108,24 +109,18 @@ class SealedStream:
             if len(payload) > self.max_frame_size:  # refused before a nonce is spent on it
                 raise FrameTooLarge(len(payload), self.max_frame_size)
         started = trio.current_time()
-        await take(self._send_lock)
-        try:
+        async with self._send_lock:
             sealed = [self._out.seal(bytes(payload)) for payload in payloads]
             await self._inner.send_many(sealed, max(0.0, timeout - (trio.current_time() - started)))
-        finally:
-            self._send_lock.release()
 
     async def receive(self, timeout: float) -> bytes:
-        await take(self._recv_lock)
-        try:
+        async with self._recv_lock:
             sealed = await self._inner.receive(timeout)
             try:
                 return self._in.open(sealed)
             except ProtocolError:
                 await self._inner.reset()
                 raise
-        finally:
-            self._recv_lock.release()
 
     async def close(self) -> None:
         try:
