@@ -314,7 +314,8 @@ class FramedStream:
             if not buffer and len(chunk) == n:
                 return chunk  # the common case of a large payload: no copy
             buffer += chunk
-        data = bytes(buffer[:n])
+        with memoryview(buffer) as view:  # one copy out: a large frame is held twice at most
+            data = bytes(view[:n])
         del buffer[:n]
         return data
 
