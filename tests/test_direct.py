@@ -54,6 +54,21 @@ def test_forged_reflected_or_foreign_frames_fail_authentication() -> None:
         Sealer(b"short", dialer_to_acceptor=True)
 
 
+def test_the_record_layer_is_ietf_chacha20_poly1305_with_counted_nonces() -> None:
+    """The wire format, pinned: peers built on another ChaCha20-Poly1305 library (libsodium
+    here) open our frames and we open theirs, nonce = direction (4 bytes) + frame number (u64 LE)."""
+    from nacl.bindings import crypto_aead_chacha20poly1305_ietf_decrypt, crypto_aead_chacha20poly1305_ietf_encrypt
+
+    key = os.urandom(32)
+    ours = Sealer(key, dialer_to_acceptor=True)
+    ours.seal(b"frame 0")
+    nonce_1 = b"\x01\0\0\0" + (1).to_bytes(8, "little")
+    assert crypto_aead_chacha20poly1305_ietf_decrypt(ours.seal(b"frame 1"), None, nonce_1, key) == b"frame 1"
+    back = Sealer(key, dialer_to_acceptor=False)
+    theirs = crypto_aead_chacha20poly1305_ietf_encrypt(b"reply 0", None, b"\x02\0\0\0" + bytes(8), key)
+    assert back.open(theirs) == b"reply 0"
+
+
 def test_grants_round_trip_and_refusals_are_dial_errors() -> None:
     grant = Grant(4242, os.urandom(16), os.urandom(32))
     assert Grant.decode(grant.encode()) == grant
