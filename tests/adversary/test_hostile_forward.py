@@ -202,6 +202,45 @@ def test_malformed_headers_are_dropped(live, expected, baseline) -> None:
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
+def test_malformed_step_and_result_frames_are_dropped(live, expected, baseline) -> None:
+    """The compact forms (p2p/wire.py): garbled headers, contexts and bodies, and a flood of
+    distinct contexts past what the context cache holds."""
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        pid = peer_id(c)
+
+        def context(**fields: Any) -> bytes:
+            base = {"session": "m", "route": [[pid, pid, 20, 30, ""]], "reply_to": evil.peer_id, "sampling": None,
+                    "input": {"kind": "hidden", "dtype": "f32", "cols": D_MODEL}}  # fmt: skip
+            return json.dumps({**base, **fields}).encode()
+
+        def step(ctx: bytes, body: bytes, *, rows: int = 1, reserved: int = 0) -> bytes:
+            return struct.pack(">BBHQII", wire.STEP_TAG, reserved, len(ctx), 1, 0, rows) + ctx + body
+
+        row = finite_hidden().tobytes()
+        for frame in (
+            bytes([wire.STEP_TAG]) + b"\xff" * 30,
+            step(context(), row, reserved=7),
+            struct.pack(">BBHQII", wire.STEP_TAG, 0, 60000, 1, 0, 1) + context(),
+            step(b"[" * 30000 + b"]" * 30000, row),
+            step(context(input={"kind": "hidden", "dtype": "f32", "cols": 2**30}), row),
+            step(context(route=[[pid, pid, 20, 30, ""]] * 300), row),
+            step(context(), row, rows=2**31),
+            step(context(), row[:-1]),
+            struct.pack(">BBHQi", wire.RESULT_TAG, 0, 2, 1, 5) + b"\xff\xfe",
+            struct.pack(">BBHQi", wire.RESULT_TAG, 0, 1, 1, -9) + b"m",
+        ):
+            await stream.send(frame, timeout=10)
+        for i in range(wire.CONTEXT_CACHE_ENTRIES + 100):  # parseable, but a token id to a hidden-state stage
+            await stream.send(step(context(session=f"flood-{i}", input={"kind": "tokens"}), bytes(4)), timeout=10)
+
+    replies = attack(c, s, run, settle=3.0)
+    assert {m.code for m in replies if isinstance(m, wire.Error)} <= {"invalid_batch"}  # the flood, refused frame by frame
+    assert not [m for m in replies if isinstance(m, wire.Result)]
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
 def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) -> None:
     s, (a, b, c) = live
     results: list[Any] = []
