@@ -182,7 +182,7 @@ class DirectLinks:
             self.refused += 1
             return
         handler = self._handlers.get(ticket.protocol)
-        stream = SealedStream(FramedStream.over_trio(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
+        stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
         self._links[ticket.peer] = self._links.get(ticket.peer, 0) + 1
         try:
             async with stream:
@@ -249,7 +249,7 @@ class DirectLinks:
         tcp = await trio.open_tcp_stream(ip, grant.port)
         try:
             await tcp.send_all(MAGIC + grant.ticket)
-            stream = SealedStream(FramedStream.over_trio(tcp), grant.key, dialer=True, remote_peer=peer, transport=tcp)
+            stream = SealedStream(FramedStream.over_socket(tcp), grant.key, dialer=True, remote_peer=peer, transport=tcp)
             if await stream.receive(timeout=timeout) != b"":
                 raise ProtocolError("the direct connection's first frame is not the acceptor's proof")
         except BaseException:

@@ -24,8 +24,11 @@ whatever deadline we give, so a reader must keep reading; the ``timeout`` of
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import sys
 from types import TracebackType
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
@@ -155,6 +158,61 @@ class TrioByteStream:
         await trio.aclose_forcefully(self._stream)
 
 
+class SocketByteStream(TrioByteStream):
+    """A TCP socket written and read in place: a call that the kernel can complete now takes
+    no scheduler turn. trio's socket methods end every call with one, so a decode step
+    crossing a hop waited behind every other runnable task once more for its write and once
+    more after its read had already arrived. A read that found data without waiting still
+    takes its turn, so a peer that floods the socket cannot hold the event loop.
+
+    POSIX only (``os.read`` and ``os.write`` on the socket's descriptor); elsewhere
+    :meth:`FramedStream.over_socket` uses :class:`TrioByteStream`. Graceful close and reset
+    go through the trio stream as before."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        super().__init__(stream)
+        self._socket = stream.socket
+
+    def _fd(self) -> int:
+        fd = self._socket.fileno()  # -1 once closed: never a descriptor since reused elsewhere
+        if fd < 0:
+            raise StreamClosed("the socket is closed")
+        return fd
+
+    async def read(self, max_bytes: int) -> bytes:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
+        while True:
+            try:
+                data = os.read(self._fd(), max_bytes)
+            except BlockingIOError:
+                await self._wait(trio.lowlevel.wait_readable)
+                waited = True
+                continue
+            except OSError as exc:
+                raise StreamClosed(f"stream broken while reading: {exc!r}") from exc
+            if not waited:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
+
+    async def write(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with memoryview(data) as view:
+            while view:
+                try:
+                    view = view[os.write(self._fd(), view) :]
+                except BlockingIOError:
+                    await self._wait(trio.lowlevel.wait_writable)
+                except OSError as exc:
+                    raise StreamClosed(f"stream broken while writing: {exc!r}") from exc
+
+    async def _wait(self, until: Callable[[trio.socket.SocketType], Awaitable[None]]) -> None:
+        try:
+            await until(self._socket)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StreamClosed(f"stream closed while waiting: {exc!r}") from exc
+
+
 class FramedStream:
     """Frames over one stream: at most one sender and one receiver on the wire at a time.
 
@@ -194,6 +252,12 @@ class FramedStream:
                   remote_peer: PeerId | None = None) -> FramedStream:
         return cls(TrioByteStream(stream), max_frame_size=max_frame_size,
                    remote_peer=remote_peer)
+
+    @classmethod
+    def over_socket(cls, stream: trio.SocketStream, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+                    remote_peer: PeerId | None = None) -> FramedStream:  # fmt: skip
+        raw = TrioByteStream(stream) if sys.platform == "win32" else SocketByteStream(stream)
+        return cls(raw, max_frame_size=max_frame_size, remote_peer=remote_peer)
 
     @property
     def is_broken(self) -> bool:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
+
+from turn_helpers import gives_a_turn
 
 from p2p.errors import FrameTooLarge, ProtocolError, StreamClosed, StreamError, StreamTimeout
 from p2p.framing import FramedStream
@@ -284,3 +288,60 @@ async def test_a_large_frame_in_small_reads_is_held_at_most_twice() -> None:
     # ``data`` itself is not traced (allocated before start); the buffer plus the frame
     # handed out is 2x, plus the reads in flight.
     assert peak < 2.5 * size, peak / size
+
+
+@asynccontextmanager
+async def socket_pair() -> AsyncIterator[tuple[FramedStream, FramedStream]]:
+    s1, s2 = trio.socket.socketpair()
+    a, b = FramedStream.over_socket(trio.SocketStream(s1)), FramedStream.over_socket(trio.SocketStream(s2))
+    try:
+        yield a, b
+    finally:
+        await a.reset()
+        await b.reset()
+
+
+@pytest.mark.parametrize("size", [0, 1200, 4 * MiB, 32 * MiB])
+async def test_frames_cross_a_socket_read_and_written_in_place(size: int) -> None:
+    """Larger than the kernel's buffers: the writer waits for room while the reader reads."""
+    payloads = [os.urandom(size), b"after"]
+    async with socket_pair() as (a, b), trio.open_nursery() as nursery:
+        with trio.fail_after(20):
+            nursery.start_soon(a.send_many, payloads, 20.0)
+            assert [await b.receive(20.0), await b.receive(20.0)] == payloads
+            await b.send(b"back", 5.0)
+            assert await a.receive(5.0) == b"back"
+
+
+async def test_a_socket_write_the_kernel_takes_needs_no_scheduler_turn() -> None:
+    async with socket_pair() as (a, b):
+        with trio.fail_after(5):
+            assert not await gives_a_turn(lambda: a.send(b"x" * 1200, 5.0))
+            assert await b.receive(5.0) == b"x" * 1200
+
+
+async def test_a_socket_read_that_finds_data_waiting_still_takes_a_turn() -> None:
+    """A peer flooding the socket cannot hold the event loop: every frame read takes a turn."""
+    async with socket_pair() as (a, b):
+        with trio.fail_after(5):
+            await a.send_many([b"one", b"two"], 5.0)
+            await trio.sleep(0.05)
+            assert await gives_a_turn(lambda: b.receive(5.0))
+
+
+async def test_a_socket_closed_under_a_reader_or_writer_ends_the_stream() -> None:
+    async with socket_pair() as (a, b):
+        async with trio.open_nursery() as nursery:
+
+            async def read() -> None:
+                with pytest.raises(StreamClosed):
+                    await b.receive(5.0)
+
+            with trio.fail_after(5):
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                await b.reset()
+        with trio.fail_after(5), pytest.raises(StreamError):
+            await a.send(os.urandom(32 * MiB), 5.0)  # the other end is gone
+        with pytest.raises(StreamClosed):
+            await b.send(b"after reset", 1.0)

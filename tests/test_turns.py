@@ -6,26 +6,9 @@ import pytest
 import trio
 import trio.testing
 
+from turn_helpers import gives_a_turn
+
 from inclavate.turns import QuickLock, send_or_wait
-
-
-async def gives_a_turn(action) -> bool:  # type: ignore[no-untyped-def]
-    """Whether the task ended its turn (went back to the scheduler) while ``action`` ran."""
-    me = trio.lowlevel.current_task()
-    steps: list[object] = []
-
-    class Steps(trio.abc.Instrument):
-        def before_task_step(self, task: trio.lowlevel.Task) -> None:
-            if task is me:
-                steps.append(task)
-
-    instrument = Steps()
-    trio.lowlevel.add_instrument(instrument)
-    try:
-        await action()
-    finally:
-        trio.lowlevel.remove_instrument(instrument)
-    return bool(steps)
 
 
 async def enter(lock: QuickLock) -> None:
