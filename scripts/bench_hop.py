@@ -1,0 +1,153 @@
+"""What a hop costs in Python, without the noise of other processes: three stages, three
+libp2p hosts and their direct links in **one** process, one session decoding through them.
+
+Each round times one chain step (entry -> stage 1 -> 2 -> 3 -> token home, every frame
+encoded, sealed, written to a loopback socket, read, checked and queued as between peers),
+then the same three engine calls made directly on a second session. The difference is what
+the chain adds: framing, sealing, codec, checks, queues, scheduler turns, and the cold
+caches each engine call leaves behind. There are no cross-process wake-ups and no other
+processes to share the core with, so this figure moves far less between runs than
+``scripts/bench_chain --sections pinned`` (which includes both) and suits A/B comparisons
+of two trees:
+
+    PYTHONSAFEPATH=1 PYTHONPATH=<tree> python scripts/bench_hop.py
+
+A trio instrument splits the chain's time by task (the receiving handler, the stage worker,
+the link writer) and counts their steps per token (scheduler turns). "Per hop" divides by
+the three frames of a step that cross a link (stage 1 -> 2, 2 -> 3, 3 -> entry); the
+entry's own frame to stage 1 stays in its process. A throwaway harness, not a peer: no
+registry, no HTTP, no generation loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import trio
+
+from inclavate.catalog import Catalog
+from inclavate.config import inclavate_home
+from inclavate.gguf_info import read_gguf_info
+from inclavate.store import ModelStore
+from inclavate.types import LayerRange, ModelId, NodeId, SessionId
+from node.engine import BatchItem, EngineConfig
+from node.engine_thread import EngineThread
+from node.engines import load_engine
+from node.sampling import SamplingParams
+from node.stage import Stage
+from p2p import wire
+from p2p.forward import ForwardService
+from p2p.host import open_host
+from p2p.identity import Identity
+from p2p.routing import Hop
+
+LINK_FRAMES = 3
+
+
+class TaskTime(trio.abc.Instrument):
+    """Time and steps per task (by its function's name) while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.steps: collections.Counter[str] = collections.Counter()
+        self._started = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._started = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.on:
+            name = ".".join(task.name.split(".")[-2:])
+            self.seconds[name] += time.perf_counter() - self._started
+            self.steps[name] += 1
+
+
+async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, instrument: TaskTime) -> dict[str, float]:
+    third = n_layers // 3
+    ranges = [LayerRange(0, third), LayerRange(third, 2 * third), LayerRange(2 * third, n_layers)]
+    async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, \
+            open_host(Identity.generate()) as c, trio.open_nursery() as nursery:  # fmt: skip
+        hosts = [a, b, c]
+        services, engines = [], []
+        for host, layers in zip(hosts, ranges):
+            thread = EngineThread(f"engine {layers}")
+            engine = await thread.run(lambda layers=layers: load_engine(
+                "llamacpp", model_id=ModelId(model_id), model_path=model_path, layers=layers, config=EngineConfig(n_threads=1)))  # fmt: skip
+            stage = Stage(engine, engine_thread=thread, inline_tokens=8, keep_outputs="f16")  # a peer's defaults at 1 thread
+            await nursery.start(stage.run)
+            service = ForwardService(host, node_id=NodeId(host.peer_id), stage=stage)
+            await nursery.start(service.run)
+            services.append(service)
+            engines.append(engine)
+        for x, y in ((a, b), (b, c), (c, a)):
+            await x.connect(y.multiaddrs()[0])
+        route = tuple(Hop(NodeId(h.peer_id), h.peer_id, layers) for h, layers in zip(hosts, ranges))
+        entry, session = services[0], SessionId("chain")
+        inbox = entry.open_inbox(session)
+        greedy = SamplingParams(0.0, 1.0, 0)
+
+        async def step(req: int, pos: int, tokens: list[int]) -> int:
+            await entry.send(a.peer_id, wire.Forward(req, session, pos, route, a.peer_id, greedy, tokens=np.array(tokens, np.int32)))
+            while True:
+                msg = await inbox.receive()
+                if isinstance(msg, wire.Result) and msg.req_id == req and msg.token is not None:
+                    return msg.token
+                if isinstance(msg, wire.Error):
+                    raise RuntimeError(f"the chain failed: {msg.message}")
+
+        def engines_alone(pos: int, token: int) -> int:
+            out = engines[0].forward([BatchItem(SessionId("alone"), pos, tokens=np.array([token], np.int32))])[0]
+            out = engines[1].forward([BatchItem(SessionId("alone"), pos, hidden=out.hidden)])[0]
+            out = engines[2].forward([BatchItem(SessionId("alone"), pos, hidden=out.hidden)])[0]
+            assert out.logits is not None
+            return int(np.argmax(out.logits[-1]))
+
+        token, pos = await step(1, 0, [1, 2, 3, 4, 5]), 5
+        for i in range(30):  # warm up: links open, caches filled
+            token, pos = await step(2 + i, pos, [token]), pos + 1
+        alone_token = token
+        chain_s, alone_s = [], []
+        instrument.on = True
+        for i in range(rounds):
+            started = time.perf_counter()
+            token, pos = await step(100 + i, pos, [token]), pos + 1
+            between = time.perf_counter()
+            alone_token = engines_alone(i, alone_token)
+            chain_s.append(between - started)
+            alone_s.append(time.perf_counter() - between)
+        instrument.on = False
+        nursery.cancel_scope.cancel()
+    added = statistics.median(c - e for c, e in zip(chain_s, alone_s))
+    return {"chain_ms": statistics.median(chain_s) * 1e3, "alone_ms": statistics.median(alone_s) * 1e3,
+            "added_ms": added * 1e3, "hop_ms": added * 1e3 / LINK_FRAMES}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2:135m")
+    parser.add_argument("--rounds", type=int, default=300, help="decode steps measured (each also run on the engines alone)")
+    args = parser.parse_args()
+    home = inclavate_home()
+    spec = Catalog.load(home).get(args.model)
+    pulled = ModelStore(home).pull(spec)
+    n_layers = read_gguf_info(pulled.path).n_layers
+    instrument = TaskTime()
+    figures = trio.run(measure, pulled.path, spec.model_id, n_layers, args.rounds, instrument, instruments=[instrument])
+    print(f"bench_hop: {args.model}, 3 stages of {n_layers // 3} layers in one process, 1 engine thread, "
+          f"{args.rounds} decode steps (pid {os.getpid()})")  # fmt: skip
+    print(f"step through the chain {figures['chain_ms']:.2f} ms, the three engines alone {figures['alone_ms']:.2f} ms (median)")
+    print(f"added per step {figures['added_ms']:.3f} ms; per hop {figures['hop_ms']:.3f} ms (median difference / {LINK_FRAMES} links)")
+    print("time per token by task (engine calls run inside the stage worker's steps):")
+    for name, seconds in instrument.seconds.most_common(6):
+        print(f"  {name:44s} {seconds / args.rounds * 1e6:8.0f} us  {instrument.steps[name] / args.rounds:4.1f} steps")
+
+
+if __name__ == "__main__":
+    main()
