@@ -318,7 +318,8 @@ def _encode_step(msg: Forward) -> bytes | None:
                               "sampling": _sampling_json(msg.sampling), "input": spec}, separators=(",", ":")).encode()  # fmt: skip
         if len(context) > 0xFFFF:
             return None
-        _remember(_sent_contexts, key, context)
+        if len(context) <= MAX_CACHED_CONTEXT_BYTES:  # routes come off the network: same bound as received ones
+            _remember(_sent_contexts, key, context)
     return _STEP.pack(STEP_TAG, 0, len(context), msg.req_id, msg.start_pos, rows) + context + body
 
 
@@ -382,6 +383,7 @@ def decode(payload: bytes | memoryview) -> Message:
 
 _ERROR_CODES = frozenset(ErrorCode.__args__)  # type: ignore[attr-defined]
 _INPUT_KINDS = frozenset(("tokens", "hidden"))
+_WIRE_DTYPES = frozenset(tensors.WIRE_DTYPES)
 
 
 def _decode_step(view: memoryview) -> Forward:
@@ -416,7 +418,7 @@ def _step_context(raw: bytes) -> _StepContext:
     kind = read_str(spec, "kind", max_len=16, choices=_INPUT_KINDS)
     if kind == "tokens":
         return _StepContext(session, route, reply_to, sampling, "tokens", None, 0)
-    dtype = read_str(spec, "dtype", max_len=8, choices=frozenset(tensors.WIRE_DTYPES))
+    dtype = read_str(spec, "dtype", max_len=8, choices=_WIRE_DTYPES)
     cols = read_int(spec, "cols", lo=1, hi=MAX_DIM)
     return _StepContext(session, route, reply_to, sampling, "hidden", dtype, cols)  # type: ignore[arg-type]
 
@@ -450,7 +452,7 @@ def _build(h: dict[str, Any], body: memoryview) -> Message:
                 raise ValueError("token ids are one-dimensional")
             tokens = _tokens(body, shape[0])
         elif input_kind == "hidden":
-            dtype = read_str(spec, "dtype", max_len=8, choices=frozenset(tensors.WIRE_DTYPES))
+            dtype = read_str(spec, "dtype", max_len=8, choices=_WIRE_DTYPES)
             if len(shape) != 2:
                 raise ValueError("hidden states are two-dimensional")
             hidden = tensors.EncodedTensor(dtype, (shape[0], shape[1]), bytes(body))  # type: ignore[arg-type]

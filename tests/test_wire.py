@@ -95,6 +95,8 @@ def test_the_context_caches_stay_bounded_whatever_a_stranger_sends() -> None:
     msg = wire.decode(_step_frame(long))
     assert isinstance(msg, wire.Forward) and len(msg.route) == 20
     assert bytes(long) not in wire._received_contexts
+    wire.decode(wire.encode(msg))  # forwarding it on: encoded, not kept either
+    assert max(map(len, wire._sent_contexts.values())) <= wire.MAX_CACHED_CONTEXT_BYTES
     # The newest contexts are the ones kept: a leg in progress stays cached.
     wire.decode(wire.encode(_step("newest")))
     assert any(c.session_id == "newest" for c in wire._received_contexts.values())
