@@ -586,7 +586,7 @@ class Peer:
             return None
         stats = self.stage.stats
         return {"step_rounds": stats.step_rounds, "step_jobs": stats.step_jobs,
-                "mean_step_batch": round(stats.mean_step_batch, 3)}  # fmt: skip
+                "mean_step_batch": round(stats.mean_step_batch, 3), "step_seconds": round(stats.step_seconds, 6)}  # fmt: skip
 
     # ------------------------------------------------- admin and legacy nodes
 

@@ -19,6 +19,11 @@ the steps of other decoding sessions expected soon (bounded by half their period
 ``align_s``): in a chain, steps arrive one frame at a time from the previous stage, and
 without that wait the sessions split into small groups that never meet again.
 
+A lone session's decode step on an idle stage skips the queue: it is computed and delivered
+in the submitting task (the forward service's reader, or the entry's generation loop), so a
+hop does not pay a scheduler turn and the worker's batching on caches the last engine call
+left cold (:meth:`Stage._runs_now`).
+
 Results leave through each job's ``deliver`` callback, awaited in order; the network layer
 uses it to pass hidden states on or send the sampled token home. The stage knows nothing
 of the network. Sessions idle for ``session_idle_s`` are freed, so an entry peer that died
@@ -138,6 +143,9 @@ class StageStats:
     step_jobs: int = 0
     """Decode steps those calls ran: ``step_jobs / step_rounds`` is how many sessions a
     step call batched, on average (what concurrent sessions gain from sharing a call)."""
+    step_seconds: float = 0.0
+    """Time those calls took, sampling included: a benchmark subtracts it from a token's
+    time to see what a chain adds outside the engines, whatever the engines' speed."""
     _ema_alpha: float = 0.2
 
     @property
@@ -219,19 +227,63 @@ class Stage:
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
         self._deferred: list[Job] = []
         self._last_used: dict[SessionId, float] = {}
+        self._parked = False
+        """The worker waits on an empty queue, with nothing deferred, and nobody has handed it
+        a job since (a submitter clears this before it queues)."""
+        self._running_now = False
+        """A step is being run in its submitter's task (see :meth:`_runs_now`)."""
 
     async def submit(self, job: Job) -> None:
         """Queue a job; waits only when the queue is full (backpressure on the sender). No
         scheduler turn otherwise: the caller goes on with its next frame, the stage starts
-        this one at the next turn."""
+        this one at the next turn.
+
+        A lone session's decode step on an idle stage runs here instead, in the caller's task,
+        and this returns once it is delivered (see :meth:`_runs_now`)."""
+        if self._runs_now(job):
+            await self._run_now(job)
+            return
+        self._parked = False
         await send_or_wait(self._send, job)
 
     def try_submit(self, job: Job) -> bool:
         try:
             self._send.send_nowait(job)
-            return True
         except trio.WouldBlock:
             return False
+        self._parked = False
+        return True
+
+    def _runs_now(self, job: Job) -> bool:
+        """Whether ``job`` can skip the queue: a decode step of a session this stage already
+        holds, small enough to compute on the event loop's thread, while the worker waits for
+        work and no other session has used the stage within the interleave window.
+
+        Handing a step to the worker costs a scheduler turn and the worker's batching, each on
+        caches the engine call before it left cold: ~0.2 ms per hop in a 3-peer chain
+        (docs/ARCHITECTURE.md, "A lone step skips the stage's queue"). Nothing is lost by
+        skipping them alone: there is no one to batch with, and a job computed inline runs
+        with no checkpoint between its start and its end, so the worker, woken meanwhile,
+        never shares the engine with it."""
+        item = job.item
+        if item is None or item.n_tokens != 1 or item.n_tokens > self.inline_tokens:
+            return False
+        if not self._parked or self._running_now or self._deferred:
+            return False
+        if self.engine.session_length(job.session_id) == 0:
+            return False  # a new session takes a slot: the worker's admission decides
+        if len(self._last_used) > 1:
+            cutoff = time.monotonic() - self.interleave_window_s
+            if any(used >= cutoff for sid, used in self._last_used.items() if sid != job.session_id):
+                return False
+        return True
+
+    async def _run_now(self, job: Job) -> None:
+        self._running_now = True
+        try:
+            await self._run_safely([_Work(job, job.item)])
+        finally:
+            self._running_now = False
 
     @property
     def sessions(self) -> int:
@@ -244,21 +296,27 @@ class Stage:
             task_status.started()
             while True:
                 batch = await self._next_batch()
-                if not batch:
-                    continue
-                try:
-                    await self._run_batch(batch)
-                except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the stage
-                    log.exception("stage batch failed")
-                    for work in batch:
-                        await _deliver(work.job, StageResult(error=DecodeFailed(f"stage failure: {exc}")))
+                if batch:
+                    await self._run_safely(batch)
+
+    async def _run_safely(self, batch: list[_Work]) -> None:
+        try:
+            await self._run_batch(batch)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the stage
+            log.exception("stage batch failed")
+            for work in batch:
+                await _deliver(work.job, StageResult(error=DecodeFailed(f"stage failure: {exc}")))
 
     async def _next_batch(self) -> list[_Work]:
         """The next work to run together; may be empty when every waiting job awaits a slot."""
         waiting = self._deferred
         self._deferred = []
         if not waiting:
-            waiting.append(await self._receive.receive())
+            self._parked = True
+            try:
+                waiting.append(await self._receive.receive())
+            finally:
+                self._parked = False
         if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
             await self._gather(waiting)
         self._drain(waiting)
@@ -463,6 +521,7 @@ class Stage:
             if decode:
                 self.stats.step_rounds += 1
                 self.stats.step_jobs += len(computed)
+                self.stats.step_seconds += elapsed
             if self.on_batch is not None:
                 self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()

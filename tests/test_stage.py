@@ -147,10 +147,12 @@ async def test_a_sliced_prefill_passes_on_the_same_hidden_states(smollm2, slice_
 
 
 @pytest.mark.slow
-async def test_decoding_sessions_out_of_step_come_to_share_one_call(engine) -> None:
+@pytest.mark.parametrize("inline_tokens", [0, 8])
+async def test_decoding_sessions_out_of_step_come_to_share_one_call(engine, inline_tokens: int) -> None:
     """Two sessions whose steps arrive apart (as they do from a previous stage of a chain)
-    end up in one engine call per step: the stage waits for the one it expects soon."""
-    stage = Stage(engine)
+    end up in one engine call per step: the stage waits for the one it expects soon. A step
+    that could skip the queue (``inline_tokens``) does not while another session decodes."""
+    stage = Stage(engine, inline_tokens=inline_tokens)
     async with trio.open_nursery() as nursery:
         await nursery.start(stage.run)
         first = {name: (await run_job(stage, name, 0, [1, 2, 3])).token for name in ("a", "b")}
@@ -212,3 +214,59 @@ async def test_submit_queues_without_a_scheduler_turn_and_waits_only_when_full(e
     with trio.move_on_after(0.2) as waited:  # the stage is not running: its queue stays full
         await stage.submit(job(1))
     assert waited.cancelled_caught
+
+
+async def test_a_lone_sessions_step_on_an_idle_stage_runs_in_its_submitters_task(engine) -> None:
+    """One session decoding, nothing queued: the step is computed and delivered before
+    ``submit`` returns (no hand-off to the worker), with the tokens the queue would give."""
+    queued, inline = Stage(engine), Stage(engine, inline_tokens=8)
+    async with trio.open_nursery() as nursery:
+        for stage in (queued, inline):
+            await nursery.start(stage.run)
+        tokens = {}
+        for name, stage in (("q", queued), ("i", inline)):
+            tokens[name] = [(await run_job(stage, name, 0, [1, 4093, 198])).token]
+        for pos in range(3, 9):
+            tokens["q"].append((await run_job(queued, "q", pos, [tokens["q"][-1]])).token)
+            await trio.testing.wait_all_tasks_blocked()  # the worker waits for work
+            delivered: list[StageResult] = []
+
+            async def deliver(result: StageResult) -> None:
+                delivered.append(result)
+
+            item = BatchItem(SessionId("i"), pos, tokens=np.array([tokens["i"][-1]], np.int32))
+            await inline.submit(Job(item, SessionId("i"), deliver, GREEDY))
+            assert len(delivered) == 1 and delivered[0].error is None, "the step did not run in place"
+            tokens["i"].append(delivered[0].token)
+        nursery.cancel_scope.cancel()
+    assert tokens["i"] == tokens["q"]
+    assert inline.stats.step_jobs == 6 and inline.stats.tokens == 9
+
+
+async def test_a_step_never_overtakes_its_sessions_queued_work(engine) -> None:
+    """A prefill chunk handed to the waiting worker leaves the queue empty; the session's
+    next step, sent right behind it, must still run after it (a gap would fail it)."""
+    stage = Stage(engine, inline_tokens=8)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        await run_job(stage, "s", 0, [1, 4093, 198])
+        await trio.testing.wait_all_tasks_blocked()
+        order: list[tuple[str, StageResult]] = []
+        done = trio.Event()
+
+        def recorder(name: str):
+            async def deliver(result: StageResult) -> None:
+                order.append((name, result))
+                if len(order) == 2:
+                    done.set()
+            return deliver
+
+        chunk = BatchItem(SessionId("s"), 3, tokens=np.array([19556, 314], np.int32))
+        step = BatchItem(SessionId("s"), 5, tokens=np.array([260], np.int32))
+        with trio.testing.assert_no_checkpoints():
+            await stage.submit(Job(chunk, SessionId("s"), recorder("chunk"), None))
+            await stage.submit(Job(step, SessionId("s"), recorder("step"), GREEDY))
+        with trio.fail_after(20):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    assert [(name, r.error) for name, r in order] == [("chunk", None), ("step", None)]
