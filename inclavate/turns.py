@@ -35,6 +35,9 @@ class QuickLock:
                         tb: TracebackType | None) -> None:  # fmt: skip
         self._lock.release()
 
+    def locked(self) -> bool:
+        return self._lock.locked()
+
 
 async def send_or_wait(channel: trio.MemorySendChannel[T], value: T) -> None:
     """Put ``value`` in ``channel`` at once when it has room; wait for room otherwise

@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import trio
 
@@ -88,16 +89,56 @@ def error_code_for(exc: BaseException) -> wire.ErrorCode:
     return "engine_error"
 
 
+class _Flush:
+    """Queued after a frame written in place in part: the link's task writes the rest."""
+
+
+_FLUSH = _Flush()
+
+
 class _Link:
-    """The outbound stream to one peer and the task that writes it, in order."""
+    """The outbound stream to one peer and the task that writes it, in order.
+
+    A frame for an idle link (this task waits on an empty queue) is written in place by
+    whoever sends it (:meth:`write_now`): a decode step then leaves in the sender's own turn
+    instead of waiting for this task's, ~0.15-0.4 ms a hop in a 3-peer chain on loopback.
+    What the kernel does not take at once is left to this task, so a neighbour that stops
+    reading still holds back only the work headed to it, never the sender."""
 
     def __init__(self, service: ForwardService, peer: PeerId) -> None:
         self.peer = peer
         self._service = service
-        self.send_channel, self._receive = trio.open_memory_channel[wire.Message](64)
+        self.send_channel, self._receive = trio.open_memory_channel[wire.Message | _Flush](64)
         self._stream: FramedStream | SealedStream | None = None
         self._watching = trio.CancelScope()
         self._ended = False
+        self._parked = False
+        """This task waits on an empty queue and holds nothing unwritten. Whoever queues a
+        message clears it first: a message handed straight to the waiting task leaves the
+        queue's buffer empty, and a write in place must not overtake it."""
+        self._partial: wire.Message | None = None
+        """The message written in place in part (its rest is in the stream, a flush queued)."""
+
+    async def queue(self, msg: wire.Message) -> None:
+        """Queue ``msg`` for this task; waits only for room (raises ClosedResourceError once
+        the link is retired)."""
+        self._parked = False
+        await send_or_wait(self.send_channel, msg)  # no scheduler turn: see _burst
+
+    def write_now(self, msg: wire.Message) -> bool:
+        """Write ``msg`` in place if the link is idle: True when it is committed to the
+        stream (the kernel took it, or the rest is queued for this task to write), False
+        when nothing was written (queue it)."""
+        stream = self._stream
+        if stream is None or not self._parked or self._ended or self._partial is not None:
+            return False
+        if not stream.send_nowait(wire.encode(msg)):
+            return False
+        if stream.has_unsent:
+            self._partial = msg
+            self._parked = False
+            self.send_channel.send_nowait(_FLUSH)  # the queue was empty: there is room
+        return True
 
     async def run(self) -> None:
         try:
@@ -134,29 +175,43 @@ class _Link:
 
     async def _send_all(self) -> None:
         async with self._receive:
-            async for msg in self._receive:
-                burst = await self._burst(msg)
-                payloads = [wire.encode(m) for m in burst]
-                for attempt in (1, 2):
-                    fresh = self._stream is None
-                    try:
-                        if self._stream is None:
-                            self._stream = await self._service.open_stream(self.peer)
-                            self.watch(self._service.nursery, self._stream)
-                        await self._stream.send_many(payloads, timeout=self._service.timeouts.send(sum(map(len, payloads))))
-                        break
-                    except P2PError as exc:
-                        if self._stream is not None:
-                            await self._stream.reset()
-                            self._stream = None
-                        # A stream idle long enough may have been dropped by the other side;
-                        # one retry on a fresh stream tells that apart from a dead peer.
-                        if fresh or attempt == 2:
-                            for lost in burst:
-                                await self._service.undeliverable(lost, self.peer, exc, self)
-                            break
+            while True:
+                self._parked = not self._receive.statistics().current_buffer_used
+                try:
+                    first = await self._receive.receive()
+                except trio.EndOfChannel:
+                    return
+                finally:
+                    self._parked = False
+                await self._write(await self._burst(first))
 
-    async def _burst(self, first: wire.Message) -> list[wire.Message]:
+    async def _write(self, queued: list[wire.Message | _Flush]) -> None:
+        partial: wire.Message | None = None
+        if any(m is _FLUSH for m in queued):
+            partial, self._partial = self._partial, None
+        burst = cast(list[wire.Message], [partial if m is _FLUSH else m for m in queued])
+        for attempt in (1, 2):
+            fresh = self._stream is None
+            # The stream holds the rest of ``partial``; a fresh stream needs it whole.
+            payloads = [wire.encode(m) for m in burst if fresh or m is not partial]
+            try:
+                if self._stream is None:
+                    self._stream = await self._service.open_stream(self.peer)
+                    self.watch(self._service.nursery, self._stream)
+                await self._stream.send_many(payloads, timeout=self._service.timeouts.send(sum(map(len, payloads))))
+                return
+            except P2PError as exc:
+                if self._stream is not None:
+                    await self._stream.reset()
+                    self._stream = None
+                # A stream idle long enough may have been dropped by the other side;
+                # one retry on a fresh stream tells that apart from a dead peer.
+                if fresh or attempt == 2:
+                    for lost in burst:
+                        await self._service.undeliverable(lost, self.peer, exc, self)
+                    return
+
+    async def _burst(self, first: wire.Message | _Flush) -> list[wire.Message | _Flush]:
         """``first`` and the messages queued right behind it. A stage queues a batch's
         results without yielding, so they are all here when this task runs; while more keep
         coming (several producers), yielding lets them join the write, and the batch arrives
@@ -249,6 +304,9 @@ class ForwardService:
         if peer == self.me:
             await self._dispatch(msg, self.me)
             return
+        link = self._links.get(peer)
+        if link is not None and link.write_now(msg):
+            return
         while True:
             link = self._links.get(peer)
             if link is None:
@@ -256,7 +314,7 @@ class ForwardService:
                 link = self._links[peer] = _Link(self, peer)
                 self._nursery.start_soon(link.run)
             try:
-                await send_or_wait(link.send_channel, msg)  # no scheduler turn: see _Link._burst
+                await link.queue(msg)
                 return
             except trio.ClosedResourceError:
                 continue  # the link failed while we waited for room in it: use a fresh one

@@ -54,6 +54,9 @@ _READ_AHEAD = 64 * 1024
 # two, which is what a decode step (a few KiB, latency-bound) wants. Above it, two
 # writes avoid copying a large payload just to prepend four bytes.
 _COALESCE_LIMIT = 64 * 1024
+# Most a frame written in place (send_nowait) may be: a decode step is a few KiB, and what the
+# kernel does not take at once is copied to be written later.
+_NOWAIT_LIMIT = 64 * 1024
 # How long a best-effort FIN or RST may take before we give up on telling the peer.
 _CLOSE_TIMEOUT = 1.0
 
@@ -195,6 +198,15 @@ class SocketByteStream(TrioByteStream):
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return data
 
+    def write_nowait(self, data: bytes) -> int:
+        """Write what the kernel takes now: how many bytes (0 if it takes none)."""
+        try:
+            return os.write(self._fd(), data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise StreamClosed(f"stream broken while writing: {exc!r}") from exc
+
     async def write(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         with memoryview(data) as view:
@@ -238,6 +250,10 @@ class FramedStream:
         self._buffer = bytearray()
         """Bytes read past the last frame returned (at most one read's worth)."""
         self._broken: StreamError | None = None
+        self._unsent = b""
+        """The rest of a frame :meth:`send_nowait` committed; written before anything else."""
+        self._nowait_error: StreamError | None = None
+        """A write in place failed: the next send raises it (and resets the stream)."""
         self._peer_finished = False  # clean EOF seen at a frame boundary
         self._local_finished = False  # we closed our sending side
 
@@ -271,9 +287,40 @@ class FramedStream:
         """
         await self.send_many([payload], timeout)
 
+    def can_send_nowait(self, nbytes: int) -> bool:
+        """Whether :meth:`send_nowait` would take a payload of ``nbytes`` now."""
+        return (hasattr(self._raw, "write_nowait") and nbytes <= min(self.max_frame_size, _NOWAIT_LIMIT)
+                and not self._send_lock.locked() and not self._unsent and self._broken is None
+                and self._nowait_error is None and not self._local_finished)  # fmt: skip
+
+    @property
+    def has_unsent(self) -> bool:
+        """Part of a frame committed by :meth:`send_nowait` still waits to be written: the
+        caller must see that :meth:`send_many` runs (with no payloads, it writes just that)."""
+        return bool(self._unsent)
+
+    def send_nowait(self, payload: bytes) -> bool:
+        """Commit one small frame to the stream now, with no wait and no scheduler turn,
+        when nothing else is being sent (a decode step crossing an idle link). True: the frame
+        is committed, all written or its rest in :attr:`has_unsent`. False: nothing was
+        written (the stream is busy, cannot be written in place, or failed; then the next
+        :meth:`send_many` raises the failure): send it the usual way."""
+        if not self.can_send_nowait(len(payload)):
+            return False
+        data = _HEADER.pack(len(payload)) + payload
+        try:
+            written = self._raw.write_nowait(data)  # type: ignore[attr-defined]
+        except StreamClosed as exc:
+            self._nowait_error = exc
+            return False
+        if written < len(data):
+            self._unsent = data[written:]
+        return True
+
     async def send_many(self, payloads: list[bytes], timeout: float) -> None:
         """Send frames back to back; small ones leave in one write (one yamux/Noise frame
-        for a burst of decode steps instead of one each). Errors as :meth:`send`."""
+        for a burst of decode steps instead of one each), after the rest of a frame
+        :meth:`send_nowait` committed. Errors as :meth:`send`."""
         for payload in payloads:
             if len(payload) > self.max_frame_size:
                 raise FrameTooLarge(len(payload), self.max_frame_size)
@@ -284,7 +331,12 @@ class FramedStream:
             with _deadline(timeout) as deadline:
                 async with self._send_lock:
                     self._check_usable()
+                    if self._nowait_error is not None:
+                        raise self._nowait_error
                     started = True
+                    if self._unsent:
+                        await self._raw.write(self._unsent)
+                        self._unsent = b""
                     for write in _writes(payloads):
                         await self._raw.write(write)
             if deadline.cancelled_caught:
@@ -335,6 +387,9 @@ class FramedStream:
             async with self._send_lock:
                 self._local_finished = True
                 try:
+                    if self._unsent:
+                        await self._raw.write(self._unsent)
+                        self._unsent = b""
                     await self._raw.close()
                 except Exception as exc:  # the peer is gone either way
                     logger.debug("graceful close failed, resetting: %r", exc)

@@ -14,6 +14,7 @@ import trio
 import trio.testing
 from direct_helpers import ECHO, direct_pair
 
+from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.direct import Grant
@@ -190,3 +191,41 @@ async def test_a_forward_for_a_stage_not_loaded_is_answered_wrong_route() -> Non
             await entry.send(idle.me, wire.Forward(1, SessionId("s"), 0, (hop,), entry.me, None, tokens=np.array([1, 2], np.int32)))
             error = await inbox.receive()
             assert isinstance(error, wire.Error) and error.code == "wrong_route" and error.origin == idle.me
+
+
+async def test_a_frame_for_an_idle_direct_link_is_written_in_place() -> None:
+    """Once the link is open and idle, a decode step leaves in the sender's own turn: no
+    queue, no wait for the link's task (a hop's cost in a chain)."""
+    with trio.fail_after(30):
+        async with two_services(_Recording) as (sender, receiver):
+            await sender.send(receiver.me, wire.Result(1, SessionId("s"), 1))  # opens the link
+            await receiver.arrived.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.testing.assert_no_checkpoints():
+                await sender.send(receiver.me, wire.Result(2, SessionId("s"), 2))
+            while len(receiver.got) < 2:
+                await trio.sleep(0.01)
+            assert [msg for msg, _ in receiver.got] == [wire.Result(i, SessionId("s"), i) for i in (1, 2)]
+
+
+async def test_frames_written_in_place_never_overtake_queued_ones() -> None:
+    """Frames too large to write in place are queued; a small one sent right after must wait
+    its turn behind them, even while they are handed to the link's task and not yet written
+    (the queue then looks empty). A prefill's chunks and steps stay in order."""
+    hop = Hop(NodeId("next"), PeerId("next"), LayerRange(10, 20))
+
+    def big(req: int) -> wire.Forward:
+        hidden = tensors.encode(np.full((64, 576), req, np.float32), "f32")  # 144 KiB: queued
+        return wire.Forward(req, SessionId("s"), req, (hop,), PeerId("entry"), None, hidden=hidden)
+
+    with trio.fail_after(30):
+        async with two_services(_Recording) as (sender, receiver):
+            await sender.send(receiver.me, wire.Result(0, SessionId("s"), 0))
+            await receiver.arrived.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            order = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+            for req in order:
+                await sender.send(receiver.me, big(req) if req % 3 == 1 else wire.Result(req, SessionId("s"), req))
+            while len(receiver.got) < 1 + len(order):
+                await trio.sleep(0.01)
+            assert [msg.req_id for msg, _ in receiver.got] == [0, *order]

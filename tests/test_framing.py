@@ -345,3 +345,58 @@ async def test_a_socket_closed_under_a_reader_or_writer_ends_the_stream() -> Non
             await a.send(os.urandom(32 * MiB), 5.0)  # the other end is gone
         with pytest.raises(StreamClosed):
             await b.send(b"after reset", 1.0)
+
+
+async def test_a_frame_committed_in_place_arrives_whole_even_when_the_kernel_takes_part() -> None:
+    """``send_nowait`` writes what the kernel takes and keeps the rest for the next
+    ``send_many``, which writes it before anything else: frames never tear or reorder."""
+    async with socket_pair() as (a, b):
+        with trio.fail_after(20):
+            small = b"s" * 1200
+            assert a.send_nowait(small)
+            assert not a.has_unsent
+            assert await b.receive(5.0) == small
+            # Nobody reads: frames go in whole until the kernel's buffers take one in part.
+            sent = 0
+            while a.send_nowait(payload := os.urandom(60 * 1024)) and not a.has_unsent:
+                sent += 1
+            assert a.has_unsent, "the kernel took every frame whole"
+            assert not a.send_nowait(b"x"), "a frame committed in part must finish first"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.send_many, [b"after"], 20.0)  # writes the rest first
+                for _ in range(sent):
+                    assert len(await b.receive(20.0)) == 60 * 1024
+                assert await b.receive(20.0) == payload
+                assert await b.receive(20.0) == b"after"
+
+
+async def test_a_frame_is_not_written_in_place_while_a_send_holds_the_stream() -> None:
+    async with socket_pair() as (a, b), trio.open_nursery() as nursery:
+        with trio.fail_after(20):
+            nursery.start_soon(a.send_many, [os.urandom(8 * MiB)], 20.0)
+            await trio.testing.wait_all_tasks_blocked()  # mid-write, waiting for room
+            assert not a.send_nowait(b"overtaker")
+            assert len(await b.receive(20.0)) == 8 * MiB
+            assert a.send_nowait(b"then")
+            assert await b.receive(5.0) == b"then"
+
+
+async def test_a_failed_write_in_place_is_raised_by_the_next_send() -> None:
+    async with socket_pair() as (a, b):
+        with trio.fail_after(5):
+            await b.reset()
+            for _ in range(100):  # the first writes may still land in the kernel's buffer
+                if not a.send_nowait(b"x" * 1200):
+                    break
+            else:
+                raise AssertionError("writes to a closed peer kept succeeding")
+            with pytest.raises(StreamError):
+                await a.send(b"y", 1.0)
+
+
+async def test_a_memory_stream_is_never_written_in_place() -> None:
+    """Only a socket can be written without waiting; libp2p streams queue as before."""
+    a, b = memory_pair()
+    assert not a.send_nowait(b"x")
+    await a.send(b"x", 1.0)
+    assert await b.receive(1.0) == b"x"
