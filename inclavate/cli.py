@@ -194,9 +194,17 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
+_OWN_PACKAGES = frozenset({"inclavate", "p2p", "node", "api"})
+
+
 class _CliFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            if record.name.split(".")[0] in _OWN_PACKAGES:  # our bug: its traceback is what a report needs
+                message += "\n" + self.formatException(record.exc_info)
+            else:  # a library's (hypercorn's, for a client's broken request): one line, not a flood
+                message += f": {record.exc_info[1]!r}"
         return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 

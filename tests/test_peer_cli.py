@@ -38,3 +38,23 @@ def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
     for args in (["--model", "smollm2:135m", "--layers", "5-2"], ["--model", "smollm2:135m", "--legacy"]):
         result = peer(*args, tmp_path=tmp_path)
         assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line() -> None:
+    """A peer's log is what a bug report holds: ``log.exception`` in our packages keeps the
+    traceback; a library's (hypercorn's, for a stranger's broken request) stays one line."""
+    import logging
+
+    from inclavate.cli import _CliFormatter
+
+    def formatted(logger: str) -> str:
+        try:
+            raise KeyError("lost")
+        except KeyError:
+            record = logging.getLogger(logger).makeRecord(logger, logging.ERROR, __file__, 1, "handling failed", (),
+                                                          sys.exc_info())  # fmt: skip
+        return _CliFormatter().format(record)
+
+    ours = formatted("p2p.forward")
+    assert ours.startswith("error: handling failed\nTraceback") and "KeyError: 'lost'" in ours
+    assert formatted("hypercorn.error") == "error: handling failed: KeyError('lost')"
