@@ -183,11 +183,13 @@ class MetricsRecorder:
     def _add_to_minute(self, *, requests: int, tokens: int) -> None:
         now = self._clock()
         minute = minute_of(now)
-        held = self._minutes.get(minute) or MinuteBucket(minute, 0, 0)
+        held = self._minutes.get(minute)
+        if held is None:  # a new minute: drop those that fell out of the window (once a minute, not every batch)
+            held = MinuteBucket(minute, 0, 0)
+            first = minute - (BUCKET_MINUTES - 1) * MINUTE_MS
+            for old in [m for m in self._minutes if m < first]:
+                del self._minutes[old]
         self._minutes[minute] = MinuteBucket(minute, held.requests + requests, held.tokens + tokens)
-        first = minute - (BUCKET_MINUTES - 1) * MINUTE_MS
-        for old in [m for m in self._minutes if m < first]:
-            del self._minutes[old]
         self.revision += 1
 
 
