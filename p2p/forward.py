@@ -119,6 +119,12 @@ class _Link:
         self._partial: wire.Message | None = None
         """The message written in place in part (its rest is in the stream, a flush queued)."""
 
+    def retire(self) -> None:
+        """No more messages: what is queued is written (or answered with errors) and the
+        task ends; nothing is written in place any more (its peer is gone or unreachable)."""
+        self._parked = False
+        self.send_channel.close()
+
     async def queue(self, msg: wire.Message) -> None:
         """Queue ``msg`` for this task; waits only for room (raises ClosedResourceError once
         the link is retired)."""
@@ -351,7 +357,7 @@ class ForwardService:
     def _retire(self, peer: PeerId, link: _Link) -> None:
         if self._links.get(peer) is link:
             del self._links[peer]
-            link.send_channel.close()
+            link.retire()
 
     async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException, link: _Link | None = None) -> None:
         log.warning("cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)

@@ -229,3 +229,21 @@ async def test_frames_written_in_place_never_overtake_queued_ones() -> None:
             while len(receiver.got) < 1 + len(order):
                 await trio.sleep(0.01)
             assert [msg.req_id for msg, _ in receiver.got] == [0, *order]
+
+
+async def test_a_retired_link_writes_nothing_in_place() -> None:
+    """Once its peer is judged gone, a frame for it must take the path that opens a fresh
+    link (or reports the peer unreachable), not vanish into the old socket."""
+    with trio.fail_after(30):
+        async with two_services(_Recording) as (sender, receiver):
+            await sender.send(receiver.me, wire.Result(1, SessionId("s"), 1))
+            await receiver.arrived.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            link = sender._links[receiver.me]
+            assert link.write_now(wire.Result(2, SessionId("s"), 2))
+            sender._retire(receiver.me, link)
+            assert not link.write_now(wire.Result(3, SessionId("s"), 3))
+            await sender.send(receiver.me, wire.Result(4, SessionId("s"), 4))  # on a fresh link
+            while len(receiver.got) < 3:
+                await trio.sleep(0.01)
+            assert [msg.req_id for msg, _ in receiver.got] == [1, 2, 4]
