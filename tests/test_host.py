@@ -222,9 +222,16 @@ async def test_a_validator_that_raises_rejects() -> None:
             b.set_topic_validator(TOPIC, fussy)
             _, sub_b = await _gossip_mesh([a, b])
             await a.publish(TOPIC, b"boom")
-            await a.publish(TOPIC, b"fine")
-            with trio.fail_after(5):
-                assert (await sub_b.receive()).data == b"fine"
+            # The host lives on and delivers what follows, never the message that raised. A
+            # loaded machine (CI) once took over 5 s to carry a single "fine": publish until
+            # one arrives instead of betting on one message's timing.
+            with trio.fail_after(15):
+                while True:
+                    await a.publish(TOPIC, b"fine")
+                    with trio.move_on_after(1):
+                        data = (await sub_b.receive()).data
+                        assert data == b"fine"
+                        break
 
 
 async def test_gossip_burst_is_not_dropped() -> None:
