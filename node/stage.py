@@ -246,14 +246,6 @@ class Stage:
         self._parked = False
         await send_or_wait(self._send, job)
 
-    def try_submit(self, job: Job) -> bool:
-        try:
-            self._send.send_nowait(job)
-        except trio.WouldBlock:
-            return False
-        self._parked = False
-        return True
-
     def _runs_now(self, job: Job) -> bool:
         """Whether ``job`` can skip the queue: a decode step of a session this stage already
         holds, small enough to compute on the event loop's thread, while the worker waits for
@@ -266,7 +258,7 @@ class Stage:
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
         item = job.item
-        if item is None or item.n_tokens != 1 or item.n_tokens > self.inline_tokens:
+        if item is None or item.n_tokens != 1 or self.inline_tokens < 1:
             return False
         if not self._parked or self._running_now or self._deferred:
             return False

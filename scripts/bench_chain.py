@@ -155,7 +155,7 @@ def whole_vs_chain(bench: Bench) -> list[Verdict]:
     added = (chain.outside_ms - whole.outside_ms) / hops
     print(f"decode step: whole {1000 / whole.decode:.2f} ms, chain {1000 / chain.decode:.2f} ms; "
           f"added latency {max(0.0, (1 / chain.decode - 1 / whole.decode) * 1000 / hops):.2f} ms per hop ({hops} messages per step); "
-          f"outside the engines {added:.2f} ms per hop, the rest is the engines' calls taking longer split in three")  # fmt: skip
+          f"outside the engines {added:.2f} ms per hop, the rest is the engines' calls taking longer split across the chain")  # fmt: skip
     return [Verdict("prefill chain/whole", chain.prefill / whole.prefill, TARGET_PREFILL),
             Verdict("decode chain/whole", chain.decode / whole.decode, TARGET_DECODE),
             Verdict("chain per-hop time outside the engines ms", added, TARGET_HOP_MS, higher_is_better=False)]  # fmt: skip

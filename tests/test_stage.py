@@ -270,3 +270,28 @@ async def test_a_step_never_overtakes_its_sessions_queued_work(engine) -> None:
             await done.wait()
         nursery.cancel_scope.cancel()
     assert [(name, r.error) for name, r in order] == [("chunk", None), ("step", None)]
+
+
+async def test_a_step_stuck_delivering_in_place_holds_back_only_its_own_session(engine) -> None:
+    """A step run in its submitter's task whose delivery never completes (a hostile or
+    stalled next hop that stops reading) must not hold the stage: another session's work
+    still runs through the worker."""
+    stage = Stage(engine, inline_tokens=8)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        token = (await run_job(stage, "stuck", 0, [1, 4093, 198])).token
+        await trio.testing.wait_all_tasks_blocked()
+        never = trio.Event()
+        computed = trio.Event()
+
+        async def stalled(result: StageResult) -> None:
+            computed.set()
+            await never.wait()
+
+        item = BatchItem(SessionId("stuck"), 3, tokens=np.array([token], np.int32))
+        nursery.start_soon(stage.submit, Job(item, SessionId("stuck"), stalled, GREEDY))
+        with trio.fail_after(20):
+            await computed.wait()  # ran in place, now stuck in its delivery
+            other = await run_job(stage, "other", 0, [1, 4093, 198])
+        assert other.error is None and other.token == token
+        nursery.cancel_scope.cancel()
