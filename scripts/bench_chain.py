@@ -14,6 +14,11 @@ its figures against their targets; ``--sections`` runs a subset:
   speed, which on a shared VM moves 10-30% between minutes.
 - ``pinned``: every process on one core; per-hop overhead, CPU, and time outside the
   engines (target <= 0.5 ms).
+- ``chain`` and ``pinned`` also run the same engines in bare processes (``bench_bare``: a
+  whole model and a chain passing raw hidden states over pipes, no peer code), in turns
+  with the peers. The bare chain/whole ratio is the floor any chain of processes gets on
+  the machine at that moment; the peers' chain against the bare chain is what our code
+  costs on top (no targets: figures for reading the others).
 - ``transport``: one message between two processes over libp2p, the direct link, plain TCP.
 - ``concurrency``: 1, 4 and 8 sessions streaming at once, aggregate decode tok/s and how
   many sessions each stage's step calls batched (target at 8: chain >= 0.85x whole).
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench_bare import BareSetup
 from bench_peer import FILLER, concurrent_decode, stream
 
 from inclavate.catalog import Catalog
@@ -42,9 +48,11 @@ from inclavate.config import inclavate_home
 from inclavate.generate_cmd import split_evenly
 from inclavate.local_swarm import LocalSwarm, PeerProcess
 from inclavate.store import ModelStore
+from node.engine import EngineConfig
 
 TARGET_DECODE, TARGET_PREFILL = 0.85, 0.90
 TARGET_HOP_MS = 0.5
+CONTEXT = 2048
 TARGET_CONCURRENT, TARGET_LONG_PREFILL = 0.85, 0.90
 
 
@@ -54,14 +62,19 @@ class Verdict:
 
     name: str
     value: float
-    target: float
+    target: float | None
+    """None: a figure printed for reading the others (a floor, a comparison)."""
     higher_is_better: bool = True
 
     @property
     def met(self) -> bool:
+        if self.target is None:
+            return True
         return self.value >= self.target if self.higher_is_better else self.value <= self.target
 
     def line(self) -> str:
+        if self.target is None:
+            return f"{self.name}: {self.value:.3f} (no target)"
         op = ">=" if self.higher_is_better else "<="
         return f"{self.name}: {self.value:.3f} (target {op} {self.target}): {'met' if self.met else 'NOT met'}"
 
@@ -79,8 +92,8 @@ class Bench:
 
     def swarm(self) -> LocalSwarm:
         common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(self.args.threads),
-                  "--wire-dtype", self.args.wire_dtype, "--context", "2048",
-                  "--max-sessions", str(max(2, *self.args.sessions))]  # fmt: skip
+                  "--wire-dtype", self.args.wire_dtype, "--context", str(CONTEXT),
+                  "--max-sessions", str(self.max_sessions)]  # fmt: skip
         return LocalSwarm(Path(tempfile.mkdtemp(dir=self.workdir)), common, {"INCLAVATE_HOME": str(self.home)})
 
     def start_whole(self, swarm: LocalSwarm) -> PeerProcess:
@@ -99,25 +112,42 @@ class Bench:
         swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
         return chain
 
-    def interleaved(self, setups: dict[str, list[PeerProcess]]) -> dict[str, Rates]:
+    def interleaved(self, setups: dict[str, list[PeerProcess] | BareSetup]) -> dict[str, Rates]:
         """Each setup's best prefill and decode rate and least decode CPU, measured in turns
         (one round of every setup, ``--rounds`` times), so a load that changes meanwhile
-        touches them all alike. A setup is its peers, the entry first."""
+        touches them all alike. A setup is its peers, the entry first, or bare processes."""
         best = {name: Rates(0.0, 0.0, math.inf, math.inf) for name in setups}
         for _ in range(self.args.rounds):
-            for name, peers in setups.items():
-                prefill = stream(peers[0], self.spec.model_id, self.prompt, 2)
-                before = sum(process_cpu_s(p.process.pid) for p in peers)
-                steps_before = step_batching(peers)
-                decode = stream(peers[0], self.spec.model_id, self.short, self.args.decode_tokens)
-                cpu_ms = (sum(process_cpu_s(p.process.pid) for p in peers) - before) * 1000 / decode.completion_tokens
-                engines_ms = sum((b.seconds - a.seconds) * 1000 / max(1, b.jobs - a.jobs)
-                                 for a, b in zip(steps_before, step_batching(peers)))  # fmt: skip
+            for name, setup in setups.items():
+                rates = self._bare_rates(setup) if isinstance(setup, BareSetup) else self._peer_rates(setup)
                 old = best[name]
-                best[name] = Rates(max(old.prefill, prefill.prompt_tokens / prefill.ttft),
-                                   max(old.decode, decode.decode_rate), min(old.cpu_ms, cpu_ms),
-                                   min(old.outside_ms, 1000 / decode.decode_rate - engines_ms))  # fmt: skip
+                best[name] = Rates(max(old.prefill, rates.prefill), max(old.decode, rates.decode),
+                                   min(old.cpu_ms, rates.cpu_ms), min(old.outside_ms, rates.outside_ms))  # fmt: skip
         return best
+
+    def _peer_rates(self, peers: list[PeerProcess]) -> Rates:
+        prefill = stream(peers[0], self.spec.model_id, self.prompt, 2)
+        before = sum(process_cpu_s(p.process.pid) for p in peers)
+        steps_before = step_batching(peers)
+        decode = stream(peers[0], self.spec.model_id, self.short, self.args.decode_tokens)
+        cpu_ms = (sum(process_cpu_s(p.process.pid) for p in peers) - before) * 1000 / decode.completion_tokens
+        engines_ms = sum((b.seconds - a.seconds) * 1000 / max(1, b.jobs - a.jobs)
+                         for a, b in zip(steps_before, step_batching(peers)))  # fmt: skip
+        return Rates(prefill.prompt_tokens / prefill.ttft, decode.decode_rate, cpu_ms, 1000 / decode.decode_rate - engines_ms)
+
+    def _bare_rates(self, setup: BareSetup) -> Rates:
+        run = setup.run(self.args.decode_tokens)
+        return Rates(math.nan, run.decode, run.cpu_ms, run.outside_ms)
+
+    def bare(self, *, chain: bool) -> BareSetup:
+        """The floor under the peers: the same engines in bare processes (``bench_bare``)."""
+        ranges = split_evenly(self.spec.n_layers, self.args.peers if chain else 1)
+        config = EngineConfig(n_threads=self.args.threads, context_length=CONTEXT, max_sessions=self.max_sessions)
+        return BareSetup(self.spec.model_id, ModelStore(self.home).pull(self.spec).path, ranges, config)
+
+    @property
+    def max_sessions(self) -> int:
+        return max(2, *self.args.sessions)
 
     def idle_cpu_ms_per_s(self, peers: list[PeerProcess], seconds: float = 3.0) -> list[float]:
         """CPU milliseconds per second each peer spends with no request (gossip, heartbeats,
@@ -140,25 +170,44 @@ class Rates:
     calls, summed): what the peers add around the engines, whatever the engines' speed on
     the machine at that moment (this VM's moves 10-30% between minutes)."""
 
+    @property
+    def prefill_text(self) -> str:
+        return f"{self.prefill:.1f}" if self.prefill > 0 else "-"  # bare processes measure no prefill
+
 
 def whole_vs_chain(bench: Bench) -> list[Verdict]:
     """The chain against one peer holding the whole model, each on its own thread count."""
-    with bench.swarm() as swarm:
+    with bench.swarm() as swarm, bench.bare(chain=False) as bare_whole, bench.bare(chain=True) as bare_chain:
         whole = [bench.start_whole(swarm)]
         chain = bench.start_chain(swarm, *(("--direct-port", "-1") if bench.args.libp2p_only else ()))
-        rates = bench.interleaved({"whole": whole, "chain": chain})
+        rates = bench.interleaved({"whole": whole, "chain": chain, "bare-whole": bare_whole, "bare-chain": bare_chain})
     whole, chain = rates["whole"], rates["chain"]
     hops = bench.args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
-    print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}{'step ms':>10}{'outside engines ms':>20}")
+    print(f"{'':11}{'prefill tok/s':>15}{'decode tok/s':>15}{'step ms':>10}{'outside engines ms':>20}")
     for name, r in rates.items():
-        print(f"{name:8}{r.prefill:15.1f}{r.decode:15.1f}{1000 / r.decode:10.2f}{r.outside_ms:20.2f}")
+        print(f"{name:11}{r.prefill_text:>15}{r.decode:15.1f}{1000 / r.decode:10.2f}{r.outside_ms:20.2f}")
     added = (chain.outside_ms - whole.outside_ms) / hops
     print(f"decode step: whole {1000 / whole.decode:.2f} ms, chain {1000 / chain.decode:.2f} ms; "
           f"added latency {max(0.0, (1 / chain.decode - 1 / whole.decode) * 1000 / hops):.2f} ms per hop ({hops} messages per step); "
           f"outside the engines {added:.2f} ms per hop, the rest is the engines' calls taking longer split across the chain")  # fmt: skip
     return [Verdict("prefill chain/whole", chain.prefill / whole.prefill, TARGET_PREFILL),
             Verdict("decode chain/whole", chain.decode / whole.decode, TARGET_DECODE),
-            Verdict("chain per-hop time outside the engines ms", added, TARGET_HOP_MS, higher_is_better=False)]  # fmt: skip
+            Verdict("chain per-hop time outside the engines ms", added, TARGET_HOP_MS, higher_is_better=False),
+            *floor_verdicts(rates, "chain", hops, "")]  # fmt: skip
+
+
+def floor_verdicts(rates: dict[str, Rates], chain_name: str, hops: int, prefix: str) -> list[Verdict]:
+    """The bare processes' figures (``bench_bare``), and the peer chain's against them.
+
+    The bare chain/whole ratio is what any chain of processes gets on this machine at that
+    moment (cold caches after each hand-off, the kernel waking each process); the peers'
+    chain against the bare chain is what the peers' own code costs on top."""
+    bare_whole, bare_chain, chain = rates["bare-whole"], rates["bare-chain"], rates[chain_name]
+    print(f"bare processes (bench_bare: the same engines, no peer code): chain/whole {bare_chain.decode / bare_whole.decode:.3f}, "
+          f"{bare_chain.outside_ms / hops:.2f} ms per hop outside the engines; the peers' chain adds "
+          f"{(1 / chain.decode - 1 / bare_chain.decode) * 1000 / hops:.2f} ms per hop to the bare chain's step")  # fmt: skip
+    return [Verdict(f"{prefix}bare decode chain/whole (the floor on this machine)", bare_chain.decode / bare_whole.decode, None),
+            Verdict(f"{prefix}decode chain/bare chain", chain.decode / bare_chain.decode, None)]
 
 
 def process_cpu_s(pid: int) -> float:
@@ -187,24 +236,25 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
     chain runs twice, in turns with the whole peer: over the direct data plane (the default)
     and over libp2p streams only (``--direct-port -1``, what every hop cost before)."""
     hops = bench.args.peers
-    with pinned_to_one_core() as core, bench.swarm() as swarm:
-        setups = {"whole": [bench.start_whole(swarm)],
-                  "direct": bench.start_chain(swarm, prefix="direct-"),
-                  "libp2p": bench.start_chain(swarm, "--direct-port", "-1", prefix="libp2p-")}  # fmt: skip
-        rates = bench.interleaved(setups)
-        idle = {name: bench.idle_cpu_ms_per_s(peers) for name, peers in setups.items()}
-    whole = rates["whole"]
+    with pinned_to_one_core() as core, bench.swarm() as swarm, bench.bare(chain=False) as bare_whole, \
+            bench.bare(chain=True) as bare_chain:  # fmt: skip
+        peers = {"whole": [bench.start_whole(swarm)],
+                 "direct": bench.start_chain(swarm, prefix="direct-"),
+                 "libp2p": bench.start_chain(swarm, "--direct-port", "-1", prefix="libp2p-")}  # fmt: skip
+        rates = bench.interleaved({**peers, "bare-whole": bare_whole, "bare-chain": bare_chain})
+        idle = {name: bench.idle_cpu_ms_per_s(setup) for name, setup in peers.items()}
     print(f"all processes on core {core}; best of {bench.args.rounds} in turns; idle background CPU per peer "
           + ", ".join(f"{name} {'/'.join(f'{v:.0f}' for v in values)}" for name, values in idle.items()) + " ms/s")
-    print(f"{'':8}{'prefill tok/s':>15}{'decode tok/s':>15}{'ms/step':>10}{'CPU ms/token':>14}"
+    print(f"{'':11}{'prefill tok/s':>15}{'decode tok/s':>15}{'ms/step':>10}{'CPU ms/token':>14}"
           f"{'hop ms':>8}{'hop CPU ms':>12}{'hop outside engines ms':>24}")
     for name, r in rates.items():
+        whole = rates["bare-whole" if name.startswith("bare") else "whole"]  # each chain against its own whole
         hop = (1 / r.decode - 1 / whole.decode) * 1000 / hops
         hop_cpu = (r.cpu_ms - whole.cpu_ms) / hops
         outside = (r.outside_ms - whole.outside_ms) / hops
-        extra = f"{hop:8.2f}{hop_cpu:12.2f}{outside:24.2f}" if name != "whole" else ""
-        print(f"{name:8}{r.prefill:15.1f}{r.decode:15.1f}{1000 / r.decode:10.2f}{r.cpu_ms:14.2f}{extra}")
-    direct = rates["direct"]
+        extra = f"{hop:8.2f}{hop_cpu:12.2f}{outside:24.2f}" if not name.endswith("whole") else ""
+        print(f"{name:11}{r.prefill_text:>15}{r.decode:15.1f}{1000 / r.decode:10.2f}{r.cpu_ms:14.2f}{extra}")
+    whole, direct = rates["whole"], rates["direct"]
     return [Verdict("pinned per-hop overhead ms", (1 / direct.decode - 1 / whole.decode) * 1000 / hops, TARGET_HOP_MS,
                     higher_is_better=False),
             Verdict("pinned per-hop time outside the engines ms", (direct.outside_ms - whole.outside_ms) / hops,
@@ -212,7 +262,8 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
             Verdict("pinned per-hop CPU ms", (direct.cpu_ms - whole.cpu_ms) / hops, TARGET_HOP_MS, higher_is_better=False),
             Verdict("pinned prefill chain/whole", direct.prefill / whole.prefill, TARGET_PREFILL),
             Verdict("pinned decode chain/whole", direct.decode / whole.decode, TARGET_DECODE),
-            Verdict("pinned decode direct/libp2p (must not be slower)", direct.decode / rates["libp2p"].decode, 1.0)]  # fmt: skip
+            Verdict("pinned decode direct/libp2p (must not be slower)", direct.decode / rates["libp2p"].decode, 1.0),
+            *floor_verdicts(rates, "direct", hops, "pinned ")]  # fmt: skip
 
 
 def transport_cost(bench: Bench) -> list[Verdict]:
@@ -223,7 +274,7 @@ def transport_cost(bench: Bench) -> list[Verdict]:
     for kind, (rtt, cpu) in best.items():
         print(f"{kind:8} round trip {rtt:.3f} ms, client CPU {cpu:.3f} ms per round trip (a message each way)")
     return [Verdict("direct message ms (half a round trip)", best["direct"][0] / 2, TARGET_HOP_MS, higher_is_better=False),
-            Verdict("libp2p/direct round trip (no target)", best["libp2p"][0] / best["direct"][0], 1.0)]  # fmt: skip
+            Verdict("libp2p/direct round trip", best["libp2p"][0] / best["direct"][0], None)]  # fmt: skip
 
 
 def best_in_turns(bench: Bench, setups: dict[str, PeerProcess], measure: Callable[[PeerProcess], float]) -> dict[str, float]:
