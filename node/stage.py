@@ -500,23 +500,8 @@ class Stage:
             results = self._compute(group)
         else:
             results = await self.engine_thread.run(self._compute, group)
-        elapsed = time.monotonic() - started
-        computed = [w for w, r in zip(group, results) if r.error is None]
-        if computed:
-            tokens = sum(w.item.n_tokens for w in computed)
-            if not any(w.is_step for w in computed):
-                per_token = elapsed / tokens
-                last = self._prefill_s_per_token
-                self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
-            decode = all(w.is_step for w in computed)
-            self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=decode)
-            if decode:
-                self.stats.step_rounds += 1
-                self.stats.step_jobs += len(computed)
-                self.stats.step_seconds += elapsed
-            if self.on_batch is not None:
-                self.on_batch(tokens, elapsed * 1000)
         now = time.monotonic()
+        elapsed = now - started
         continued: list[Job] = []
         for work, result in zip(group, results):
             job = work.job
@@ -536,7 +521,27 @@ class Stage:
                 if self.on_error is not None:
                     self.on_error()
             await _deliver(job, result)
+        # Counted after the results left: in a chain the next stage is computing meanwhile.
+        self._count(group, results, elapsed)
         return continued
+
+    def _count(self, group: list[_Work], results: list[StageResult], elapsed: float) -> None:
+        computed = [w for w, r in zip(group, results) if r.error is None]
+        if not computed:
+            return
+        tokens = sum(w.item.n_tokens for w in computed)
+        if not any(w.is_step for w in computed):
+            per_token = elapsed / tokens
+            last = self._prefill_s_per_token
+            self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
+        decode = all(w.is_step for w in computed)
+        self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=decode)
+        if decode:
+            self.stats.step_rounds += 1
+            self.stats.step_jobs += len(computed)
+            self.stats.step_seconds += elapsed
+        if self.on_batch is not None:
+            self.on_batch(tokens, elapsed * 1000)
 
     def _keep(self, job: Job, result: StageResult) -> StageResult:
         """Encode a finished job's hidden states for the wire once, and keep them."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -53,7 +53,9 @@ class _InFlight:
     jobs: int = 0
     bytes: int = 0
     waiters: int = 0
-    changed: trio.Event = field(default_factory=trio.Event)
+    changed: trio.Event | None = None
+    """Set at the next release; made only when a frame waits (most never do: a frame at
+    every hop would otherwise make and drop one)."""
 
 
 class Admission:
@@ -123,10 +125,14 @@ class Admission:
         :meth:`release`. A frame larger than the whole budget is refused at once."""
         if nbytes > self.limits.bytes_per_peer:
             raise FrameRejected(FrameReason.TOO_LARGE, f"a frame of {nbytes} bytes exceeds the per-peer budget")
-        row = self._in_flight.setdefault(remote, _InFlight())
+        row = self._in_flight.get(remote)
+        if row is None:
+            row = self._in_flight[remote] = _InFlight()
         row.waiters += 1
         try:
             while row.jobs >= self.limits.jobs_per_peer or row.bytes + nbytes > self.limits.bytes_per_peer:
+                if row.changed is None:
+                    row.changed = trio.Event()
                 await row.changed.wait()
         finally:
             row.waiters -= 1
@@ -139,8 +145,9 @@ class Admission:
             return
         row.jobs = max(0, row.jobs - 1)
         row.bytes = max(0, row.bytes - nbytes)
-        row.changed.set()
-        row.changed = trio.Event()
+        if row.changed is not None:
+            row.changed.set()
+            row.changed = None
         if row.jobs == 0 and row.waiters == 0:
             del self._in_flight[remote]
 
@@ -153,4 +160,5 @@ class Admission:
         rows, self._in_flight = self._in_flight, {}
         for row in rows.values():
             row.jobs = row.bytes = 0  # waiters on these rows proceed; their releases are no-ops
-            row.changed.set()
+            if row.changed is not None:
+                row.changed.set()
