@@ -214,3 +214,32 @@ async def test_a_lone_frame_leaves_its_link_without_a_scheduler_turn() -> None:
     msg = wire.Result(1, SessionId("s"), 1)
     with trio.testing.assert_no_checkpoints():
         assert await link._burst(msg) == [msg]
+
+
+async def test_an_inbound_stream_idle_past_the_timeout_is_reset_and_a_busy_one_is_not() -> None:
+    """The receiver resets a stream that brought no frame for ``Timeouts.idle`` (the sender
+    sees its link end and opens a fresh one for its next frame); frames keep it open."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None)
+            receiver = ForwardService(b, node_id=NodeId(b.peer_id), stage=None, timeouts=Timeouts(idle=0.6))
+            await n.start(sender.run)
+            await n.start(receiver.run)
+            await a.connect(b.multiaddrs()[0])
+            await sender.send(b.peer_id, wire.Closed(1, SessionId("x")))
+            while b.peer_id not in sender._links or sender._links[b.peer_id]._stream is None:
+                await trio.sleep(0.01)
+            link = sender._links[b.peer_id]
+            for _ in range(8):  # 1.6 s of a frame every 0.2 s: never idle for 0.6 s
+                await trio.sleep(0.2)
+                await sender.send(b.peer_id, wire.Closed(1, SessionId("x")))
+                assert sender._links.get(b.peer_id) is link
+            started = time.monotonic()
+            while sender._links.get(b.peer_id) is link:
+                await trio.sleep(0.01)
+            assert 0.5 < time.monotonic() - started < 2.0
+            assert not receiver._waiting  # nothing of the reset stream stays behind
+            await sender.send(b.peer_id, wire.Closed(2, SessionId("x")))  # a fresh link carries the next frame
+            while b.peer_id not in sender._links or sender._links[b.peer_id]._stream is None:
+                await trio.sleep(0.01)
+            n.cancel_scope.cancel()
