@@ -54,7 +54,8 @@ class Timeouts:
     send_bytes_per_s: float = 1_000_000.0
     """...plus its size at this (pessimistic, home-uplink) rate."""
     idle: float = 3600.0
-    """An inbound stream with no frame for this long is reset; the sender reopens one."""
+    """An inbound stream with no frame for this long (to within a tenth) is reset; the
+    sender reopens one (:meth:`ForwardService._reset_idle_streams`)."""
 
     def send(self, nbytes: int) -> float:
         return self.send_base + nbytes / self.send_bytes_per_s
