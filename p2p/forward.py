@@ -404,11 +404,14 @@ class ForwardService:
         """Reset inbound streams that brought no frame for ``timeouts.idle`` (within a tenth
         of it): their sender opens a fresh one when it has something to send."""
         while True:
-            await trio.sleep(self.timeouts.idle / 10)
+            await trio.sleep(max(0.05, self.timeouts.idle / 10))
             cutoff = trio.current_time() - self.timeouts.idle
             for stream in [s for s, since in self._waiting.items() if since < cutoff]:
                 del self._waiting[stream]
-                await stream.reset()
+                try:
+                    await stream.reset()
+                except Exception:  # noqa: BLE001 - one stream's failure must not end this task
+                    log.exception("resetting an idle inbound stream failed")
 
     async def _dispatch(self, msg: wire.Message, remote: PeerId) -> None:
         if isinstance(msg, wire.Forward):

@@ -28,6 +28,8 @@ from inclavate.types import LayerRange, ModelId, SessionId
 from node.engine import BatchItem, EngineConfig
 
 _HIDDEN, _STATS = b"H", b"S"
+_ANSWER_S = 300
+"""Longest a run may take, model loading included."""
 _PROMPT = np.arange(1, 6, dtype=np.int32)
 
 
@@ -163,6 +165,8 @@ class BareSetup:
     def run(self, steps: int) -> BareRun:
         """``steps`` decode steps after a 5-token prompt (prompt included in the CPU)."""
         self._control.send(steps)
+        if not self._control.poll(_ANSWER_S):  # a stage died (its log is above): fail, never hang
+            raise RuntimeError(f"the bare processes did not answer within {_ANSWER_S} s")
         times, stages = self._control.recv()
         engine = np.sum([calls for calls, _ in stages], axis=0)  # per step, summed over the stages
         cpu = sum(seconds for _, seconds in stages)
