@@ -76,8 +76,9 @@ class PeerContext(Protocol):
         """A pipeline over the swarm for a new session (raises ``NoRoute``)."""
         ...
 
-    def session_route(self, session_id: SessionId) -> list[Hop] | None:
-        """The route of a session this peer drives as entry, while it is open (None otherwise)."""
+    def session_route(self, session_id: SessionId) -> tuple[Hop, ...] | None:
+        """The route of a session this peer drives as entry, while it is open (None otherwise):
+        the same object until a failover moves the session."""
         ...
 
     def metrics_archive(self) -> MinuteArchive:

@@ -50,10 +50,16 @@ class _Tracking:
 async def _run(job: ChatJob, tracking: _Tracking, emit: Any) -> GenerationResult:
     sid, model = job.session_id, job.request.model
 
+    noted: list[object] = [None]
+
     async def noting_route(delta: Delta) -> None:
         # The route exists once the first step ran (and may move on failover): read it while
-        # the session is open, since closing it forgets the route.
-        tracking.routes.note(sid, model, tracking.ctx.session_route(sid))
+        # the session is open, since closing it forgets the route. Noted when it changes,
+        # not at every token (comparing routes hop by hop is work on a token's path).
+        route = tracking.ctx.session_route(sid)
+        if route is not noted[0]:
+            tracking.routes.note(sid, model, route)
+            noted[0] = route
         await emit(delta)
 
     tracking.routes.note(sid, model, None)

@@ -560,7 +560,7 @@ class Peer:
 
     def _live_peers(self) -> list[str]:
         return sorted({v.record.peer_id for v in self.views() if v.state != "Dead"})
-    def session_route(self, session_id: SessionId) -> list[Hop] | None:
+    def session_route(self, session_id: SessionId) -> tuple[Hop, ...] | None:
         for pipeline in self._pipelines.values():
             route = pipeline.route_of(session_id)
             if route is not None:

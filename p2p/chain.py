@@ -195,9 +195,10 @@ class SwarmPipeline:
         self.deadline = StepDeadline(self.policy)
         self._watch = LegWatch(self.service.me, self.views, self.is_connected, self.probe, self.policy)
 
-    def route_of(self, session_id: SessionId) -> list[Hop] | None:
+    def route_of(self, session_id: SessionId) -> tuple[Hop, ...] | None:
+        """The session's route now: the same object until a failover moves the session."""
         session = self._sessions.get(session_id)
-        return list(session.leg.route) if session and session.leg else None
+        return session.leg.route if session and session.leg else None
 
     def check_route(self) -> list[Hop]:
         """A route a new session would take now; raises ``NoRoute`` naming missing layers."""

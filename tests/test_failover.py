@@ -146,15 +146,20 @@ def test_eight_streams_survive_a_middle_hop_killed_mid_decode(greedy_swarm, gree
     lasts = [peers["d"], peers["e"]]
     before = counters(lasts)
     moved: list[int] = []
+    killed: list[str] = []
 
     def kill_a_middle_hop(chats: list[StreamedChat]) -> None:
         victim = busiest([peers["b"], peers["c"]])
         moved.append(stage_sessions(victim))
+        killed.append(victim.get("/health")["peer_id"])
         kill(victim)
 
     chats = run_streams(peers["a"], [ask(QUESTION, 48)] * 8, kill_a_middle_hop)
     assert [c.error for c in chats] == [None] * 8
     assert [c.text for c in chats] == [greedy_text] * 8
+    # The entry tells each session's route as it is now: none goes through the dead peer.
+    routes = [peers["a"].get(f"/sessions/{c.session_id}")["route"] for c in chats]
+    assert all(len(route) == 3 and killed[0] not in {hop["peer_id"] for hop in route} for route in routes), routes
     adopted, recomputed = (after - was for after, was in zip(counters(lasts), before))
     assert adopted >= moved[0] > 0, (adopted, moved)
     # Each moved session's last stage redid at most its last step or two, not its ~80 positions.
