@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from inclavate.types import LayerRange, ModelId, SessionId
-from node.engine import BatchItem, EngineConfig
+from node.engine import BatchItem, EngineConfig, LayerEngine
 
 _HIDDEN, _STATS = b"H", b"S"
 _ANSWER_S = 300
@@ -59,14 +59,18 @@ class _Spec:
     config: EngineConfig
 
 
+def _load(spec: _Spec) -> LayerEngine:
+    from node.engines import load_engine  # in the child: the parent loads no model
+
+    return load_engine("llamacpp", model_id=ModelId(spec.model_id), model_path=spec.model_path,
+                       layers=spec.layers, config=spec.config)  # fmt: skip
+
+
 def _stage(spec: _Spec, inbox: Connection, outbox: Connection, control: Connection | None) -> None:
     """One stage's process. With ``control`` it is the first: it runs the steps asked for
     there (the token comes back on ``inbox`` from the last stage) and answers with every
     stage's timings; the others serve ``inbox`` until it closes."""
-    from node.engines import load_engine  # in the child: the parent loads no model
-
-    engine = load_engine("llamacpp", model_id=ModelId(spec.model_id), model_path=spec.model_path,
-                         layers=spec.layers, config=spec.config)  # fmt: skip
+    engine = _load(spec)
     session = SessionId("bare")
     calls: list[float] = []
     cpu = time.process_time()
@@ -119,10 +123,7 @@ def _stage(spec: _Spec, inbox: Connection, outbox: Connection, control: Connecti
 
 def _whole(spec: _Spec, control: Connection) -> None:
     """The whole model in one process, the same loop with no hand-off."""
-    from node.engines import load_engine
-
-    engine = load_engine("llamacpp", model_id=ModelId(spec.model_id), model_path=spec.model_path,
-                         layers=spec.layers, config=spec.config)  # fmt: skip
+    engine = _load(spec)
     session = SessionId("bare")
     while (request := control.recv()) is not None:
         engine.close_session(session)
@@ -205,6 +206,8 @@ def main() -> None:
     spec = Catalog.load(home).get(args.model)
     path = ModelStore(home).pull(spec).path
     config = EngineConfig(n_threads=args.threads)
+    if args.steps + len(_PROMPT) > config.context_length:
+        parser.error(f"--steps must leave room for the {len(_PROMPT)}-token prompt in {config.context_length} positions")
     setups = {"whole": BareSetup(spec.model_id, path, [LayerRange(0, spec.n_layers)], config),
               "chain": BareSetup(spec.model_id, path, split_evenly(spec.n_layers, args.peers), config)}  # fmt: skip
     best: dict[str, BareRun] = {}
