@@ -13,6 +13,7 @@ import trio.testing
 from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
+from p2p.errors import P2PError
 from p2p.forward import ForwardService, Timeouts
 from p2p.host import open_host
 from p2p.identity import Identity
@@ -242,4 +243,30 @@ async def test_an_inbound_stream_idle_past_the_timeout_is_reset_and_a_busy_one_i
             await sender.send(b.peer_id, wire.Closed(2, SessionId("x")))  # a fresh link carries the next frame
             while b.peer_id not in sender._links or sender._links[b.peer_id]._stream is None:
                 await trio.sleep(0.01)
+            n.cancel_scope.cancel()
+
+
+async def test_a_frame_trickled_a_byte_at_a_time_does_not_hold_its_stream_past_the_idle_timeout() -> None:
+    """A hostile sender that starts a frame and then sends one byte now and then never
+    completes a frame: its stream is reset after the idle timeout like a silent one."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as evil, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+            receiver = ForwardService(b, node_id=NodeId(b.peer_id), stage=None, timeouts=Timeouts(idle=0.6),
+                                      direct_port=None)  # fmt: skip
+            await n.start(receiver.run)
+            await evil.connect(b.multiaddrs()[0])
+            stream = await evil.new_stream(b.peer_id, wire.PROTOCOL, timeout=5)
+            raw = stream._raw  # under the framing: an honest FramedStream only writes whole frames
+            await raw.write(b"\x00\x00\x01\x00")  # a 256-byte frame is coming...
+            while not receiver._waiting:
+                await trio.sleep(0.01)
+            started = time.monotonic()
+            with pytest.raises((P2PError, trio.BrokenResourceError, trio.ClosedResourceError)):
+                for _ in range(100):  # ...one byte every 0.1 s: 25 s to finish it
+                    await raw.write(b"x")
+                    await trio.sleep(0.1)
+                    if not receiver._waiting:
+                        await stream.receive(timeout=5)  # the reset reaches us as an error
+            assert time.monotonic() - started < 3.0
+            assert not receiver._waiting
             n.cancel_scope.cancel()
