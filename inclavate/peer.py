@@ -537,6 +537,9 @@ class Peer:
     def views(self) -> list[NodeView]:
         return self.registry.views() if self.registry else []
 
+    def view_of(self, node_id: NodeId) -> NodeView | None:
+        return self.registry.view(node_id) if self.registry else None
+
     def coverage(self) -> dict[ModelId, ModelCoverage]:
         return self.registry.coverage() if self.registry else {}  # type: ignore[return-value]
 
@@ -742,7 +745,7 @@ class Peer:
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             pipeline = self._pipelines[model_id] = SwarmPipeline(
-                self.forward, ModelId(model_id), self.views, 0,
+                self.forward, ModelId(model_id), self.views, 0, view_of=self.view_of,
                 link_ms=lambda: self.latency.link_ms() if self.latency else {},
                 measured_step_ms=lambda: self._measured_step_ms(model_id),
                 is_connected=self.host.is_connected,

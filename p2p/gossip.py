@@ -91,6 +91,10 @@ class RegistryService:
     def views(self) -> list[NodeView]:
         return list(self.table.views(self.clock(), self.liveness))
 
+    def view(self, node_id: NodeId) -> NodeView | None:
+        """One node's view: what a hot path asks instead of listing the whole registry."""
+        return self.table.view(node_id, self.clock(), self.liveness)
+
     def coverage(self) -> dict[str, ModelCoverage]:
         return model_coverage(self.views())
 

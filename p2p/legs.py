@@ -11,12 +11,12 @@ reads which hop an ``error`` frame points at.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
 
-from inclavate.types import PeerId, SessionId
+from inclavate.types import NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.failover import FailoverPolicy, hop_trouble
 from p2p.registry import NodeView
@@ -53,19 +53,21 @@ def blame(leg: Leg, error: wire.Error) -> frozenset[PeerId]:
 @dataclass
 class LegWatch:
     me: PeerId
-    views: Callable[[], Iterable[NodeView]]
+    view_of: Callable[[NodeId], NodeView | None]
+    """One node's registry view. Asked per hop, not listed whole: every session asks every
+    ``poll_s``, and listing (and sorting) a registry of thousands of nodes that often was
+    work on every token's path that grew with the swarm."""
     is_connected: Callable[[PeerId], bool]
     probe: Callable[[PeerId], Awaitable[bool]] | None
     policy: FailoverPolicy
 
     def trouble(self, leg: Leg) -> tuple[frozenset[PeerId], frozenset[PeerId]]:
         """(failed, leaving) hops of a leg, from the registry and our connections."""
-        by_node = {v.record.node_id: v for v in self.views()}
         now = trio.current_time()
         failed: set[PeerId] = set()
         leaving: set[PeerId] = set()
         for hop in leg.route:
-            trouble = hop_trouble(hop, by_node.get(hop.node_id))
+            trouble = hop_trouble(hop, self.view_of(hop.node_id))
             if trouble == "failed":
                 failed.add(hop.peer_id)
             elif trouble == "leaving":

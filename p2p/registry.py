@@ -156,6 +156,11 @@ class Table:
         for entry in sorted(self.entries.values(), key=lambda e: e.record.node_id):
             yield NodeView(entry.record, effective_state(entry, now_ms, liveness))
 
+    def view(self, node_id: str, now_ms: int, liveness: Liveness) -> NodeView | None:
+        """One node's view, without building the others' (what :meth:`views` would list)."""
+        entry = self.entries.get(NodeId(node_id))
+        return NodeView(entry.record, effective_state(entry, now_ms, liveness)) if entry is not None else None
+
 
 @dataclass(frozen=True)
 class NodeView:

@@ -7,11 +7,13 @@ import random
 from collections import Counter
 
 import pytest
+import trio
 from registry_helpers import MODEL, view
 
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
+from p2p.legs import Leg, LegWatch
 from p2p.latency import UNREACHABLE_MS, usable_link_ms
 from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
 
@@ -109,6 +111,28 @@ def test_what_the_registry_says_about_a_hop() -> None:
     assert hop_trouble(hop, view("b", 0, 10)) == "failed"  # moved to other layers
     assert hop_trouble(hop, view("b", 10, 20, draining=True)) == "leaving"
     assert hop_trouble(hop, view("b", 10, 20, idle=True)) == "leaving"
+
+
+def test_a_legs_health_asks_the_registry_only_about_its_own_hops() -> None:
+    """Every session polls its route every ``poll_s``: the answer must come from lookups of
+    the route's nodes, not from listing a registry that may hold thousands."""
+    registry = {v.record.node_id: v for v in [*SWARM, view("b2", 10, 20, "Dead"), *(view(f"x{i}", 0, 30) for i in range(500))]}
+    asked: list[NodeId] = []
+
+    def view_of(node_id: NodeId):
+        asked.append(node_id)
+        return registry.get(node_id)
+
+    watch = LegWatch(PeerId("a"), view_of, lambda _peer: True, None, FailoverPolicy())
+    route = (Hop(NodeId("a"), PeerId("a"), LayerRange(0, 10)), Hop(NodeId("b2"), PeerId("b2"), LayerRange(10, 20)),
+             Hop(NodeId("d"), PeerId("d"), LayerRange(20, 30)))  # fmt: skip
+    leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
+
+    async def check() -> tuple[frozenset[PeerId], frozenset[PeerId]]:
+        return watch.trouble(leg)
+
+    assert trio.run(check) == (frozenset({PeerId("b2")}), frozenset())
+    assert sorted(asked) == ["a", "b2", "d"]
 
 
 def test_the_draining_flag_parses_tolerantly() -> None:

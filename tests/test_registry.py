@@ -81,6 +81,10 @@ def test_silence_degrades_then_kills_then_forgets() -> None:
     assert effective_state(entry, at(LIVE.degraded_after_s + 0.1), LIVE) == "Degraded"
     assert effective_state(entry, at(LIVE.dead_after_s + 0.1), LIVE) == "Dead"
     assert len(expire(table, at(LIVE.drop_after_s - 1), LIVE)) == 1
+    # A lookup of one node ages it as the listing does (what a session's health poll reads).
+    for seconds in (0, LIVE.degraded_after_s + 0.1, LIVE.dead_after_s + 0.1):
+        assert table.view(ALICE.peer_id, at(seconds), LIVE) == next(iter(table.views(at(seconds), LIVE)))
+    assert table.view(MALLORY.peer_id, NOW, LIVE) is None
     assert len(expire(table, at(LIVE.drop_after_s + 1), LIVE)) == 0
 
 
