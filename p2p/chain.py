@@ -137,14 +137,18 @@ class _Session:
     from there to the step's token."""
 
     def record(self, start_pos: int, tokens: Sequence[int]) -> None:
-        """Positions ``start_pos...`` now hold ``tokens`` (a step may rewind)."""
-        del self.history[start_pos:]
-        kept = 0
-        for i, n in enumerate(self.shapes):
-            if kept + n > start_pos:
-                self.shapes[i:] = [start_pos - kept] if start_pos > kept else []
-                break
-            kept += n
+        """Positions ``start_pos...`` now hold ``tokens`` (a step may rewind).
+
+        Only a rewind walks the shapes: a step that appends (every decode step) must not
+        cost the length of the generation so far, or a long stream slows down as it goes."""
+        if start_pos < len(self.history):
+            del self.history[start_pos:]
+            kept = 0
+            for i, n in enumerate(self.shapes):
+                if kept + n > start_pos:
+                    self.shapes[i:] = [start_pos - kept] if start_pos > kept else []
+                    break
+                kept += n
         self.history.extend(int(t) for t in tokens)
         self.shapes.append(len(tokens))
 

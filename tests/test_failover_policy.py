@@ -161,6 +161,10 @@ def test_a_span_replay_rebuilds_up_to_a_step_boundary_and_resends_the_rest() -> 
     assert session.shape_boundary(333) == 333 and session.shape_boundary(300) == 256
     assert session.split_replay(333) == ([(0, 256), (256, 74), (330, 3)], [(333, 2)])
     assert session.split_replay(256) == ([(0, 256)], [(256, 74), (330, 5)])
+    session.record(300, [7, 7])  # a rewind keeps the shapes of what stays
+    assert session.history == [1] * 300 + [7, 7] and session.shapes == [256, 44, 2]
+    session.record(302, [8])
+    assert session.split_replay(302) == ([(0, 256), (256, 44), (300, 2)], [(302, 1)])
 
 
 def test_a_prefill_batch_does_not_move_the_claimed_step_time() -> None:
