@@ -9,13 +9,6 @@ the few hundred barriers of a decode step became a futex sleep and wake-up. One 
 call on one thread, 1.03x and 0.90x (``scripts/bench_peer``, docs/ARCHITECTURE.md). The
 engine is also never touched by two threads at once, whatever its caller does.
 
-Handing a call over costs the GIL as well as a wake-up: the engine thread, woken by the
-queue, must take the GIL from the event loop, which drops it only at its next blocking system
-call (a socket write, ``epoll_wait``), ~0.4 ms later with 8 batched sessions streaming. A
-caller that finds the thread idle therefore waits, GIL released, until the thread has taken
-the call (bounded by ``HANDOFF_WAIT_S``): the engine call is the critical path, and what the
-loop would run meanwhile is not.
-
 A call waits uncancellably for its result, like ``trio.to_thread.run_sync`` without
 ``abandon_on_cancel``: an engine call cannot be interrupted halfway, and a caller that was
 cancelled meanwhile sees the cancellation at its next checkpoint.
@@ -35,10 +28,6 @@ T = TypeVar("T")
 
 _STOP = object()
 
-HANDOFF_WAIT_S = 0.002
-"""Longest the event loop blocks for an idle engine thread to take a call (normally tens of
-microseconds): past it, the call goes on without the hand-over."""
-
 
 class EngineThread:
     """A single worker thread; ``await run(fn, *args)`` runs ``fn`` there, in call order."""
@@ -47,10 +36,6 @@ class EngineThread:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._closed = False
-        self._idle = False
-        """The thread waits for a call (read without a lock: a stale value only skips or
-        adds one bounded wait)."""
-        self._taken = threading.Event()
         self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -62,11 +47,7 @@ class EngineThread:
         def deliver(result: outcome.Outcome[T]) -> None:
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
-        idle = self._idle
-        self._taken.clear()
         self._jobs.put((fn, args, deliver))
-        if idle:
-            self._taken.wait(HANDOFF_WAIT_S)
         return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
 
     def close(self) -> None:
@@ -80,10 +61,7 @@ class EngineThread:
 
     def _serve(self) -> None:
         while True:
-            self._idle = True
             job = self._jobs.get()
-            self._idle = False
-            self._taken.set()
             if job is _STOP:
                 return
             fn, args, deliver = job

@@ -57,26 +57,6 @@ async def test_a_cancelled_caller_waits_for_its_call_to_finish() -> None:
         thread.join(5)
 
 
-async def test_a_call_queued_behind_a_busy_thread_does_not_block_the_event_loop() -> None:
-    """A caller hands an *idle* thread its call before going on (node.engine_thread); one
-    that finds the thread busy must not wait for it, or the loop would freeze for a whole
-    engine call."""
-    thread = EngineThread("test")
-    release = threading.Event()
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(thread.run, release.wait, 5.0)
-            await trio.sleep(0.05)  # the first call is running
-            before = trio.current_time()
-            nursery.start_soon(thread.run, int)
-            await trio.sleep(0)  # the second caller queued its call and yielded
-            assert trio.current_time() - before < 1.0
-            release.set()
-    finally:
-        thread.close()
-        thread.join(5)
-
-
 class _ThreadRecordingEngine(LlamaCppEngine):
     """The real engine, noting which OS thread each call came from."""
 
