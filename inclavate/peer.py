@@ -745,7 +745,7 @@ class Peer:
         pipeline = self._pipelines.get(model_id)
         if pipeline is None:
             pipeline = self._pipelines[model_id] = SwarmPipeline(
-                self.forward, ModelId(model_id), self.views, 0, view_of=self.view_of,
+                self.forward, ModelId(model_id), self.views, 0, self.view_of,
                 link_ms=lambda: self.latency.link_ms() if self.latency else {},
                 measured_step_ms=lambda: self._measured_step_ms(model_id),
                 is_connected=self.host.is_connected,

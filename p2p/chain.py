@@ -181,8 +181,8 @@ class SwarmPipeline:
     views: Callable[[], Iterable[NodeView]]
     """The registry as it is now."""
     context_length: int
-    view_of: Callable[[NodeId], NodeView | None] | None = None
-    """One node's view (a lookup); None: found by listing ``views``."""
+    view_of: Callable[[NodeId], NodeView | None]
+    """One node's view: what a session's health poll asks (``views`` is for re-routing)."""
     link_ms: Callable[[], Mapping[PeerId, float]] = dict
     measured_step_ms: Callable[[], float] = float
     """This peer's own ms per layer for the model (0: unmeasured): the reference against
@@ -199,10 +199,7 @@ class SwarmPipeline:
 
     def __post_init__(self) -> None:
         self.deadline = StepDeadline(self.policy)
-        self._watch = LegWatch(self.service.me, self.view_of or self._listed_view, self.is_connected, self.probe, self.policy)
-
-    def _listed_view(self, node_id: NodeId) -> NodeView | None:
-        return next((v for v in self.views() if v.record.node_id == node_id), None)
+        self._watch = LegWatch(self.service.me, self.view_of, self.is_connected, self.probe, self.policy)
 
     def route_of(self, session_id: SessionId) -> tuple[Hop, ...] | None:
         """The session's route now: the same object until a failover moves the session."""
