@@ -12,7 +12,9 @@ Sections:
 1. decode and prefill, peer / llama.cpp, at 1 thread, 2 threads and all cores (default flags);
    target >= 0.95 each, and the default thread count never slower than a smaller one;
 2. 8 concurrent sessions: the peer's aggregate decode rate while all 8 stream, against
-   llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9;
+   llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9.
+   Also printed: each round's paired ratio, and a step's time split into the engine call,
+   the time between calls, and the CPU of the peer's event loop;
 3. the worst gap between two streamed tokens of a decoding session while another session
    prefills a ~2,000-token prompt (reported with the session's median gap; no target);
 4. resident memory of a peer holding 10 layers against the size of its slice and KV cache.
@@ -182,6 +184,65 @@ def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int) -> f
     return tokens / (hi - lo)
 
 
+@dataclass
+class BatchedRound:
+    """One ABAB round of section 2, with where the peer's time per batched step went."""
+
+    llama_rate: float
+    peer_rate: float
+    llama_step_ms: float
+    engine_ms: float
+    """The peer's engine call per batched step (``/health`` ``batching.step_seconds``)."""
+    loop_cpu_ms: float | None
+    """CPU of the peer's event-loop thread per step (None where ``/proc`` is missing)."""
+    sessions_per_call: float
+
+
+def _thread_cpu_s(pid: int) -> float | None:
+    """CPU seconds of the process's main thread (the peer's event loop), from ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float) -> BatchedRound:
+    """Section 2's peer half of a round, with the peer's own account of its steps."""
+    before = peer.get("/health").get("batching") or {}
+    cpu0 = _thread_cpu_s(peer.process.pid)
+    rate = concurrent_decode(peer, model, sessions, n)
+    cpu1 = _thread_cpu_s(peer.process.pid)
+    after = peer.get("/health").get("batching") or {}
+    steps = max(1, after.get("step_rounds", 0) - before.get("step_rounds", 0))
+    return BatchedRound(
+        llama_rate=sessions * n / llama_decode_s,
+        peer_rate=rate,
+        llama_step_ms=1000 * llama_decode_s / n,
+        engine_ms=1000 * (after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0)) / steps,
+        loop_cpu_ms=None if cpu0 is None or cpu1 is None else 1000 * (cpu1 - cpu0) / steps,
+        sessions_per_call=(after.get("step_jobs", 0) - before.get("step_jobs", 0)) / steps,
+    )
+
+
+def print_batched_breakdown(rounds: list[BatchedRound]) -> None:
+    """Every round's paired ratio and where a step's time went: on a shared machine the
+    pairs swing more than the target's margin, and the engine call's own time (which
+    competes with the event loop for the cores) is the figure to watch, not only the ratio."""
+    ratios = [r.peer_rate / r.llama_rate for r in rounds]
+    print(f"   paired ratios (each round's peer / that round's llama.cpp): {' '.join(f'{x:.3f}' for x in ratios)}; "
+          f"median {statistics.median(ratios):.3f}")  # fmt: skip
+    print("   per batched step, median over rounds: llama.cpp {:.1f} ms; peer {:.1f} ms = engine call {:.1f} ms "
+          "+ {:.1f} ms between calls; event-loop CPU {}; {:.2f} sessions per engine call".format(
+              statistics.median(r.llama_step_ms for r in rounds),
+              statistics.median(r.sessions_per_call * 1000 / r.peer_rate for r in rounds),
+              statistics.median(r.engine_ms for r in rounds),
+              statistics.median(r.sessions_per_call * 1000 / r.peer_rate - r.engine_ms for r in rounds),
+              "n/a" if any(r.loop_cpu_ms is None for r in rounds)
+              else f"{statistics.median(r.loop_cpu_ms for r in rounds if r.loop_cpu_ms is not None):.2f} ms",
+              statistics.median(r.sessions_per_call for r in rounds)))  # fmt: skip
+
+
 def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, float]:
     """Session A streams (a new request whenever one ends); once it streams, session B sends
     a long prompt. A's worst gap between tokens of one request during B's prefill, against
@@ -281,18 +342,20 @@ def main() -> int:
         swarm.wait_ready(peer)
         if "batched" not in args.skip:
             base = LlamaBaseline(model_path, cores)
+            rounds: list[BatchedRound] = []
             try:
                 stream(peer, spec.model_id, DECODE_PROMPT, 4)
-                best_peer = best_llama = 0.0
                 for _ in range(args.rounds):
                     b = base.ask(op="batched", prompt=DECODE_PROMPT, sessions=args.sessions, n=args.batched_tokens)
-                    best_llama = max(best_llama, args.sessions * args.batched_tokens / b["decode_s"])
-                    best_peer = max(best_peer, concurrent_decode(peer, spec.model_id, args.sessions, args.batched_tokens))
+                    rounds.append(batched_round(peer, spec.model_id, args.sessions, args.batched_tokens, b["decode_s"]))
             finally:
                 base.close()
+            best_llama = max(r.llama_rate for r in rounds)
+            best_peer = max(r.peer_rate for r in rounds)
             print(f"\n2. {args.sessions} concurrent sessions, aggregate decode tok/s at {cores} threads: "
                   f"llama.cpp batched {best_llama:.1f}, peer {best_peer:.1f}")  # fmt: skip
             print(f"   ratio {verdict(best_peer / best_llama, TARGET_BATCHED)}")
+            print_batched_breakdown(rounds)
         if "gap" not in args.skip:
             g = prefill_gap(peer, spec.model_id, args.gap_prompt_words)
             print(f"\n3. a decoding session while another prefills {g['prompt_tokens']} tokens ({g['prefill_s']:.2f} s):"
