@@ -48,7 +48,10 @@ from inclavate.store import ModelStore  # noqa: E402
 
 TARGET_SINGLE, TARGET_BATCHED, TARGET_DEFAULT_THREADS = 0.95, 0.90, 0.95
 DECODE_PROMPT = "Write a long story about a dragon who learns to cook."
-LONG_DECODE_PROMPT = "Count from 1 to 2000, one number per line, without stopping."
+LONG_DECODE_PROMPT = "Write the numbers from 1 to 3000 separated by commas."
+"""Runs to 1,500 tokens on SmolLM2 at temperature 0 (~20 s alone): one request of session A
+outlasts B's prefill. ("Count from 1 to 2000, one number per line" stopped after 121 tokens,
+and a run could measure A's gaps over only the first moments of B's prefill.)"""
 FILLER = "the quick brown fox jumps over the lazy dog "  # ~9 tokens
 
 
@@ -232,15 +235,13 @@ def print_batched_breakdown(rounds: list[BatchedRound]) -> None:
     ratios = [r.peer_rate / r.llama_rate for r in rounds]
     print(f"   paired ratios (each round's peer / that round's llama.cpp): {' '.join(f'{x:.3f}' for x in ratios)}; "
           f"median {statistics.median(ratios):.3f}")  # fmt: skip
-    print("   per batched step, median over rounds: llama.cpp {:.1f} ms; peer {:.1f} ms = engine call {:.1f} ms "
-          "+ {:.1f} ms between calls; event-loop CPU {}; {:.2f} sessions per engine call".format(
-              statistics.median(r.llama_step_ms for r in rounds),
-              statistics.median(r.sessions_per_call * 1000 / r.peer_rate for r in rounds),
-              statistics.median(r.engine_ms for r in rounds),
-              statistics.median(r.sessions_per_call * 1000 / r.peer_rate - r.engine_ms for r in rounds),
-              "n/a" if any(r.loop_cpu_ms is None for r in rounds)
-              else f"{statistics.median(r.loop_cpu_ms for r in rounds if r.loop_cpu_ms is not None):.2f} ms",
-              statistics.median(r.sessions_per_call for r in rounds)))  # fmt: skip
+    peer_step = statistics.median(r.sessions_per_call * 1000 / r.peer_rate for r in rounds)
+    engine = statistics.median(r.engine_ms for r in rounds)
+    cpu = [r.loop_cpu_ms for r in rounds if r.loop_cpu_ms is not None]
+    loop = f"{statistics.median(cpu):.2f} ms" if len(cpu) == len(rounds) else "n/a"
+    print(f"   per batched step, median over rounds: llama.cpp {statistics.median(r.llama_step_ms for r in rounds):.1f} ms; "
+          f"peer {peer_step:.1f} ms, of which the engine call {engine:.1f} ms; event-loop CPU {loop}; "
+          f"{statistics.median(r.sessions_per_call for r in rounds):.2f} sessions per engine call")  # fmt: skip
 
 
 def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, float]:
@@ -267,8 +268,11 @@ def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, f
     if not during:
         raise RuntimeError("session A did not stream during B's prefill")
     worst, at = max(during)
+    # A request of A that was streaming before B's request and still after B's first token
+    # saw the whole prefill; otherwise A's gaps sample only part of it (A was between requests).
+    spanned = any(s.token_times[0] < b.started and s.token_times[-1] > b.token_times[0] for s in streams)
     return {"median_ms": statistics.median(before) * 1000 if before else float("nan"), "worst_ms": worst * 1000,
-            "median_during_ms": statistics.median(gap for gap, _ in during) * 1000,
+            "median_during_ms": statistics.median(gap for gap, _ in during) * 1000, "spanned": spanned,
             "worst_at_s": at - b.started, "prefill_s": b.ttft, "prompt_tokens": b.prompt_tokens}  # fmt: skip
 
 
@@ -361,6 +365,9 @@ def main() -> int:
             print(f"\n3. a decoding session while another prefills {g['prompt_tokens']} tokens ({g['prefill_s']:.2f} s):"
                   f" worst inter-token gap {g['worst_ms']:.0f} ms, {g['worst_at_s']:.2f} s after B's request"
                   f" (median {g['median_during_ms']:.1f} ms during it, {g['median_ms']:.1f} ms before it)")  # fmt: skip
+            if not g["spanned"]:
+                print("   NOTE: no request of the decoding session lasted through the whole prefill: the gaps above "
+                      "cover only part of it")  # fmt: skip
         swarm.stop(peer)
 
         if "memory" not in args.skip:
