@@ -154,12 +154,16 @@ class Table:
 
     def views(self, now_ms: int, liveness: Liveness) -> Iterator[NodeView]:
         for entry in sorted(self.entries.values(), key=lambda e: e.record.node_id):
-            yield NodeView(entry.record, effective_state(entry, now_ms, liveness))
+            yield _view(entry, now_ms, liveness)
 
     def view(self, node_id: str, now_ms: int, liveness: Liveness) -> NodeView | None:
         """One node's view, without building the others' (what :meth:`views` would list)."""
-        entry = self.entries.get(NodeId(node_id))
-        return NodeView(entry.record, effective_state(entry, now_ms, liveness)) if entry is not None else None
+        entry = self.get(node_id)
+        return _view(entry, now_ms, liveness) if entry is not None else None
+
+
+def _view(entry: Entry, now_ms: int, liveness: Liveness) -> NodeView:
+    return NodeView(entry.record, effective_state(entry, now_ms, liveness))
 
 
 @dataclass(frozen=True)
