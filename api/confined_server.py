@@ -7,13 +7,23 @@ second request on the same connection, makes hypercorn's websocket stream answer
 h11 connection that is already DONE; h11's ``LocalProtocolError`` escapes, and any client
 could stop any peer with two requests. :func:`install` swaps in a connection handler that
 logs and drops such a failure (the connection is closed by hypercorn's own ``finally``).
+
+The same handler writes a response's bytes in place when the kernel takes them at once.
+hypercorn's own write takes a lock and then trio's ``send_all``, and each ends the task's
+turn even when nothing waits: two scheduler turns for every SSE chunk, which with 8
+sessions streaming is a sixth of what a peer's event loop spends per batched step
+(docs/ARCHITECTURE.md, "What a batched step waits for outside the engine").
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import hypercorn.trio.run as hypercorn_run
+import trio
+from hypercorn.events import Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 log = logging.getLogger(__name__)
@@ -25,6 +35,32 @@ class ConfinedTCPServer(TCPServer):
             await super().run()
         except Exception:  # noqa: BLE001 - any failure of one connection stays with it
             log.warning("an HTTP connection failed and was closed", exc_info=True)
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData) and event.data:
+            written = self._write_in_place(event.data)
+            if written == len(event.data):
+                return
+            if written:  # the rest goes first: hypercorn's write takes the lock before any turn ends
+                event = RawData(event.data[written:])
+        await super().protocol_send(event)
+
+    def _write_in_place(self, data: bytes) -> int:
+        """Write what the kernel takes now, when no write of this connection is under way;
+        how many bytes (0: none, or a failure hypercorn's own write then sees and handles)."""
+        if IN_PLACE_UNSUPPORTED or self.send_lock.locked() or not isinstance(self.stream, trio.SocketStream):
+            return 0
+        fd = self.stream.socket.fileno()
+        if fd < 0:
+            return 0
+        try:
+            return os.write(fd, data)
+        except OSError:  # BlockingIOError (the kernel's buffer is full), a closed peer
+            return 0
+
+
+IN_PLACE_UNSUPPORTED = sys.platform == "win32"
+"""``os.write`` on a socket needs POSIX."""
 
 
 def install() -> None:
