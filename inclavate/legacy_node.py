@@ -209,7 +209,7 @@ class LegacyNode:
 
         if msg.start_pos == 0:
             self.requests += 1
-        await self.stage.submit(Job(item, msg.session_id, deliver, msg.sampling))
+        await self.stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane))
         await done.wait()
         result = results[0]
         if result.error is not None:
@@ -218,7 +218,7 @@ class LegacyNode:
         if len(msg.route) > 1:
             hidden = tensors.encode(result.output.hidden, self.config.wire_dtype)
             return self._reply(wire.Forward(msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to,
-                                            msg.sampling, hidden=hidden))  # fmt: skip
+                                            msg.sampling, hidden=hidden, lane=msg.lane))  # fmt: skip
         if msg.sampling is None:
             return Response(status=204)
         return self._reply(wire.Result(msg.req_id, msg.session_id, result.token))

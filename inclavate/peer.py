@@ -344,7 +344,7 @@ class Peer:
             raise
         stage = Stage(engine, engine_thread=engine_thread, inline_tokens=self.config.inline_tokens,
                       on_batch=self.metrics.record_tokens, on_error=self.metrics.record_error,
-                      keep_outputs=self.config.wire_dtype)
+                      keep_outputs=self.config.wire_dtype, decode_lanes=self.config.decode_lanes)
         assert self._nursery is not None and self.forward is not None
 
         async def run_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -750,7 +750,7 @@ class Peer:
                 measured_step_ms=lambda: self._measured_step_ms(model_id),
                 is_connected=self.host.is_connected,
                 probe=self.latency.responds if self.latency else None,
-                policy=self.config.failover, health=self._peer_health,
+                policy=self.config.failover, health=self._peer_health, lanes=self.config.decode_lanes,
             )  # fmt: skip
         pipeline.check_route()  # raises NoRoute (503) before any work
         self.metrics.record_request(model_id)

@@ -73,6 +73,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--direct-port", type=int, default=0, metavar="PORT",
                    help="TCP port for direct, sealed links to neighbours (default: any free port; -1: "
                    "forward over libp2p streams only, 5-10x the CPU per hop)")  # fmt: skip
+    p.add_argument("--decode-lanes", type=int, default=PeerConfig.decode_lanes, metavar="N",
+                   help="groups of concurrent sessions that go round a chain out of phase, so that N stages "
+                   "compute at once, each on its group's steps (default 2; 1: all sessions in one call)")  # fmt: skip
     p.add_argument("--max-failovers", type=int, default=FailoverPolicy.max_failovers,
                    help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
     p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
@@ -145,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         allowed_hosts=tuple(args.allow_host),
         failover=failover,
         drain_s=args.drain_timeout,
+        decode_lanes=args.decode_lanes,
     )
 
 

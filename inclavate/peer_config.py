@@ -15,6 +15,7 @@ from node.engine import EngineConfig
 from node.engines import EngineKind
 from p2p.failover import FailoverPolicy
 from p2p.registry import Liveness
+from p2p.wire import MAX_LANE
 
 MEMORY_SHARE = 0.5
 """Share of the memory available at start that a peer budgets by default: a volunteer's
@@ -61,6 +62,11 @@ class PeerConfig:
     """At one engine thread, stage batches of at most this many tokens (decode steps) run on
     the event-loop thread: with every process pinned to one core, a whole peer's decode step
     took 12.7-14.0 ms that way against 15.0-17.2 ms through the engine thread."""
+    decode_lanes: int = 2
+    """Lanes of decode steps (``--decode-lanes``): as an entry, new sessions are spread over
+    them; as a stage of a chain, each engine call runs one lane's steps, so that the lanes go
+    round the chain out of phase and several stages compute at once (1: every step of every
+    session shares one call). A stage holding the whole model always batches all lanes."""
     drain_s: float = 30.0
     """On Ctrl-C/SIGTERM, how long the peer waits (draining) for its sessions to move to
     other holders or finish before it leaves anyway (``--drain-timeout``)."""
@@ -72,6 +78,8 @@ class PeerConfig:
     def __post_init__(self) -> None:
         if self.max_layers is not None and self.max_layers < 1:
             raise ConfigError("--max-layers must be at least 1")
+        if not 1 <= self.decode_lanes <= MAX_LANE + 1:
+            raise ConfigError(f"--decode-lanes must be between 1 and {MAX_LANE + 1}")
         if self.memory_mb is not None and self.memory_mb < 1:
             raise ConfigError("--memory-mb must be positive")
         if self.drain_s < 0:

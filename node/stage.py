@@ -19,6 +19,13 @@ the steps of other decoding sessions expected soon (bounded by half their period
 ``align_s``): in a chain, steps arrive one frame at a time from the previous stage, and
 without that wait the sessions split into small groups that never meet again.
 
+A stage of a chain (not one holding the whole model) runs the decode steps of one *lane* per
+engine call (``decode_lanes``; the entry spreads its sessions over lanes): with all sessions in
+one call, one group goes round the chain and only one stage computes at a time; with two
+lanes, two groups go round out of phase and two stages compute at once, for half the batch
+each. Rounds take the lanes in turn (a step of another lane waits one call), and the waits
+above wait only for sessions of the round's lane.
+
 A lone session's decode step on an idle stage skips the queue: it is computed and delivered
 in the submitting task (the forward service's reader, or the entry's generation loop), so a
 hop does not pay a scheduler turn and the worker's batching on caches the last engine call
@@ -84,6 +91,8 @@ class Job:
     sampling: SamplingParams | None = None
     rename_to: SessionId | None = None
     """With no item: continue ``session_id``'s cache under this id (a failover's adopt)."""
+    lane: int = 0
+    """The entry's lane for the session (any small number; the stage folds it onto its own)."""
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0
     """Positions of ``item`` already computed (a job computed in slices)."""
@@ -186,6 +195,7 @@ class Stage:
         prefill_slice_s: float = 0.15,
         keep_outputs: tensors.WireDType | None = None,
         align_s: float = 0.25,
+        decode_lanes: int = 2,
     ) -> None:
         self.engine = engine
         info = engine.info
@@ -208,6 +218,14 @@ class Stage:
         self.align_s = align_s
         """With decode steps queued, the longest a round waits for the next steps of the
         other sessions decoding here, so that they share the call (see :meth:`_align`)."""
+        self.decode_lanes = 1 if info.is_first and info.is_last else max(1, decode_lanes)
+        """Lanes whose decode steps run in separate calls (1: every step shares one). One on a
+        stage holding the whole model: with nothing to overlap with, halving its batch only
+        costs throughput."""
+        self._lane_of: dict[SessionId, int] = {}
+        """The lane of each session decoding here (its last step's)."""
+        self._round_lane: int | None = None
+        """The lane of the round being formed, as far as its waits go (None: every lane)."""
         self._last_step: dict[SessionId, float] = {}
         """When each decoding session's last step arrived."""
         self._step_period: dict[SessionId, float] = {}
@@ -309,6 +327,7 @@ class Stage:
                 waiting.append(await self._receive.receive())
             finally:
                 self._parked = False
+        self._round_lane = self._first_lane(waiting)
         if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
             await self._gather(waiting)
         self._drain(waiting)
@@ -318,9 +337,12 @@ class Stage:
         tokens = 0
         free_slots = self.engine.config.max_sessions - self.engine.memory().sessions
         streaming = self._streaming_sessions(waiting)
+        run_lane: int | None = None  # the lane of the first step taken is the round's
         for index, job in enumerate(waiting):
-            if job.session_id in blocked:
+            lane = self._step_lane(job)
+            if job.session_id in blocked or (lane is not None and run_lane is not None and lane != run_lane):
                 self._deferred.append(job)
+                blocked.add(job.session_id)
                 continue
             if job.item is None and not batch:
                 self._deferred.extend(waiting[index + 1 :])
@@ -342,6 +364,7 @@ class Stage:
                 blocked.add(job.session_id)
                 continue
             batch.append(_Work(job, job.piece(limit)))
+            run_lane = lane if run_lane is None else run_lane
             blocked.add(job.session_id)
             tokens += n
             free_slots -= new
@@ -377,7 +400,7 @@ class Stage:
     def _steps_missing(self, waiting: list[Job]) -> bool:
         """Whether a session decoding here (a step seen, not closed since) has no job queued."""
         here = {job.session_id for job in waiting}
-        return any(sid not in here for sid in self._last_step)
+        return any(sid not in here and self._lane_in_round(sid) for sid in self._last_step)
 
     def _drain(self, waiting: list[Job]) -> None:
         while True:
@@ -410,7 +433,7 @@ class Stage:
             here = {job.session_id for job in waiting}
             expected = [
                 self._last_step[sid] + period for sid, period in self._step_period.items()
-                if sid not in here and sid in self._last_step
+                if sid not in here and sid in self._last_step and self._lane_in_round(sid)
             ]  # fmt: skip
             if not any(now - budget <= at <= deadline for at in expected):
                 return
@@ -427,8 +450,10 @@ class Stage:
         last = self._last_step.pop(sid, None)
         if not is_step:
             self._step_period.pop(sid, None)
+            self._lane_of.pop(sid, None)
             return
         self._last_step[sid] = job.enqueued
+        self._lane_of[sid] = job.lane % self.decode_lanes
         if last is not None:
             period = job.enqueued - last
             known = self._step_period.get(sid)
@@ -442,6 +467,21 @@ class Stage:
             return most
         fits = int(self.prefill_slice_s / max(self._prefill_s_per_token, 1e-9))
         return max(min(16, most), min(most, fits))
+
+    def _step_lane(self, job: Job) -> int | None:
+        """The lane ``job`` runs in: None for anything but a decode step (a round runs those
+        whatever its lane), or when this stage runs one lane."""
+        return job.lane % self.decode_lanes if self.decode_lanes > 1 and _is_step(job) else None
+
+    def _first_lane(self, waiting: list[Job]) -> int | None:
+        """The lane the round will run, for its waits: that of the first decode step waiting
+        (a round defers the other lanes' steps, which come first in the next round, so the
+        lanes take turns). None: one lane for all."""
+        return next((lane for lane in map(self._step_lane, waiting) if lane is not None), None)
+
+    def _lane_in_round(self, session_id: SessionId) -> bool:
+        """Whether a round waits for ``session_id``'s next step (see :meth:`_gather`, :meth:`_align`)."""
+        return self._round_lane is None or self._lane_of.get(session_id, 0) == self._round_lane
 
     def _streaming_sessions(self, waiting: list[Job]) -> set[SessionId]:
         """Sessions with work waiting or that used the stage within the interleave window."""
@@ -457,8 +497,8 @@ class Stage:
                 return
             closed = await self.engine_thread.run(self.engine.close_session, job.session_id)
             self._last_used.pop(job.session_id, None)
-            self._last_step.pop(job.session_id, None)
-            self._step_period.pop(job.session_id, None)
+            for timing in (self._last_step, self._step_period, self._lane_of):
+                timing.pop(job.session_id, None)
             if self.kept is not None:
                 self.kept.drop(job.session_id)
             log.debug("closed session %s (%s)", job.session_id, "freed" if closed else "none held")
@@ -482,7 +522,7 @@ class Stage:
             return 0
         self.stats.adopted += 1
         self._last_used[new] = self._last_used.pop(old, time.monotonic())
-        for timing in (self._last_step, self._step_period):
+        for timing in (self._last_step, self._step_period, self._lane_of):
             if old in timing:
                 timing[new] = timing.pop(old)
         if self.kept is None:

@@ -89,6 +89,16 @@ class FailoverExhausted(P2PError):
         super().__init__(f"the chain failed again after {failovers} failover(s): {cause}")
 
 
+def least_used_lane(lanes_in_use: Iterable[int], lanes: int) -> int:
+    """The lane for a new session: the one fewest sessions use (the lowest on a tie). Two
+    sessions decoding through a chain then go round it in separate lanes, so that two stages
+    compute at once (``node.stage``); more are spread evenly."""
+    used = [0] * max(1, lanes)
+    for lane in lanes_in_use:
+        used[lane % len(used)] += 1
+    return used.index(min(used))
+
+
 @dataclass(frozen=True)
 class Broken:
     """Why a leg cannot go on: the peers to blame (possibly none) and the error to report
@@ -128,6 +138,8 @@ class _Session:
     """Lengths of the steps that processed ``history``: a replay keeps their shapes."""
     legs: int = 0
     failovers: int = 0
+    lane: int = 0
+    """The lane its steps travel in (``p2p.wire``: stages of a chain run one lane per call)."""
     checked: float = 0.0
     flight_since: float | None = None
     """When the oldest unanswered frame was sent."""
@@ -193,6 +205,8 @@ class SwarmPipeline:
     policy: FailoverPolicy = field(default_factory=FailoverPolicy)
     health: PeerHealth = field(default_factory=PeerHealth)
     close_timeout: float = 5.0
+    lanes: int = 2
+    """Lanes new sessions are spread over, the least used first (1: one lane for all)."""
     rng: random.Random = field(default_factory=random.Random)
     deadline: StepDeadline = field(init=False)
     _sessions: dict[SessionId, _Session] = field(default_factory=dict)
@@ -225,7 +239,7 @@ class SwarmPipeline:
     ) -> int | None:
         session = self._sessions.get(session_id)
         if session is None:
-            session = _Session(session_id)
+            session = _Session(session_id, lane=least_used_lane((s.lane for s in self._sessions.values()), self.lanes))
             self._open_leg(session, self._reroute((), frozenset(), exclude_load=session))
             self._sessions[session_id] = session
         if session.leg is None:
@@ -271,7 +285,8 @@ class SwarmPipeline:
         req = next(_request_ids)
         hops = leg.route if route is None else tuple(route)
         msg = wire.Forward(req, leg.wire_id, start_pos, hops, self.service.me, sampling,
-                           tokens=np.asarray(tokens, dtype=np.int32), discard=route is not None, replay=replay)  # fmt: skip
+                           tokens=np.asarray(tokens, dtype=np.int32), discard=route is not None, replay=replay,
+                           lane=session.lane)  # fmt: skip
         if session.flight_since is None:
             session.flight_since = trio.current_time()
         session.flight_tokens += len(tokens)

@@ -480,7 +480,7 @@ class ForwardService:
             self.admission.release(remote, nbytes)
             await self._after_stage(msg, result)
 
-        await stage.submit(Job(item, msg.session_id, deliver, msg.sampling))
+        await stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane))
 
     @staticmethod
     def _check_replay(msg: wire.Forward, stage: Stage) -> None:
@@ -521,6 +521,7 @@ class ForwardService:
             nxt = wire.Forward(
                 msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to, msg.sampling,
                 hidden=result.sent or tensors.encode(hidden, self.wire_dtype), discard=msg.discard, replay=replay,
+                lane=msg.lane,
             )  # fmt: skip
             await self.send(nxt.route[0].peer_id, nxt)
         elif msg.sampling is not None:

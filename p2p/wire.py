@@ -6,7 +6,7 @@ three forms, told apart by its first byte::
     JSON:   u32 big-endian header length (< 2**24, so the first byte is 0)
             | header: UTF-8 JSON with a "type" tag | body bytes
     step:   0xF1 | 0 | u16 context length | u64 req | u32 start_pos | u32 rows
-            | context: UTF-8 JSON {session, route, reply_to, sampling, input} | body bytes
+            | context: UTF-8 JSON {session, route, reply_to, sampling, input[, lane]} | body bytes
     result: 0xF2 | 0 | u16 session length | u64 req | i32 token (-1: none) | session (UTF-8)
 
 A decode step goes round the chain once per token, and its route, session, entry and
@@ -28,6 +28,11 @@ under a new leg id (answered ``adopted`` with the positions it keeps); a ``forwa
 ``replay``, telling the hop whose range ends at ``at`` to send its kept outputs of ``frames``
 into the hops up to boundary ``until`` first; and those frames carry ``discard``: the route
 ends before the model does and its last hop only rebuilds its cache.
+
+A ``forward`` may name a *lane* (0 when absent): the entry spreads its sessions over lanes,
+and a stage of a chain runs the decode steps of one lane per engine call, so that the lanes
+go round the chain out of phase and several stages compute at once (``node.stage``). A peer
+that does not know lanes ignores the key and batches every lane together, as before.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ MAX_MESSAGE_CHARS = 4096
 MAX_DIM = 1 << 24
 MAX_REPLAY_FRAMES = 4096
 """Frames one replay may name (a 128k context in 32-position frames)."""
+MAX_LANE = 15
+"""Lanes are small numbers; a stage folds them onto the lanes it runs (``node.stage``)."""
 
 def max_frame_bytes(context_length: int, d_model: int) -> int:
     """The largest forward frame a model can need: a whole context of float32 hidden states
@@ -184,6 +191,8 @@ class Forward:
     """Rebuild the cache only: the route may end before the model's last layer, and its
     last hop drops its output (a failover replay into a replaced span)."""
     replay: Replay | None = None
+    lane: int = 0
+    """Which group of the entry's sessions this step travels with (see the module's notes)."""
 
     @property
     def n_tokens(self) -> int:
@@ -275,6 +284,7 @@ class _StepContext:
     kind: Literal["tokens", "hidden"]
     dtype: tensors.WireDType | None
     cols: int
+    lane: int
 
 
 _sent_contexts: dict[tuple[Any, ...], bytes] = {}
@@ -310,12 +320,15 @@ def _encode_step(msg: Forward) -> bytes | None:
         kind, dtype, (rows, cols), body = "hidden", msg.hidden.dtype, msg.hidden.shape, msg.hidden.data
     if not (0 <= msg.req_id < _REQ_LIMIT and 0 <= msg.start_pos < 2**32 and 0 <= rows < 2**32):
         return None
-    key = (msg.session_id, msg.route, msg.reply_to, msg.sampling, kind, dtype, cols)
+    key = (msg.session_id, msg.route, msg.reply_to, msg.sampling, kind, dtype, cols, msg.lane)
     context = _sent_contexts.get(key)
     if context is None:
         spec: dict[str, Any] = {"kind": kind} if dtype is None else {"kind": kind, "dtype": dtype, "cols": cols}
-        context = json.dumps({"session": msg.session_id, "route": [_hop_json(h) for h in msg.route], "reply_to": msg.reply_to,
-                              "sampling": _sampling_json(msg.sampling), "input": spec}, separators=(",", ":")).encode()  # fmt: skip
+        fields = {"session": msg.session_id, "route": [_hop_json(h) for h in msg.route], "reply_to": msg.reply_to,
+                  "sampling": _sampling_json(msg.sampling), "input": spec}  # fmt: skip
+        if msg.lane:
+            fields["lane"] = msg.lane
+        context = json.dumps(fields, separators=(",", ":")).encode()
         if len(context) > 0xFFFF:
             return None
         if len(context) <= MAX_CACHED_CONTEXT_BYTES:  # routes come off the network: same bound as received ones
@@ -337,6 +350,8 @@ def _encode_json(msg: Message) -> bytes:
             header["discard"] = True
         if msg.replay is not None:
             header["replay"] = {"at": msg.replay.at, "until": msg.replay.until, "frames": [list(f) for f in msg.replay.frames]}
+        if msg.lane:
+            header["lane"] = msg.lane
         if msg.tokens is not None:
             header["input"] = {"kind": "tokens", "shape": [int(msg.tokens.shape[0])]}
             body = np.ascontiguousarray(msg.tokens, dtype="<i4").tobytes()
@@ -407,20 +422,26 @@ def _decode_step(view: memoryview) -> Forward:
         assert context.dtype is not None
         hidden = tensors.EncodedTensor(context.dtype, (rows, context.cols), bytes(body))
         tensors.validate(hidden)
-    return Forward(req, context.session_id, start_pos, context.route, context.reply_to, context.sampling, tokens, hidden)
+    return Forward(req, context.session_id, start_pos, context.route, context.reply_to, context.sampling, tokens, hidden,
+                   lane=context.lane)  # fmt: skip
 
 
 def _step_context(raw: bytes) -> _StepContext:
     h = as_dict(parse_json(raw, max_bytes=MAX_HEADER_BYTES), "context", max_len=8)
     session = SessionId(read_str(h, "session", max_len=MAX_ID_CHARS))
     route, reply_to, sampling = _addressing(h)
+    lane = _lane(h)
     spec = read_dict(h, "input", max_len=4)
     kind = read_str(spec, "kind", max_len=16, choices=_INPUT_KINDS)
     if kind == "tokens":
-        return _StepContext(session, route, reply_to, sampling, "tokens", None, 0)
+        return _StepContext(session, route, reply_to, sampling, "tokens", None, 0, lane)
     dtype = read_str(spec, "dtype", max_len=8, choices=_WIRE_DTYPES)
     cols = read_int(spec, "cols", lo=1, hi=MAX_DIM)
-    return _StepContext(session, route, reply_to, sampling, "hidden", dtype, cols)  # type: ignore[arg-type]
+    return _StepContext(session, route, reply_to, sampling, "hidden", dtype, cols, lane)  # type: ignore[arg-type]
+
+
+def _lane(h: dict[str, Any]) -> int:
+    return read_int(h, "lane", lo=0, hi=MAX_LANE, default=0)
 
 
 def _decode_result(view: memoryview) -> Result:
@@ -466,7 +487,7 @@ def _build(h: dict[str, Any], body: memoryview) -> Message:
         replay = _replay(h.get("replay"), start_pos)
         if discard and (sampling is not None or replay is not None):
             raise ValueError("a discarded frame neither samples nor replays")
-        return Forward(req, session, start_pos, route, reply_to, sampling, tokens, hidden, discard, replay)
+        return Forward(req, session, start_pos, route, reply_to, sampling, tokens, hidden, discard, replay, _lane(h))
     if kind == Result.TYPE:
         token = h.get("token")
         return Result(req, session, None if token is None else as_int(token, "token", lo=0, hi=2**31 - 1))

@@ -21,7 +21,9 @@ its figures against their targets; ``--sections`` runs a subset:
   costs on top (no targets: figures for reading the others).
 - ``transport``: one message between two processes over libp2p, the direct link, plain TCP.
 - ``concurrency``: 1, 4 and 8 sessions streaming at once, aggregate decode tok/s and how
-  many sessions each stage's step calls batched (target at 8: chain >= 0.85x whole).
+  many sessions each stage's step calls batched (target at 8: chain >= 0.85x whole); also a
+  chain whose peers run every session's steps in one call (``--decode-lanes 1``, what the
+  default two lanes are measured against).
 - ``long-prefill``: a ~2,000-token prompt, prompt tok/s to the first token (target >= 0.9).
 Setups within a section are measured in turns (whole, chain, whole, ...), best of ``--rounds``.
 """
@@ -302,23 +304,27 @@ def step_batching(peers: list[PeerProcess]) -> list[StepCounts]:
 
 def concurrency(bench: Bench) -> list[Verdict]:
     """Aggregate decode rate with 1, 4, 8 sessions streaming at once, and how many sessions
-    each stage's decode-step calls batched on average (all rounds of that level)."""
+    each stage's decode-step calls batched on average (all rounds of that level). The chain
+    runs at default flags (two lanes of decode steps, ``node.stage``) and, in turns with it,
+    with one lane (every session's step in one call per stage)."""
     args = bench.args
     with bench.swarm() as swarm:
         whole, chain = bench.start_whole(swarm), bench.start_chain(swarm)
-        peers = [whole, *chain]
+        one_lane = bench.start_chain(swarm, "--decode-lanes", "1", prefix="one-lane-")
+        peers = [whole, *chain, *one_lane]
         print(f"aggregate decode tok/s while every session streams ({args.concurrent_tokens} tokens each)")
-        print(f"{'sessions':>8}{'whole':>10}{'chain':>10}{'ratio':>9}   mean sessions per step call: whole | chain stages")
+        print(f"{'sessions':>8}{'whole':>10}{'chain':>10}{'1 lane':>10}{'ratio':>9}{'1 lane':>9}"
+              "   mean sessions per step call: whole | chain stages | 1-lane chain stages")  # fmt: skip
         ratio = 0.0
         for sessions in args.sessions:
             before = step_batching(peers)
-            best = best_in_turns(bench, {"whole": whole, "chain": chain[0]},
+            best = best_in_turns(bench, {"whole": whole, "chain": chain[0], "one_lane": one_lane[0]},
                                  lambda p: concurrent_decode(p, bench.spec.model_id, sessions, args.concurrent_tokens))  # fmt: skip
             after = step_batching(peers)
-            means = [(b.jobs - a.jobs) / max(1, b.rounds - a.rounds) for a, b in zip(before, after)]
+            means = [f"{(b.jobs - a.jobs) / max(1, b.rounds - a.rounds):.2f}" for a, b in zip(before, after)]
             ratio = best["chain"] / best["whole"]
-            print(f"{sessions:>8}{best['whole']:10.1f}{best['chain']:10.1f}{ratio:9.3f}   "
-                  f"{means[0]:.2f} | {' '.join(f'{m:.2f}' for m in means[1:])}")  # fmt: skip
+            print(f"{sessions:>8}{best['whole']:10.1f}{best['chain']:10.1f}{best['one_lane']:10.1f}{ratio:9.3f}"
+                  f"{best['one_lane'] / best['whole']:9.3f}   {means[0]} | {' '.join(means[1:4])} | {' '.join(means[4:])}")  # fmt: skip
     return [Verdict(f"{args.sessions[-1]} sessions chain/whole", ratio, TARGET_CONCURRENT)]
 
 

@@ -11,6 +11,7 @@ import trio
 from registry_helpers import MODEL, view
 
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
+from p2p.chain import least_used_lane
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
 from p2p.legs import Leg, LegWatch
@@ -198,3 +199,13 @@ def test_near_equal_routes_are_drawn_at_random() -> None:
     assert min(picks["a"], picks["b"]) > 50
     costs = CostModel(link_ms={PeerId("a"): 1.0, PeerId("b"): 1.0 + 40 * NEAR_EQUAL})
     assert {choose_route(views, MODEL, PeerId("x"), costs, random.Random(i))[0].node_id for i in range(50)} == {"a"}
+
+
+def test_new_sessions_are_spread_evenly_over_the_lanes() -> None:
+    lanes: list[int] = []
+    for _ in range(5):
+        lanes.append(least_used_lane(lanes, 2))
+    assert lanes == [0, 1, 0, 1, 0]
+    assert least_used_lane([0, 0, 2, 1], 3) == 1  # the fewest first, the lowest on a tie
+    assert least_used_lane([1, 3, 1], 2) == 0  # lanes fold onto the entry's count
+    assert least_used_lane([0, 1, 2], 1) == 0

@@ -295,3 +295,72 @@ async def test_a_step_stuck_delivering_in_place_holds_back_only_its_own_session(
             other = await run_job(stage, "other", 0, [1, 4093, 198])
         assert other.error is None and other.token == token
         nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def first_range(smollm2, slice_cache) -> LlamaCppEngine:
+    """A stage of a chain: the first third of the model (hidden states out)."""
+    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 10),
+                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=4), slice_cache=slice_cache) as e:  # fmt: skip
+        yield e
+
+
+async def _one_step_each(stage: Stage, lanes: dict[str, int], calls: list[int]) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Prefill every session, then queue one decode step of each at once (in ``lanes``'
+    order). Returns the order the steps were delivered in and their outputs; ``calls`` (the
+    stage's ``on_batch`` list) is left holding the tokens of each step call."""
+    order: list[str] = []
+    outputs: dict[str, np.ndarray] = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for name in lanes:
+            await run_job(stage, name, 0, [1, 4093, 198], None)
+        calls.clear()
+        done = trio.Event()
+
+        def deliver_to(name: str):  # type: ignore[no-untyped-def]
+            async def deliver(result: StageResult) -> None:
+                assert result.error is None and result.output is not None
+                order.append(name)
+                outputs[name] = result.output.hidden
+                if len(order) == len(lanes):
+                    done.set()
+
+            return deliver
+
+        for name, lane in lanes.items():
+            item = BatchItem(SessionId(name), 3, tokens=np.array([19556], np.int32))
+            await stage.submit(Job(item, SessionId(name), deliver_to(name), lane=lane))
+        with trio.fail_after(30):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    return order, outputs
+
+
+async def test_a_chain_stage_runs_each_lane_s_steps_in_a_call_of_their_own(first_range) -> None:
+    """Two lanes: the steps queued together run as one call per lane, the first queued
+    step's lane first, and every step computes exactly what it computes in one shared call.
+    A lane number past the stage's lanes folds onto them (3 is lane 1 of 2)."""
+    lanes = {"a": 0, "b": 1, "c": 0, "d": 3}
+    calls: list[int] = []
+    order, laned = await _one_step_each(Stage(first_range, decode_lanes=2, on_batch=lambda n, ms: calls.append(n)), lanes, calls)
+    assert calls == [2, 2]
+    assert order == ["a", "c", "b", "d"]
+    for name in lanes:
+        first_range.close_session(SessionId(name))
+    one_call: list[int] = []
+    _, shared = await _one_step_each(Stage(first_range, decode_lanes=1, on_batch=lambda n, ms: one_call.append(n)), lanes, one_call)
+    assert one_call == [4]
+    for name in lanes:
+        assert np.array_equal(laned[name], shared[name])
+
+
+async def test_a_stage_holding_the_whole_model_runs_every_lane_in_one_call(smollm2, slice_cache) -> None:
+    """Nothing to overlap with: splitting its batch would only cost throughput."""
+    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
+                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=4), slice_cache=slice_cache) as whole:  # fmt: skip
+        calls: list[int] = []
+        stage = Stage(whole, decode_lanes=2, on_batch=lambda n, ms: calls.append(n))
+        assert stage.decode_lanes == 1
+        await _one_step_each(stage, {"a": 0, "b": 1, "c": 0, "d": 1}, calls)
+    assert calls == [4]

@@ -73,6 +73,25 @@ def test_what_the_compact_forms_cannot_hold_goes_as_json() -> None:
             wire.decode(wire.encode(too_big))
 
 
+def test_a_step_s_lane_travels_in_either_form_and_lane_0_is_the_old_bytes() -> None:
+    """The lane is part of a leg's context; lane 0 is written as before lanes existed, so a
+    peer that does not know lanes reads it, and one that does reads its absence as 0."""
+    lane_0 = _step("zero")
+    frame = wire.encode(lane_0)
+    size = struct.unpack_from(">BBHQII", frame)[2]
+    header = struct.calcsize(">BBHQII")
+    assert "lane" not in json.loads(frame[header : header + size])
+    assert wire.decode(_step_frame(_context())).lane == 0  # type: ignore[union-attr]
+    for lane in (1, wire.MAX_LANE):
+        step = wire.Forward(1, SessionId("lanes"), 3, ROUTE, PeerId("e"), None, hidden=lane_0.hidden, lane=lane)
+        as_json = wire.Forward(1, SessionId("lanes"), 3, ROUTE, PeerId("e"), None, hidden=lane_0.hidden,
+                               replay=wire.Replay(10, 20, ((0, 3),)), lane=lane)  # fmt: skip
+        for msg, tag in ((step, wire.STEP_TAG), (as_json, 0)):
+            frame = wire.encode(msg)
+            assert frame[0] == tag
+            assert wire.decode(frame).lane == lane  # type: ignore[union-attr]
+
+
 def test_a_leg_s_context_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
     parsed: list[bytes] = []
     real = wire._step_context
@@ -117,6 +136,10 @@ def test_the_context_caches_stay_bounded_whatever_a_stranger_sends() -> None:
         _step_frame(_context(input={"kind": "hidden", "dtype": "f64", "cols": 2})),
         _step_frame(_context(input={"kind": "hidden", "dtype": "f32", "cols": 0})),
         _step_frame(_context(input={"kind": "pixels"})),
+        _step_frame(_context(lane=wire.MAX_LANE + 1)),
+        _step_frame(_context(lane=-1)),
+        _step_frame(_context(lane="0")),
+        _step_frame(_context(lane=True)),
         _step_frame(_context(), rows=0, body=b""),
         _step_frame(_context(), rows=2**24 + 1),
         _step_frame(_context(), pos=2**24 + 1),
