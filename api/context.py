@@ -55,7 +55,7 @@ class PeerContext(Protocol):
         (``adopted``) and positions it computed again after a rewind (``recomputed``)."""
         ...
 
-    def stage_batching(self) -> dict[str, float] | None:
+    def stage_batching(self) -> dict[str, object] | None:
         """How many sessions this peer's stage batches per decode-step call (None: no stage)."""
         ...
 

@@ -584,12 +584,13 @@ class Peer:
             "entry": sum(len(p.open_sessions) for p in self._pipelines.values()),
         }
 
-    def stage_batching(self) -> dict[str, float] | None:
+    def stage_batching(self) -> dict[str, object] | None:
         if self.stage is None:
             return None
         stats = self.stage.stats
         return {"step_rounds": stats.step_rounds, "step_jobs": stats.step_jobs,
-                "mean_step_batch": round(stats.mean_step_batch, 3), "step_seconds": round(stats.step_seconds, 6)}  # fmt: skip
+                "mean_step_batch": round(stats.mean_step_batch, 3), "step_seconds": round(stats.step_seconds, 6),
+                "step_rounds_by_lane": list(stats.step_rounds_by_lane)}  # fmt: skip
 
     # ------------------------------------------------- admin and legacy nodes
 

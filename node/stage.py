@@ -155,6 +155,8 @@ class StageStats:
     step_seconds: float = 0.0
     """Time those calls took, sampling included: a benchmark subtracts it from a token's
     time to see what a chain adds outside the engines, whatever the engines' speed."""
+    step_rounds_by_lane: list[int] = field(default_factory=lambda: [0])
+    """``step_rounds`` by the lane whose steps they ran (one entry per lane of the stage)."""
     _ema_alpha: float = 0.2
 
     @property
@@ -241,7 +243,7 @@ class Stage:
         self.admission_timeout_s = admission_timeout_s
         self.max_batch_tokens = max_batch_tokens
         self.session_idle_s = session_idle_s
-        self.stats = StageStats()
+        self.stats = StageStats(step_rounds_by_lane=[0] * self.decode_lanes)
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
         self._deferred: list[Job] = []
         self._last_used: dict[SessionId, float] = {}
@@ -580,6 +582,7 @@ class Stage:
             self.stats.step_rounds += 1
             self.stats.step_jobs += len(computed)
             self.stats.step_seconds += elapsed
+            self.stats.step_rounds_by_lane[self._step_lane(computed[0].job) or 0] += 1
         if self.on_batch is not None:
             self.on_batch(tokens, elapsed * 1000)
 

@@ -72,7 +72,7 @@ class LocalContext:
     def open_sessions(self) -> dict[str, int]:
         return {"stage": self.engine.memory().sessions, "entry": 0}
 
-    def stage_batching(self) -> dict[str, float] | None:
+    def stage_batching(self) -> dict[str, object] | None:
         return None
 
     def knows_model(self, model_id: str) -> bool:

@@ -84,9 +84,14 @@ def test_eight_concurrent_requests_all_succeed(swarm, expected: str) -> None:
         reply = client(peers[i % 3]).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
         return reply.choices[0].message.content
 
+    before = [p.get("/health")["batching"]["step_rounds_by_lane"] for p in peers]
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(8)))
     assert answers == [expected] * 8
+    # The sessions went round the chain in two lanes: every stage ran step calls of each.
+    for peer, was in zip(peers, before):
+        now = peer.get("/health")["batching"]["step_rounds_by_lane"]
+        assert len(now) == 2 and all(n > w for n, w in zip(now, was)), (peer.name, was, now)
 
 
 def test_sampling_with_a_seed_is_reproducible(swarm) -> None:

@@ -343,8 +343,9 @@ async def test_a_chain_stage_runs_each_lane_s_steps_in_a_call_of_their_own(first
     A lane number past the stage's lanes folds onto them (3 is lane 1 of 2)."""
     lanes = {"a": 0, "b": 1, "c": 0, "d": 3}
     calls: list[int] = []
-    order, laned = await _one_step_each(Stage(first_range, decode_lanes=2, on_batch=lambda n, ms: calls.append(n)), lanes, calls)
-    assert calls == [2, 2]
+    stage = Stage(first_range, decode_lanes=2, on_batch=lambda n, ms: calls.append(n))
+    order, laned = await _one_step_each(stage, lanes, calls)
+    assert calls == [2, 2] and stage.stats.step_rounds_by_lane == [1, 1]
     assert order == ["a", "c", "b", "d"]
     for name in lanes:
         first_range.close_session(SessionId(name))
