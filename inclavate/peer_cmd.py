@@ -74,8 +74,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                    help="TCP port for direct, sealed links to neighbours (default: any free port; -1: "
                    "forward over libp2p streams only, 5-10x the CPU per hop)")  # fmt: skip
     p.add_argument("--decode-lanes", type=int, default=PeerConfig.decode_lanes, metavar="N",
-                   help="groups of concurrent sessions that go round a chain out of phase, so that N stages "
-                   "compute at once, each on its group's steps (default 2; 1: all sessions in one call)")  # fmt: skip
+                   help="most groups of concurrent sessions that go round a chain out of phase, one per stage "
+                   "of the route, so that its stages compute at once, each on one group's steps (default 4; "
+                   "1: every session's step in one call)")  # fmt: skip
     p.add_argument("--max-failovers", type=int, default=FailoverPolicy.max_failovers,
                    help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
     p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",

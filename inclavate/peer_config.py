@@ -62,11 +62,12 @@ class PeerConfig:
     """At one engine thread, stage batches of at most this many tokens (decode steps) run on
     the event-loop thread: with every process pinned to one core, a whole peer's decode step
     took 12.7-14.0 ms that way against 15.0-17.2 ms through the engine thread."""
-    decode_lanes: int = 2
-    """Lanes of decode steps (``--decode-lanes``): as an entry, new sessions are spread over
-    them; as a stage of a chain, each engine call runs one lane's steps, so that the lanes go
-    round the chain out of phase and several stages compute at once (1: every step of every
-    session shares one call). A stage holding the whole model always batches all lanes."""
+    decode_lanes: int = 4
+    """Most lanes of decode steps (``--decode-lanes``): as an entry, new sessions are spread
+    over one lane per stage of their route, up to this many; as a stage of a chain, each
+    engine call runs one lane's steps (lanes past this many fold onto them), so that the
+    lanes go round the chain out of phase and its stages compute at once (1: every step of
+    every session shares one call). A stage holding the whole model batches all lanes."""
     drain_s: float = 30.0
     """On Ctrl-C/SIGTERM, how long the peer waits (draining) for its sessions to move to
     other holders or finish before it leaves anyway (``--drain-timeout``)."""

@@ -20,11 +20,12 @@ the steps of other decoding sessions expected soon (bounded by half their period
 without that wait the sessions split into small groups that never meet again.
 
 A stage of a chain (not one holding the whole model) runs the decode steps of one *lane* per
-engine call (``decode_lanes``; the entry spreads its sessions over lanes): with all sessions in
-one call, one group goes round the chain and only one stage computes at a time; with two
-lanes, two groups go round out of phase and two stages compute at once, for half the batch
-each. Rounds take the lanes in turn (a step of another lane waits one call), and the waits
-above wait only for sessions of the round's lane.
+engine call (at most ``decode_lanes``; the entry spreads its sessions over one lane per stage
+of their route): with all sessions in one call, one group goes round the chain and only one
+stage computes at a time; with a lane per stage, the groups go round out of phase and every
+stage computes at once, each call on a part of the batch. Rounds take the lanes in turn (a
+step of another lane waits for the calls before it), and the waits above wait only for
+sessions of the round's lane.
 
 A lone session's decode step on an idle stage skips the queue: it is computed and delivered
 in the submitting task (the forward service's reader, or the entry's generation loop), so a
@@ -197,7 +198,7 @@ class Stage:
         prefill_slice_s: float = 0.15,
         keep_outputs: tensors.WireDType | None = None,
         align_s: float = 0.25,
-        decode_lanes: int = 2,
+        decode_lanes: int = 4,
     ) -> None:
         self.engine = engine
         info = engine.info

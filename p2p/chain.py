@@ -90,9 +90,9 @@ class FailoverExhausted(P2PError):
 
 
 def least_used_lane(lanes_in_use: Iterable[int], lanes: int) -> int:
-    """The lane for a new session: the one fewest sessions use (the lowest on a tie). Two
-    sessions decoding through a chain then go round it in separate lanes, so that two stages
-    compute at once (``node.stage``); more are spread evenly."""
+    """The lane for a new session, of ``lanes``: the one fewest sessions use (the lowest on
+    a tie). Sessions decoding through a chain then go round it in separate lanes, so that
+    several stages compute at once (``node.stage``), and are spread evenly over them."""
     used = [0] * max(1, lanes)
     for lane in lanes_in_use:
         used[lane % len(used)] += 1
@@ -205,8 +205,9 @@ class SwarmPipeline:
     policy: FailoverPolicy = field(default_factory=FailoverPolicy)
     health: PeerHealth = field(default_factory=PeerHealth)
     close_timeout: float = 5.0
-    lanes: int = 2
-    """Lanes new sessions are spread over, the least used first (1: one lane for all)."""
+    lanes: int = 4
+    """Most lanes new sessions are spread over (one per stage of their route, up to this),
+    the least used first; 1: one lane for all."""
     rng: random.Random = field(default_factory=random.Random)
     deadline: StepDeadline = field(init=False)
     _sessions: dict[SessionId, _Session] = field(default_factory=dict)
@@ -239,8 +240,12 @@ class SwarmPipeline:
     ) -> int | None:
         session = self._sessions.get(session_id)
         if session is None:
-            session = _Session(session_id, lane=least_used_lane((s.lane for s in self._sessions.values()), self.lanes))
-            self._open_leg(session, self._reroute((), frozenset(), exclude_load=session))
+            session = _Session(session_id)
+            route = self._reroute((), frozenset(), exclude_load=session)
+            # One lane per stage of the route (up to ``lanes``): every stage can then compute
+            # while the others do. A route of one hop (a whole peer) has one lane.
+            session.lane = least_used_lane((s.lane for s in self._sessions.values()), min(self.lanes, len(route)))
+            self._open_leg(session, route)
             self._sessions[session_id] = session
         if session.leg is None:
             raise P2PError(f"session {session_id} lost its route")

@@ -88,10 +88,12 @@ def test_eight_concurrent_requests_all_succeed(swarm, expected: str) -> None:
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(8)))
     assert answers == [expected] * 8
-    # The sessions went round the chain in two lanes: every stage ran step calls of each.
+    # The sessions went round the chain in lanes (one per stage, up to 4): every stage ran
+    # step calls of several (each entry spreads its 2-3 concurrent sessions over them).
     for peer, was in zip(peers, before):
         now = peer.get("/health")["batching"]["step_rounds_by_lane"]
-        assert len(now) == 2 and all(n > w for n, w in zip(now, was)), (peer.name, was, now)
+        assert len(now) == 4 and now[3] == was[3], (peer.name, was, now)
+        assert sum(n > w for n, w in zip(now, was)) >= 2, (peer.name, was, now)
 
 
 def test_sampling_with_a_seed_is_reproducible(swarm) -> None:
