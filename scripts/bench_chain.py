@@ -25,6 +25,10 @@ its figures against their targets; ``--sections`` runs a subset:
   chain whose peers run every session's steps in one call (``--decode-lanes 1``, what the
   default two lanes are measured against).
 - ``long-prefill``: a ~2,000-token prompt, prompt tok/s to the first token (target >= 0.9).
+``--cores-apart`` pins each chain peer to a core of its own (round robin) and the whole peer
+to ``--threads`` cores, so that the stages compute side by side as on separate machines
+(with ``--peers`` up to the machine's cores; e.g. ``--peers 2 --sections concurrency`` on 2
+cores).
 Setups within a section are measured in turns (whole, chain, whole, ...), best of ``--rounds``.
 """
 
@@ -101,6 +105,8 @@ class Bench:
     def start_whole(self, swarm: LocalSwarm) -> PeerProcess:
         whole = swarm.start("whole", self.spec.model_id, "--layers", f"0-{self.spec.n_layers}")
         swarm.wait_ready(whole)
+        if self.args.cores_apart:
+            pin_threads(whole.process.pid, set(self.cores[: self.args.threads]))
         return whole
 
     def start_chain(self, swarm: LocalSwarm, *extra: str, prefix: str = "") -> list[PeerProcess]:
@@ -112,7 +118,14 @@ class Bench:
         for peer in chain:
             swarm.wait_ready(peer)
         swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+        if self.args.cores_apart:
+            for i, peer in enumerate(chain):
+                pin_threads(peer.process.pid, {self.cores[i % len(self.cores)]})
         return chain
+
+    @property
+    def cores(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))
 
     def interleaved(self, setups: dict[str, list[PeerProcess] | BareSetup]) -> dict[str, Rates]:
         """Each setup's best prefill and decode rate and least decode CPU, measured in turns
@@ -210,6 +223,15 @@ def floor_verdicts(rates: dict[str, Rates], chain_name: str, hops: int, prefix: 
           f"{(1 / chain.decode - 1 / bare_chain.decode) * 1000 / hops:.2f} ms per hop to the bare chain's step")  # fmt: skip
     return [Verdict(f"{prefix}bare decode chain/whole (the floor on this machine)", bare_chain.decode / bare_whole.decode, None),
             Verdict(f"{prefix}decode chain/bare chain", chain.decode / bare_chain.decode, None)]
+
+
+def pin_threads(pid: int, cores: set[int]) -> None:
+    """Every thread of a running process on ``cores`` (a new thread inherits its creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
 
 
 def process_cpu_s(pid: int) -> float:
@@ -323,8 +345,9 @@ def concurrency(bench: Bench) -> list[Verdict]:
             after = step_batching(peers)
             means = [f"{(b.jobs - a.jobs) / max(1, b.rounds - a.rounds):.2f}" for a, b in zip(before, after)]
             ratio = best["chain"] / best["whole"]
+            stages = 1 + len(chain)
             print(f"{sessions:>8}{best['whole']:10.1f}{best['chain']:10.1f}{best['one_lane']:10.1f}{ratio:9.3f}"
-                  f"{best['one_lane'] / best['whole']:9.3f}   {means[0]} | {' '.join(means[1:4])} | {' '.join(means[4:])}")  # fmt: skip
+                  f"{best['one_lane'] / best['whole']:9.3f}   {means[0]} | {' '.join(means[1:stages])} | {' '.join(means[stages:])}")  # fmt: skip
     return [Verdict(f"{args.sessions[-1]} sessions chain/whole", ratio, TARGET_CONCURRENT)]
 
 
@@ -368,6 +391,9 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8], help="concurrency levels")
     parser.add_argument("--concurrent-tokens", type=int, default=48, help="tokens per session, concurrency section")
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
+    parser.add_argument("--cores-apart", action="store_true",
+                        help="pin each peer of a chain to a core of its own (peer i on core i, round robin) and the whole "
+                        "peer to --threads cores: the stages compute side by side, as on separate machines")  # fmt: skip
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
     chosen = [s for s in args.sections.split(",") if s]
