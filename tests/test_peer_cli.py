@@ -38,6 +38,8 @@ def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
     for args in (["--model", "smollm2:135m", "--layers", "5-2"], ["--model", "smollm2:135m", "--legacy"]):
         result = peer(*args, tmp_path=tmp_path)
         assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
+    result = peer("--model", "smollm2:135m", "--decode-lanes", "0", tmp_path=tmp_path)
+    assert result.returncode == 1 and "error: --decode-lanes must be between 1 and 16" in result.stderr, result.stderr
 
 
 def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line() -> None:
