@@ -228,6 +228,10 @@ def test_malformed_step_and_result_frames_are_dropped(live, expected, baseline) 
             step(context(route=[[pid, pid, 20, 30, ""]] * 300), row),
             step(context(), row, rows=2**31),
             step(context(), row[:-1]),
+            step(context(lane=wire.MAX_LANE + 1), row),  # lanes: an integer 0-15, nothing else
+            step(context(lane=-1), row),
+            step(context(lane="1"), row),
+            step(context(lane=1.0), row),
             struct.pack(">BBHQi", wire.RESULT_TAG, 0, 2, 1, 5) + b"\xff\xfe",
             struct.pack(">BBHQi", wire.RESULT_TAG, 0, 1, 1, -9) + b"m",
         ):
