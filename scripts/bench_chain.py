@@ -23,7 +23,7 @@ its figures against their targets; ``--sections`` runs a subset:
 - ``concurrency``: 1, 4 and 8 sessions streaming at once, aggregate decode tok/s and how
   many sessions each stage's step calls batched (target at 8: chain >= 0.85x whole); also a
   chain whose peers run every session's steps in one call (``--decode-lanes 1``, what the
-  default two lanes are measured against).
+  default lanes are measured against).
 - ``long-prefill``: a ~2,000-token prompt, prompt tok/s to the first token (target >= 0.9).
 ``--cores-apart`` pins each chain peer to a core of its own (round robin) and the whole peer
 to ``--threads`` cores, so that the stages compute side by side as on separate machines
