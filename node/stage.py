@@ -227,8 +227,6 @@ class Stage:
         costs throughput."""
         self._lane_of: dict[SessionId, int] = {}
         """The lane of each session decoding here (its last step's)."""
-        self._round_lane: int | None = None
-        """The lane of the round being formed, as far as its waits go (None: every lane)."""
         self._last_step: dict[SessionId, float] = {}
         """When each decoding session's last step arrived."""
         self._step_period: dict[SessionId, float] = {}
@@ -330,7 +328,6 @@ class Stage:
                 waiting.append(await self._receive.receive())
             finally:
                 self._parked = False
-        self._round_lane = self._first_lane(waiting)
         if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
             await self._gather(waiting)
         self._drain(waiting)
@@ -402,8 +399,8 @@ class Stage:
 
     def _steps_missing(self, waiting: list[Job]) -> bool:
         """Whether a session decoding here (a step seen, not closed since) has no job queued."""
-        here = {job.session_id for job in waiting}
-        return any(sid not in here and self._lane_in_round(sid) for sid in self._last_step)
+        here, lane = {job.session_id for job in waiting}, self._first_lane(waiting)
+        return any(sid not in here and self._in_lane(sid, lane) for sid in self._last_step)
 
     def _drain(self, waiting: list[Job]) -> None:
         while True:
@@ -433,10 +430,10 @@ class Stage:
         now = time.monotonic()
         deadline = now + budget
         while True:
-            here = {job.session_id for job in waiting}
+            here, lane = {job.session_id for job in waiting}, self._first_lane(waiting)
             expected = [
                 self._last_step[sid] + period for sid, period in self._step_period.items()
-                if sid not in here and sid in self._last_step and self._lane_in_round(sid)
+                if sid not in here and sid in self._last_step and self._in_lane(sid, lane)
             ]  # fmt: skip
             if not any(now - budget <= at <= deadline for at in expected):
                 return
@@ -482,9 +479,10 @@ class Stage:
         lanes take turns). None: one lane for all."""
         return next((lane for lane in map(self._step_lane, waiting) if lane is not None), None)
 
-    def _lane_in_round(self, session_id: SessionId) -> bool:
-        """Whether a round waits for ``session_id``'s next step (see :meth:`_gather`, :meth:`_align`)."""
-        return self._round_lane is None or self._lane_of.get(session_id, 0) == self._round_lane
+    def _in_lane(self, session_id: SessionId, lane: int | None) -> bool:
+        """Whether a round running ``lane`` (None: every lane) waits for ``session_id``'s
+        next step (see :meth:`_gather`, :meth:`_align`)."""
+        return lane is None or self._lane_of.get(session_id, 0) == lane
 
     def _streaming_sessions(self, waiting: list[Job]) -> set[SessionId]:
         """Sessions with work waiting or that used the stage within the interleave window."""
