@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_bare import BareSetup
-from bench_peer import FILLER, concurrent_decode, stream
+from bench_peer import FILLER, concurrent_decode, cpu_s, stream
 
 from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
@@ -236,8 +236,7 @@ def pin_threads(pid: int, cores: set[int]) -> None:
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_s(Path(f"/proc/{pid}/stat"))
 
 
 @contextmanager

@@ -201,13 +201,18 @@ class BatchedRound:
     sessions_per_call: float
 
 
+def cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a ``/proc`` stat file (a process's, or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _thread_cpu_s(pid: int) -> float | None:
-    """CPU seconds of the process's main thread (the peer's event loop), from ``/proc``."""
+    """CPU seconds of the process's main thread (the peer's event loop); None without ``/proc``."""
     try:
-        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float) -> BatchedRound:
