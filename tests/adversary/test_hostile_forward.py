@@ -166,6 +166,27 @@ def test_a_stranger_cannot_hold_every_kv_slot(live, expected, baseline) -> None:
         assert status == 200 and body["choices"][0]["message"]["content"] == expected
 
 
+def test_a_stranger_s_lane_numbers_fold_onto_the_stage_s_lanes(live, expected, baseline) -> None:
+    """Any lane 0-15 is served, and it makes at most ``--decode-lanes`` (4) groups at a
+    stage: lanes 15 and 6 run as lanes 3 and 2, and the stage counts no fifth lane."""
+    s, (a, b, c) = live
+    before = c.get("/health")["batching"]["step_rounds_by_lane"]
+    route = (hop(c, "20-30"),)
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        for pos, lane in enumerate((15, 6)):
+            step = wire.Forward(1, SessionId("lanes"), pos, route, evil.peer_id, SamplingParams(0, 1, 0),
+                                hidden=tensors.encode(finite_hidden(), "f32"), lane=lane)  # fmt: skip
+            await stream.send(wire.encode(step), timeout=10)
+        await stream.send(wire.encode(wire.Close(2, SessionId("lanes"), route, evil.peer_id)), timeout=10)
+
+    replies = attack(c, s, run, settle=2.0)
+    assert sorted(type(r).__name__ for r in replies) == ["Closed", "Result", "Result"], replies
+    after = c.get("/health")["batching"]["step_rounds_by_lane"]
+    assert len(after) == 4 and after[3] > before[3] and after[2] > before[2], (before, after)
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
 def test_frames_larger_than_the_model_needs_are_refused_unread(live, expected, baseline) -> None:
     s, (a, b, c) = live
 
