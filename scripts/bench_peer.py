@@ -40,6 +40,8 @@ import urllib.request  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from bench_sse import stream_all  # noqa: E402
+
 from inclavate.catalog import Catalog  # noqa: E402
 from inclavate.config import inclavate_home  # noqa: E402
 from inclavate.gguf_meta import read_metadata  # noqa: E402
@@ -162,23 +164,15 @@ def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int 
 
 def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int) -> float:
     """Aggregate tokens/s while every session streams: from the moment the last one got its
-    first token until the first one finished, counting every session's tokens in between."""
-    results: list[Stream] = []
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            results.append(stream(peer, model, f"{DECODE_PROMPT} Story number {i}.", n))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    first token until the first one finished, counting every session's tokens in between.
+    The streams are read by this one thread (``bench_sse``), so the client takes as little
+    of the machine's CPU from the peer as it can."""
+    bodies = [{"model": model, "messages": [{"role": "user", "content": f"{DECODE_PROMPT} Story number {i}."}],
+               "max_tokens": n, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+              for i in range(sessions)]  # fmt: skip
+    results = stream_all(peer.url + "/v1/chat/completions", bodies)
+    if any(not s.token_times for s in results):
+        raise RuntimeError(f"{peer.name}: a session streamed no tokens")
     lo = max(s.token_times[0] for s in results)
     hi = min(s.token_times[-1] for s in results)
     if hi <= lo:
@@ -199,6 +193,8 @@ class BatchedRound:
     loop_cpu_ms: float | None
     """CPU of the peer's event-loop thread per step (None where ``/proc`` is missing)."""
     sessions_per_call: float
+    client_cpu_ms: float
+    """CPU of this benchmark's own client per step: taken from the cores the peer uses."""
 
 
 def cpu_s(stat: Path) -> float:
@@ -218,9 +214,9 @@ def _thread_cpu_s(pid: int) -> float | None:
 def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float) -> BatchedRound:
     """Section 2's peer half of a round, with the peer's own account of its steps."""
     before = peer.get("/health").get("batching") or {}
-    cpu0 = _thread_cpu_s(peer.process.pid)
+    cpu0, client0 = _thread_cpu_s(peer.process.pid), os.times()
     rate = concurrent_decode(peer, model, sessions, n)
-    cpu1 = _thread_cpu_s(peer.process.pid)
+    cpu1, client1 = _thread_cpu_s(peer.process.pid), os.times()
     after = peer.get("/health").get("batching") or {}
     steps = max(1, after.get("step_rounds", 0) - before.get("step_rounds", 0))
     return BatchedRound(
@@ -230,6 +226,7 @@ def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_de
         engine_ms=1000 * (after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0)) / steps,
         loop_cpu_ms=None if cpu0 is None or cpu1 is None else 1000 * (cpu1 - cpu0) / steps,
         sessions_per_call=(after.get("step_jobs", 0) - before.get("step_jobs", 0)) / steps,
+        client_cpu_ms=1000 * (client1.user + client1.system - client0.user - client0.system) / steps,
     )
 
 
@@ -246,7 +243,8 @@ def print_batched_breakdown(rounds: list[BatchedRound]) -> None:
     loop = f"{statistics.median(cpu):.2f} ms" if len(cpu) == len(rounds) else "n/a"
     print(f"   per batched step, median over rounds: llama.cpp {statistics.median(r.llama_step_ms for r in rounds):.1f} ms; "
           f"peer {peer_step:.1f} ms, of which the engine call {engine:.1f} ms; event-loop CPU {loop}; "
-          f"{statistics.median(r.sessions_per_call for r in rounds):.2f} sessions per engine call")  # fmt: skip
+          f"{statistics.median(r.sessions_per_call for r in rounds):.2f} sessions per engine call; "
+          f"the benchmark's client {statistics.median(r.client_cpu_ms for r in rounds):.2f} ms CPU")  # fmt: skip
 
 
 def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, float]:
