@@ -171,9 +171,12 @@ def main() -> int:
         print("no full batched rounds were traced")
         return 1
     rounds = len(measured["gap between two calls (all of the above)"])
-    print(f"\nmedian ms over {rounds} pairs of consecutive {args.sessions}-session engine calls:")
+    print(f"\nms over {rounds} pairs of consecutive {args.sessions}-session engine calls "
+          "(a mean far above the median: a few long waits, e.g. for the GIL)")  # fmt: skip
+    print(f"  {'':<55} {'median':>7} {'mean':>7} {'p90':>7}")
     for name, values in measured.items():
-        print(f"  {name:<55} {statistics.median(values):7.3f}")
+        p90 = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+        print(f"  {name:<55} {statistics.median(values):7.3f} {statistics.fmean(values):7.3f} {p90:7.3f}")
     return 0
 
 
