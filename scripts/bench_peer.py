@@ -17,7 +17,10 @@ Sections:
    the time between calls, and the CPU of the peer's event loop;
 3. the worst gap between two streamed tokens of a decoding session while another session
    prefills a ~2,000-token prompt (reported with the session's median gap; no target);
-4. resident memory of a peer holding 10 layers against the size of its slice and KV cache.
+4. the peer's event-loop CPU per generated token and per request, streamed and not (the
+   same 8 concurrent requests at 48 and 192 tokens; the difference per added token is a
+   token's cost): what the event loop's share of a batched step is made of;
+5. resident memory of a peer holding 10 layers against the size of its slice and KV cache.
 """
 
 from __future__ import annotations
@@ -162,15 +165,19 @@ def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int 
     return best
 
 
+def story_requests(model: str, sessions: int, n: int, *, streamed: bool) -> list[dict[str, object]]:
+    """Chat bodies for ``sessions`` concurrent greedy generations of ``n`` tokens each."""
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if streamed else {}
+    return [{"model": model, "messages": [{"role": "user", "content": f"{DECODE_PROMPT} Story number {i}."}],
+             "max_tokens": n, "temperature": 0, **extra} for i in range(sessions)]  # fmt: skip
+
+
 def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int) -> float:
     """Aggregate tokens/s while every session streams: from the moment the last one got its
     first token until the first one finished, counting every session's tokens in between.
     The streams are read by this one thread (``bench_sse``), so the client takes as little
     of the machine's CPU from the peer as it can."""
-    bodies = [{"model": model, "messages": [{"role": "user", "content": f"{DECODE_PROMPT} Story number {i}."}],
-               "max_tokens": n, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-              for i in range(sessions)]  # fmt: skip
-    results = stream_all(peer.url + "/v1/chat/completions", bodies)
+    results = stream_all(peer.url + "/v1/chat/completions", story_requests(model, sessions, n, streamed=True))
     if any(not s.token_times for s in results):
         raise RuntimeError(f"{peer.name}: a session streamed no tokens")
     lo = max(s.token_times[0] for s in results)
@@ -279,6 +286,51 @@ def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, f
             "worst_at_s": at - b.started, "prefill_s": b.ttft, "prompt_tokens": b.prompt_tokens}  # fmt: skip
 
 
+def loop_cost(peer: PeerProcess, model: str, sessions: int, lengths: tuple[int, int], rounds: int) -> dict[str, float] | None:
+    """The peer's event-loop CPU per generated token and per request, streamed and not.
+
+    The same ``sessions`` concurrent requests at two lengths: the CPU the longer ones add,
+    over the tokens they add, is a token's cost (generation loop, routing, the stage, and for
+    a stream its SSE chunk); what is left is a request's (HTTP, template, prefill hand-offs).
+    None where ``/proc`` is missing."""
+    url = peer.url + "/v1/chat/completions"
+
+    def plain(body: dict[str, object]) -> None:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as resp:
+            resp.read()
+
+    def measure(n: int, streamed: bool) -> tuple[float, int] | None:
+        bodies = story_requests(model, sessions, n, streamed=streamed)
+        before, cpu0 = peer.get("/health").get("batching") or {}, _thread_cpu_s(peer.process.pid)
+        if streamed:
+            stream_all(url, bodies)
+        else:
+            threads = [threading.Thread(target=plain, args=(body,)) for body in bodies]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        after, cpu1 = peer.get("/health").get("batching") or {}, _thread_cpu_s(peer.process.pid)
+        if cpu0 is None or cpu1 is None:
+            return None
+        return cpu1 - cpu0, after.get("step_jobs", 0) - before.get("step_jobs", 0)
+
+    out: dict[str, float] = {}
+    for streamed, name in ((False, "plain"), (True, "stream")):
+        per_token, per_request = [], []
+        for _ in range(rounds):
+            short, long = measure(lengths[0], streamed), measure(lengths[1], streamed)
+            if short is None or long is None:
+                return None
+            token = (long[0] - short[0]) / max(1, long[1] - short[1])
+            per_token.append(token)
+            per_request.append((short[0] - token * short[1]) / sessions)
+        out[f"{name}_token_us"] = statistics.median(per_token) * 1e6
+        out[f"{name}_request_ms"] = statistics.median(per_request) * 1e3
+    return out
+
+
 def whole_layers(model_path: Path) -> list[str]:
     return ["--layers", f"0-{read_metadata(model_path).n_layers}"]
 
@@ -301,7 +353,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--batched-tokens", type=int, default=48, help="tokens per session in the batched test")
     parser.add_argument("--gap-prompt-words", type=int, default=1980, help="~tokens of the long prompt in the gap test")
-    parser.add_argument("--skip", action="append", default=[], choices=("single", "batched", "gap", "memory"))
+    parser.add_argument("--skip", action="append", default=[], choices=("single", "batched", "gap", "loop", "memory"))
     parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment of the peers (e.g. GOMP_SPINCOUNT=30000 to try another thread wait)")
     args = parser.parse_args()
@@ -371,6 +423,15 @@ def main() -> int:
             if not g["spanned"]:
                 print("   NOTE: no request of the decoding session lasted through the whole prefill: the gaps above "
                       "cover only part of it")  # fmt: skip
+        if "loop" not in args.skip:
+            cost = loop_cost(peer, spec.model_id, args.sessions, (48, 192), args.rounds)
+            if cost is None:
+                print("\n4. event-loop CPU per token: n/a (no /proc)")
+            else:
+                print(f"\n4. the peer's event-loop CPU, {args.sessions} concurrent requests of 48 and 192 tokens (median of "
+                      f"{args.rounds}): per token {cost['stream_token_us']:.0f} us streamed, {cost['plain_token_us']:.0f} us "
+                      f"not (the SSE chunk {cost['stream_token_us'] - cost['plain_token_us']:.0f} us); per request "
+                      f"{cost['stream_request_ms']:.1f} ms streamed, {cost['plain_request_ms']:.1f} ms not")  # fmt: skip
         swarm.stop(peer)
 
         if "memory" not in args.skip:
@@ -384,7 +445,7 @@ def main() -> int:
             kv_heads = int(meta.arch_value("attention.head_count_kv", heads))
             kv = 2048 * 8 * layers * 2 * kv_heads * (meta.d_model // heads) * 2  # default --context, --max-sessions
             mib = 1024 * 1024
-            print(f"\n4. memory of a peer holding layers 0-{layers} (default flags, idle): RSS {mem['VmRSS'] / mib:.0f} MiB "
+            print(f"\n5. memory of a peer holding layers 0-{layers} (default flags, idle): RSS {mem['VmRSS'] / mib:.0f} MiB "
                   f"(anonymous {mem['RssAnon'] / mib:.0f}, file-backed {mem['RssFile'] / mib:.0f}); slice weights "
                   f"{weights / mib:.0f} MiB, KV cache reserved {kv / mib:.0f} MiB; overhead beyond both "
                   f"{(mem['VmRSS'] - weights - kv) / mib:.0f} MiB")  # fmt: skip
