@@ -295,10 +295,15 @@ def loop_cost(peer: PeerProcess, model: str, sessions: int, lengths: tuple[int, 
     None where ``/proc`` is missing."""
     url = peer.url + "/v1/chat/completions"
 
+    errors: list[BaseException] = []
+
     def plain(body: dict[str, object]) -> None:
         req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=900) as resp:
-            resp.read()
+        try:
+            with urllib.request.urlopen(req, timeout=900) as resp:
+                resp.read()
+        except BaseException as exc:  # noqa: BLE001 - raised in the measuring thread below
+            errors.append(exc)
 
     def measure(n: int, streamed: bool) -> tuple[float, int] | None:
         bodies = story_requests(model, sessions, n, streamed=streamed)
@@ -311,6 +316,8 @@ def loop_cost(peer: PeerProcess, model: str, sessions: int, lengths: tuple[int, 
                 t.start()
             for t in threads:
                 t.join()
+            if errors:
+                raise errors[0]  # a failed request would skew a request's cost without a word
         after, cpu1 = peer.get("/health").get("batching") or {}, _thread_cpu_s(peer.process.pid)
         if cpu0 is None or cpu1 is None:
             return None
