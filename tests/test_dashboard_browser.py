@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -463,17 +465,33 @@ def test_chat_command_streams_a_conversation(swarm) -> None:
     assert "Traceback" not in done.stderr
 
 
+def _read_at_least(proc: subprocess.Popen[str], n: int, timeout: float) -> str:
+    """``n`` characters or more of ``proc``'s output within ``timeout``. A chat whose answer
+    failed prints its error to stderr and waits for the next prompt: that must fail the
+    test with the error, not block it on a read that never returns."""
+    assert proc.stdout is not None
+    fd, data, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout
+    while len(data) < n:
+        left = deadline - time.monotonic()
+        chunk = os.read(fd, 4096) if left > 0 and select.select([fd], [], [], left)[0] else b""
+        if not chunk:
+            proc.kill()
+            pytest.fail(f"the chat printed {data!r} and no more within {timeout:g} s; stderr: {proc.communicate()[1]!r}")
+        data += chunk
+    return data.decode(errors="replace")
+
+
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(swarm) -> None:
-    _, peers, _ = swarm
+    s, peers, _ = swarm
+    # Earlier tests turn peers idle and back: wait until b routes through a Ready chain again.
+    s.wait(lambda: peers["b"].get("/api/models")[0]["chain_complete"], 30, "b to see a complete chain")
     proc = subprocess.Popen([sys.executable, "-m", "inclavate", "chat", "--api", peers["b"].url, "--max-tokens", "48"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)  # fmt: skip
     try:
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
         proc.stdin.write("Write a long story about a dragon who learns to cook.\n")
         proc.stdin.flush()
-        streamed = ""
-        while len(streamed) < 40:  # "you> " and the first words of the answer
-            streamed += proc.stdout.read(1) or ""
+        _read_at_least(proc, 40, timeout=60)  # "you> " and the first words of the answer
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate("Hi\n", timeout=120)  # a second turn, then EOF
     finally:
