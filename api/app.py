@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, has_request_context, jsonify, request
+from quart import has_request_context, jsonify, request
+from quart_trio.wrappers.response import TrioResponse as Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 

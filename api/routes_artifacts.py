@@ -8,7 +8,8 @@ the peer that owns an id), shape the answer. Errors are raised, and mapped to st
 
 from __future__ import annotations
 
-from quart import Response, jsonify, request
+from quart import jsonify, request
+from quart_trio.wrappers.response import TrioResponse as Response
 from quart_trio import QuartTrio
 
 from api.context import PeerContext

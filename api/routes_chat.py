@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from quart import Response, jsonify, request, websocket
+from quart import jsonify, request, websocket
+from quart_trio.wrappers.response import TrioResponse as Response
 from quart_trio import QuartTrio
 
 from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator
 
-from quart import Response, jsonify, request
+from quart import jsonify, request
+from quart_trio.wrappers.response import TrioResponse as Response
 from quart_trio import QuartTrio
 
 from api.auth import HEADER as ADMIN_HEADER
