@@ -13,8 +13,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
-from quart import has_request_context, jsonify, request
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, has_request_context, jsonify, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from quart import jsonify
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, jsonify
 
 from api.errors import error_response_parts
 from inclavate.artifact_swarm import SwarmArtifacts

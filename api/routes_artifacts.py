@@ -8,8 +8,7 @@ the peer that owns an id), shape the answer. Errors are raised, and mapped to st
 
 from __future__ import annotations
 
-from quart import jsonify, request
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
 from api.context import PeerContext
@@ -82,4 +81,4 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def delete_artifact(artifact_id: str):  # type: ignore[no-untyped-def]
         """Remove bytes and metadata (204)."""
         await ctx.artifacts().delete(artifact_id)
-        return Response(status=204)
+        return Response(b"", status=204)  # b"": a body-less quart Response is walked with asyncio

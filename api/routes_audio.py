@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from quart import jsonify, request
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
 from api.bodies import json_object

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from quart import jsonify, request, websocket
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
 from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle
@@ -177,4 +176,4 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         sid = SessionId(session_id.removeprefix("chatcmpl-"))
         if not sessions.close(sid):
             raise NotFound(f"no generation session {session_id!r} is open on this peer")
-        return Response(status=204)
+        return Response(b"", status=204)  # b"": a body-less quart Response is walked with asyncio

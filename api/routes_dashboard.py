@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response
 from quart_trio import QuartTrio
 
 from api.context import PeerContext

@@ -9,8 +9,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator
 
-from quart import jsonify, request
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
 from api.auth import HEADER as ADMIN_HEADER

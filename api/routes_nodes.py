@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import jsonify, request
-from quart_trio.wrappers.response import TrioResponse as Response
+from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
 from api.bodies import json_object
@@ -102,4 +101,4 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def deregister_node(node_id: str):  # type: ignore[no-untyped-def]
         """A legacy node leaves cleanly (needs its X-Inclavate-Relay-Token)."""
         await ctx.legacy_leave(node_id, token=request.headers.get(TOKEN_HEADER))
-        return Response(status=204)
+        return Response(b"", status=204)  # b"": a body-less quart Response is walked with asyncio
