@@ -8,7 +8,7 @@ the peer that owns an id), shape the answer. Errors are raised, and mapped to st
 
 from __future__ import annotations
 
-from quart import Response, jsonify, request
+from quart import jsonify, request
 from quart_trio import QuartTrio
 
 from api.context import PeerContext
@@ -16,6 +16,7 @@ from api.downloads import serve_artifact
 from api.errors import BadRequest
 from api.uploads import RequestChunks, set_body_limit
 from api.request_guard import takes_any_body
+from api.responses import no_content
 from inclavate.artifact_types import (
     KINDS,
     LIST_DEFAULT_LIMIT,
@@ -81,4 +82,4 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def delete_artifact(artifact_id: str):  # type: ignore[no-untyped-def]
         """Remove bytes and metadata (204)."""
         await ctx.artifacts().delete(artifact_id)
-        return Response(b"", status=204)  # b"": a body-less quart Response is walked with asyncio
+        return no_content()

@@ -23,6 +23,7 @@ from api.context import PeerContext
 from api.errors import NotFound, error_response_parts
 from api.generation import GenerationResult
 from api.reasoning_split import Delta
+from api.responses import no_content
 from api.session_routes import RouteBook
 from api.sessions import ActiveSessions
 from inclavate.types import SessionId
@@ -176,4 +177,4 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         sid = SessionId(session_id.removeprefix("chatcmpl-"))
         if not sessions.close(sid):
             raise NotFound(f"no generation session {session_id!r} is open on this peer")
-        return Response(b"", status=204)  # b"": a body-less quart Response is walked with asyncio
+        return no_content()

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Response, jsonify, request
+from quart import jsonify, request
 from quart_trio import QuartTrio
 
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import NotFound
+from api.responses import no_content
 from p2p.records import legacy_local_id
 from p2p.legacy import JOIN_TOKEN_HEADER, TOKEN_HEADER
 from p2p.registry import NodeView
@@ -101,4 +102,4 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def deregister_node(node_id: str):  # type: ignore[no-untyped-def]
         """A legacy node leaves cleanly (needs its X-Inclavate-Relay-Token)."""
         await ctx.legacy_leave(node_id, token=request.headers.get(TOKEN_HEADER))
-        return Response(b"", status=204)  # b"": a body-less quart Response is walked with asyncio
+        return no_content()
