@@ -6,9 +6,10 @@ It stays alive for the whole benchmark and answers one JSON command per stdin li
 benchmark can alternate it with the peer (ABAB) and the two share whatever the machine does.
 
 Commands:
-  {"op": "single", "prompt": str, "n": int}: reset, evaluate the prompt (prefill), then
-      generate n greedy tokens; answers prompt tokens, prefill seconds and decode seconds for
-      the n-1 tokens after the first (what a stream shows after its first token).
+  {"op": "single", "prompt": str, "n": int, "sampling": [temperature, top_p] (optional)}:
+      reset, evaluate the prompt (prefill), then generate n tokens, greedy or sampled with
+      llama.cpp's own sampler chain; answers prompt tokens, prefill seconds and decode seconds
+      for the n-1 tokens after the first (what a stream shows after its first token).
   {"op": "batched", "prompt": str, "sessions": int, "n": int}: llama.cpp batched decoding in
       this process: every session prefilled with the prompt, then n steps in which one
       ``llama_decode`` carries one token of every session; answers the steps' seconds.
@@ -25,17 +26,38 @@ import llama_cpp
 import numpy as np
 
 
-def single(llm: llama_cpp.Llama, prompt: str, n: int) -> dict[str, float]:
+def sampler_chain(sampling: list[float] | None) -> llama_cpp.llama_sampler_p:
+    """llama.cpp's sampler chain, built once per generation as its own tools do.
+
+    ``Llama.sample`` builds a new chain on every call: ~0.2 ms a token even for greedy,
+    which a baseline must not pay. Sampled: temperature, then top_p, then the draw (the
+    peer's order)."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if sampling is None:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    else:
+        temperature, top_p = sampling
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(temperature))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(top_p, 1))
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(1))
+    return chain
+
+
+def single(llm: llama_cpp.Llama, prompt: str, n: int, sampling: list[float] | None) -> dict[str, float]:
     tokens = llm.tokenize(prompt.encode())
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(tokens)
-    token = llm.sample(temp=0)
-    t1 = time.perf_counter()
-    for _ in range(n - 1):
-        llm.eval([token])
-        token = llm.sample(temp=0)
-    t2 = time.perf_counter()
+    chain = sampler_chain(sampling)
+    try:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(tokens)
+        token = llama_cpp.llama_sampler_sample(chain, llm.ctx, -1)
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([token])
+            token = llama_cpp.llama_sampler_sample(chain, llm.ctx, -1)
+        t2 = time.perf_counter()
+    finally:
+        llama_cpp.llama_sampler_free(chain)
     return {"prompt_tokens": len(tokens), "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
@@ -90,7 +112,7 @@ def main() -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "single":
-            answer = single(llm, cmd["prompt"], cmd["n"])
+            answer = single(llm, cmd["prompt"], cmd["n"], cmd.get("sampling"))
         else:
             answer = batched(llm, args.threads, cmd["prompt"], cmd["sessions"], cmd["n"])
         print(json.dumps(answer), flush=True)

@@ -10,7 +10,10 @@ alike; each figure is the best over ``--rounds``.
 
 Sections:
 1. decode and prefill, peer / llama.cpp, at 1 thread, 2 threads and all cores (default flags);
-   target >= 0.95 each, and the default thread count never slower than a smaller one;
+   target >= 0.95 each, and the default thread count never slower than a smaller one. Greedy,
+   and at the default thread count also at the API's default sampling (a request that names
+   no temperature or top_p) against llama.cpp's sampler chain drawing from the same
+   distribution (target >= 0.95), and each side's sampled rate over its greedy one;
 2. 8 concurrent sessions: the peer's aggregate decode rate while all 8 stream, against
    llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9.
    Also printed: each round's paired ratio, and a step's time split into the engine call,
@@ -45,6 +48,7 @@ from pathlib import Path  # noqa: E402
 
 from bench_sse import stream_all  # noqa: E402
 
+from api.chat_request import ChatRequest  # noqa: E402
 from inclavate.catalog import Catalog  # noqa: E402
 from inclavate.config import inclavate_home  # noqa: E402
 from inclavate.gguf_meta import read_metadata  # noqa: E402
@@ -52,6 +56,8 @@ from inclavate.local_swarm import LocalSwarm, PeerProcess  # noqa: E402
 from inclavate.store import ModelStore  # noqa: E402
 
 TARGET_SINGLE, TARGET_BATCHED, TARGET_DEFAULT_THREADS = 0.95, 0.90, 0.95
+API_SAMPLING = (ChatRequest.temperature, ChatRequest.top_p)
+"""What a chat request that names no temperature or top_p is sampled at."""
 DECODE_PROMPT = "Write a long story about a dragon who learns to cook."
 LONG_DECODE_PROMPT = "Write the numbers from 1 to 3000 separated by commas."
 """Runs to 1,500 tokens on SmolLM2 at temperature 0 (~20 s alone): one request of session A
@@ -80,9 +86,12 @@ class Stream:
         return (len(self.token_times) - 1) / (self.token_times[-1] - self.token_times[0])
 
 
-def stream(peer: PeerProcess, model: str, prompt: str, max_tokens: int, stop: threading.Event | None = None) -> Stream:
+def stream(peer: PeerProcess, model: str, prompt: str, max_tokens: int, stop: threading.Event | None = None,
+           greedy: bool = True) -> Stream:  # fmt: skip
+    """Greedy, or (``greedy=False``) at the API's default sampling with a fixed seed."""
+    sampling = {"temperature": 0} if greedy else {"seed": 1}
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}, **sampling}  # fmt: skip
     req = urllib.request.Request(peer.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})  # fmt: skip
     started = time.perf_counter()
@@ -140,13 +149,15 @@ def verdict(ratio: float, target: float) -> str:
 
 def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int | None, cores: int,
                   prompt: str, n: int, rounds: int) -> dict[str, float]:  # fmt: skip
-    """Best decode/prefill rates of the peer and of llama.cpp at ``threads`` (None: default)."""
+    """Best decode/prefill rates of the peer and of llama.cpp at ``threads`` (None: default);
+    at the default, also the decode rates at the API's default sampling."""
     count = threads or cores
     peer = swarm.start(f"whole-{threads or 'default'}", model, *whole_layers(model_path),
                        *(["--threads", str(threads)] if threads else []))  # fmt: skip
     swarm.wait_ready(peer)
     base = LlamaBaseline(model_path, count)
-    best = {"peer_decode": 0.0, "peer_prefill": 0.0, "llama_decode": 0.0, "llama_prefill": 0.0}
+    best = {"peer_decode": 0.0, "peer_prefill": 0.0, "llama_decode": 0.0, "llama_prefill": 0.0,
+            "peer_sampled": 0.0, "llama_sampled": 0.0}  # fmt: skip
     try:
         stream(peer, model, DECODE_PROMPT, 4)  # warm: page in the weights, build the template
         base.ask(op="single", prompt=DECODE_PROMPT, n=4)
@@ -159,6 +170,11 @@ def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int 
             best["llama_prefill"] = max(best["llama_prefill"], b["prompt_tokens"] / b["prefill_s"])
             s = stream(peer, model, prompt, 2)
             best["peer_prefill"] = max(best["peer_prefill"], s.prompt_tokens / s.ttft)
+            if threads is None:
+                b = base.ask(op="single", prompt=DECODE_PROMPT, n=n, sampling=list(API_SAMPLING))
+                best["llama_sampled"] = max(best["llama_sampled"], (n - 1) / b["decode_s"])
+                s = stream(peer, model, DECODE_PROMPT, n, greedy=False)
+                best["peer_sampled"] = max(best["peer_sampled"], s.decode_rate)
     finally:
         base.close()
         swarm.stop(peer)
@@ -399,6 +415,12 @@ def main() -> int:
                       f"{r['peer_prefill']:10.1f}")  # fmt: skip
                 print(f"{'':12} decode  {verdict(r['peer_decode'] / r['llama_decode'], TARGET_SINGLE)}")
                 print(f"{'':12} prefill {verdict(r['peer_prefill'] / r['llama_prefill'], TARGET_SINGLE)}")
+                if threads is None:
+                    print(f"{'':12} decode at the API's default sampling (temperature {API_SAMPLING[0]}, top_p "
+                          f"{API_SAMPLING[1]}): llama.cpp {r['llama_sampled']:.1f}, peer {r['peer_sampled']:.1f}")  # fmt: skip
+                    print(f"{'':12}   peer / llama.cpp sampling the same {verdict(r['peer_sampled'] / r['llama_sampled'], TARGET_SINGLE)}")
+                    print(f"{'':12}   sampled / greedy, what sampling costs (the texts differ): peer "
+                          f"{r['peer_sampled'] / r['peer_decode']:.3f}, llama.cpp {r['llama_sampled'] / r['llama_decode']:.3f}")  # fmt: skip
             smaller = [rate for count, rate in decode_by_threads.items() if count < cores]
             if smaller:
                 print(f"default threads ({cores}) vs the best smaller count, peer decode: "
