@@ -10,9 +10,10 @@ Commands:
       reset, evaluate the prompt (prefill), then generate n tokens, greedy or sampled with
       llama.cpp's own sampler chain; answers prompt tokens, prefill seconds and decode seconds
       for the n-1 tokens after the first (what a stream shows after its first token).
-  {"op": "batched", "prompt": str, "sessions": int, "n": int}: llama.cpp batched decoding in
-      this process: every session prefilled with the prompt, then n steps in which one
-      ``llama_decode`` carries one token of every session; answers the steps' seconds.
+  {"op": "batched", "prompt": str, "sessions": int, "n": int, "sampling": [...] (optional)}:
+      llama.cpp batched decoding in this process: every session prefilled with the prompt,
+      then n steps in which one ``llama_decode`` carries one token of every session, each
+      token picked greedily or by the session's own sampler chain; answers the steps' seconds.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def single(llm: llama_cpp.Llama, prompt: str, n: int, sampling: list[float] | No
     return {"prompt_tokens": len(tokens), "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
-def batched(llm: llama_cpp.Llama, threads: int, prompt: str, sessions: int, n: int) -> dict[str, float]:
+def batched(llm: llama_cpp.Llama, threads: int, prompt: str, sessions: int, n: int,
+            sampling: list[float] | None) -> dict[str, float]:  # fmt: skip
     tokens = llm.tokenize(prompt.encode())
     n_ctx = len(tokens) + n + 8
     params = llama_cpp.llama_context_default_params()
@@ -82,20 +84,27 @@ def batched(llm: llama_cpp.Llama, threads: int, prompt: str, sessions: int, n: i
         if llama_cpp.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
 
-    def argmax(row: int) -> int:
+    # Greedy: argmax over the logits in place. Sampled: a chain per sequence, each its own draw.
+    chains = [sampler_chain(sampling) for _ in range(sessions)] if sampling is not None else []
+
+    def pick(seq: int, row: int) -> int:
+        if chains:
+            return llama_cpp.llama_sampler_sample(chains[seq], ctx, row)
         return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n_vocab,))))
 
     try:
         last = []
         for seq in range(sessions):
             decode([(t, p, seq) for p, t in enumerate(tokens)])
-            last.append(argmax(len(tokens) - 1))
+            last.append(pick(seq, len(tokens) - 1))
         t0 = time.perf_counter()
         for step in range(n):
             decode([(last[seq], len(tokens) + step, seq) for seq in range(sessions)])
-            last = [argmax(seq) for seq in range(sessions)]
+            last = [pick(seq, seq) for seq in range(sessions)]
         return {"decode_s": time.perf_counter() - t0}
     finally:
+        for chain in chains:
+            llama_cpp.llama_sampler_free(chain)
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
 
@@ -114,7 +123,7 @@ def main() -> int:
         if cmd["op"] == "single":
             answer = single(llm, cmd["prompt"], cmd["n"], cmd.get("sampling"))
         else:
-            answer = batched(llm, args.threads, cmd["prompt"], cmd["sessions"], cmd["n"])
+            answer = batched(llm, args.threads, cmd["prompt"], cmd["sessions"], cmd["n"], cmd.get("sampling"))
         print(json.dumps(answer), flush=True)
     return 0
 

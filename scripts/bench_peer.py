@@ -17,7 +17,8 @@ Sections:
 2. 8 concurrent sessions: the peer's aggregate decode rate while all 8 stream, against
    llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9.
    Also printed: each round's paired ratio, and a step's time split into the engine call,
-   the time between calls, and the CPU of the peer's event loop;
+   the time between calls, and the CPU of the peer's event loop; then the same at the API's
+   default sampling (llama.cpp with a sampler chain per session);
 3. the worst gap between two streamed tokens of a decoding session while another session
    prefills a ~2,000-token prompt (reported with the session's median gap; no target);
 4. the peer's event-loop CPU per generated token and per request, streamed and not (the
@@ -181,19 +182,21 @@ def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int 
     return best
 
 
-def story_requests(model: str, sessions: int, n: int, *, streamed: bool) -> list[dict[str, object]]:
-    """Chat bodies for ``sessions`` concurrent greedy generations of ``n`` tokens each."""
+def story_requests(model: str, sessions: int, n: int, *, streamed: bool, greedy: bool = True) -> list[dict[str, object]]:
+    """Chat bodies for ``sessions`` concurrent generations of ``n`` tokens each: greedy, or
+    at the API's default sampling with a seed per session."""
     extra = {"stream": True, "stream_options": {"include_usage": True}} if streamed else {}
     return [{"model": model, "messages": [{"role": "user", "content": f"{DECODE_PROMPT} Story number {i}."}],
-             "max_tokens": n, "temperature": 0, **extra} for i in range(sessions)]  # fmt: skip
+             "max_tokens": n, **({"temperature": 0} if greedy else {"seed": i + 1}), **extra}
+            for i in range(sessions)]  # fmt: skip
 
 
-def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int) -> float:
+def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int, greedy: bool = True) -> float:
     """Aggregate tokens/s while every session streams: from the moment the last one got its
     first token until the first one finished, counting every session's tokens in between.
     The streams are read by this one thread (``bench_sse``), so the client takes as little
     of the machine's CPU from the peer as it can."""
-    results = stream_all(peer.url + "/v1/chat/completions", story_requests(model, sessions, n, streamed=True))
+    results = stream_all(peer.url + "/v1/chat/completions", story_requests(model, sessions, n, streamed=True, greedy=greedy))
     if any(not s.token_times for s in results):
         raise RuntimeError(f"{peer.name}: a session streamed no tokens")
     lo = max(s.token_times[0] for s in results)
@@ -234,11 +237,12 @@ def _thread_cpu_s(pid: int) -> float | None:
         return None
 
 
-def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float) -> BatchedRound:
+def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float,
+                  greedy: bool = True) -> BatchedRound:  # fmt: skip
     """Section 2's peer half of a round, with the peer's own account of its steps."""
     before = peer.get("/health").get("batching") or {}
     cpu0, client0 = _thread_cpu_s(peer.process.pid), os.times()
-    rate = concurrent_decode(peer, model, sessions, n)
+    rate = concurrent_decode(peer, model, sessions, n, greedy)
     cpu1, client1 = _thread_cpu_s(peer.process.pid), os.times()
     after = peer.get("/health").get("batching") or {}
     steps = max(1, after.get("step_rounds", 0) - before.get("step_rounds", 0))
@@ -431,11 +435,17 @@ def main() -> int:
         if "batched" not in args.skip:
             base = LlamaBaseline(model_path, cores)
             rounds: list[BatchedRound] = []
+            sampled: list[BatchedRound] = []
             try:
                 stream(peer, spec.model_id, DECODE_PROMPT, 4)
                 for _ in range(args.rounds):
                     b = base.ask(op="batched", prompt=DECODE_PROMPT, sessions=args.sessions, n=args.batched_tokens)
                     rounds.append(batched_round(peer, spec.model_id, args.sessions, args.batched_tokens, b["decode_s"]))
+                for _ in range(args.rounds):
+                    b = base.ask(op="batched", prompt=DECODE_PROMPT, sessions=args.sessions, n=args.batched_tokens,
+                                 sampling=list(API_SAMPLING))  # fmt: skip
+                    sampled.append(batched_round(peer, spec.model_id, args.sessions, args.batched_tokens, b["decode_s"],
+                                                 greedy=False))  # fmt: skip
             finally:
                 base.close()
             best_llama = max(r.llama_rate for r in rounds)
@@ -444,6 +454,11 @@ def main() -> int:
                   f"llama.cpp batched {best_llama:.1f}, peer {best_peer:.1f}")  # fmt: skip
             print(f"   ratio {verdict(best_peer / best_llama, TARGET_BATCHED)}")
             print_batched_breakdown(rounds)
+            best_llama = max(r.llama_rate for r in sampled)
+            best_peer = max(r.peer_rate for r in sampled)
+            print(f"   at the API's default sampling: llama.cpp batched, a sampler chain per session, {best_llama:.1f}; "
+                  f"peer {best_peer:.1f}")  # fmt: skip
+            print(f"   ratio {verdict(best_peer / best_llama, TARGET_BATCHED)}")
         if "gap" not in args.skip:
             g = prefill_gap(peer, spec.model_id, args.gap_prompt_words)
             print(f"\n3. a decoding session while another prefills {g['prompt_tokens']} tokens ({g['prefill_s']:.2f} s):"
