@@ -33,6 +33,7 @@ _BLOCK = 512
 """Tokens per block when drawing from a whole vocabulary (see ``_draw``)."""
 
 _GOLDEN = 0x9E3779B97F4A7C15
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
 
 
@@ -76,10 +77,13 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
         raise UnusableLogits("the logits are not all finite (the hidden states upstream were corrupt)")
     if params.greedy:
         return int(np.argmax(logits))
-    # exp((l - max) / T): the most likely token weighs 1, every other less.
-    weights = np.subtract(logits, logits.max(), dtype=np.float32)
-    weights *= np.float32(1.0 / params.temperature)
-    np.exp(weights, out=weights)
+    # exp((l - max) / T): the most likely token weighs 1, every other less. 1/T is capped at
+    # float32's largest value: a temperature of 1e-300 (valid, from any client) must not make
+    # it infinite, since 0 * inf is NaN; what overflows to -inf instead weighs 0.
+    with np.errstate(over="ignore"):
+        weights = (logits - logits.max()).astype(np.float32, copy=False)
+        weights *= np.float32(min(1.0 / params.temperature, _FLOAT32_MAX))
+        np.exp(weights, out=weights)
     u = _uniform(params.seed, position)
     if params.top_p >= 1.0:
         return _draw(weights, u)

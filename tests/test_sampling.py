@@ -7,6 +7,8 @@ plain reference: softmax in float64 and a stable sort of the whole vocabulary.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -143,3 +145,24 @@ def test_logits_that_are_not_finite_fail_the_job(bad: float, temperature: float)
     logits[777] = bad
     with pytest.raises(UnusableLogits):
         sample(logits, SamplingParams(temperature, 0.95, 1), 0)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-39, 5e-324])
+@pytest.mark.parametrize("top_p", [0.95, 1.0])
+def test_a_vanishing_temperature_is_greedy_and_warns_of_nothing(temperature: float, top_p: float) -> None:
+    """Any positive temperature is valid from a client or the wire; 1/T must not become
+    infinite (0 * inf is NaN, which would leave nothing to draw)."""
+    logits = model_like_logits(4, 12.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drawn = {sample(logits, SamplingParams(temperature, top_p, 5), pos) for pos in range(20)}
+    assert drawn == {int(np.argmax(logits))}
+
+
+def test_extreme_finite_logits_still_draw_a_token() -> None:
+    huge = np.array([3e38, -3e38, 3e38, 1.0], np.float32)  # differences overflow float32
+    wide = np.array([1e300, -1e300, 5.0])  # float64, beyond float32's range
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert {sample(huge, SamplingParams(0.8, 0.95, 2), pos) for pos in range(50)} == {0, 2}
+        assert sample(wide, SamplingParams(1.0, 1.0, 2), 0) == 0
