@@ -136,6 +136,23 @@ def test_nan_and_infinite_hidden_states_fail_their_frame_only(live, expected, ba
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
+def test_a_vanishing_temperature_draws_what_greedy_draws(live, expected, baseline) -> None:
+    """Any positive temperature is valid on the wire; one too small for a float32 1/T once
+    made the most likely token's weight NaN and left the sampler nothing to draw from."""
+    s, (a, b, c) = live
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        for params in (SamplingParams(0, 1, 0), SamplingParams(5e-324, 0.95, 1), SamplingParams(1e-30, 1.0, 2)):
+            await stream.send(forward(evil, (hop(c, "20-30"),), session="v", hidden=finite_hidden(), sampling=params),
+                              timeout=10)  # fmt: skip
+
+    replies = attack(c, s, run)
+    tokens = [r.token for r in replies if isinstance(r, wire.Result)]
+    assert errors(replies) == []
+    assert len(tokens) == 3 and len(set(tokens)) == 1
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_at_the_first_stage(live, expected, baseline) -> None:
     s, (a, b, c) = live
 
