@@ -34,6 +34,7 @@ _BLOCK = 512
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_BELOW_ONE = 1.0 - 2.0**-53
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
 
 
@@ -130,7 +131,9 @@ def _draw(weights: np.ndarray, u: float) -> int:
     cumulative = np.cumsum(sums)
     block = _first_past(cumulative, u)
     before = float(cumulative[block - 1]) if block else 0.0
-    inside = (u * float(cumulative[-1]) - before) / float(sums[block])
+    # Rounding (the block's sum against its own running sum) must not push the draw past
+    # the block's last token of weight.
+    inside = min(max((u * float(cumulative[-1]) - before) / float(sums[block]), 0.0), _BELOW_ONE)
     start = block * _BLOCK
     return start + _first_past(np.cumsum(weights[start : start + _BLOCK], dtype=np.float64), inside)
 

@@ -80,6 +80,15 @@ def test_the_draw_never_picks_a_token_of_zero_weight() -> None:
     assert picks == set(chosen.tolist())
 
 
+def test_the_draw_at_the_top_of_the_range_stays_on_a_token_of_weight() -> None:
+    """A draw a hair below 1 lands on the last token of weight, not on the zeros after it
+    (the block's sum and its running sum may round differently; the draw clamps)."""
+    weights = np.zeros(VOCAB, np.float32)
+    weights[[0, 600]] = [1.0, 1e-7]
+    for u in (1.0 - 2.0**-53, 1.0 - 1e-12, 1.0 - 1e-9):
+        assert _draw(weights, u) == 600
+
+
 @pytest.mark.parametrize("n", [6, 2_000])
 def test_draws_follow_the_weights(n: int) -> None:
     """Over many positions, each token comes up as often as its weight says (n=2,000 goes
