@@ -144,8 +144,8 @@ def parse_chat_request(body: object, limits: RequestLimits) -> ChatRequest:
     return ChatRequest(
         model=_string(body.get("model"), "model", nonempty=True),
         max_tokens=_max_tokens(body),
-        temperature=_opt(body, "temperature", _number(0.0, 2.0), 0.8),
-        top_p=_opt(body, "top_p", _number(0.0, 1.0, low_open=True), 0.95),
+        temperature=_opt(body, "temperature", _number(0.0, 2.0), ChatRequest.temperature),
+        top_p=_opt(body, "top_p", _number(0.0, 1.0, low_open=True), ChatRequest.top_p),
         stream=_opt(body, "stream", _boolean, False),
         include_usage=_opt(stream_options, "include_usage", _boolean, False, "stream_options."),
         stop=_opt(body, "stop", _stop, ()),
@@ -233,7 +233,7 @@ def _max_tokens(body: Mapping[str, Any]) -> int:
     newer = _opt(body, "max_completion_tokens", parse, None)
     if legacy is not None and newer is not None and legacy != newer:
         raise BadRequest("max_tokens and max_completion_tokens disagree; send one of them")
-    return newer or legacy or 512
+    return newer or legacy or ChatRequest.max_tokens
 
 
 def _stop(value: Any, name: str) -> tuple[str, ...]:

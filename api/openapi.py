@@ -12,6 +12,8 @@ from typing import Any
 
 from quart_trio import QuartTrio
 
+from api.chat_request import ChatRequest
+
 _ERROR = {
     "oneOf": [
         {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]},
@@ -48,9 +50,9 @@ CHAT_REQUEST = {
     "properties": {
         "model": {"type": "string"},
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-        "max_tokens": {"type": "integer", "minimum": 1, "default": 512},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 0.8},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.95},
+        "max_tokens": {"type": "integer", "minimum": 1, "default": ChatRequest.max_tokens},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": ChatRequest.temperature},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": ChatRequest.top_p},
         "stream": {"type": "boolean", "default": False},
         "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
         "seed": {"type": "integer"},
