@@ -257,6 +257,11 @@ def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_de
     )
 
 
+def best_rates(rounds: list[BatchedRound]) -> tuple[float, float]:
+    """The best llama.cpp and the best peer aggregate rate over the rounds."""
+    return max(r.llama_rate for r in rounds), max(r.peer_rate for r in rounds)
+
+
 def print_batched_breakdown(rounds: list[BatchedRound]) -> None:
     """Every round's paired ratio and where a step's time went: on a shared machine the
     pairs swing more than the target's margin, and the engine call's own time (which
@@ -448,14 +453,12 @@ def main() -> int:
                                                  greedy=False))  # fmt: skip
             finally:
                 base.close()
-            best_llama = max(r.llama_rate for r in rounds)
-            best_peer = max(r.peer_rate for r in rounds)
+            best_llama, best_peer = best_rates(rounds)
             print(f"\n2. {args.sessions} concurrent sessions, aggregate decode tok/s at {cores} threads: "
                   f"llama.cpp batched {best_llama:.1f}, peer {best_peer:.1f}")  # fmt: skip
             print(f"   ratio {verdict(best_peer / best_llama, TARGET_BATCHED)}")
             print_batched_breakdown(rounds)
-            best_llama = max(r.llama_rate for r in sampled)
-            best_peer = max(r.peer_rate for r in sampled)
+            best_llama, best_peer = best_rates(sampled)
             print(f"   at the API's default sampling: llama.cpp batched, a sampler chain per session, {best_llama:.1f}; "
                   f"peer {best_peer:.1f}")  # fmt: skip
             print(f"   ratio {verdict(best_peer / best_llama, TARGET_BATCHED)}")
