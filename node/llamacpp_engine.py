@@ -17,6 +17,7 @@ arithmetic (see ``_new_context``).
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import logging
 import threading
@@ -44,6 +45,9 @@ from node.errors import ContextFull, DecodeFailed, EngineLoadError
 from node.gguf_slice import cached_slice
 
 log = logging.getLogger(__name__)
+
+_MAX_LOGIT_VIEWS = 64
+"""Cached views of llama.cpp's logits buffer (one per address and row count in use)."""
 
 
 @dataclass
@@ -112,6 +116,7 @@ class LlamaCppEngine(LayerEngine):
             self.close()
             raise
         self._slots: dict[SessionId, _Slot] = {}
+        self._logit_views: dict[tuple[int, int], np.ndarray] = {}
         # Lowest ids first: batched sessions then tend to have consecutive ids, which
         # llama.cpp runs in one ubatch (non-consecutive ones get a ubatch each).
         self._free_seq_ids = list(range(config.max_sessions))
@@ -268,7 +273,7 @@ class LlamaCppEngine(LayerEngine):
         # Sequence ids ascending: llama.cpp's sequential split then emits ubatches whose
         # rows are in this order, so concatenated captures line up with the batch.
         ordered = sorted(call, key=lambda seg: self._slots[items[seg.index].session_id].seq_id)
-        n = 0
+        n = n_out = 0
         for seg in ordered:
             item = items[seg.index]
             end = n + seg.count
@@ -287,6 +292,7 @@ class LlamaCppEngine(LayerEngine):
                 self._outputs[n:end] = 0
                 if hi == item.n_tokens:
                     self._outputs[end - 1] = 1
+                    n_out += 1
             else:
                 self._outputs[n:end] = 1
             n = end
@@ -319,15 +325,36 @@ class LlamaCppEngine(LayerEngine):
                 out.append((seg, captured[offset : offset + seg.count]))
                 offset += seg.count
             return out
-        n = 0
+        # One copy of every output row: each session's row is a view into it, owned by the caller.
+        rows = self._last_logits(n_out).copy() if n_out else None
+        j = 0
         for seg in ordered:
-            n += seg.count
             row = None
-            if seg.offset + seg.count == items[seg.index].n_tokens:
-                ptr = llama_cpp.llama_get_logits_ith(self._ctx, n - 1)
-                row = np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
+            if rows is not None and seg.offset + seg.count == items[seg.index].n_tokens:
+                row = rows[j]
+                j += 1
             out.append((seg, row))
         return out
+
+    def _last_logits(self, n: int) -> np.ndarray:
+        """The last decode's ``n`` rows of logits, one per output in batch order (llama.h:
+        stored contiguously in the order they appeared in the batch): a view into llama.cpp's
+        buffer, valid until the next decode.
+
+        Views are cached by the buffer's address: right after a decode, on caches it left
+        cold, ``np.ctypeslib.as_array`` cost ~35 us a row; a cached view costs ~1 us. The
+        address is read on every call, so a buffer llama.cpp reallocates gets a new view."""
+        address = ctypes.cast(llama_cpp.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        if not address:
+            raise DecodeFailed("llama.cpp returned no logits")
+        view = self._logit_views.get((address, n))
+        if view is None:
+            if len(self._logit_views) >= _MAX_LOGIT_VIEWS:
+                self._logit_views.clear()
+            buffer = (ctypes.c_float * (n * self.info.n_vocab)).from_address(address)
+            view = np.frombuffer(buffer, dtype=np.float32).reshape(n, self.info.n_vocab)
+            self._logit_views[(address, n)] = view
+        return view
 
     # ---------------------------------------------------------------- sessions
 

@@ -73,16 +73,23 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
 
     Raises :class:`UnusableLogits` when the logits are not all finite: NaN or infinite
     hidden states from an upstream stage end here, and must fail this one job, not the
-    stage (argmax would pick garbage, and the weights would all be NaN)."""
-    if not np.isfinite(logits).all():
+    stage (argmax would pick garbage, and the weights would all be NaN).
+
+    The check is folded into reductions the draw needs anyway, plus the minimum: a NaN
+    anywhere makes the maximum NaN (argmax points at the first NaN), an infinity shows in the
+    maximum or the minimum. That is two passes over the vocabulary where ``isfinite().all()``
+    then ``argmax`` made three and a temporary array, on caches the engine call left cold."""
+    best = int(np.argmax(logits)) if params.greedy else -1
+    top = logits[best] if params.greedy else logits.max()
+    if not (math.isfinite(top) and math.isfinite(logits.min())):
         raise UnusableLogits("the logits are not all finite (the hidden states upstream were corrupt)")
     if params.greedy:
-        return int(np.argmax(logits))
+        return best
     # exp((l - max) / T): the most likely token weighs 1, every other less. 1/T is capped at
     # float32's largest value: a temperature of 1e-300 (valid, from any client) must not make
     # it infinite, since 0 * inf is NaN; what overflows to -inf instead weighs 0.
     with np.errstate(over="ignore"):
-        weights = (logits - logits.max()).astype(np.float32, copy=False)
+        weights = (logits - top).astype(np.float32, copy=False)
         weights *= np.float32(min(1.0 / params.temperature, _FLOAT32_MAX))
         np.exp(weights, out=weights)
     u = _uniform(params.seed, position)
