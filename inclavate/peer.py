@@ -590,6 +590,7 @@ class Peer:
         stats = self.stage.stats
         return {"step_rounds": stats.step_rounds, "step_jobs": stats.step_jobs,
                 "mean_step_batch": round(stats.mean_step_batch, 3), "step_seconds": round(stats.step_seconds, 6),
+                "inline_cpu_seconds": round(stats.inline_cpu_seconds, 6),
                 "step_rounds_by_lane": list(stats.step_rounds_by_lane)}  # fmt: skip
 
     # ------------------------------------------------- admin and legacy nodes

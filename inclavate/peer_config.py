@@ -59,9 +59,12 @@ class PeerConfig:
     generators: bool = True
     """Offer the speech models installed in ``home`` as generators (``--no-generators``)."""
     inline_tokens: int = 8
-    """At one engine thread, stage batches of at most this many tokens (decode steps) run on
-    the event-loop thread: with every process pinned to one core, a whole peer's decode step
-    took 12.7-14.0 ms that way against 15.0-17.2 ms through the engine thread."""
+    """Stage batches of at most this many tokens (decode steps) run on the event-loop thread
+    where the engine allows it (one engine thread, or the default thread-wait policy: see
+    ``node.teams_spin_alike``) and its steps take under 0.1 s (``Stage.inline_max_s``).
+    With every process pinned to one core, a whole peer's decode step took 12.7-14.0 ms that
+    way against 15.0-17.2 ms through the engine thread; at 2 threads a lone stream decoded
+    5-15% faster (docs/ARCHITECTURE.md, "Decode steps on the event loop at any thread count")."""
     decode_lanes: int = 4
     """Most lanes of decode steps (``--decode-lanes``): as an entry, new sessions are spread
     over one lane per stage of their route, up to this many; as a stage of a chain, each

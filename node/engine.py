@@ -2,8 +2,9 @@
 
 An engine holds layers ``[start, end)`` of one model and runs *batches*: one or more
 sessions' items decoded together, which is how a stage serves many conversations with one
-pass over its weights. Engines are synchronous and not thread-safe; the stage worker that
-owns one calls it from a single ``trio.to_thread.run_sync`` at a time.
+pass over its weights. Engines are synchronous and not thread-safe; the stage that owns one
+makes one call at a time, on its engine thread (``node.engine_thread``) or, for small
+batches of an engine ``callable_from_any_thread``, on the event loop's.
 
 Positions are explicit so the engine can check the caller's view of a session against its
 own KV cache: an item must start where the session's cache ends, or earlier to rewind (the
@@ -161,6 +162,14 @@ class LayerEngine(abc.ABC):
     @property
     def context_length(self) -> int:
         return self.config.context_length
+
+    @property
+    def callable_from_any_thread(self) -> bool:
+        """Whether a call may come from another OS thread than the engine thread at no extra
+        cost to any call. The stage then runs decode-sized batches on the event loop's thread
+        and skips two thread hand-offs a step. At one compute thread nothing depends on the
+        caller; an engine that knows more says so."""
+        return self.config.n_threads == 1
 
     @abc.abstractmethod
     def forward(self, items: list[BatchItem]) -> list[StageOutput]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from inclavate.gguf_meta import read_metadata
 from inclavate.types import LayerRange, ModelId, SessionId
-from node import llamacpp_lib
+from node import llamacpp_lib, teams_spin_alike
 from node.arch import rules_for
 from node.eval_capture import CaptureError, EvalCapture
 from node.engine import (
@@ -126,6 +126,12 @@ class LlamaCppEngine(LayerEngine):
             "loaded %s layers %s of %d (%s, d_model %d) from %s",
             model_id, layers, n_layers, arch, d_model, path.name,
         )
+
+    @property
+    def callable_from_any_thread(self) -> bool:
+        """At several threads, only where the thread-wait policy makes a second OpenMP team
+        (the caller's own) cost nothing: see ``node.teams_spin_alike``."""
+        return self.config.n_threads == 1 or teams_spin_alike()
 
     # ----------------------------------------------------------------- set-up
 

@@ -156,6 +156,9 @@ class StageStats:
     step_seconds: float = 0.0
     """Time those calls took, sampling included: a benchmark subtracts it from a token's
     time to see what a chain adds outside the engines, whatever the engines' speed."""
+    inline_cpu_seconds: float = 0.0
+    """CPU time (the calling thread's) of engine calls run on the event loop's thread: a
+    benchmark subtracts it from that thread's CPU to see the event loop's own."""
     step_rounds_by_lane: list[int] = field(default_factory=lambda: [0])
     """``step_rounds`` by the lane whose steps they ran (one entry per lane of the stage)."""
     _ema_alpha: float = 0.2
@@ -192,6 +195,7 @@ class Stage:
         on_error: Callable[[], None] | None = None,
         engine_thread: EngineThread | None = None,
         inline_tokens: int = 0,
+        inline_max_s: float = 0.1,
         prefill_slice_tokens: int = 64,
         interleave_window_s: float = 2.0,
         gather_s: float = 0.005,
@@ -232,10 +236,15 @@ class Stage:
         self._step_period: dict[SessionId, float] = {}
         self.engine_thread = engine_thread or EngineThread()
         """Where calls into the engine run (one OS thread: see ``node.engine_thread``)."""
-        self.inline_tokens = inline_tokens if engine.config.n_threads == 1 else 0
-        """Batches this small run on the event-loop thread instead. Only at one engine thread:
-        llama.cpp then opens no OpenMP region, so the calling thread does not matter, and a
-        decode step skips two thread hand-offs (and the GIL hand-over that comes with them)."""
+        self.inline_tokens = inline_tokens if engine.callable_from_any_thread else 0
+        """Batches this small run on the event-loop thread instead, skipping two thread
+        hand-offs (and the GIL hand-overs that come with them): only where the engine says
+        the calling thread does not matter (one compute thread, or a thread-wait policy
+        under which a second OpenMP team waits like the first)."""
+        self.inline_max_s = inline_max_s
+        """...and only while the stage's decode steps take less than this: an inline call
+        blocks the event loop (HTTP, gossip, pings, other streams), so a range whose steps
+        are slow (a large model, a slow machine) keeps them on the engine thread."""
         self.on_batch = on_batch
         """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
         self.on_error = on_error
@@ -277,7 +286,7 @@ class Stage:
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
         item = job.item
-        if item is None or item.n_tokens != 1 or self.inline_tokens < 1:
+        if item is None or item.n_tokens != 1 or not self._may_run_inline(1):
             return False
         if not self._parked or self._running_now or self._deferred:
             return False
@@ -288,6 +297,14 @@ class Stage:
             if any(used >= cutoff for sid, used in self._last_used.items() if sid != job.session_id):
                 return False
         return True
+
+    def _may_run_inline(self, tokens: int) -> bool:
+        """Whether a batch of ``tokens`` may run on the event loop's thread: small enough,
+        and the stage's decode steps (once it has run one) quick enough."""
+        if tokens > self.inline_tokens:
+            return False
+        stats = self.stats
+        return stats.steps == 0 or stats.step_ms_per_layer * len(self.engine.info.layers) <= 1000 * self.inline_max_s
 
     async def _run_now(self, job: Job) -> None:
         self._running_now = True
@@ -537,8 +554,10 @@ class Stage:
             if work.job.done == 0 and work.item is not None:
                 self.stats.recomputed += max(0, self.engine.session_length(work.job.session_id) - work.item.start_pos)
         started = time.monotonic()
-        if sum(w.item.n_tokens for w in group) <= self.inline_tokens:
+        if self._may_run_inline(sum(w.item.n_tokens for w in group)):
+            cpu = time.thread_time()
             results = self._compute(group)
+            self.stats.inline_cpu_seconds += time.thread_time() - cpu
         else:
             results = await self.engine_thread.run(self._compute, group)
         now = time.monotonic()

@@ -1,5 +1,6 @@
-"""Every call into an engine runs on one OS thread: llama.cpp's OpenMP keeps a team of
-threads per calling thread, and several teams throttle every barrier (node.engine_thread)."""
+"""Calls into an engine run on one OS thread: llama.cpp's OpenMP keeps a team of threads
+per calling thread, and several teams throttle every barrier (node.engine_thread), unless
+the thread-wait policy makes a second team cost nothing (node.teams_spin_alike)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from inclavate.types import LayerRange, ModelId, SessionId
 from node.engine import BatchItem, EngineConfig
@@ -58,25 +60,42 @@ async def test_a_cancelled_caller_waits_for_its_call_to_finish() -> None:
 
 
 class _ThreadRecordingEngine(LlamaCppEngine):
-    """The real engine, noting which OS thread each call came from."""
+    """The real engine, noting which OS thread each call came from; ``any_thread`` stands
+    for what the process's thread-wait policy allows (``node.teams_spin_alike``)."""
 
-    callers: set[int]
+    calls: list[tuple[str, int]]
+    any_thread: bool
+
+    @property
+    def callable_from_any_thread(self) -> bool:
+        return self.any_thread
 
     def forward(self, items):
-        self.callers.add(threading.get_ident())
+        kind = "step" if all(item.n_tokens == 1 for item in items) else "prefill"
+        self.calls.append((kind, threading.get_ident()))
         return super().forward(items)
 
     def close_session(self, session_id):
-        self.callers.add(threading.get_ident())
+        self.calls.append(("close", threading.get_ident()))
         return super().close_session(session_id)
 
 
-async def test_a_stage_calls_its_engine_from_one_thread_for_prefill_decode_and_close(smollm2, slice_cache) -> None:
+@pytest.mark.parametrize(("any_thread", "inline_max_s", "steps_on"), [
+    (False, 0.1, ["engine", "engine", "engine"]),  # a policy under which a second OpenMP team costs
+    (True, 0.1, ["loop", "loop", "loop"]),
+    (True, 0.0, ["loop", "engine", "engine"]),  # steps slower than inline_max_s: the first one tells
+])  # fmt: skip
+async def test_a_stage_at_two_threads_runs_steps_on_the_event_loop_only_where_that_costs_nothing(
+        smollm2, slice_cache, any_thread: bool, inline_max_s: float, steps_on: list[str]) -> None:  # fmt: skip
+    """Under a wait policy where a second OpenMP team costs nothing, a decode step runs on the
+    event loop's thread (two hand-offs fewer), as long as steps are quick (an inline call
+    blocks the event loop); otherwise everything runs on the engine thread. Prefill and close
+    always go to the engine thread: the event loop must not stop for them."""
     with _ThreadRecordingEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
                                 config=EngineConfig(n_threads=2, context_length=256, max_sessions=2),
                                 slice_cache=slice_cache) as engine:  # fmt: skip
-        engine.callers = set()
-        stage = Stage(engine, inline_tokens=8)  # ignored: at 2 threads even a step goes to the thread
+        engine.calls, engine.any_thread = [], any_thread
+        stage = Stage(engine, inline_tokens=8, inline_max_s=inline_max_s)
         async with trio.open_nursery() as nursery:
             await nursery.start(stage.run)
             results: list[StageResult] = []
@@ -85,12 +104,15 @@ async def test_a_stage_calls_its_engine_from_one_thread_for_prefill_decode_and_c
                 results.append(result)
 
             sid = SessionId("s")
-            for start, tokens in ((0, list(range(1, 120))), (119, [5]), (120, [6])):
+            for start, tokens in ((0, list(range(1, 120))), (119, [5]), (120, [6]), (121, [7])):
                 await stage.submit(Job(BatchItem(sid, start, tokens=np.array(tokens, np.int32)), sid, deliver))
+                await trio.testing.wait_all_tasks_blocked()  # one at a time: each step alone
             await stage.submit(Job(None, sid, deliver))
-            while len(results) < 4:
+            while len(results) < 5:
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
         await stage.close_engine()
         assert all(r.error is None for r in results)
-        assert engine.callers == {stage.engine_thread._thread.ident}
+        names = {stage.engine_thread._thread.ident: "engine", threading.get_ident(): "loop"}
+        assert [(kind, names[ident]) for kind, ident in engine.calls] == [
+            ("prefill", "engine"), *(("step", where) for where in steps_on), ("close", "engine")]
