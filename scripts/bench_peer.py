@@ -17,7 +17,8 @@ Sections:
 2. 8 concurrent sessions: the peer's aggregate decode rate while all 8 stream, against
    llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9.
    Also printed: each round's paired ratio, and a step's time split into the engine call,
-   the time between calls, and the CPU of the peer's event loop; then the same at the API's
+   the time between calls, and the CPU of the peer's event loop (less the engine calls it runs
+   inline); then the same at the API's
    default sampling (llama.cpp with a sampler chain per session);
 3. the worst gap between two streamed tokens of a decoding session while another session
    prefills a ~2,000-token prompt (reported with the session's median gap; no target);
@@ -217,7 +218,8 @@ class BatchedRound:
     engine_ms: float
     """The peer's engine call per batched step (``/health`` ``batching.step_seconds``)."""
     loop_cpu_ms: float | None
-    """CPU of the peer's event-loop thread per step (None where ``/proc`` is missing)."""
+    """CPU of the peer's event loop per step: its thread's, less the engine calls it runs
+    inline (``node.stage``)."""
     sessions_per_call: float
     client_cpu_ms: float
     """CPU of this benchmark's own client per step: taken from the cores the peer uses."""
@@ -237,6 +239,12 @@ def _thread_cpu_s(pid: int) -> float | None:
         return None
 
 
+def loop_cpu_s(main_thread_s: float, before: dict[str, float], after: dict[str, float]) -> float:
+    """The event loop's own CPU: its thread's, less the engine calls the stage ran on it
+    (``inline_cpu_seconds`` in ``/health``'s ``batching``)."""
+    return main_thread_s - (after.get("inline_cpu_seconds", 0.0) - before.get("inline_cpu_seconds", 0.0))
+
+
 def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float,
                   greedy: bool = True) -> BatchedRound:  # fmt: skip
     """Section 2's peer half of a round, with the peer's own account of its steps."""
@@ -251,7 +259,7 @@ def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_de
         peer_rate=rate,
         llama_step_ms=1000 * llama_decode_s / n,
         engine_ms=1000 * (after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0)) / steps,
-        loop_cpu_ms=None if cpu0 is None or cpu1 is None else 1000 * (cpu1 - cpu0) / steps,
+        loop_cpu_ms=None if cpu0 is None or cpu1 is None else 1000 * loop_cpu_s(cpu1 - cpu0, before, after) / steps,
         sessions_per_call=(after.get("step_jobs", 0) - before.get("step_jobs", 0)) / steps,
         client_cpu_ms=1000 * (client1.user + client1.system - client0.user - client0.system) / steps,
     )
@@ -274,9 +282,9 @@ def print_batched_breakdown(rounds: list[BatchedRound]) -> None:
     cpu = [r.loop_cpu_ms for r in rounds if r.loop_cpu_ms is not None]
     loop = f"{statistics.median(cpu):.2f} ms" if len(cpu) == len(rounds) else "n/a"
     print(f"   per batched step, median over rounds: llama.cpp {statistics.median(r.llama_step_ms for r in rounds):.1f} ms; "
-          f"peer {peer_step:.1f} ms, of which the engine call {engine:.1f} ms; event-loop CPU {loop}; "
-          f"{statistics.median(r.sessions_per_call for r in rounds):.2f} sessions per engine call; "
-          f"the benchmark's client {statistics.median(r.client_cpu_ms for r in rounds):.2f} ms CPU")  # fmt: skip
+          f"peer {peer_step:.1f} ms, of which the engine call {engine:.1f} ms; event-loop CPU {loop} (its own: "
+          f"less the engine calls it runs inline); {statistics.median(r.sessions_per_call for r in rounds):.2f} "
+          f"sessions per engine call; the benchmark's client {statistics.median(r.client_cpu_ms for r in rounds):.2f} ms CPU")  # fmt: skip
 
 
 def prefill_gap(peer: PeerProcess, model: str, prompt_words: int) -> dict[str, float]:
@@ -346,7 +354,7 @@ def loop_cost(peer: PeerProcess, model: str, sessions: int, lengths: tuple[int, 
         after, cpu1 = peer.get("/health").get("batching") or {}, _thread_cpu_s(peer.process.pid)
         if cpu0 is None or cpu1 is None:
             return None
-        return cpu1 - cpu0, after.get("step_jobs", 0) - before.get("step_jobs", 0)
+        return loop_cpu_s(cpu1 - cpu0, before, after), after.get("step_jobs", 0) - before.get("step_jobs", 0)
 
     out: dict[str, float] = {}
     for streamed, name in ((False, "plain"), (True, "stream")):
