@@ -121,14 +121,21 @@ def pieces(path: Path, sessions: int) -> dict[str, list[float]]:
             return ts[bisect_left(ts, end) : bisect_right(ts, start)]
 
         delivered, submitted, resumed, handed = within("deliver"), within("submit"), within("resumed"), within("handed")
-        if len(delivered) < sessions or len(submitted) < sessions or not resumed or not handed:
+        inline = not resumed and not handed  # both calls made on the event loop's thread (node.stage)
+        if len(delivered) < sessions or len(submitted) < sessions or not (inline or (resumed and handed)):
             continue
-        add("engine thread -> stage worker resumed", resumed[0] - end)
+        if inline:
+            add("call's end -> first result delivered (inline calls)", delivered[0] - end)
+        else:
+            add("engine thread -> stage worker resumed", resumed[0] - end)
         add(f"{sessions} results delivered", delivered[-1] - delivered[0])
         add("last delivery -> first next step queued", submitted[0] - delivered[-1])
         add(f"{sessions} next steps queued (first to last)", submitted[-1] - submitted[0])
-        add("last step queued -> call handed to the engine thread", handed[-1] - submitted[-1])
-        add("handed -> engine thread starts the call", start - handed[-1])
+        if inline:
+            add("last step queued -> next call starts (inline calls)", start - submitted[-1])
+        else:
+            add("last step queued -> call handed to the engine thread", handed[-1] - submitted[-1])
+            add("handed -> engine thread starts the call", start - handed[-1])
         add("gap between two calls (all of the above)", start - end)
         inside = [d for d in decodes if this[0] <= d[0] and d[1] <= this[1]]
         if len(inside) == 1:
