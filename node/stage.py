@@ -300,11 +300,11 @@ class Stage:
 
     def _may_run_inline(self, tokens: int) -> bool:
         """Whether a batch of ``tokens`` may run on the event loop's thread: small enough,
-        and the stage's decode steps (once it has run one) quick enough."""
-        if tokens > self.inline_tokens:
+        and the stage's decode steps known to be quick enough (the first runs on the engine
+        thread, which is what teaches the stage how long a step takes)."""
+        if tokens > self.inline_tokens or self.stats.steps == 0:
             return False
-        stats = self.stats
-        return stats.steps == 0 or stats.step_ms_per_layer * len(self.engine.info.layers) <= 1000 * self.inline_max_s
+        return self.stats.step_ms_per_layer * len(self.engine.info.layers) <= 1000 * self.inline_max_s
 
     async def _run_now(self, job: Job) -> None:
         self._running_now = True

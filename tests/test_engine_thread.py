@@ -82,8 +82,8 @@ class _ThreadRecordingEngine(LlamaCppEngine):
 
 @pytest.mark.parametrize(("any_thread", "inline_max_s", "steps_on"), [
     (False, 0.1, ["engine", "engine", "engine"]),  # a policy under which a second OpenMP team costs
-    (True, 0.1, ["loop", "loop", "loop"]),
-    (True, 0.0, ["loop", "engine", "engine"]),  # steps slower than inline_max_s: the first one tells
+    (True, 0.1, ["engine", "loop", "loop"]),  # the first step tells the stage how long one takes
+    (True, 0.0, ["engine", "engine", "engine"]),  # steps slower than inline_max_s
 ])  # fmt: skip
 async def test_a_stage_at_two_threads_runs_steps_on_the_event_loop_only_where_that_costs_nothing(
         smollm2, slice_cache, any_thread: bool, inline_max_s: float, steps_on: list[str]) -> None:  # fmt: skip

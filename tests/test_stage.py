@@ -226,7 +226,9 @@ async def test_a_lone_sessions_step_on_an_idle_stage_runs_in_its_submitters_task
         tokens = {}
         for name, stage in (("q", queued), ("i", inline)):
             tokens[name] = [(await run_job(stage, name, 0, [1, 4093, 198])).token]
-        for pos in range(3, 9):
+            # The first step goes through the worker: it tells the stage how long a step takes.
+            tokens[name].append((await run_job(stage, name, 3, [tokens[name][-1]])).token)
+        for pos in range(4, 9):
             tokens["q"].append((await run_job(queued, "q", pos, [tokens["q"][-1]])).token)
             await trio.testing.wait_all_tasks_blocked()  # the worker waits for work
             delivered: list[StageResult] = []
@@ -240,7 +242,7 @@ async def test_a_lone_sessions_step_on_an_idle_stage_runs_in_its_submitters_task
             tokens["i"].append(delivered[0].token)
         nursery.cancel_scope.cancel()
     assert tokens["i"] == tokens["q"]
-    assert inline.stats.step_jobs == 6 and inline.stats.tokens == 9
+    assert inline.stats.step_jobs == 6 and inline.stats.tokens == 9 and inline.stats.inline_cpu_seconds > 0
 
 
 async def test_a_step_never_overtakes_its_sessions_queued_work(engine) -> None:
@@ -280,6 +282,7 @@ async def test_a_step_stuck_delivering_in_place_holds_back_only_its_own_session(
     async with trio.open_nursery() as nursery:
         await nursery.start(stage.run)
         token = (await run_job(stage, "stuck", 0, [1, 4093, 198])).token
+        after = (await run_job(stage, "stuck", 3, [token])).token  # a first step, through the worker
         await trio.testing.wait_all_tasks_blocked()
         never = trio.Event()
         computed = trio.Event()
@@ -288,7 +291,7 @@ async def test_a_step_stuck_delivering_in_place_holds_back_only_its_own_session(
             computed.set()
             await never.wait()
 
-        item = BatchItem(SessionId("stuck"), 3, tokens=np.array([token], np.int32))
+        item = BatchItem(SessionId("stuck"), 4, tokens=np.array([after], np.int32))
         nursery.start_soon(stage.submit, Job(item, SessionId("stuck"), stalled, GREEDY))
         with trio.fail_after(20):
             await computed.wait()  # ran in place, now stuck in its delivery
