@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import trio
 from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
@@ -23,6 +21,7 @@ from api.context import PeerContext
 from api.errors import NotFound, error_response_parts
 from api.generation import GenerationResult
 from api.reasoning_split import Delta
+from api.relay import Offer, relay
 from api.responses import no_content
 from api.session_routes import RouteBook
 from api.sessions import ActiveSessions
@@ -73,42 +72,29 @@ async def _run(job: ChatJob, tracking: _Tracking, emit: Any) -> GenerationResult
 
 def _events(app: QuartTrio, job: ChatJob, tracking: _Tracking) -> AsyncIterator[dict[str, Any]]:
     """Chunks of a streamed generation (errors as ``{"error": ...}``), produced by a task
-    in the app's nursery so the response can be cancelled without losing the cleanup."""
-    send, receive = trio.open_memory_channel[tuple[str, Any]](math.inf)
-    scope = trio.CancelScope()
+    in the app's nursery so the response can be cancelled without losing the cleanup
+    (``api.relay``)."""
     held: list[str] = []
 
-    async def emit(delta: Delta) -> None:
-        if delta.kind == "content" and job.buffers_content:
-            held.append(delta.text)
-        else:
-            send.send_nowait(("chunk", delta_chunk(job, delta)))
+    async def produce(offer: Offer[dict[str, Any]]) -> None:
+        async def emit(delta: Delta) -> None:
+            if delta.kind == "content" and job.buffers_content:
+                held.append(delta.text)
+            else:
+                offer(delta_chunk(job, delta))
 
-    async def produce() -> None:
-        with scope:
-            try:
-                result = await _run(job, tracking, emit)
-                outcome = await settle(tracking.ctx, job, result, "".join(held))
-                for final in final_chunks(job, result, outcome):
-                    send.send_nowait(("chunk", final))
-            except Exception as exc:  # noqa: BLE001 - reported to the client, never raised into the app
-                status, body = error_response_parts(exc)
-                log.info("streamed generation %s failed (%d): %s", job.session_id, status, exc)
-                send.send_nowait(("chunk", {**body, "status": status}))
-            finally:
-                send.close()
-
-    async def events() -> AsyncIterator[dict[str, Any]]:
-        app.nursery.start_soon(produce)
+        offer(chunk(job, {"role": "assistant", "content": ""}))
         try:
-            yield chunk(job, {"role": "assistant", "content": ""})
-            async with receive:
-                async for _kind, item in receive:
-                    yield item
-        finally:
-            scope.cancel()
+            result = await _run(job, tracking, emit)
+            outcome = await settle(tracking.ctx, job, result, "".join(held))
+            for final in final_chunks(job, result, outcome):
+                offer(final)
+        except Exception as exc:  # noqa: BLE001 - reported to the client, never raised into the app
+            status, body = error_response_parts(exc)
+            log.info("streamed generation %s failed (%d): %s", job.session_id, status, exc)
+            offer({**body, "status": status})
 
-    return events()
+    return relay(app.nursery, produce)
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from reference import whole_model_text
-from swarm import PeerProcess, Swarm
+from swarm import PeerProcess, Swarm, request_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 MODEL = "smollm2:135m"
@@ -154,6 +154,24 @@ def test_a_client_that_disconnects_mid_stream_frees_every_stage(swarm) -> None:
         assert _sessions(peers[2])["stage"] == 1, "the generation should be running"
     # The connection is closed: the entry cancels and every stage frees the session.
     s.wait(lambda: all(_sessions(p) == {"stage": 0, "entry": 0} for p in peers), 10, "sessions freed")
+
+
+def test_clients_leaving_mid_stream_at_any_moment_never_take_the_api_down(swarm) -> None:
+    """A streamed generation runs in the app's nursery; a client that left while it was
+    ready to run once made it raise there, and every later request of the peer failed
+    ("Nursery is closed to new arrivals"). Unit-tested in tests/test_relay.py."""
+    s, peers = swarm
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 64, "temperature": 0, "stream": True}
+    for read in range(1, 9):
+        with httpx.stream("POST", peers[1].url + "/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(read):
+                next(lines)
+    status, answer = request_json("POST", peers[1].url + "/v1/chat/completions", {**body, "stream": False, "max_tokens": 4})
+    assert status == 200 and answer["choices"][0]["message"]["content"]
+    s.wait(lambda: all(_sessions(p) == {"stage": 0, "entry": 0} for p in peers), 10, "sessions freed")
+    log = peers[1].log_path.read_text(errors="replace")
+    assert "Error in ASGI Framework" not in log and "producer failed" not in log
 
 
 def test_delete_session_stops_a_generation(swarm) -> None:
