@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions`` (JSON and SSE), ``/ws/chat``, ``GET``/``DELETE /sessions/:id``.
 
 A streamed generation runs as a task in the app's nursery and hands deltas to the response
-over a channel. If the client goes away, the response is cancelled and cancels the task,
-whose own cleanup frees the session's KV cache on every stage (see ``api.generation``).
+over a channel (``api.relay``). If the client goes away, the response is cancelled and
+cancels the task, whose own cleanup frees the session's KV cache on every stage (see
+``api.generation``).
 """
 
 from __future__ import annotations
