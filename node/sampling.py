@@ -79,8 +79,11 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     anywhere makes the maximum NaN (argmax points at the first NaN), an infinity shows in the
     maximum or the minimum. That is two passes over the vocabulary where ``isfinite().all()``
     then ``argmax`` made three and a temporary array, on caches the engine call left cold."""
-    best = int(np.argmax(logits)) if params.greedy else -1
-    top = logits[best] if params.greedy else logits.max()
+    if params.greedy:
+        best = int(np.argmax(logits))
+        top = logits[best]
+    else:
+        top = logits.max()
     if not (math.isfinite(top) and math.isfinite(logits.min())):
         raise UnusableLogits("the logits are not all finite (the hidden states upstream were corrupt)")
     if params.greedy:

@@ -18,8 +18,8 @@ Sections:
    llama.cpp decoding the 8 sequences batched (one ``llama_decode`` per step); target >= 0.9.
    Also printed: each round's paired ratio, and a step's time split into the engine call,
    the time between calls, and the CPU of the peer's event loop (less the engine calls it runs
-   inline); then the same at the API's
-   default sampling (llama.cpp with a sampler chain per session);
+   inline); then the same at the API's default sampling (llama.cpp with a sampler chain per
+   session);
 3. the worst gap between two streamed tokens of a decoding session while another session
    prefills a ~2,000-token prompt (reported with the session's median gap; no target);
 4. the peer's event-loop CPU per generated token and per request, streamed and not (the
