@@ -459,6 +459,13 @@ class P2PHost:
         reaches nobody but ourselves)."""
         return [_peer_id(p) for p in self._pubsub.peer_topics.get(topic, ())]
 
+    def mesh_peers(self, topic: str) -> list[PeerId]:
+        """The peers a message published on ``topic`` now is pushed to (the gossip mesh).
+        A peer known to subscribe (:meth:`gossip_peers`) joins it at the next gossip
+        heartbeat or when it grafts us; until then it learns of our messages only from the
+        heartbeat's gossip, later and not always all of a burst."""
+        return [_peer_id(p) for p in self._pubsub.router.mesh.get(topic, ())]  # type: ignore[attr-defined]
+
     def _close_channels(self) -> None:
         self._connection_events.close()
         for broadcast in self._topics.values():

@@ -169,10 +169,12 @@ async def _gossip_mesh(hosts: list[P2PHost]) -> list[trio.MemoryReceiveChannel]:
         await left.connect(right.multiaddrs()[0])
     for left, right in itertools.pairwise(hosts):
         def meshed(left: P2PHost = left, right: P2PHost = right) -> bool:
-            return (right.peer_id in left.gossip_peers(TOPIC)
-                    and left.peer_id in right.gossip_peers(TOPIC))
+            # Known subscriptions are not enough: a burst published before the other end
+            # is in the mesh reaches it only through the heartbeat's gossip, maybe not whole.
+            return (right.peer_id in left.mesh_peers(TOPIC)
+                    and left.peer_id in right.mesh_peers(TOPIC))
 
-        await wait_until(meshed, what="subscriptions")
+        await wait_until(meshed, what="the gossip mesh")
     return subscriptions
 
 
