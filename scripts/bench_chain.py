@@ -99,7 +99,7 @@ class Bench:
     def swarm(self) -> LocalSwarm:
         common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(self.args.threads),
                   "--wire-dtype", self.args.wire_dtype, "--context", str(CONTEXT),
-                  "--max-sessions", str(self.max_sessions)]  # fmt: skip
+                  "--max-sessions", str(self.max_sessions), *self.args.peer_arg]  # fmt: skip
         return LocalSwarm(Path(tempfile.mkdtemp(dir=self.workdir)), common, {"INCLAVATE_HOME": str(self.home)})
 
     def start_whole(self, swarm: LocalSwarm) -> PeerProcess:
@@ -393,6 +393,9 @@ def main() -> int:
     parser.add_argument("--cores-apart", action="store_true",
                         help="pin each peer of a chain to a core of its own (peer i on core i, round robin) and the whole "
                         "peer to --threads cores: the stages compute side by side, as on separate machines")  # fmt: skip
+    parser.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for every peer, e.g. --peer-arg=--decode-lanes --peer-arg=1 "
+                        "(to measure a flag against the defaults); repeatable")  # fmt: skip
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
     chosen = [s for s in args.sections.split(",") if s]
@@ -407,6 +410,8 @@ def main() -> int:
     print(f"model {spec.model_id}: {args.peers}-peer chain vs one peer; {args.threads} engine thread(s) per peer, "
           f"wire {args.wire_dtype}, best of {args.rounds}; load average {os.getloadavg()[0]:.2f}")
     print("reproduce: scripts/bench_chain " + " ".join(sys.argv[1:]))
+    if args.peer_arg:
+        print("every peer also runs with " + " ".join(args.peer_arg))
     verdicts: list[Verdict] = []
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(args, home, spec, Path(tmp), prompt)
