@@ -60,6 +60,7 @@ from p2p.errors import DialError, ListenError, P2PError, PublishRejected
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from inclavate.ports import port_in_use
 from p2p.identity import Identity
+from p2p import yamux_credit
 from p2p.pubsub import Broadcast, GossipConfig, GossipMessage, SwarmPubsub, build_gossip
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ def _expand_wildcards(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multia
 
 def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr,
                        dial_timeout: float) -> BasicHost:
+    yamux_credit.install()
     key_pair = identity.key_pair
     swarm = new_swarm(
         key_pair=key_pair,
