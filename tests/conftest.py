@@ -8,6 +8,7 @@ model store into a persistent test home (``INCLAVATE_TEST_HOME``, default
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import pytest
 
 from inclavate.catalog import Catalog, ModelSpec
 from inclavate.store import ModelStore
+
+# A suite started in the background of a script (`pytest &`, `nohup ... &`) inherits SIGINT
+# ignored, and so would every CLI it starts: tests that press Ctrl-C on `inclavate chat` or
+# `status --watch` would see it ignored. A handled signal is reset to the default at exec,
+# so catching it here gives each child the disposition a terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEFAULT_MODEL = "smollm2:135m"
 TEST_HOME = Path(
