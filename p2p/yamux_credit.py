@@ -7,6 +7,8 @@ message cost its receiver ~3 extra frames (yamux header, Noise record, a ``send(
 wake-up on both sides): strace of an idle peer in a 3-peer swarm shows a 30-byte write per
 read. go-yamux (``sendWindowUpdate``) returns credit only once the unreturned part reaches
 half the window, and so does this: one update per 128 KiB consumed instead of one per read.
+A sender that ignores the window (py-libp2p buffers its excess and clamps the window at 0)
+is owed nothing until the reader has drained the excess; then credit resumes.
 
 Safe because the sender always keeps credit while the reader reads: what the reader has
 consumed and not yet credited stays below half the window, so the sender's credit (window
@@ -28,10 +30,9 @@ async def _credit_in_halves(self: YamuxStream, *, bytes_read: int = 0) -> None:
     async with self.window_lock:
         buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
         owed = self.target_recv_window - (self.recv_window + buffered)
-        if owed <= 0 or owed < self.target_recv_window // 2:
+        if owed <= 0 or owed < self._grow_threshold():  # the library's half (PY_YAMUX_* tunable)
             return
         increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
-        self._pending_recv_release = 0
     if increment > 0:
         await self.send_window_update(increment, skip_lock=True)
 

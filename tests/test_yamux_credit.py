@@ -58,3 +58,39 @@ async def test_a_sender_beyond_the_window_waits_for_a_slow_reader_and_finishes()
         async with running_hosts(2) as (a, b):
             got = await _transfer(a, b, slow_reader=True)
     assert [int.from_bytes(frame[:4], "big") for frame in got] == list(range(FRAMES))
+
+
+async def test_a_sender_ignoring_the_window_breaks_nothing_and_credit_resumes_once_drained() -> None:
+    """A hostile peer may send past the credit we gave: the stream still delivers every
+    frame in order, and once the reader has drained it we credit the window again (none is
+    owed while the overrun is buffered), so the stream does not stall afterwards."""
+    receiving: list[YamuxStream] = []
+    got: list[bytes] = []
+    drained = trio.Event()
+
+    async def handler(stream: FramedStream, _remote: str) -> None:
+        receiving.append(stream._raw._stream.muxed_stream)  # type: ignore[attr-defined]
+        while len(got) < 2 * FRAMES:
+            got.append(await stream.receive(timeout=20))
+            if len(got) == FRAMES:
+                drained.set()
+
+    with trio.fail_after(60):
+        async with running_hosts(2) as (a, b):
+            b.set_stream_handler(PROTOCOL, handler)
+            await a.connect(b.multiaddrs()[0])
+            async with await a.new_stream(b.peer_id, PROTOCOL, timeout=10) as stream:
+                sender: YamuxStream = stream._raw._stream.muxed_stream  # type: ignore[attr-defined]
+                sender.send_window = 1 << 30  # ignores flow control: never waits for credit
+                for i in range(FRAMES):
+                    await stream.send(i.to_bytes(4, "big") * (FRAME_BYTES // 4), timeout=20)
+                await drained.wait()
+                (receiver,) = receiving
+                window = receiver.target_recv_window
+                assert receiver.recv_window >= window // 2  # credited again after the overrun
+                sender.send_window = receiver.recv_window  # honest from here on
+                for i in range(FRAMES, 2 * FRAMES):
+                    await stream.send(i.to_bytes(4, "big") * (FRAME_BYTES // 4), timeout=20)
+                while len(got) < 2 * FRAMES:
+                    await trio.sleep(0.01)
+    assert [int.from_bytes(frame[:4], "big") for frame in got] == list(range(2 * FRAMES))
