@@ -30,6 +30,27 @@ class SwarmError(InclavateError):
     """A child peer exited, or did not become ready in time."""
 
 
+@dataclass(frozen=True)
+class CoreSplit:
+    """How peers started together on one machine share its cores."""
+
+    threads: int
+    """Engine threads per peer: the cores split evenly between the peers, at least one."""
+    oversubscribed: bool
+    """The peers' engine threads outnumber the cores. Only then must a thread waiting at a
+    barrier sleep at once (``LocalSwarm.colocated``): its partner may have lost its core.
+    With a core per thread a lone peer's bounded spin catches its partners, and sleeping at
+    once cost a 2-thread peer 0.36x of its speed (docs/ARCHITECTURE.md, "Thread wait
+    policy")."""
+
+
+def split_cores(peers: int, cores: int | None = None) -> CoreSplit:
+    """The split ``inclavate swarm`` gives its ``peers`` (``cores``: this machine's)."""
+    cores = cores or os.cpu_count() or 1
+    threads = max(1, cores // max(1, peers))
+    return CoreSplit(threads, peers * threads > cores)
+
+
 _handed_out: set[int] = set()
 
 
@@ -112,8 +133,9 @@ class LocalSwarm:
     """Arguments every child gets."""
     env: dict[str, str] = field(default_factory=dict)
     colocated: bool = True
-    """Tell children they share the machine (their engine threads sleep rather than spin
-    while waiting); a benchmark of one lone peer says False."""
+    """Tell children their engine threads may outnumber the cores (they sleep at once at a
+    barrier rather than spin a while); False when each thread has a core of its own (a
+    benchmark of one lone peer, ``inclavate swarm``'s even split: :func:`split_cores`)."""
     peers: list[PeerProcess] = field(default_factory=list)
 
     def __enter__(self) -> LocalSwarm:

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from inclavate.catalog import Catalog
 from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError
 from inclavate.generate_cmd import split_evenly
-from inclavate.local_swarm import LocalSwarm, SwarmError
+from inclavate.local_swarm import LocalSwarm, PeerProcess, SwarmError, split_cores
 from inclavate.progress import Progress
 from inclavate.store import ModelStore
 from inclavate.tensors import WIRE_DTYPES
@@ -47,29 +48,47 @@ def _swarm(args: argparse.Namespace) -> int:
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
     ModelStore(home).pull(spec, Progress(sys.stderr))  # once, before the peers race for it
-    ranges = split_evenly(spec.n_layers, args.peers)
-    threads = max(1, (os.cpu_count() or 1) // args.peers)
-    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(threads), "--wire-dtype", args.wire_dtype]
     # The children read the token from their environment: on their command line every local
     # user could read it in `ps`.
     env = {ADMIN_TOKEN_ENV: args.admin_token} if args.admin_token else {}
     workdir = home / "swarm"
     print(f"starting {args.peers} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
-    with LocalSwarm(workdir, common, env) as swarm:
+    with open_swarm(workdir, args.peers, args.wire_dtype, env) as swarm:
         try:
-            first = swarm.start("peer-1", spec.model_id, "--layers", str(ranges[0]), api_port=args.api_port)
-            peers = [first] + [
-                swarm.start(f"peer-{i + 1}", spec.model_id, "--layers", str(r), bootstrap=first, api_port=args.api_port + i)
-                for i, r in enumerate(ranges[1:], start=1)
-            ]
-            for peer, layers in zip(peers, ranges):
-                swarm.wait_ready(peer)
-                print(f"  {peer.name}: layers {layers} ready, API {peer.url}", file=sys.stderr)
-            swarm.wait(lambda: first.get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+            peers = start_peers(swarm, spec.model_id, spec.n_layers, args.peers, args.api_port,
+                                report=lambda line: print(line, file=sys.stderr))  # fmt: skip
         except SwarmError as exc:
             raise ConfigError(f"the local swarm did not start: {exc}") from exc
-        _print_usage(first.url, spec.model_id)
+        _print_usage(peers[0].url, spec.model_id)
         return _serve_until_interrupted(swarm)
+
+
+def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None) -> LocalSwarm:
+    """The local swarm as this command runs it: the cores split evenly between ``peers``
+    (``cores``: this machine's), so their engine threads spin a while at a barrier unless
+    they outnumber the cores (:func:`~inclavate.local_swarm.split_cores`)."""
+    split = split_cores(peers, cores)
+    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(split.threads), "--wire-dtype", wire_dtype]
+    return LocalSwarm(workdir, common, env, colocated=split.oversubscribed)
+
+
+def start_peers(swarm: LocalSwarm, model_id: str, n_layers: int, peers: int, api_port: int | None,
+                report: Callable[[str], None] = lambda _: None) -> list[PeerProcess]:  # fmt: skip
+    """Start ``peers`` peers holding an equal share of the layers each, the first one the
+    others' bootstrap (API ports from ``api_port`` up; None: free ports), and wait until
+    they cover the model."""
+    ranges = split_evenly(n_layers, peers)
+    first = swarm.start("peer-1", model_id, "--layers", str(ranges[0]), api_port=api_port)
+    started = [first] + [
+        swarm.start(f"peer-{i + 1}", model_id, "--layers", str(r), bootstrap=first,
+                    api_port=None if api_port is None else api_port + i)  # fmt: skip
+        for i, r in enumerate(ranges[1:], start=1)
+    ]
+    for peer, layers in zip(started, ranges):
+        swarm.wait_ready(peer)
+        report(f"  {peer.name}: layers {layers} ready, API {peer.url}")
+    swarm.wait(lambda: first.get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+    return started
 
 
 def _print_usage(url: str, model_id: str) -> None:

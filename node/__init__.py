@@ -10,8 +10,9 @@ import os
 from collections.abc import Mapping
 
 COLOCATED_ENV = "INCLAVATE_COLOCATED"
-"""Set (to 1) by whoever starts several peers on one machine (``LocalSwarm``): threads that
-wait at a barrier then sleep at once instead of spinning."""
+"""Set (to 1) by whoever starts several peers on one machine whose engine threads may
+outnumber its cores (``LocalSwarm``): threads that wait at a barrier then sleep at once
+instead of spinning a while. ``inclavate swarm`` splits the cores and sets 0."""
 
 _DEFAULTED_ENV = "INCLAVATE_THREAD_WAIT_DEFAULTED"
 """Names the variables this module set (comma-separated), so a child process tells our
@@ -31,8 +32,8 @@ def _thread_wait_policy() -> None:
     enough to keep a core busy through a token's whole Python-side turn. A bounded spin
     catches a barrier whose partners are running and sleeps when they are not: measured at 2
     threads, as fast as libgomp's default with free cores, 5x faster than it (half of
-    PASSIVE) on an overloaded machine (docs/ARCHITECTURE.md, performance notes). Peers that
-    know they share the machine with other peers sleep at once. libgomp reads these variables
+    PASSIVE) on an overloaded machine (docs/ARCHITECTURE.md, performance notes). Peers told
+    that their threads may outnumber the cores (``COLOCATED_ENV``) sleep at once. libgomp reads these variables
     when it loads, i.e. at the first ``import llama_cpp``; a user's own setting wins.
 
     The bounded spin is set with ``OMP_WAIT_POLICY=ACTIVE`` beside it: with a spin count

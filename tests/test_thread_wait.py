@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,32 @@ def test_whether_a_second_openmp_team_waits_like_the_first(env: dict[str, str], 
     from node import teams_spin_alike
 
     assert teams_spin_alike(env) is alike
+
+
+def test_a_peer_told_its_threads_have_cores_spins_a_bounded_while() -> None:
+    assert wait_env_of_child(INCLAVATE_COLOCATED="0") == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
+
+
+@pytest.mark.parametrize(("peers", "cores", "threads", "oversubscribed"), [
+    (3, 8, 2, False),  # ./scripts/run on an 8-core laptop: two threads a peer, six of eight cores
+    (1, 2, 2, False),
+    (2, 2, 1, False),
+    (3, 2, 1, True),  # one thread each (no barriers to wait at), three on two cores
+    (4, 16, 4, False),
+])  # fmt: skip
+def test_the_local_swarm_splits_the_cores_and_sleeps_at_once_only_when_they_are_short(
+        peers: int, cores: int, threads: int, oversubscribed: bool) -> None:  # fmt: skip
+    from inclavate.local_swarm import split_cores
+
+    split = split_cores(peers, cores)
+    assert (split.threads, split.oversubscribed) == (threads, oversubscribed)
+
+
+def test_inclavate_swarm_tells_its_peers_how_their_threads_should_wait(tmp_path: Path) -> None:
+    """The swarm command's peers on a machine with a core per thread spin a while at a
+    barrier: sleeping at once ran a 2-thread peer at 0.36x (the default until 2026-12-05)."""
+    from inclavate.swarm_cmd import open_swarm
+
+    spread = open_swarm(tmp_path, 3, "f32", {}, cores=8)
+    assert spread.colocated is False and spread.peer_args[spread.peer_args.index("--threads") + 1] == "2"
+    assert open_swarm(tmp_path, 3, "f32", {}, cores=2).colocated is True
