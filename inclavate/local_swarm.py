@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from inclavate.errors import InclavateError
 from inclavate.http_client import request_json
 from node import COLOCATED_ENV
+from node.engine import default_threads
 
 T = TypeVar("T")
 
@@ -45,8 +46,9 @@ class CoreSplit:
 
 
 def split_cores(peers: int, cores: int | None = None) -> CoreSplit:
-    """The split ``inclavate swarm`` gives its ``peers`` (``cores``: this machine's)."""
-    cores = cores or os.cpu_count() or 1
+    """The split ``inclavate swarm`` gives its ``peers`` (``cores``: what a lone peer would
+    use here, the cores this process may run on)."""
+    cores = cores or default_threads()
     threads = max(1, cores // max(1, peers))
     return CoreSplit(threads, peers * threads > cores)
 
