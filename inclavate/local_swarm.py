@@ -33,24 +33,27 @@ class SwarmError(InclavateError):
 
 @dataclass(frozen=True)
 class CoreSplit:
-    """How peers started together on one machine share its cores."""
+    """How peers started together on one machine (``inclavate swarm``) share its cores."""
 
     threads: int
-    """Engine threads per peer: the cores split evenly between the peers, at least one."""
-    oversubscribed: bool
-    """The peers' engine threads outnumber the cores. Only then must a thread waiting at a
-    barrier sleep at once (``LocalSwarm.colocated``): its partner may have lost its core.
-    With a core per thread a lone peer's bounded spin catches its partners, and sleeping at
-    once cost a 2-thread peer 0.36x of its speed (docs/ARCHITECTURE.md, "Thread wait
-    policy")."""
+    """Engine threads for a lone session's decode step: every core. One stream through a
+    chain computes at one stage at a time."""
+    shared: int
+    """Engine threads for everything else (``--shared-threads``): the cores split evenly
+    between the peers, at least one. Prefill chunks and the steps of several sessions run
+    at every stage at once."""
 
 
 def split_cores(peers: int, cores: int | None = None) -> CoreSplit:
     """The split ``inclavate swarm`` gives its ``peers`` (``cores``: what a lone peer would
-    use here, the cores this process may run on)."""
+    use here, the cores this process may run on).
+
+    Either way the peers' threads computing at once do not outnumber the cores (one
+    thread each, with no barrier to wait at, where the peers do), so they may spin a while
+    at a barrier like a lone peer's: telling them to sleep at once instead ran a 2-thread
+    peer at 0.36x (docs/ARCHITECTURE.md, "Thread wait policy")."""
     cores = cores or default_threads()
-    threads = max(1, cores // max(1, peers))
-    return CoreSplit(threads, peers * threads > cores)
+    return CoreSplit(cores, max(1, cores // max(1, peers)))
 
 
 _handed_out: set[int] = set()
@@ -136,8 +139,8 @@ class LocalSwarm:
     env: dict[str, str] = field(default_factory=dict)
     colocated: bool = True
     """Tell children their engine threads may outnumber the cores (they sleep at once at a
-    barrier rather than spin a while); False when each thread has a core of its own (a
-    benchmark of one lone peer, ``inclavate swarm``'s even split: :func:`split_cores`)."""
+    barrier rather than spin a while); False when each thread computing has a core of its
+    own (a benchmark of one lone peer, ``inclavate swarm``: :func:`split_cores`)."""
     peers: list[PeerProcess] = field(default_factory=list)
 
     def __enter__(self) -> LocalSwarm:

@@ -66,6 +66,10 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--no-generators", action="store_true",
                    help="offer no media generators, even for speech models pulled with `pull --speech`")
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
+    p.add_argument("--shared-threads", type=int, metavar="N",
+                   help="llama.cpp threads for everything but a lone session's decode step (default: "
+                   "--threads). For peers sharing one machine's cores: their share here, all cores in "
+                   "--threads, since a lone stream computes at one stage at a time (inclavate swarm does this)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
@@ -120,7 +124,8 @@ def admin_token(args: argparse.Namespace, environ: Mapping[str, str] = os.enviro
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
     try:
-        engine = EngineConfig(n_threads=args.threads, context_length=args.context, max_sessions=args.max_sessions)
+        engine = EngineConfig(n_threads=args.threads, n_threads_shared=args.shared_threads, context_length=args.context,
+                              max_sessions=args.max_sessions)  # fmt: skip
         failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline,
                                   span_replay=args.failover_replay == "span")  # fmt: skip
     except ValueError as exc:

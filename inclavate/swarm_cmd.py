@@ -64,12 +64,13 @@ def _swarm(args: argparse.Namespace) -> int:
 
 
 def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None) -> LocalSwarm:
-    """The local swarm as this command runs it: the cores split evenly between ``peers``
-    (``cores``: this machine's), so their engine threads spin a while at a barrier unless
-    they outnumber the cores (:func:`~inclavate.local_swarm.split_cores`)."""
+    """The local swarm as this command runs it: a lone stream's steps on every core, the
+    rest on the cores split evenly between ``peers`` (``cores``: this machine's; see
+    :func:`~inclavate.local_swarm.split_cores`), threads spinning a while at a barrier."""
     split = split_cores(peers, cores)
-    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(split.threads), "--wire-dtype", wire_dtype]
-    return LocalSwarm(workdir, common, env, colocated=split.oversubscribed)
+    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(split.threads), "--shared-threads",
+              str(split.shared), "--wire-dtype", wire_dtype]  # fmt: skip
+    return LocalSwarm(workdir, common, env, colocated=False)
 
 
 def start_peers(swarm: LocalSwarm, model_id: str, n_layers: int, peers: int, api_port: int | None,

@@ -36,6 +36,14 @@ class EngineConfig:
     some architectures (phi3 longrope) choose rope factors from it."""
 
     n_threads: int = field(default_factory=default_threads)
+    n_threads_shared: int | None = None
+    """Threads for every call but a lone session's decode step (None: ``n_threads``).
+
+    Peers that share a machine's cores (``inclavate swarm``) set their share here and all
+    the cores in ``n_threads``: one stream through a chain computes at one stage at a time,
+    so that stage may use every core, while prefill chunks and the steps of several sessions
+    run at every stage at once, where more threads than cores would wait at each barrier for
+    partners without one (docs/ARCHITECTURE.md, "Thread wait policy")."""
     context_length: int = 2048
     """Most positions one session may hold."""
     max_sessions: int = 8
@@ -47,6 +55,12 @@ class EngineConfig:
         for name in ("n_threads", "context_length", "max_sessions", "n_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.n_threads_shared is not None and not 1 <= self.n_threads_shared <= self.n_threads:
+            raise ValueError(f"n_threads_shared must be between 1 and n_threads ({self.n_threads})")
+
+    @property
+    def threads_shared(self) -> int:
+        return self.n_threads_shared or self.n_threads
 
 
 @dataclass(frozen=True, eq=False)

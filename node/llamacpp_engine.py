@@ -108,6 +108,7 @@ class LlamaCppEngine(LayerEngine):
             )
             self._capture = EvalCapture(f"l_out-{self._slice_layers - 1}", d_model, config.n_batch)
             self._ctx = self._new_context()
+            self._threads = config.threads_shared
             self._memory = llama_cpp.llama_get_memory(self._ctx)
             embd = 0 if self.info.is_first else d_model
             self._batch = llama_cpp.llama_batch_init(config.n_batch, embd, 1)
@@ -155,8 +156,8 @@ class LlamaCppEngine(LayerEngine):
         params.n_ubatch = cfg.n_batch  # one graph per decode call, so one capture per call
         params.n_seq_max = cfg.max_sessions
         params.n_outputs_max_per_seq = 0  # default 1 would keep one row per session, we need all
-        params.n_threads = cfg.n_threads
-        params.n_threads_batch = cfg.n_threads
+        params.n_threads = cfg.threads_shared
+        params.n_threads_batch = cfg.threads_shared
         # One KV stream per session. In a unified cache a session's tokens land in whatever
         # cells are free, sometimes before its earlier ones, and attention then sums them
         # in another order: concurrent users changed each other's greedy text. Separate
@@ -195,11 +196,25 @@ class LlamaCppEngine(LayerEngine):
             self._check_open()
             self._validate(items)
             saved = self._admit(items)
+            self._set_threads(self._threads_for(items))
             try:
                 return self._run(items)
             except BaseException:
                 self._restore(saved)
                 raise
+
+    def _threads_for(self, items: list[BatchItem]) -> int:
+        """Every thread for a lone session's decode step, the shared count for the rest
+        (``EngineConfig.n_threads_shared``). Results do not depend on the count: ggml gives
+        each output row to one thread, whichever."""
+        if len(items) == 1 and items[0].n_tokens == 1 and len(self._slots) == 1:
+            return self.config.n_threads
+        return self.config.threads_shared
+
+    def _set_threads(self, n: int) -> None:
+        if n != self._threads:
+            llama_cpp.llama_set_n_threads(self._ctx, n, n)
+            self._threads = n
 
     def _validate(self, items: list[BatchItem]) -> None:
         check_batch(

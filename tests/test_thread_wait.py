@@ -65,26 +65,30 @@ def test_a_peer_told_its_threads_have_cores_spins_a_bounded_while() -> None:
     assert wait_env_of_child(INCLAVATE_COLOCATED="0") == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
 
 
-@pytest.mark.parametrize(("peers", "cores", "threads", "oversubscribed"), [
-    (3, 8, 2, False),  # ./scripts/run on an 8-core laptop: two threads a peer, six of eight cores
-    (1, 2, 2, False),
-    (2, 2, 1, False),
-    (3, 2, 1, True),  # one thread each (no barriers to wait at), three on two cores
-    (4, 16, 4, False),
+@pytest.mark.parametrize(("peers", "cores", "shared"), [
+    (3, 8, 2),  # ./scripts/run on an 8-core laptop: a lone stream's steps on 8, the rest on 2 a peer
+    (1, 2, 2),
+    (2, 2, 1),
+    (3, 2, 1),  # one thread each for the rest: no barrier to wait at
+    (4, 16, 4),
 ])  # fmt: skip
-def test_the_local_swarm_splits_the_cores_and_sleeps_at_once_only_when_they_are_short(
-        peers: int, cores: int, threads: int, oversubscribed: bool) -> None:  # fmt: skip
+def test_the_local_swarm_gives_a_lone_stream_every_core_and_splits_them_for_the_rest(
+        peers: int, cores: int, shared: int) -> None:  # fmt: skip
     from inclavate.local_swarm import split_cores
 
     split = split_cores(peers, cores)
-    assert (split.threads, split.oversubscribed) == (threads, oversubscribed)
+    assert (split.threads, split.shared) == (cores, shared)
+    assert shared * peers <= cores or shared == 1  # threads computing at once fit the cores
 
 
-def test_inclavate_swarm_tells_its_peers_how_their_threads_should_wait(tmp_path: Path) -> None:
-    """The swarm command's peers on a machine with a core per thread spin a while at a
-    barrier: sleeping at once ran a 2-thread peer at 0.36x (the default until 2026-12-05)."""
+def test_inclavate_swarm_tells_its_peers_to_spin_a_while_at_a_barrier(tmp_path: Path) -> None:
+    """Its peers' threads computing at once have a core each: sleeping at once at a barrier
+    ran a 2-thread peer at 0.36x (the swarm's default until 2026-12-05)."""
     from inclavate.swarm_cmd import open_swarm
 
-    spread = open_swarm(tmp_path, 3, "f32", {}, cores=8)
-    assert spread.colocated is False and spread.peer_args[spread.peer_args.index("--threads") + 1] == "2"
-    assert open_swarm(tmp_path, 3, "f32", {}, cores=2).colocated is True
+    for cores in (2, 8):
+        swarm = open_swarm(tmp_path, 3, "f32", {}, cores=cores)
+        args = swarm.peer_args
+        assert swarm.colocated is False
+        assert args[args.index("--threads") + 1] == str(cores)
+        assert args[args.index("--shared-threads") + 1] == str(max(1, cores // 3))
