@@ -33,8 +33,9 @@ def _thread_wait_policy() -> None:
     catches a barrier whose partners are running and sleeps when they are not: measured at 2
     threads, as fast as libgomp's default with free cores, 5x faster than it (half of
     PASSIVE) on an overloaded machine (docs/ARCHITECTURE.md, performance notes). Peers told
-    that their threads may outnumber the cores (``COLOCATED_ENV``) sleep at once. libgomp reads these variables
-    when it loads, i.e. at the first ``import llama_cpp``; a user's own setting wins.
+    that their threads may outnumber the cores (``COLOCATED_ENV``) sleep at once. libgomp
+    reads these variables when it loads, i.e. at the first ``import llama_cpp``; a user's
+    own setting wins.
 
     The bounded spin is set with ``OMP_WAIT_POLICY=ACTIVE`` beside it: with a spin count
     given, the policy only decides libgomp's *throttled* count, used once a process holds
