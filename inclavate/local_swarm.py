@@ -36,12 +36,11 @@ class CoreSplit:
     """How peers started together on one machine (``inclavate swarm``) share its cores."""
 
     threads: int
-    """Engine threads for a lone session's decode step: every core. One stream through a
+    """Engine threads while a peer holds one session: every core. One stream through a
     chain computes at one stage at a time."""
     shared: int
-    """Engine threads for everything else (``--shared-threads``): the cores split evenly
-    between the peers, at least one. Prefill chunks and the steps of several sessions run
-    at every stage at once."""
+    """Engine threads while it holds more (``--shared-threads``): the cores split evenly
+    between the peers, at least one. Several sessions' steps run at every stage at once."""
 
 
 def split_cores(peers: int, cores: int | None = None) -> CoreSplit:

@@ -67,7 +67,7 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                    help="offer no media generators, even for speech models pulled with `pull --speech`")
     p.add_argument("--threads", type=int, default=default_threads(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--shared-threads", type=int, metavar="N",
-                   help="llama.cpp threads for everything but a lone session's decode step (default: "
+                   help="llama.cpp threads while this peer holds more than one session (default: "
                    "--threads). For peers sharing one machine's cores: their share here, all cores in "
                    "--threads, since a lone stream computes at one stage at a time (inclavate swarm does this)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")

@@ -64,8 +64,8 @@ def _swarm(args: argparse.Namespace) -> int:
 
 
 def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None) -> LocalSwarm:
-    """The local swarm as this command runs it: a lone stream's steps on every core, the
-    rest on the cores split evenly between ``peers`` (``cores``: this machine's; see
+    """The local swarm as this command runs it: a lone stream on every core, several on the
+    cores split evenly between ``peers`` (``cores``: this machine's; see
     :func:`~inclavate.local_swarm.split_cores`), threads spinning a while at a barrier."""
     split = split_cores(peers, cores)
     common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(split.threads), "--shared-threads",

@@ -37,13 +37,14 @@ class EngineConfig:
 
     n_threads: int = field(default_factory=default_threads)
     n_threads_shared: int | None = None
-    """Threads for every call but a lone session's decode step (None: ``n_threads``).
+    """Threads while the engine holds more than one session (None: ``n_threads``).
 
     Peers that share a machine's cores (``inclavate swarm``) set their share here and all
-    the cores in ``n_threads``: one stream through a chain computes at one stage at a time,
-    so that stage may use every core, while prefill chunks and the steps of several sessions
-    run at every stage at once, where more threads than cores would wait at each barrier for
-    partners without one (docs/ARCHITECTURE.md, "Thread wait policy")."""
+    the cores in ``n_threads``: one stream through a chain computes at one stage at a time
+    (but for the chunks of a long prompt, which overlap a little), so that stage may use
+    every core, while the steps of several sessions run at every stage at once, where more
+    threads than cores would wait at each barrier for partners without one
+    (docs/ARCHITECTURE.md, "Thread wait policy")."""
     context_length: int = 2048
     """Most positions one session may hold."""
     max_sessions: int = 8

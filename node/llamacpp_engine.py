@@ -204,10 +204,10 @@ class LlamaCppEngine(LayerEngine):
                 raise
 
     def _threads_for(self, items: list[BatchItem]) -> int:
-        """Every thread for a lone session's decode step, the shared count for the rest
+        """Every thread while this engine holds one session, the shared count otherwise
         (``EngineConfig.n_threads_shared``). Results do not depend on the count: ggml gives
         each output row to one thread, whichever."""
-        if len(items) == 1 and items[0].n_tokens == 1 and len(self._slots) == 1:
+        if len(items) == 1 and len(self._slots) == 1:
             return self.config.n_threads
         return self.config.threads_shared
 

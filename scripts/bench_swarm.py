@@ -1,6 +1,6 @@
 """What ``./scripts/run`` gives on this machine: the local swarm exactly as ``inclavate swarm``
-starts it (its defaults: a lone stream's steps on every core, everything else on the cores
-split evenly between the peers, f32 on the wire), against llama.cpp alone holding the whole
+starts it (its defaults: a lone stream on every core, several on the cores split evenly
+between the peers, f32 on the wire), against llama.cpp alone holding the whole
 model at all cores.
 
 For each swarm size in ``--peers`` (default 1, 2, 3; ``./scripts/run`` starts 3): one
@@ -102,7 +102,7 @@ def main() -> int:
             rows.append((peers, setups))
     finally:
         llama.close()
-    print(f"{'peers':>5}  {'threads: lone step, else':<26}{'decode tok/s':>13}{'prefill tok/s':>14}{'decode/llama':>13}"
+    print(f"{'peers':>5}  {'threads: 1 session, more':<26}{'decode tok/s':>13}{'prefill tok/s':>14}{'decode/llama':>13}"
           f"{'prefill/llama':>14}{f'{args.sessions} streams tok/s':>18}")  # fmt: skip
     for peers, setups in rows:
         for setup in setups:

@@ -281,32 +281,37 @@ def test_decode_steps_of_many_sessions_batch_exactly_whatever_their_slots(chain,
                 engine.close_session(sid)
 
 
-def test_a_lone_sessions_decode_steps_take_every_thread_and_the_rest_the_shared_count(
+def test_an_engine_holding_one_session_takes_every_thread_and_the_shared_count_with_more(
         whole, smollm2, slice_cache, prompts) -> None:  # fmt: skip
     """``inclavate swarm``'s peers share the cores but a lone stream computes at one stage at
-    a time: its steps may use them all. What a call computes does not depend on it."""
+    a time: it may use them all. What a call computes does not depend on it."""
     import llama_cpp
 
     config = EngineConfig(n_threads=2, n_threads_shared=1, context_length=512, max_sessions=4)
     a, b = SessionId("lone"), SessionId("other")
     prompt = np.array(prompts[0], np.int32)
+    step = [BatchItem(a, len(prompt), tokens=np.array([60], np.int32))]
     with _engine(smollm2, LayerRange(0, 30), slice_cache, config) as engine:
         threads = lambda: llama_cpp.llama_n_threads(engine._ctx)  # noqa: E731 - what llama.cpp will use
-        engine.forward([BatchItem(a, 0, tokens=prompt)])
-        assert threads() == 1  # a prefill: every stage of a chain may be computing one
-        (lone,) = engine.forward([BatchItem(a, len(prompt), tokens=np.array([60], np.int32))])
+        (lone_prefill,) = engine.forward([BatchItem(a, 0, tokens=prompt)])
+        assert threads() == 2
+        (lone,) = engine.forward(step)
         assert threads() == 2
         engine.forward([BatchItem(b, 0, tokens=prompt)])
-        (shared, _) = engine.forward([BatchItem(a, len(prompt), tokens=np.array([60], np.int32)),
-                                      BatchItem(b, len(prompt), tokens=np.array([60], np.int32))])  # fmt: skip
+        assert threads() == 1  # a second session: steps of both may come at every stage at once
+        (shared, _) = engine.forward([*step, BatchItem(b, len(prompt), tokens=np.array([60], np.int32))])
         assert threads() == 1
-        engine.forward([BatchItem(a, len(prompt), tokens=np.array([60], np.int32))])
-        assert threads() == 1  # another session is held here: steps of both may come at once
-    whole.forward([BatchItem(a, 0, tokens=prompt)])
+        engine.forward(step)
+        assert threads() == 1  # the other session is still held here
+        engine.close_session(b)
+        engine.forward(step)
+        assert threads() == 2
     try:
-        (reference,) = whole.forward([BatchItem(a, len(prompt), tokens=np.array([60], np.int32))])
+        (reference_prefill,) = whole.forward([BatchItem(a, 0, tokens=prompt)])
+        (reference,) = whole.forward(step)
     finally:
         whole.close_session(a)
+    assert np.array_equal(lone_prefill.logits, reference_prefill.logits)
     assert np.array_equal(lone.logits, reference.logits) and np.array_equal(shared.logits, reference.logits)
 
 
