@@ -228,8 +228,9 @@ def test_metrics_count_real_traffic_the_same_on_every_peer_and_survive_a_restart
                    "a's requests by model counted at b")  # fmt: skip
     assert model["model_id"] == MODEL and model["tokens"] > 0
     assert request_json("GET", peers["b"].url + "/metrics/model/no:such")[0] == 404
-    history = peers["c"].get("/metrics/history?minutes=5")["buckets"]
-    assert len(history) == 5 and sum(b["requests"] for b in history) >= 3
+    history = s.wait(lambda: (h := peers["c"].get("/metrics/history?minutes=5")["buckets"])
+                     and sum(b["requests"] for b in h) >= 3 and h, 15, "a's minute buckets at c")  # so are buckets
+    assert len(history) == 5
     assert request_json("GET", peers["c"].url + "/metrics/history?minutes=zero")[0] == 400
     ranks = peers["a"].get("/nodes/rankings")["rankings"]
     assert sorted(r["rank"] for r in ranks) == list(range(1, len(ranks) + 1))
