@@ -47,8 +47,9 @@ def split_cores(peers: int, cores: int | None = None) -> CoreSplit:
     """The split ``inclavate swarm`` gives its ``peers`` (``cores``: what a lone peer would
     use here, the cores this process may run on).
 
-    Either way the peers' threads computing at once do not outnumber the cores (one
-    thread each, with no barrier to wait at, where the peers do), so they may spin a while
+    Either way the peers' threads computing at once have about a core each (a long
+    prompt's chunks overlap across stages only a little; where the peers outnumber the
+    cores they get one thread each, with no barrier to wait at), so they may spin a while
     at a barrier like a lone peer's: telling them to sleep at once instead ran a 2-thread
     peer at 0.36x (docs/ARCHITECTURE.md, "Thread wait policy")."""
     cores = cores or default_threads()

@@ -68,9 +68,13 @@ def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], 
     cores split evenly between ``peers`` (``cores``: this machine's; see
     :func:`~inclavate.local_swarm.split_cores`), threads spinning a while at a barrier."""
     split = split_cores(peers, cores)
-    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(split.threads), "--shared-threads",
-              str(split.shared), "--wire-dtype", wire_dtype]  # fmt: skip
-    return LocalSwarm(workdir, common, env, colocated=False)
+    args = [*local_peer_args(split.threads, wire_dtype), "--shared-threads", str(split.shared)]
+    return LocalSwarm(workdir, args, env, colocated=False)
+
+
+def local_peer_args(threads: int, wire_dtype: str) -> list[str]:
+    """What every peer of a local swarm is started with: loopback only, no LAN discovery."""
+    return ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", str(threads), "--wire-dtype", wire_dtype]
 
 
 def start_peers(swarm: LocalSwarm, model_id: str, n_layers: int, peers: int, api_port: int | None,

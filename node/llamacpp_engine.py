@@ -196,22 +196,18 @@ class LlamaCppEngine(LayerEngine):
             self._check_open()
             self._validate(items)
             saved = self._admit(items)
-            self._set_threads(self._threads_for(items))
+            self._set_threads()
             try:
                 return self._run(items)
             except BaseException:
                 self._restore(saved)
                 raise
 
-    def _threads_for(self, items: list[BatchItem]) -> int:
-        """Every thread while this engine holds one session, the shared count otherwise
-        (``EngineConfig.n_threads_shared``). Results do not depend on the count: ggml gives
-        each output row to one thread, whichever."""
-        if len(items) == 1 and len(self._slots) == 1:
-            return self.config.n_threads
-        return self.config.threads_shared
-
-    def _set_threads(self, n: int) -> None:
+    def _set_threads(self) -> None:
+        """Every thread while this engine holds one session (the batch's, once admitted),
+        the shared count otherwise (``EngineConfig.n_threads_shared``). Results do not depend
+        on the count: ggml gives each output row to one thread, whichever."""
+        n = self.config.n_threads if len(self._slots) == 1 else self.config.threads_shared
         if n != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, n, n)
             self._threads = n

@@ -29,7 +29,7 @@ from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
 from inclavate.local_swarm import LocalSwarm, PeerProcess, split_cores
 from inclavate.store import ModelStore
-from inclavate.swarm_cmd import open_swarm, start_peers
+from inclavate.swarm_cmd import local_peer_args, open_swarm, start_peers
 
 
 @dataclass
@@ -80,8 +80,7 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 env = {"INCLAVATE_HOME": str(home)}
                 swarms = [open_swarm(Path(tmp) / "now", peers, "f32", env, cores),
-                          LocalSwarm(Path(tmp) / "before", ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads",
-                                                            str(split.shared), "--wire-dtype", "f32"], env, colocated=True)]  # fmt: skip
+                          LocalSwarm(Path(tmp) / "before", local_peer_args(split.shared, "f32"), env, colocated=True)]
                 labels = [f"now: {split.threads}, else {split.shared}", f"before: {split.shared}, sleeping"]
                 try:
                     setups = [Setup(label, start_peers(swarm, spec.model_id, spec.n_layers, peers, None)[0])
