@@ -81,7 +81,8 @@ class SealedStream:
         self._out = Sealer(key, dialer_to_acceptor=dialer)
         self._in = Sealer(key, dialer_to_acceptor=not dialer)
         self._send_lock = QuickLock()  # seal and write in one order: the nonce counts frames
-        self._recv_lock = QuickLock()
+        # No receive lock of our own: the inner stream hands out frames one receiver at a
+        # time, and each is opened before its receiver yields, so nonces are taken in order.
         self.remote_peer = remote_peer
 
     @property
@@ -123,13 +124,12 @@ class SealedStream:
         return self._inner.send_nowait(self._out.seal(bytes(payload)))
 
     async def receive(self, timeout: float) -> bytes:
-        async with self._recv_lock:
-            sealed = await self._inner.receive(timeout)
-            try:
-                return self._in.open(sealed)
-            except ProtocolError:
-                await self._inner.reset()
-                raise
+        sealed = await self._inner.receive(timeout)
+        try:
+            return self._in.open(sealed)
+        except ProtocolError:
+            await self._inner.reset()
+            raise
 
     async def close(self) -> None:
         try:
