@@ -157,8 +157,10 @@ class StageStats:
     """Time those calls took, sampling included: a benchmark subtracts it from a token's
     time to see what a chain adds outside the engines, whatever the engines' speed."""
     inline_cpu_seconds: float = 0.0
-    """CPU time (the calling thread's) of engine calls run on the event loop's thread: a
-    benchmark subtracts it from that thread's CPU to see the event loop's own."""
+    """Time of engine calls run on the event loop's thread: a benchmark subtracts it from
+    that thread's CPU to see the event loop's own. Wall-clock time, which is the call's CPU
+    unless the thread is preempted meanwhile: reading the thread's CPU clock is a system
+    call, two per hop."""
     step_rounds_by_lane: list[int] = field(default_factory=lambda: [0])
     """``step_rounds`` by the lane whose steps they ran (one entry per lane of the stage)."""
     _ema_alpha: float = 0.2
@@ -309,9 +311,25 @@ class Stage:
     async def _run_now(self, job: Job) -> None:
         self._running_now = True
         try:
-            await self._run_safely([_Work(job, job.item)])
+            await self._run_safely([_Work(job, job.item)], self._run_step)
         finally:
             self._running_now = False
+
+    async def _run_step(self, batch: list[_Work]) -> None:
+        """:meth:`_run_group` for the one decode step :meth:`_runs_now` let through: no
+        batch to split or gather, no slices, no thread hand-off to choose (a hop's Python
+        runs on caches the engine call left cold: every call skipped counts)."""
+        (work,) = batch
+        self._count_recomputed(work)
+        started = time.monotonic()
+        result = self._compute(batch)[0]
+        now = time.monotonic()
+        self.stats.inline_cpu_seconds += now - started
+        finished = self._finish(work, result, now)
+        assert finished is not None, "a decode step is never sliced"
+        await _deliver(work.job, finished)
+        if result.error is None:
+            self._record(1, now - started, steps=1, lane=self._step_lane(work.job))
 
     @property
     def sessions(self) -> int:
@@ -327,9 +345,9 @@ class Stage:
                 if batch:
                     await self._run_safely(batch)
 
-    async def _run_safely(self, batch: list[_Work]) -> None:
+    async def _run_safely(self, batch: list[_Work], run: Callable[[list[_Work]], Awaitable[None]] | None = None) -> None:
         try:
-            await self._run_batch(batch)
+            await (run or self._run_batch)(batch)
         except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the stage
             log.exception("stage batch failed")
             for work in batch:
@@ -551,39 +569,49 @@ class Stage:
     async def _run_group(self, group: list[_Work]) -> list[Job]:
         """One engine call for ``group``; delivers finished jobs, returns those with slices left."""
         for work in group:
-            if work.job.done == 0 and work.item is not None:
-                self.stats.recomputed += max(0, self.engine.session_length(work.job.session_id) - work.item.start_pos)
+            self._count_recomputed(work)
         started = time.monotonic()
-        if self._may_run_inline(sum(w.item.n_tokens for w in group)):
-            cpu = time.thread_time()
+        inline = self._may_run_inline(sum(w.item.n_tokens for w in group))
+        if inline:
             results = self._compute(group)
-            self.stats.inline_cpu_seconds += time.thread_time() - cpu
         else:
             results = await self.engine_thread.run(self._compute, group)
         now = time.monotonic()
         elapsed = now - started
+        if inline:
+            self.stats.inline_cpu_seconds += elapsed
         continued: list[Job] = []
         for work, result in zip(group, results):
-            job = work.job
-            if result.error is None:
-                self._last_used[job.session_id] = now
-                if work.final:
-                    self._note_arrival(job, work.is_step)
-                if not work.final:
-                    if result.output is not None and result.output.hidden is not None:
-                        job.hidden_parts.append(result.output.hidden)
-                    job.done += work.item.n_tokens
-                    continued.append(job)
-                    continue
-                result = self._keep(job, _whole_job_result(job, result))
+            finished = self._finish(work, result, now)
+            if finished is None:
+                continued.append(work.job)
             else:
-                self.stats.errors += 1
-                if self.on_error is not None:
-                    self.on_error()
-            await _deliver(job, result)
+                await _deliver(work.job, finished)
         # Counted after the results left: in a chain the next stage is computing meanwhile.
         self._count(group, results, elapsed)
         return continued
+
+    def _count_recomputed(self, work: _Work) -> None:
+        if work.job.done == 0 and work.item is not None:
+            self.stats.recomputed += max(0, self.engine.session_length(work.job.session_id) - work.item.start_pos)
+
+    def _finish(self, work: _Work, result: StageResult, now: float) -> StageResult | None:
+        """Book one computed work: None when its job has slices left (it is continued),
+        else what to deliver (a finished job's whole output, kept; or its error)."""
+        job = work.job
+        if result.error is not None:
+            self.stats.errors += 1
+            if self.on_error is not None:
+                self.on_error()
+            return result
+        self._last_used[job.session_id] = now
+        if not work.final:
+            if result.output is not None and result.output.hidden is not None:
+                job.hidden_parts.append(result.output.hidden)
+            job.done += work.item.n_tokens
+            return None
+        self._note_arrival(job, work.is_step)
+        return self._keep(job, _whole_job_result(job, result))
 
     def _count(self, group: list[_Work], results: list[StageResult], elapsed: float) -> None:
         computed = [w for w, r in zip(group, results) if r.error is None]
@@ -594,13 +622,21 @@ class Stage:
             per_token = elapsed / tokens
             last = self._prefill_s_per_token
             self._prefill_s_per_token = per_token if last is None else 0.7 * last + 0.3 * per_token
-        decode = all(w.is_step for w in computed)
-        self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=decode)
-        if decode:
+            self._record(tokens, elapsed)
+        elif all(w.is_step for w in computed):
+            self._record(tokens, elapsed, steps=len(computed), lane=self._step_lane(computed[0].job))
+        else:
+            self._record(tokens, elapsed)
+
+    def _record(self, tokens: int, elapsed: float, *, steps: int = 0, lane: int | None = None) -> None:
+        """Count one engine call of ``tokens`` positions; ``steps``: the decode steps it ran,
+        when it ran nothing else (in ``lane``)."""
+        self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=steps > 0)
+        if steps:
             self.stats.step_rounds += 1
-            self.stats.step_jobs += len(computed)
+            self.stats.step_jobs += steps
             self.stats.step_seconds += elapsed
-            self.stats.step_rounds_by_lane[self._step_lane(computed[0].job) or 0] += 1
+            self.stats.step_rounds_by_lane[lane or 0] += 1
         if self.on_batch is not None:
             self.on_batch(tokens, elapsed * 1000)
 
