@@ -10,7 +10,13 @@ processes to share the core with, so this figure moves far less between runs tha
 ``scripts/bench_chain --sections pinned`` (which includes both) and suits A/B comparisons
 of two trees:
 
-    PYTHONSAFEPATH=1 PYTHONPATH=<tree> python scripts/bench_hop.py
+    PYTHONSAFEPATH=1 PYTHONPATH=<tree> python scripts/bench_hop.py [--stripped]
+
+``--stripped`` also times, in turns with the peer's hop, a yardstick hop with nothing
+between the engine call and the link (no checks, admission, stage, kept outputs or
+counters): the difference is what the peer's own layers cost, with the machine's drift
+cancelled (the peer's turns then keep no outputs, since every other position is missing;
+keeping them was measured not to move the figure).
 
 A trio instrument splits the chain's time by task (the receiving handler, the stage worker,
 the link writer) and counts their steps per token (scheduler turns). "Per hop" divides by
@@ -31,6 +37,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from inclavate import tensors
 from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
 from inclavate.gguf_info import read_gguf_info
@@ -69,7 +76,8 @@ class TaskTime(trio.abc.Instrument):
             self.steps[name] += 1
 
 
-async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, instrument: TaskTime) -> dict[str, float]:
+async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, instrument: TaskTime,
+                  with_stripped: bool = False) -> dict[str, float]:  # fmt: skip
     third = n_layers // 3
     ranges = [LayerRange(0, third), LayerRange(third, 2 * third), LayerRange(2 * third, n_layers)]
     async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, \
@@ -112,38 +120,78 @@ async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, in
         token, pos = await step(1, 0, [1, 2, 3, 4, 5]), 5
         for i in range(30):  # warm up: links open, caches filled
             token, pos = await step(2 + i, pos, [token]), pos + 1
-        alone_token = token
-        chain_s, alone_s = [], []
-        instrument.on = True
+        alone_token, alone_pos = token, 0
+        chain_s, alone_s, stripped_added_s = [], [], []
         for i in range(rounds):
-            started = time.perf_counter()
-            token, pos = await step(100 + i, pos, [token]), pos + 1
-            between = time.perf_counter()
-            alone_token = engines_alone(i, alone_token)
-            chain_s.append(between - started)
-            alone_s.append(time.perf_counter() - between)
+            for stripped in (False, True) if with_stripped else (False,):
+                ForwardService._on_forward = _stripped_on_forward if stripped else _PEER_ON_FORWARD  # type: ignore[method-assign]
+                instrument.on = not stripped
+                started = time.perf_counter()
+                token, pos = await step(100 + 2 * i + stripped, pos, [token]), pos + 1
+                between = time.perf_counter()
+                alone_token, alone_pos = engines_alone(alone_pos, alone_token), alone_pos + 1
+                if stripped:
+                    stripped_added_s.append((between - started) - (time.perf_counter() - between))
+                else:
+                    chain_s.append(between - started)
+                    alone_s.append(time.perf_counter() - between)
+        ForwardService._on_forward = _PEER_ON_FORWARD  # type: ignore[method-assign]
         instrument.on = False
         nursery.cancel_scope.cancel()
     added = statistics.median(c - e for c, e in zip(chain_s, alone_s))
-    return {"chain_ms": statistics.median(chain_s) * 1e3, "alone_ms": statistics.median(alone_s) * 1e3,
-            "added_ms": added * 1e3, "hop_ms": added * 1e3 / LINK_FRAMES}  # fmt: skip
+    figures = {"chain_ms": statistics.median(chain_s) * 1e3, "alone_ms": statistics.median(alone_s) * 1e3,
+               "added_ms": added * 1e3, "hop_ms": added * 1e3 / LINK_FRAMES}  # fmt: skip
+    if stripped_added_s:
+        figures["stripped_hop_ms"] = statistics.median(stripped_added_s) * 1e3 / LINK_FRAMES
+    return figures
+
+
+_PEER_ON_FORWARD = ForwardService._on_forward
+
+
+async def _stripped_on_forward(self: ForwardService, msg: wire.Forward, remote: Any) -> None:
+    """A yardstick, not a peer: a step frame's engine call with nothing around it (no route
+    or input checks, no admission, no stage, no kept outputs, no counters), its output sent
+    on through the same codec and links. What a peer's hop costs above this is what its
+    own layers cost; measured in the same process, in turns with the peer's hop, so that the
+    machine's drift from minute to minute cancels out of the difference."""
+    stage = self.stage
+    if stage is None or msg.n_tokens != 1:
+        await _PEER_ON_FORWARD(self, msg, remote)
+        return
+    hidden = tensors.decode(msg.hidden) if msg.hidden is not None else None
+    out = stage.engine.forward([BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens, hidden=hidden)])[0]
+    if out.hidden is not None:
+        nxt = wire.Forward(msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to, msg.sampling,
+                           hidden=tensors.encode(out.hidden, self.wire_dtype), lane=msg.lane)  # fmt: skip
+        await self.send(nxt.route[0].peer_id, nxt)
+    else:
+        assert out.logits is not None
+        await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, int(np.argmax(out.logits[-1]))))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2:135m")
     parser.add_argument("--rounds", type=int, default=300, help="decode steps measured (each also run on the engines alone)")
+    parser.add_argument("--stripped", action="store_true",
+                        help="also time, in turns with the peer's hop, a stripped hop (the engine call and the links, "
+                             "nothing between them): the difference is what the peer's own layers cost")  # fmt: skip
     args = parser.parse_args()
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
     pulled = ModelStore(home).pull(spec)
     n_layers = read_gguf_info(pulled.path).n_layers
     instrument = TaskTime()
-    figures = trio.run(measure, pulled.path, spec.model_id, n_layers, args.rounds, instrument, instruments=[instrument])
+    figures = trio.run(measure, pulled.path, spec.model_id, n_layers, args.rounds, instrument, args.stripped,
+                       instruments=[instrument])  # fmt: skip
     print(f"bench_hop: {args.model}, 3 stages of {n_layers // 3} layers in one process, 1 engine thread, "
           f"{args.rounds} decode steps (pid {os.getpid()})")  # fmt: skip
     print(f"step through the chain {figures['chain_ms']:.2f} ms, the three engines alone {figures['alone_ms']:.2f} ms (median)")
     print(f"added per step {figures['added_ms']:.3f} ms; per hop {figures['hop_ms']:.3f} ms (median difference / {LINK_FRAMES} links)")
+    if "stripped_hop_ms" in figures:
+        print(f"a stripped hop, in turns: {figures['stripped_hop_ms']:.3f} ms; the peer's layers add "
+              f"{figures['hop_ms'] - figures['stripped_hop_ms']:.3f} ms a hop")  # fmt: skip
     print("time per token by task (engine calls run inside the stage worker's steps):")
     for name, seconds in instrument.seconds.most_common(6):
         print(f"  {name:44s} {seconds / args.rounds * 1e6:8.0f} us  {instrument.steps[name] / args.rounds:4.1f} steps")
