@@ -387,11 +387,7 @@ class FramedStream:
                         raise StreamClosed("the peer closed the stream")
                     self._check_usable()
                     started = True
-                    header = await self._read_exactly(_HEADER.size, at_boundary=True)
-                    (length,) = _HEADER.unpack(header)
-                    if length > self.max_frame_size:
-                        raise FrameTooLarge(length, self.max_frame_size)
-                    return await self._read_exactly(length, at_boundary=False)
+                    return await self._read_frame()
             # Only reached when the deadline's scope ended the read (it returns otherwise).
             raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
         except StreamError as exc:
@@ -446,6 +442,27 @@ class FramedStream:
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise StreamClosed(f"stream unusable: {self._broken}")
+
+    async def _read_frame(self) -> bytes:
+        """The next frame's payload. A frame that one read brings whole, and nothing after it
+        (a lone decode step's), is cut from that read directly."""
+        if not self._buffer:
+            chunk = await self._raw.read(_READ_AHEAD)
+            if len(chunk) > _HEADER.size:
+                (length,) = _HEADER.unpack_from(chunk)
+                if length > self.max_frame_size:
+                    raise FrameTooLarge(length, self.max_frame_size)
+                if len(chunk) == _HEADER.size + length:
+                    return chunk[_HEADER.size :]
+            if not chunk:
+                self._peer_finished = True
+                raise StreamClosed("the peer closed the stream")
+            self._buffer += chunk
+        header = await self._read_exactly(_HEADER.size, at_boundary=True)
+        (length,) = _HEADER.unpack(header)
+        if length > self.max_frame_size:
+            raise FrameTooLarge(length, self.max_frame_size)
+        return await self._read_exactly(length, at_boundary=False)
 
     async def _read_exactly(self, n: int, *, at_boundary: bool) -> bytes:
         """``n`` bytes: first what an earlier read brought ahead, then reads of at least

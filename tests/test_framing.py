@@ -224,6 +224,36 @@ async def test_frames_that_arrive_in_one_read_come_out_one_at_a_time() -> None:
             await stream.receive(1.0)
 
 
+class ChunkedReads(CountedReads):
+    """Hands out the given chunks, one per read (however much the reader asks for)."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        super().__init__(b"", piece=0)
+        self.chunks = list(chunks)
+
+    async def read(self, max_bytes: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        self.reads += 1
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+async def test_frames_each_brought_whole_by_a_read_or_cut_anywhere_come_out_intact() -> None:
+    """A read that brings exactly one frame is cut directly; any other read is buffered."""
+    one, empty, seven, three = os.urandom(1400), b"", os.urandom(7), os.urandom(3)
+    tail = frames(seven, three)
+    stream = FramedStream(ChunkedReads(frames(one), frames(empty), tail[:13], tail[13:], frames(one)))
+    with trio.fail_after(2):
+        assert [await stream.receive(1.0) for _ in range(5)] == [one, empty, seven, three, one]
+        with pytest.raises(StreamClosed):
+            await stream.receive(1.0)
+
+
+async def test_an_oversize_frame_brought_whole_by_one_read_is_refused() -> None:
+    stream = FramedStream(ChunkedReads(frames(os.urandom(200))), max_frame_size=100)
+    with trio.fail_after(2), pytest.raises(FrameTooLarge):
+        await stream.receive(1.0)
+
+
 @pytest.mark.parametrize("piece", [1, 3, 5, 1404])
 async def test_a_frame_split_across_reads_is_put_back_together(piece: int) -> None:
     payloads = [os.urandom(1400), os.urandom(2), os.urandom(9000)]
@@ -318,6 +348,29 @@ async def test_a_socket_write_the_kernel_takes_needs_no_scheduler_turn() -> None
         with trio.fail_after(5):
             assert not await gives_a_turn(lambda: a.send(b"x" * 1200, 5.0))
             assert await b.receive(5.0) == b"x" * 1200
+
+
+async def test_a_frame_reaching_an_idle_socket_is_read_without_a_failed_read_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone decode step finds its socket empty: the reader waits first, and spends no
+    system call and exception learning that nothing is there yet."""
+    import p2p.framing
+
+    failed, real_read = [], os.read
+
+    def counting_read(fd: int, n: int) -> bytes:
+        try:
+            return real_read(fd, n)
+        except BlockingIOError:
+            failed.append(fd)
+            raise
+
+    async with socket_pair() as (a, b), trio.open_nursery() as nursery:
+        monkeypatch.setattr(p2p.framing.os, "read", counting_read)
+        with trio.fail_after(5):
+            for i in range(3):
+                nursery.start_soon(a.send, b"step %d" % i, 5.0)
+                assert await b.receive(5.0) == b"step %d" % i
+    assert failed == []
 
 
 async def test_a_socket_read_that_finds_data_waiting_still_takes_a_turn() -> None:
