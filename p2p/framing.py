@@ -448,21 +448,22 @@ class FramedStream:
         (a lone decode step's), is cut from that read directly."""
         if not self._buffer:
             chunk = await self._raw.read(_READ_AHEAD)
-            if len(chunk) > _HEADER.size:
-                (length,) = _HEADER.unpack_from(chunk)
-                if length > self.max_frame_size:
-                    raise FrameTooLarge(length, self.max_frame_size)
-                if len(chunk) == _HEADER.size + length:
-                    return chunk[_HEADER.size :]
+            if len(chunk) > _HEADER.size and len(chunk) == _HEADER.size + self._length(chunk):
+                return chunk[_HEADER.size :]
             if not chunk:
                 self._peer_finished = True
                 raise StreamClosed("the peer closed the stream")
             self._buffer += chunk
-        header = await self._read_exactly(_HEADER.size, at_boundary=True)
-        (length,) = _HEADER.unpack(header)
+        length = self._length(await self._read_exactly(_HEADER.size, at_boundary=True))
+        return await self._read_exactly(length, at_boundary=False)
+
+    def _length(self, header: bytes) -> int:
+        """The payload length a frame's header (the start of ``header``) declares, refused
+        above ``max_frame_size`` before anything is allocated for it."""
+        (length,) = _HEADER.unpack_from(header)
         if length > self.max_frame_size:
             raise FrameTooLarge(length, self.max_frame_size)
-        return await self._read_exactly(length, at_boundary=False)
+        return length
 
     async def _read_exactly(self, n: int, *, at_boundary: bool) -> bytes:
         """``n`` bytes: first what an earlier read brought ahead, then reads of at least
