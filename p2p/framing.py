@@ -208,16 +208,17 @@ class SocketByteStream(TrioByteStream):
         return fd
 
     async def read(self, max_bytes: int) -> bytes:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        waited = False
+        waited = self._drained
+        if waited:
+            await self._wait(trio.lowlevel.wait_readable)  # stops a cancelled task, as any wait
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         while True:
-            if self._drained and not waited:
-                await self._wait(trio.lowlevel.wait_readable)
-                waited = True
             try:
                 data = os.read(self._fd(), max_bytes)
             except BlockingIOError:
-                self._drained, waited = True, False
+                await self._wait(trio.lowlevel.wait_readable)
+                waited = True
                 continue
             except OSError as exc:
                 raise StreamClosed(f"stream broken while reading: {exc!r}") from exc
@@ -271,6 +272,7 @@ class FramedStream:
         if not 0 < max_frame_size <= 0xFFFFFFFF:
             raise ValueError(f"max_frame_size must be in 1..2**32-1, got {max_frame_size}")
         self._raw = raw
+        self._writes_in_place = hasattr(raw, "write_nowait")
         self.max_frame_size = max_frame_size
         self.remote_peer = remote_peer
         self._send_lock = QuickLock()
@@ -317,7 +319,7 @@ class FramedStream:
 
     def can_send_nowait(self, nbytes: int) -> bool:
         """Whether :meth:`send_nowait` would take a payload of ``nbytes`` now."""
-        return (hasattr(self._raw, "write_nowait") and nbytes <= min(self.max_frame_size, _NOWAIT_LIMIT)
+        return (self._writes_in_place and nbytes <= min(self.max_frame_size, _NOWAIT_LIMIT)
                 and not self._send_lock.locked() and not self._unsent and self._broken is None
                 and self._nowait_error is None and not self._local_finished)  # fmt: skip
 

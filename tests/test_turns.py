@@ -48,6 +48,30 @@ async def test_a_cancelled_task_does_not_take_a_free_lock() -> None:
     assert not await gives_a_turn(lambda: enter(lock))  # and the lock is still free
 
 
+async def test_a_waiter_cancelled_while_parked_never_holds_the_lock_and_the_next_one_gets_it() -> None:
+    lock = QuickLock()
+    got: list[str] = []
+
+    async def waiter(name: str, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            async with lock:
+                got.append(name)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            async with lock:
+                first = await nursery.start(waiter, "cancelled")
+                await nursery.start(waiter, "next")
+                await trio.testing.wait_all_tasks_blocked()
+                assert lock.locked()
+                first.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+        assert got == ["next"]
+        assert not lock.locked()
+        assert not await gives_a_turn(lambda: enter(lock))
+
+
 async def test_send_or_wait_waits_only_for_room() -> None:
     send, receive = trio.open_memory_channel[int](1)
     with trio.testing.assert_no_checkpoints():
