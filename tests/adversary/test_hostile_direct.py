@@ -7,6 +7,7 @@ after the short hello deadline), counted, and never reaches a handler."""
 from __future__ import annotations
 
 import os
+import struct
 
 import pytest
 import trio
@@ -144,3 +145,46 @@ async def test_live_links_per_peer_are_bounded() -> None:
             await first.send(b"still", timeout=5)
             assert await first.receive(timeout=5) == a.peer_id.encode() + b":still"
             await first.close()
+
+
+SMALL = "/test/small/1"
+
+
+@pytest.mark.parametrize(("attack", "refused_with"), [
+    (struct.pack(">I", 4000) + os.urandom(4000), "FrameTooLarge"),  # over the limit, brought whole by one read
+    (struct.pack(">I", 2**32 - 1) + os.urandom(10), "FrameTooLarge"),  # a 4 GiB length with nothing behind it
+    (struct.pack(">I", 100) + os.urandom(100), "ProtocolError"),  # the right size, not sealed with the key
+    (struct.pack(">I", 100) + os.urandom(40), "ProtocolError"),  # a frame cut short, then the end
+])  # fmt: skip
+async def test_a_ticket_holder_s_hostile_frames_end_only_its_own_link(attack: bytes, refused_with: str) -> None:
+    """A peer that got a ticket (so it passed the hello) writes raw bytes: a frame's length is
+    checked before anything is allocated for it, a frame that fails authentication resets the
+    link, and the acceptor goes on serving everyone else."""
+    with trio.fail_after(30):
+        async with direct_pair(FAST) as (a, b, links_a, links_b):
+            ended: list[str] = []
+
+            async def small(stream: SealedStream, remote: PeerId) -> None:
+                stream.max_frame_size = 1024
+                try:
+                    while True:
+                        await stream.receive(timeout=30)
+                except BaseException as exc:
+                    ended.append(type(exc).__name__)
+                    raise
+
+            links_b.set_handler(SMALL, small)
+            grant = await _grant(a, b.peer_id, SMALL)
+            tcp = await trio.open_tcp_stream("127.0.0.1", grant.port)
+            await tcp.send_all(MAGIC + grant.ticket + attack)
+            if attack.startswith(struct.pack(">I", 100)) and len(attack) < 104:
+                await tcp.send_eof()
+            assert await _closed_within(tcp, 2)
+            await tcp.aclose()
+            while not ended:  # the handler hears of it just after the socket is reset
+                await trio.sleep(0.01)
+            assert ended == [refused_with]
+            stream = await links_a.open(b.peer_id, ECHO, timeout=5)  # the acceptor still serves
+            await stream.send(b"ok", timeout=5)
+            assert await stream.receive(timeout=5) == a.peer_id.encode() + b":ok"
+            await stream.close()
