@@ -2,9 +2,13 @@
 peers, with less and less of the peer's code around them.
 
 Three layer ranges pass a decode step over loopback TCP inside one process, on trio, as in
-``scripts/bench_hop.py``, in three forms measured in turns, round by round, so that the
+``scripts/bench_hop.py``, in four forms measured in turns, round by round, so that the
 machine's drift cancels out of their differences:
 
+- ``blocking``: ``os.write``, then ``os.read`` at once, every range computed in the step's
+  own task, no wait and no scheduler turn (loopback TCP has delivered the bytes when the
+  write returns): the system calls alone, what a hop that never went back to trio between
+  its frames would pay (a native path, or a blocking read on a thread of its own);
 - ``raw``: wait until the socket is readable, ``os.read``, compute, ``os.write`` (float16
   hidden states, a 4-byte token home): what trio and the kernel cost, nothing of ours;
 - ``framed``: the same over the direct data plane's stream (:class:`p2p.sealed.SealedStream`
@@ -46,7 +50,7 @@ from p2p.framing import FramedStream
 from p2p.routing import Hop
 from p2p.sealed import KEY_BYTES, SealedStream
 
-FORMS = ("raw", "framed", "framed+wire")
+FORMS = ("blocking", "raw", "framed", "framed+wire")
 LINK_FRAMES = 3
 GREEDY = SamplingParams(0.0, 1.0, 0)
 
@@ -80,6 +84,15 @@ def _raw_end(stream: trio.SocketStream) -> _End:
     return _End(receive, lambda data: _write_all(sock.fileno(), data))
 
 
+def _blocking_end(stream: trio.SocketStream) -> _End:
+    fd = stream.socket.fileno()
+
+    async def receive() -> bytes:  # no checkpoint: the frame is already there
+        return os.read(fd, 1 << 16)
+
+    return _End(receive, lambda data: _write_all(fd, data))
+
+
 def _write_all(fd: int, data: bytes) -> None:
     assert os.write(fd, data) == len(data), "a decode step's frame fits the socket's buffer"
 
@@ -96,8 +109,9 @@ def _sealed_end(stream: trio.SocketStream, key: bytes, dialer: bool) -> _End:
 async def _link(form: str) -> tuple[_End, _End]:
     """(sending end, receiving end) of one link in ``form``."""
     a, b = await _socket_pair()
-    if form == "raw":
-        return _raw_end(a), _raw_end(b)
+    if form in ("raw", "blocking"):
+        end = _raw_end if form == "raw" else _blocking_end
+        return end(a), end(b)
     key = os.urandom(KEY_BYTES)
     return _sealed_end(a, key, dialer=True), _sealed_end(b, key, dialer=False)
 
@@ -115,6 +129,8 @@ class _Chain:
 
     async def start(self, nursery: trio.Nursery) -> None:
         self.links = [await _link(self.form) for _ in range(LINK_FRAMES)]
+        if self.form == "blocking":
+            return  # the step computes every range itself
         for index in (1, 2):
             nursery.start_soon(self._serve, index, self.links[index - 1][1], self.links[index][0])
 
@@ -132,22 +148,28 @@ class _Chain:
 
     async def _serve(self, index: int, inbound: _End, outbound: _End) -> None:
         while True:
-            data = await inbound.receive()
-            msg = None
-            if self.codec:
-                decoded = wire.decode(data)
-                assert isinstance(decoded, wire.Forward) and decoded.hidden is not None
-                msg, pos, hidden = decoded, decoded.start_pos, tensors.decode(decoded.hidden)
-            else:
-                pos, hidden = self.pos, np.frombuffer(data, np.float16).astype(np.float32).reshape(1, -1)
-            out = self.engines[index].forward([BatchItem(self.session, pos, hidden=hidden)])[0]
-            outbound.send(self._encode(index, msg, out))
+            outbound.send(self._hop(index, await inbound.receive()))
+
+    def _hop(self, index: int, data: bytes) -> bytes:
+        """A later range's part of a step: the frame it got in, the frame it sends on."""
+        msg = None
+        if self.codec:
+            decoded = wire.decode(data)
+            assert isinstance(decoded, wire.Forward) and decoded.hidden is not None
+            msg, pos, hidden = decoded, decoded.start_pos, tensors.decode(decoded.hidden)
+        else:
+            pos, hidden = self.pos, np.frombuffer(data, np.float16).astype(np.float32).reshape(1, -1)
+        out = self.engines[index].forward([BatchItem(self.session, pos, hidden=hidden)])[0]
+        return self._encode(index, msg, out)
 
     async def step(self, req: int, token: int) -> int:
         tokens = np.array([token], np.int32)
         msg = wire.Forward(req, self.session, self.pos, self.route, self.route[0].peer_id, GREEDY, tokens=tokens)
         out = self.engines[0].forward([BatchItem(self.session, self.pos, tokens=tokens)])[0]
         self.links[0][0].send(self._encode(0, msg, out))
+        if self.form == "blocking":
+            for index in (1, 2):
+                self.links[index][0].send(self._hop(index, await self.links[index - 1][1].receive()))
         data = await self.links[2][1].receive()
         self.pos += 1
         if self.codec:
