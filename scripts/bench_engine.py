@@ -4,6 +4,12 @@ Both run in this process, on the same machine, alternating, so background noise 
 the best of several rounds is reported. Hidden states cross each boundary through the wire
 codec, as they would between processes.
 
+``--sessions N`` (default 8; 0 skips it) then times the whole model's engine decoding N
+sessions at once, one step of every session per call, against llama.cpp's own batched decode
+of the same N sequences (``bench_llama_worker.batched``), in this process and in turns: what
+the engine's code costs a batched step, apart from a peer's event loop, HTTP and clients (the
+share of ``bench_peer``'s section 2 that is the engine's).
+
 ``--engine mlx`` instead compares the MLX engine with llama.cpp on this machine (the whole
 model on each, tokens/s side by side), then measures how far a mixed chain (llama.cpp,
 MLX, llama.cpp ranges) agrees with the whole llama.cpp model, greedy, on a few chat prompts.
@@ -14,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +65,51 @@ def run(engines: list[LayerEngine], prompt: np.ndarray, n_decode: int, wire: str
             engine.close_session(sid)
 
 
+def batched_steps(engine: LayerEngine, prompt: list[int], sessions: int, steps: int) -> float:
+    """Seconds per step of ``steps`` greedy decode steps, every session's in one call, after
+    each session is prefilled with ``prompt`` (as ``bench_llama_worker.batched`` does)."""
+    sids = [SessionId(f"batched-{i}") for i in range(sessions)]
+    try:
+        last = []
+        for sid in sids:
+            (out,) = engine.forward([BatchItem(sid, 0, tokens=np.array(prompt, np.int32))])
+            last.append(int(np.argmax(out.logits[-1])))
+        started = time.perf_counter()
+        for step in range(steps):
+            outs = engine.forward([BatchItem(sid, len(prompt) + step, tokens=np.array([t], np.int32))
+                                   for sid, t in zip(sids, last)])  # fmt: skip
+            last = [int(np.argmax(out.logits[-1])) for out in outs]
+        return (time.perf_counter() - started) / steps
+    finally:
+        for sid in sids:
+            engine.close_session(sid)
+
+
+def engine_vs_llama_batched(path: Any, make: Callable[[EngineConfig], LayerEngine], args: argparse.Namespace) -> None:
+    """Both in this process, so under one thread-wait policy (this process imported ``node``:
+    a lone peer's default), with the same prompt, sessions, threads and steps."""
+    import llama_cpp
+    from bench_llama_worker import batched  # beside this script
+
+    threads = args.threads or EngineConfig().n_threads
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    prompt_text = "Once upon a time, in a land far away, there lived a dragon who loved to read."
+    prompt = llm.tokenize(prompt_text.encode())
+    config = EngineConfig(n_threads=threads, context_length=len(prompt) + args.batched_steps + 8, max_sessions=args.sessions)
+    engine = make(config)
+    ours, theirs = [], []
+    try:
+        batched_steps(engine, prompt, args.sessions, 4)  # warm up
+        for _ in range(args.rounds):
+            ours.append(batched_steps(engine, prompt, args.sessions, args.batched_steps))
+            theirs.append(batched(llm, threads, prompt_text, args.sessions, args.batched_steps, None)["decode_s"] / args.batched_steps)
+    finally:
+        engine.close()
+    print(f"\n{args.sessions} sessions batched, {threads} threads, {args.batched_steps} steps, best of {args.rounds} in turns: "
+          f"the engine {min(ours) * 1000:.2f} ms a step, llama.cpp {min(theirs) * 1000:.2f} ms a step")  # fmt: skip
+    print(f"llama.cpp/engine {min(theirs) / min(ours):.3f} (no target of its own: the engine's part of bench_peer's section 2)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2:135m")
@@ -66,6 +119,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--wire-dtype", default="f16", choices=tensors.WIRE_DTYPES)
+    parser.add_argument("--sessions", type=int, default=8, help="sessions of the batched comparison (0: skip it)")
+    parser.add_argument("--batched-steps", type=int, default=48, help="decode steps of the batched comparison")
     parser.add_argument("--engine", default="llamacpp", choices=("llamacpp", "mlx"),
                         help="mlx: MLX against llama.cpp, and a mixed chain's greedy agreement")  # fmt: skip
     args = parser.parse_args()
@@ -83,7 +138,7 @@ def main() -> int:
     cuts = [int(c) for c in args.cuts.split(",")]
     bounds = [0, *cuts, spec.n_layers]
 
-    def engine(r: LayerRange) -> LayerEngine:
+    def engine(r: LayerRange, config: EngineConfig = config) -> LayerEngine:
         return LlamaCppEngine(
             model_id=ModelId(spec.model_id), model_path=path, model_sha256=spec.gguf_sha256,
             layers=r, config=config, slice_cache=home / "slices",
@@ -115,6 +170,8 @@ def main() -> int:
     print(f"target: decode >= {TARGET_DECODE}, prefill >= {TARGET_PREFILL}: {'met' if ok else 'NOT met'}")
     for e in whole + chain:
         e.close()
+    if args.sessions > 0:
+        engine_vs_llama_batched(path, lambda c: engine(LayerRange(0, spec.n_layers), c), args)
     return 0
 
 
