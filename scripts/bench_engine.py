@@ -105,6 +105,7 @@ def engine_vs_llama_batched(path: Any, make: Callable[[EngineConfig], LayerEngin
             theirs.append(batched(llm, threads, prompt_text, args.sessions, args.batched_steps, None)["decode_s"] / args.batched_steps)
     finally:
         engine.close()
+        llm.close()
     print(f"\n{args.sessions} sessions batched, {threads} threads, {args.batched_steps} steps, best of {args.rounds} in turns: "
           f"the engine {min(ours) * 1000:.2f} ms a step, llama.cpp {min(theirs) * 1000:.2f} ms a step")  # fmt: skip
     print(f"llama.cpp/engine {min(theirs) / min(ours):.3f} (no target of its own: the engine's part of bench_peer's section 2)")
