@@ -4,7 +4,9 @@ Work arrives as jobs (one session's tokens or hidden states) on a queue. The wor
 the first job, then every other job already waiting, up to ``max_batch_tokens`` and one job
 per session, and runs them as one engine call: decode steps of concurrent sessions share a
 pass over the weights. A session's jobs are run in arrival order (a later one waits for the
-next batch), which is what lets a prefill arrive as several chunks.
+next batch), which is what lets a prefill arrive as several chunks. A close runs as soon as
+nothing of its session is queued before it, ahead of other sessions' work, so that the slot
+it frees is not held behind another peer's backlog.
 
 A long job does not hold the engine while other sessions stream: when another session has
 used the stage recently, a job is computed in slices of ``prefill_slice_tokens`` (fewer where
@@ -363,6 +365,11 @@ class Stage:
                 waiting.append(await self._receive.receive())
             finally:
                 self._parked = False
+        self._drain(waiting)
+        control = _first_ready_control(waiting)
+        if control is not None:
+            self._deferred = [job for job in waiting if job is not control]
+            return [_Work(control, None)]
         if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
             await self._gather(waiting)
         self._drain(waiting)
@@ -373,15 +380,12 @@ class Stage:
         free_slots = self.engine.config.max_sessions - self.engine.memory().sessions
         streaming = self._streaming_sessions(waiting)
         run_lane: int | None = None  # the lane of the first step taken is the round's
-        for index, job in enumerate(waiting):
+        for job in waiting:
             lane = self._step_lane(job)
             if job.session_id in blocked or (lane is not None and run_lane is not None and lane != run_lane):
                 self._deferred.append(job)
                 blocked.add(job.session_id)
                 continue
-            if job.item is None and not batch:
-                self._deferred.extend(waiting[index + 1 :])
-                return [_Work(job, job.item)]  # a close runs alone, in order with its session's other jobs
             new = job.item is not None and self.engine.session_length(job.session_id) == 0
             if new and free_slots <= 0:
                 # Every slot is taken: wait for a session to close rather than fail, within
@@ -702,6 +706,20 @@ class Stage:
                 break
         for job in pending:
             await _deliver(job, StageResult(error=error) if job.item is not None else StageResult())
+
+
+def _first_ready_control(waiting: list[Job]) -> Job | None:
+    """The first close (or adopt) with nothing of its session queued before it. It runs
+    alone and at once, ahead of other sessions' work: it is cheap, and it may free the slot
+    a new session waits for. Left in line instead, it waited behind every job queued before
+    it, however many another peer (a stranger's flood: admission lets it keep 64) kept
+    there, and no slot was freed meanwhile."""
+    earlier: set[SessionId] = set()
+    for job in waiting:
+        if job.item is None and job.session_id not in earlier:
+            return job
+        earlier.add(job.session_id)
+    return None
 
 
 def _is_step(job: Job) -> bool:

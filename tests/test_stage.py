@@ -86,6 +86,37 @@ async def test_a_new_session_waits_for_a_free_slot_then_runs(engine) -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_close_is_not_starved_by_another_session_s_queued_work(engine) -> None:
+    """A peer with many long jobs queued (a stranger's flood: admission lets it keep 64) must
+    not hold back another session's close for all of them: the close frees the slot a new
+    session waits for. Closes used to run only when first in line, behind every such job."""
+    stage = Stage(engine)
+    finished: list[str] = []
+
+    def record(name: str):
+        async def deliver(result: StageResult) -> None:
+            assert result.error is None, result.error
+            finished.append(name)
+
+        return deliver
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        await run_job(stage, "a", 0, [1, 2, 3])
+        flood = [1, 4093, 198, 19556, 314, 260, 3575, 282] * 6
+        for i in range(8):  # each rewinds the session to 0: 48 positions of work every time
+            await stage.submit(Job(BatchItem(SessionId("flood"), 0, tokens=np.array(flood, np.int32)),
+                                   SessionId("flood"), record(f"flood{i}")))  # fmt: skip
+        await stage.submit(Job(None, SessionId("a"), record("close a")))
+        with trio.fail_after(60):
+            result = await run_job(stage, "c", 0, [1, 2, 3])  # both slots are taken until a closes
+            while len(finished) < 9:
+                await trio.sleep(0.05)
+        assert result.error is None
+        assert finished.index("close a") < finished.index("flood3"), finished
+        nursery.cancel_scope.cancel()
+
+
 async def test_waiting_too_long_for_a_slot_is_a_clear_error(engine) -> None:
     stage = Stage(engine, admission_timeout_s=0.2)
     async with trio.open_nursery() as nursery:

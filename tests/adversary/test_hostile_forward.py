@@ -283,28 +283,52 @@ def test_malformed_step_and_result_frames_are_dropped(live, expected, baseline) 
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
+def stage_sessions(peer: PeerProcess) -> int:
+    return peer.get("/health")["sessions"]["stage"]
+
+
+async def soon_holds_at_most(peer: PeerProcess, most: int, within: float = 10.0) -> bool:
+    """Whether ``peer``'s stage soon holds at most ``most`` sessions."""
+    with trio.move_on_after(within):
+        while await trio.to_thread.run_sync(stage_sessions, peer) > most:
+            await trio.sleep(0.2)
+        return True
+    return False
+
+
 def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) -> None:
+    """Chats one after another while a stranger keeps its 64 jobs queued at the last stage:
+    more chats than that stage has slots (4, one of them the flood's), so each needs the one
+    before it to be closed there. A close used to wait behind every flood job queued before
+    it (10-20 s here): the slots stayed taken, a new chat waited for one, and on a busy
+    machine its entry gave up on the chain."""
     s, (a, b, c) = live
     results: list[Any] = []
+    freed: list[bool] = []
+    held_before = stage_sessions(c)  # earlier tests' strangers may still hold some
 
     async def run(evil: HostilePeer, stream: FramedStream, replies: list) -> None:
         frame = forward(evil, (hop(c, "20-30"),), session="flood", hidden=finite_hidden(128))
 
         async def flood() -> None:
             try:
-                for _ in range(300):
+                while True:  # until the chats are done
                     await stream.send(frame, timeout=30)  # rewinds to 0 each time: 128 rows of work
             except P2PError:
                 pass  # over its budget, the flooder is no longer read: being throttled is the point
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(flood)
-            results.append(await trio.to_thread.run_sync(chat, a))
+            for _ in range(4):
+                results.append(await trio.to_thread.run_sync(chat, a))
+            freed.append(await soon_holds_at_most(c, held_before + 1))  # the flood's: the chats' are closed
             nursery.cancel_scope.cancel()
 
     attack(c, s, run, settle=0.1)
-    status, body = results[0]
-    assert status == 200 and body["choices"][0]["message"]["content"] == expected
+    for status, body in results:
+        assert status == 200, (status, body)
+        assert body["choices"][0]["message"]["content"] == expected
+    assert freed == [True], "the chats' sessions stayed held at the flooded stage"
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
