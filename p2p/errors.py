@@ -62,6 +62,11 @@ class StreamError(P2PError):
     """
 
 
+class LinkFull(P2PError):
+    """A link to a peer already holds as many unwritten messages as it may: the peer is not
+    reading what it is sent (or not fast enough), and a stage does not wait for it."""
+
+
 class StreamTimeout(StreamError):
     """A send or receive missed its deadline; the stream was reset so the peer knows."""
 

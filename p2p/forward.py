@@ -33,7 +33,7 @@ from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import Admission, AdmissionLimits
 from p2p.direct import DirectLinks
-from p2p.errors import P2PError, StreamError
+from p2p.errors import LinkFull, P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
@@ -109,7 +109,7 @@ class _Link:
     def __init__(self, service: ForwardService, peer: PeerId) -> None:
         self.peer = peer
         self._service = service
-        self.send_channel, self._receive = trio.open_memory_channel[wire.Message | _Flush](64)
+        self.send_channel, self._receive = trio.open_memory_channel[wire.Message | _Flush](_LINK_QUEUE)
         self._stream: FramedStream | SealedStream | None = None
         self._watching = trio.CancelScope()
         self._ended = False
@@ -131,6 +131,16 @@ class _Link:
         the link is retired)."""
         self._parked = False
         await send_or_wait(self.send_channel, msg)  # no scheduler turn: see _burst
+
+    def queue_nowait(self, msg: wire.Message) -> bool:
+        """Queue ``msg`` if there is room: False when the queue is full (raises
+        ClosedResourceError once the link is retired)."""
+        self._parked = False
+        try:
+            self.send_channel.send_nowait(msg)
+        except trio.WouldBlock:
+            return False
+        return True
 
     def write_now(self, msg: wire.Message) -> bool:
         """Write ``msg`` in place if the link is idle: True when it is committed to the
@@ -238,8 +248,12 @@ class _Link:
         return burst
 
 
-_BURST_MAX = 64
-"""Most messages one write carries (the link's queue holds 64)."""
+_LINK_QUEUE = 64
+"""Messages a link holds unwritten: at the defaults (8 sessions, prompts of 4 chunks) more
+than a stage has in flight to one neighbour."""
+
+_BURST_MAX = _LINK_QUEUE
+"""Most messages one write carries."""
 
 
 class ForwardService:
@@ -310,8 +324,14 @@ class ForwardService:
 
     # ---------------------------------------------------------------- outbound
 
-    async def send(self, peer: PeerId, msg: wire.Message) -> None:
-        """Queue ``msg`` for ``peer`` (or handle it here if the peer is us)."""
+    async def send(self, peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
+        """Queue ``msg`` for ``peer`` (or handle it here if the peer is us).
+
+        ``wait_for_room=False`` is for what a stage's job sends on (its hidden states, its
+        token, its error, a close): where the link's queue is full, the message is
+        undeliverable at once (the entry hears ``unreachable`` and fails over) instead of
+        waiting, so that a peer that stops reading holds back only the work headed to it,
+        never the stage's other sessions."""
         if peer == self.me:
             await self._dispatch(msg, self.me)
             return
@@ -325,7 +345,10 @@ class ForwardService:
                 link = self._links[peer] = _Link(self, peer)
                 self._nursery.start_soon(link.run)
             try:
-                await link.queue(msg)
+                if wait_for_room:
+                    await link.queue(msg)
+                elif not link.queue_nowait(msg):
+                    await self.undeliverable(msg, peer, LinkFull(f"{_LINK_QUEUE} frames already wait for the link to {peer}"))
                 return
             except trio.ClosedResourceError:
                 continue  # the link failed while we waited for room in it: use a fresh one
@@ -372,7 +395,8 @@ class ForwardService:
             self._retire(peer, link)
         if isinstance(msg, (wire.Forward, wire.Close)) and msg.reply_to != peer:
             await self.send(msg.reply_to, wire.Error(
-                msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me, peer))  # fmt: skip
+                msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me, peer),
+                wait_for_room=False)  # fmt: skip
 
     # ----------------------------------------------------------------- inbound
 
@@ -523,9 +547,9 @@ class ForwardService:
                 hidden=result.sent or tensors.encode(hidden, self.wire_dtype), discard=msg.discard, replay=replay,
                 lane=msg.lane,
             )  # fmt: skip
-            await self.send(nxt.route[0].peer_id, nxt)
+            await self.send(nxt.route[0].peer_id, nxt, wait_for_room=False)
         elif msg.sampling is not None:
-            await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, result.token))
+            await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, result.token), wait_for_room=False)
 
     async def _send_replay(self, msg: wire.Forward, replay: wire.Replay) -> bool:
         """Send the kept outputs of positions ``[0, k)`` into the replaced span, in the frames
@@ -605,13 +629,13 @@ class ForwardService:
     async def _pass_close(self, msg: wire.Close) -> None:
         if len(msg.route) > 1:
             nxt = wire.Close(msg.req_id, msg.session_id, msg.route[1:], msg.reply_to)
-            await self.send(nxt.route[0].peer_id, nxt)
+            await self.send(nxt.route[0].peer_id, nxt, wait_for_room=False)
         else:
-            await self.send(msg.reply_to, wire.Closed(msg.req_id, msg.session_id))
+            await self.send(msg.reply_to, wire.Closed(msg.req_id, msg.session_id), wait_for_room=False)
 
     async def _fail(self, msg: wire.Forward, code: wire.ErrorCode, message: str) -> None:
         log.info("session %s failed at %s: %s", msg.session_id, self.me, message)
-        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me))
+        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me), wait_for_room=False)
 
     # -------------------------------------------------------------- entry side
 

@@ -78,6 +78,35 @@ async def test_a_stage_that_stops_reading_fails_the_sender_within_its_deadline()
             n.cancel_scope.cancel()
 
 
+async def test_a_full_link_fails_a_stage_s_message_at_once_instead_of_holding_the_stage() -> None:
+    """A peer that stops reading: its link's task is stuck writing, and the link's queue
+    fills. What a stage's job sends on (``wait_for_room=False``) must not wait for room:
+    waiting held the stage's worker, and every other session at that stage, until the
+    link's send deadline. The message is undeliverable at once and the entry hears why."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+            timeouts = Timeouts(send_base=20.0, send_bytes_per_s=1e12)  # the stuck write outlasts the test
+            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, timeouts=timeouts)
+            await n.start(sender.run)
+
+            async def never_reads(stream, remote) -> None:
+                await trio.sleep_forever()
+
+            b.set_stream_handler(wire.PROTOCOL, never_reads)
+            await a.connect(b.multiaddrs()[0])
+            inbox = sender.open_inbox(SessionId("s"))
+            await sender.send(b.peer_id, _forward(b.peer_id, a.peer_id, 32 * 1024 * 1024))  # its task is stuck on this
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(64):  # the queue's room
+                await sender.send(b.peer_id, wire.Result(i, SessionId("other"), 1))
+            with trio.fail_after(2):
+                await sender.send(b.peer_id, _forward(b.peer_id, a.peer_id, 64 * 1024), wait_for_room=False)
+            error = await inbox.receive()
+            assert isinstance(error, wire.Error) and error.code == "unreachable" and error.failed_peer == b.peer_id
+            assert "wait for the link" in error.message
+            n.cancel_scope.cancel()
+
+
 def test_messages_round_trip_through_the_codec() -> None:
     hop = Hop(NodeId("n"), PeerId("p"), LayerRange(0, 5), "")
     from node.sampling import SamplingParams
