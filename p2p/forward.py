@@ -531,7 +531,7 @@ class ForwardService:
 
     async def _after_stage(self, msg: wire.Forward, result: StageResult) -> None:
         if result.error is not None:
-            await self._fail(msg, error_code_for(result.error), str(result.error))
+            await self._fail(msg, error_code_for(result.error), str(result.error), wait_for_room=False)
             return
         assert result.output is not None
         if len(msg.route) > 1:
@@ -562,7 +562,7 @@ class ForwardService:
                 raise KeyError("this stage keeps no outputs")
             frames = [(start, kept.rows(msg.session_id, start, n)) for start, n in replay.frames]
         except (KeyError, IndexError) as exc:
-            await self._fail(msg, "engine_error", f"cannot replay session {msg.session_id}: {exc}")
+            await self._fail(msg, "engine_error", f"cannot replay session {msg.session_id}: {exc}", wait_for_room=False)
             return False
         for start, rows in frames:
             await self.send(span[0].peer_id, wire.Forward(msg.req_id, msg.session_id, start, span, msg.reply_to, None,
@@ -595,7 +595,7 @@ class ForwardService:
         async def deliver(result: StageResult) -> None:
             if result.length:
                 self.admission.renamed(msg.session_id, msg.new_id)
-            await self.send(msg.reply_to, wire.Adopted(msg.req_id, msg.new_id, result.length or 0))
+            await self.send(msg.reply_to, wire.Adopted(msg.req_id, msg.new_id, result.length or 0), wait_for_room=False)
 
         await stage.submit(Job(None, msg.session_id, deliver, rename_to=msg.new_id))
 
@@ -612,7 +612,7 @@ class ForwardService:
 
         async def deliver(_: StageResult) -> None:
             self.admission.closed(msg.session_id)
-            await self._pass_close(msg)
+            await self._pass_close(msg, wait_for_room=False)
 
         await self.stage.submit(Job(None, msg.session_id, deliver))
 
@@ -626,16 +626,19 @@ class ForwardService:
                     log.info("freeing session %s: opened by a peer outside the registry, now idle", session_id)
                     await stage.submit(Job(None, session_id, _ignore))
 
-    async def _pass_close(self, msg: wire.Close) -> None:
+    async def _pass_close(self, msg: wire.Close, *, wait_for_room: bool = True) -> None:
         if len(msg.route) > 1:
             nxt = wire.Close(msg.req_id, msg.session_id, msg.route[1:], msg.reply_to)
-            await self.send(nxt.route[0].peer_id, nxt, wait_for_room=False)
+            await self.send(nxt.route[0].peer_id, nxt, wait_for_room=wait_for_room)
         else:
-            await self.send(msg.reply_to, wire.Closed(msg.req_id, msg.session_id), wait_for_room=False)
+            await self.send(msg.reply_to, wire.Closed(msg.req_id, msg.session_id), wait_for_room=wait_for_room)
 
-    async def _fail(self, msg: wire.Forward, code: wire.ErrorCode, message: str) -> None:
+    async def _fail(self, msg: wire.Forward, code: wire.ErrorCode, message: str, *, wait_for_room: bool = True) -> None:
+        """Answer ``msg``'s entry with an error. Where a frame's own reader answers, it waits
+        for room: a sender that floods refused frames and reads no answer is then no longer
+        read either (see :meth:`send` for a stage's answers, which never wait)."""
         log.info("session %s failed at %s: %s", msg.session_id, self.me, message)
-        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me), wait_for_room=False)
+        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me), wait_for_room=wait_for_room)
 
     # -------------------------------------------------------------- entry side
 
