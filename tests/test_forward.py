@@ -4,6 +4,8 @@ a stage that stops reading produces a clear error at the sender, not a hang."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -56,26 +58,34 @@ async def test_tensors_cross_intact(nbytes: int) -> None:
             n.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def _sending_to_a_peer_that_never_reads(send_base: float) -> AsyncIterator[tuple[ForwardService, PeerId]]:
+    """A forward service (no stage) connected to a peer whose forward streams are never
+    read; yields it and that peer's id. The service's session ``s`` has an inbox."""
+    async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+        timeouts = Timeouts(send_base=send_base, send_bytes_per_s=1e12)
+        sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, timeouts=timeouts)
+        await n.start(sender.run)
+
+        async def never_reads(stream, remote) -> None:
+            await trio.sleep_forever()
+
+        b.set_stream_handler(wire.PROTOCOL, never_reads)
+        await a.connect(b.multiaddrs()[0])
+        yield sender, b.peer_id
+        n.cancel_scope.cancel()
+
+
 async def test_a_stage_that_stops_reading_fails_the_sender_within_its_deadline() -> None:
     with trio.fail_after(30):
-        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
-            timeouts = Timeouts(send_base=1.0, send_bytes_per_s=1e12)
-            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, timeouts=timeouts)
-            await n.start(sender.run)
-
-            async def never_reads(stream, remote) -> None:
-                await trio.sleep_forever()
-
-            b.set_stream_handler(wire.PROTOCOL, never_reads)
-            await a.connect(b.multiaddrs()[0])
+        async with _sending_to_a_peer_that_never_reads(send_base=1.0) as (sender, b):
             inbox = sender.open_inbox(SessionId("s"))
             started = time.monotonic()
-            await sender.send(b.peer_id, _forward(b.peer_id, a.peer_id, 32 * 1024 * 1024))
+            await sender.send(b, _forward(b, sender.me, 32 * 1024 * 1024))
             error = await inbox.receive()
             assert isinstance(error, wire.Error) and error.code == "unreachable"
             assert "deadline" in error.message
             assert time.monotonic() - started < 5.0
-            n.cancel_scope.cancel()
 
 
 async def test_a_full_link_fails_a_stage_s_message_at_once_instead_of_holding_the_stage() -> None:
@@ -84,27 +94,17 @@ async def test_a_full_link_fails_a_stage_s_message_at_once_instead_of_holding_th
     waiting held the stage's worker, and every other session at that stage, until the
     link's send deadline. The message is undeliverable at once and the entry hears why."""
     with trio.fail_after(30):
-        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
-            timeouts = Timeouts(send_base=20.0, send_bytes_per_s=1e12)  # the stuck write outlasts the test
-            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, timeouts=timeouts)
-            await n.start(sender.run)
-
-            async def never_reads(stream, remote) -> None:
-                await trio.sleep_forever()
-
-            b.set_stream_handler(wire.PROTOCOL, never_reads)
-            await a.connect(b.multiaddrs()[0])
+        async with _sending_to_a_peer_that_never_reads(send_base=20.0) as (sender, b):  # the stuck write outlasts the test
             inbox = sender.open_inbox(SessionId("s"))
-            await sender.send(b.peer_id, _forward(b.peer_id, a.peer_id, 32 * 1024 * 1024))  # its task is stuck on this
+            await sender.send(b, _forward(b, sender.me, 32 * 1024 * 1024))  # its link's task is stuck on this
             await trio.testing.wait_all_tasks_blocked()
             for i in range(64):  # the queue's room
-                await sender.send(b.peer_id, wire.Result(i, SessionId("other"), 1))
+                await sender.send(b, wire.Result(i, SessionId("other"), 1))
             with trio.fail_after(2):
-                await sender.send(b.peer_id, _forward(b.peer_id, a.peer_id, 64 * 1024), wait_for_room=False)
+                await sender.send(b, _forward(b, sender.me, 64 * 1024), wait_for_room=False)
             error = await inbox.receive()
-            assert isinstance(error, wire.Error) and error.code == "unreachable" and error.failed_peer == b.peer_id
+            assert isinstance(error, wire.Error) and error.code == "unreachable" and error.failed_peer == b
             assert "wait for the link" in error.message
-            n.cancel_scope.cancel()
 
 
 def test_messages_round_trip_through_the_codec() -> None:
