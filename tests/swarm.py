@@ -14,7 +14,7 @@ from conftest import DEFAULT_MODEL, TEST_HOME
 
 from inclavate.local_swarm import LocalSwarm, PeerProcess, SwarmError, request_json
 
-__all__ = ["PeerProcess", "Swarm", "SwarmError", "request_json"]
+__all__ = ["PeerProcess", "Swarm", "SwarmError", "request_json", "stage_sessions"]
 
 # Several peers share 2 cores in CI: one thread each and small KV caches.
 PEER_DEFAULTS = ["--threads", "1", "--context", "512", "--max-sessions", "4", "--no-mdns", "--p2p-host", "127.0.0.1"]
@@ -33,3 +33,11 @@ class Swarm(LocalSwarm):
     def start(self, name: str, *args: str, bootstrap: PeerProcess | None = None,  # type: ignore[override]
               model: str = DEFAULT_MODEL, env: dict[str, str] | None = None) -> PeerProcess:  # fmt: skip
         return super().start(name, model, *args, bootstrap=bootstrap, env=env)
+
+
+def stage_sessions(peer: PeerProcess) -> int:
+    """Sessions holding KV cache in ``peer``'s stage (-1 while it does not answer)."""
+    try:
+        return peer.get("/health")["sessions"]["stage"]
+    except OSError:
+        return -1

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from swarm import PeerProcess, Swarm, request_json
+from swarm import PeerProcess, Swarm, request_json, stage_sessions
 
 from inclavate.chat_stream import StreamedChat, stream_chat
 
@@ -49,13 +49,6 @@ def ask(question: str, max_tokens: int, **sampling: object) -> dict:
 
 def health(peer: PeerProcess) -> dict[str, int]:
     return peer.get("/health")["sessions"]
-
-
-def stage_sessions(peer: PeerProcess) -> int:
-    try:
-        return health(peer)["stage"]
-    except OSError:
-        return -1
 
 
 def wait_no_sessions(s: Swarm, peers: list[PeerProcess]) -> None:

@@ -18,7 +18,7 @@ from forward_frames import attack, forward, hop, peer_id
 from hostile_peer import HostilePeer, honest_record, hostile_peer
 from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, chat, honest_nodes, three_peers
 from reference import whole_model_text
-from swarm import PeerProcess, Swarm, request_json
+from swarm import PeerProcess, Swarm, request_json, stage_sessions
 
 from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
@@ -283,19 +283,6 @@ def test_malformed_step_and_result_frames_are_dropped(live, expected, baseline) 
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
-def stage_sessions(peer: PeerProcess) -> int:
-    return peer.get("/health")["sessions"]["stage"]
-
-
-async def soon_holds_at_most(peer: PeerProcess, most: int, within: float = 10.0) -> bool:
-    """Whether ``peer``'s stage soon holds at most ``most`` sessions."""
-    with trio.move_on_after(within):
-        while await trio.to_thread.run_sync(stage_sessions, peer) > most:
-            await trio.sleep(0.2)
-        return True
-    return False
-
-
 def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) -> None:
     """Chats one after another while a stranger keeps its 64 jobs queued at the last stage:
     more chats than that stage has slots (4, one of them the flood's), so each needs the one
@@ -304,7 +291,6 @@ def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) 
     machine its entry gave up on the chain."""
     s, (a, b, c) = live
     results: list[Any] = []
-    freed: list[bool] = []
     held_before = stage_sessions(c)  # earlier tests' strangers may still hold some
 
     async def run(evil: HostilePeer, stream: FramedStream, replies: list) -> None:
@@ -321,14 +307,14 @@ def test_a_flood_from_one_peer_does_not_starve_a_chat(live, expected, baseline) 
             nursery.start_soon(flood)
             for _ in range(4):
                 results.append(await trio.to_thread.run_sync(chat, a))
-            freed.append(await soon_holds_at_most(c, held_before + 1))  # the flood's: the chats' are closed
+            await trio.to_thread.run_sync(s.wait, lambda: 0 <= stage_sessions(c) <= held_before + 1, 10,
+                                          "the chats' sessions to be closed at the flooded stage", c)  # fmt: skip
             nursery.cancel_scope.cancel()
 
     attack(c, s, run, settle=0.1)
     for status, body in results:
         assert status == 200, (status, body)
         assert body["choices"][0]["message"]["content"] == expected
-    assert freed == [True], "the chats' sessions stayed held at the flooded stage"
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
