@@ -74,23 +74,17 @@ async def _socket_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
     return trio.SocketStream(dialer), trio.SocketStream(accepted)
 
 
-def _raw_end(stream: trio.SocketStream) -> _End:
+def _raw_end(stream: trio.SocketStream, *, wait: bool) -> _End:
+    """Raw bytes on the socket; ``wait=False`` reads at once, with no checkpoint (the
+    ``blocking`` form: the frame is already there)."""
     sock = stream.socket
 
     async def receive() -> bytes:
-        await trio.lowlevel.wait_readable(sock)
+        if wait:
+            await trio.lowlevel.wait_readable(sock)
         return os.read(sock.fileno(), 1 << 16)
 
     return _End(receive, lambda data: _write_all(sock.fileno(), data))
-
-
-def _blocking_end(stream: trio.SocketStream) -> _End:
-    fd = stream.socket.fileno()
-
-    async def receive() -> bytes:  # no checkpoint: the frame is already there
-        return os.read(fd, 1 << 16)
-
-    return _End(receive, lambda data: _write_all(fd, data))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -110,8 +104,7 @@ async def _link(form: str) -> tuple[_End, _End]:
     """(sending end, receiving end) of one link in ``form``."""
     a, b = await _socket_pair()
     if form in ("raw", "blocking"):
-        end = _raw_end if form == "raw" else _blocking_end
-        return end(a), end(b)
+        return _raw_end(a, wait=form == "raw"), _raw_end(b, wait=form == "raw")
     key = os.urandom(KEY_BYTES)
     return _sealed_end(a, key, dialer=True), _sealed_end(b, key, dialer=False)
 
