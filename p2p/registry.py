@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from inclavate.types import NodeId
+from inclavate.types import NodeId, PeerId
 from p2p.records import NodeRecord, NodeState, SignedRecord, with_details
 
 
@@ -149,6 +151,29 @@ class Table:
     def get(self, node_id: str) -> Entry | None:
         return self.entries.get(NodeId(node_id))
 
+    @functools.cached_property
+    def _signers(self) -> Counter[PeerId]:
+        """Entries per signer: counted once per table, then carried to the table :func:`apply`
+        builds from it, so a sync bringing thousands of new nodes stays linear."""
+        return Counter(entry.record.peer_id for entry in self.entries.values())
+
+    def signed_by(self, peer_id: PeerId) -> int:
+        return self._signers[peer_id]
+
+    def with_entry(self, entry: Entry) -> Table:
+        """This table with ``entry`` added or replacing its node's."""
+        entries = dict(self.entries)
+        held = entries.get(entry.record.node_id)
+        entries[entry.record.node_id] = entry
+        table = Table(MappingProxyType(entries))
+        if "_signers" in self.__dict__:  # counted already: carry the counts over (a copy, in C)
+            signers = self._signers.copy()
+            if held is not None:
+                signers[held.record.peer_id] -= 1
+            signers[entry.record.peer_id] += 1
+            table.__dict__["_signers"] = signers
+        return table
+
     def signed_records(self) -> list[SignedRecord]:
         return [signed for e in self.entries.values() for signed in e.envelopes()]
 
@@ -206,7 +231,7 @@ def apply(
     if held is None:
         if len(table.entries) >= limits.max_records:
             return table, Verdict.TABLE_FULL
-        if sum(e.record.peer_id == record.peer_id for e in table.entries.values()) >= limits.max_records_per_signer:
+        if table.signed_by(record.peer_id) >= limits.max_records_per_signer:
             return table, Verdict.SIGNER_FULL
     if not signed.verified():  # last: the only costly check
         return table, Verdict.BAD_SIGNATURE
@@ -217,9 +242,7 @@ def apply(
     else:
         assert held is not None
         entry = Entry(held.signed, held.fresh_ms, details)
-    entries = dict(table.entries)
-    entries[record.node_id] = entry
-    return Table(MappingProxyType(entries)), Verdict.ACCEPTED
+    return table.with_entry(entry), Verdict.ACCEPTED
 
 
 def effective_state(entry: Entry, now_ms: int, liveness: Liveness) -> NodeState:

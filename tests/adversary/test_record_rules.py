@@ -122,7 +122,10 @@ def test_signer_and_table_quotas() -> None:
     assert apply(table, extra, NOW, live, limits=limits)[1] is Verdict.SIGNER_FULL
     # Updating a record already held is not a new one.
     again = signed(ALICE, 0, 10, node_id=legacy_node_id(ALICE.peer_id, "n0"), relayed=True, seq=NOW + 1, ts_ms=NOW)
-    assert apply(table, again, NOW, live, limits=limits)[1] is Verdict.ACCEPTED
+    updated, verdict = apply(table, again, NOW, live, limits=limits)
+    assert verdict is Verdict.ACCEPTED
+    # ...and leaves the signer's count where it was (counts are carried from table to table).
+    assert apply(updated, extra, NOW, live, limits=limits)[1] is Verdict.SIGNER_FULL
     for _ in range(2):
         other = Identity.generate()
         table, verdict = apply(table, signed(other, 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)
