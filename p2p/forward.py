@@ -15,6 +15,7 @@ an ``error`` message, never a silent hang.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -37,6 +38,7 @@ from p2p.errors import LinkFull, P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
+from p2p.records import legacy_owner
 from p2p.routing import Hop
 from p2p.sealed import SealedStream
 
@@ -76,6 +78,12 @@ _REJECTION_CODES: dict[FrameReason, wire.ErrorCode] = {
 
 async def _ignore(_: StageResult) -> None:
     return None
+
+
+def _speaks_for(remote: PeerId, origin: PeerId) -> bool:
+    """Whether ``remote`` may send an error in ``origin``'s name: its own, or a legacy node's
+    it relays (whose id is namespaced under the relaying peer's)."""
+    return origin == remote or legacy_owner(origin) == remote
 
 
 def error_code_for(exc: BaseException) -> wire.ErrorCode:
@@ -451,6 +459,11 @@ class ForwardService:
                 # the id could otherwise hand the entry tokens, errors or a false "closed".
                 self.drops.count(FrameReason.FOREIGN_REPLY)
                 return
+            if isinstance(msg, wire.Error) and not _speaks_for(remote, msg.origin):
+                # An error is the sender's word: it may not put it in another hop's mouth (the
+                # entry would avoid that hop).
+                self.drops.count(FrameReason.FOREIGN_ORIGIN)
+                msg = dataclasses.replace(msg, origin=remote)
             if inbox is not None:
                 try:
                     inbox.send_nowait(msg)

@@ -52,6 +52,8 @@ class FrameReason(enum.Enum):
     TOO_LARGE = "too_large"
     MALFORMED = "malformed"
     FOREIGN_REPLY = "foreign_reply"
+    FOREIGN_ORIGIN = "foreign_origin"
+    """An error naming another peer as its origin (counted, then attributed to its sender)."""
     REPLAY_REFUSED = "replay_refused"
 
 

@@ -29,6 +29,7 @@ while its heartbeats still say ready.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import re
@@ -368,6 +369,8 @@ class LegacyNodes:
             await self._node_failed(node, msg, "answered with a frame that does not continue the one it was sent")
             return
         node.failures = 0
+        if isinstance(out, wire.Error):  # in the node's name as the swarm knows it (under ours)
+            out = dataclasses.replace(out, origin=PeerId(node.record.node_id))
         target = out.route[0].peer_id if isinstance(out, (wire.Forward, wire.Close)) else msg.reply_to
         await self.send(target, out)
 

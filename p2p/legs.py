@@ -39,15 +39,19 @@ class Leg:
 
 
 def blame(leg: Leg, error: wire.Error) -> frozenset[PeerId]:
-    """The hop an error points at: the unreachable one, else the one that reported it.
-    Only hops of the route can be blamed (a confused or lying stage cannot exclude others)."""
+    """The hop an error points at: for ``unreachable``, the hop after the one that reported
+    it (the only one it sends to); else the reporter. ``origin`` is the peer the frame came
+    from (the forward service sets it so on arrival), and only hops of the route can be
+    blamed: a lying stage can get itself avoided, never another hop of its choosing."""
     peers = [h.peer_id for h in leg.route]
-    if error.code == "unreachable":
-        if error.failed_peer is not None:
-            return frozenset({error.failed_peer}) & leg.peers
-        nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
-        return frozenset(peers[nxt : nxt + 1])
-    return frozenset({error.origin}) & leg.peers
+    reporter = frozenset({error.origin}) & leg.peers
+    if error.code != "unreachable":
+        return reporter
+    nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
+    successor = frozenset(peers[nxt : nxt + 1])
+    if error.failed_peer is None or error.failed_peer in successor:
+        return successor
+    return reporter  # it names a hop it never sends to: the report is what failed
 
 
 @dataclass

@@ -22,8 +22,10 @@ from node.sampling import SamplingParams, UnusableLogits, sample
 from p2p import wire
 from p2p.admission import Admission, AdmissionLimits
 from p2p.errors import ProtocolError
+from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
 from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
+from p2p.legs import Leg, blame
 from p2p.records import NodeRecord
 from p2p.routing import Hop
 
@@ -266,3 +268,31 @@ def test_the_host_check_applies_to_loopback_binds_only() -> None:
     for bad in ("evil.example:8001", "evil.example", "127.0.0.1:8002", "other:8001", ""):
         assert not local.allows(bad), bad
     assert HostPolicy.for_bind("0.0.0.0", 8001).allows("anything.example")
+
+
+async def test_a_hop_cannot_make_the_entry_blame_another_hop() -> None:
+    """A hop on a session's route may report its own failure or its successor's, never name
+    another hop (which the entry would then avoid for up to five minutes)."""
+
+    class Entry:
+        peer_id = PeerId("entry")
+
+    service = ForwardService(Entry(), node_id=NodeId("entry"), stage=None, direct_port=None)  # type: ignore[arg-type]
+    liar, honest, last = PeerId("liar"), PeerId("honest"), PeerId("last")
+    route = tuple(Hop(NodeId(p), p, LayerRange(i * 10, i * 10 + 10)) for i, p in enumerate((honest, liar, last)))
+    session = SessionId("s")
+    leg = Leg(session, route, service.open_inbox(session, (h.peer_id for h in route)))
+
+    async def blamed(error: wire.Error, sender: PeerId) -> set[PeerId]:
+        await service._dispatch(error, sender)
+        return set(blame(leg, leg.inbox.receive_nowait()))
+
+    assert await blamed(wire.Error(1, session, "engine_error", "boom", origin=honest), liar) == {liar}
+    assert await blamed(wire.Error(2, session, "unreachable", "gone", liar, failed_peer=honest), liar) == {liar}
+    assert service.drops[FrameReason.FOREIGN_ORIGIN] == 1
+    # What honest hops report still points where it did.
+    assert await blamed(wire.Error(3, session, "unreachable", "gone", liar, failed_peer=last), liar) == {last}
+    assert await blamed(wire.Error(4, session, "unreachable", "gone", honest), honest) == {liar}
+    assert await blamed(wire.Error(5, session, "context_full", "full", last), last) == {last}
+    entry_lost = wire.Error(6, session, "unreachable", "link lost", Entry.peer_id, failed_peer=honest)
+    assert await blamed(entry_lost, Entry.peer_id) == {honest}
