@@ -28,7 +28,7 @@ import trio
 
 from inclavate.errors import InclavateError
 from inclavate.types import PeerId
-from inclavate.untrusted import Malformed, parse_json, read_dict, read_int, read_str
+from inclavate.untrusted import Malformed, as_dict, parse_json, read_dict, read_int, read_str
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
@@ -126,8 +126,8 @@ class AdminService:
                 stream = await self.host.new_stream(peer, PROTOCOL, timeout=10.0, max_frame_size=_MAX_FRAME)
                 async with stream:
                     await stream.send(encode_command(command, self.identity), timeout=10.0)
-                    answer = json.loads(await stream.receive(timeout=timeout))
-            except (P2PError, ValueError) as exc:
+                    answer = as_dict(parse_json(await stream.receive(timeout=timeout), max_bytes=_MAX_FRAME), "answer")
+            except (P2PError, ValueError) as exc:  # Malformed is a ValueError: any shape but an object
                 raise AdminRefused(f"peer {peer} did not run the command: {exc}") from exc
         if not answer.get("ok"):
             raise AdminRefused(str(answer.get("error", "refused")))

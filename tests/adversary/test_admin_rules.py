@@ -78,3 +78,30 @@ def test_admin_token_from_argv_file_or_environment(tmp_path: Path) -> None:
         admin_token(args(None, tmp_path / "empty"), {})
     with pytest.raises(ConfigError, match="cannot read"):
         admin_token(args(None, tmp_path / "missing"), {})
+
+
+@pytest.mark.parametrize("answer", [b"[]", b'"ok"', b"[" * 5000 + b"]" * 5000, b"\xff", b'{"ok": true'])
+async def test_an_answer_that_is_not_an_object_is_a_refusal(answer: bytes) -> None:
+    """The recipient's answer is a stranger's bytes like any other: a shape we cannot read is
+    the command refused, never an exception escaping into the admin route (a 500)."""
+
+    class Stream:
+        async def __aenter__(self) -> Stream:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+        async def send(self, data: bytes, timeout: float) -> None:
+            return None
+
+        async def receive(self, timeout: float) -> bytes:
+            return answer
+
+    class Host:
+        async def new_stream(self, peer: str, protocol: str, **_: object) -> Stream:
+            return Stream()
+
+    admin = AdminService(Host(), OPERATOR, [], lambda command: None)  # type: ignore[arg-type]
+    with pytest.raises(AdminRefused, match="did not run the command"):
+        await admin.send(OTHER.peer_id, admin.command("set_state", OTHER.peer_id, OTHER.peer_id, state="idle"))
