@@ -4,8 +4,13 @@ Any peer serves the artifact API; the bytes stay on the peer that created them (
 owner tag says which, :mod:`inclavate.owner_ids`), and the peer that got the request asks
 the owner over this protocol. The messages are in :mod:`p2p.artifact_wire`.
 
-The owner serves at most :data:`MAX_CONCURRENT` streams at once (more are refused as
-``unavailable``, so the asker answers 503 rather than queueing), and an owner that fails
+The owner serves at most :data:`MAX_READS` reads and :data:`MAX_SMALL` other requests at
+once, and at most :data:`MAX_READS_PER_PEER` / :data:`MAX_SMALL_PER_PEER` of them for any one
+remote peer (more are refused as ``unavailable``, so the asker answers 503 rather than
+queueing): one peer cannot hold the owner's capacity, and long reads cannot starve the short
+requests. A read must also finish within :func:`read_deadline` (its length at
+:data:`MIN_READ_RATE`, plus :data:`READ_GRACE_S`), so a reader that trickles is cut off
+rather than holding its slot as long as it likes. An owner that fails (or cuts a read off)
 mid-object resets the stream, so a reader never takes a short object for a whole one. The
 asker counts the bytes against the announced length and resets the stream when its reader
 stops early (the HTTP client left), so the owner stops sending at once. Any swarm peer may
@@ -46,18 +51,46 @@ from p2p.artifact_wire import (
     list_request,
     refusal,
 )
-from p2p.errors import P2PError, ProtocolError
+from p2p.errors import P2PError, ProtocolError, StreamTimeout
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_CONCURRENT", "PROTOCOL", "RemoteArtifacts", "RemoteChunks", "serve_artifacts"]
+__all__ = [
+    "MAX_READS",
+    "MAX_READS_PER_PEER",
+    "MAX_SMALL",
+    "MAX_SMALL_PER_PEER",
+    "MIN_READ_RATE",
+    "PROTOCOL",
+    "READ_GRACE_S",
+    "ReadTooSlow",
+    "RemoteArtifacts",
+    "RemoteChunks",
+    "read_deadline",
+    "serve_artifacts",
+]
 
-MAX_CONCURRENT = 16
+# The slot counts are read when serve_artifacts is called, the rate at each read (tests
+# shorten them).
+MAX_READS = 16
+"""Read streams served at once, all remote peers together."""
+MAX_READS_PER_PEER = 2
+"""Read streams served at once to one remote peer (a peer's HTTP clients share them)."""
+MAX_SMALL = 16
+"""``meta``/``list``/``usage``/``delete`` streams at once: a pool of their own, so reads
+holding every read slot still leave the owner able to answer them."""
+MAX_SMALL_PER_PEER = 4
+MIN_READ_RATE = 128 * 1024
+"""Bytes per second a read must average (1 Mbit/s); slower, it is cut off at its deadline."""
+READ_GRACE_S = 30.0
+"""Added to every read's deadline: the first frames, a slow start, a small object."""
 _REQUEST_TIMEOUT = 10.0
 _ANSWER_TIMEOUT = 30.0
 _DATA_TIMEOUT = 30.0
+_REFUSED = (ArtifactError, MalformedId, RangeMalformed, RangeNotSatisfiable)
+"""What the owner answers as a typed refusal rather than resetting the stream."""
 
 
 class LocalArtifacts(Protocol):
@@ -70,49 +103,95 @@ class LocalArtifacts(Protocol):
     def usage(self) -> Usage: ...
 
 
+class ReadTooSlow(StreamTimeout):
+    """A remote read missed its overall deadline (:func:`read_deadline`): the asker took
+    the bytes slower than :data:`MIN_READ_RATE`. The owner resets the stream."""
+
+
+def read_deadline(length: int) -> float:
+    """Seconds a read of ``length`` bytes may hold its slot. Each frame also has its own
+    30 s; this bounds the whole, so one frame every 29 s cannot keep a slot for hours."""
+    return READ_GRACE_S + length / MIN_READ_RATE
+
+
+class _Slots:
+    """At most ``total`` streams at once, at most ``per_peer`` of them for one remote peer.
+    The table holds only peers with a stream open now, so it never exceeds ``total`` entries."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self._total = total
+        self._per_peer = per_peer
+        self._held: dict[PeerId, int] = {}
+        self._in_use = 0
+
+    def take(self, peer: PeerId) -> bool:
+        held = self._held.get(peer, 0)
+        if self._in_use >= self._total or held >= self._per_peer:
+            return False
+        self._held[peer] = held + 1
+        self._in_use += 1
+        return True
+
+    def give(self, peer: PeerId) -> None:
+        self._in_use -= 1
+        if self._held[peer] <= 1:
+            del self._held[peer]
+        else:
+            self._held[peer] -= 1
+
+
 # -- the owner's side -----------------------------------------------------------------
 
 
 def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
     """Answer ``/inclavate/artifacts/1`` from ``store``."""
-    slots = trio.Semaphore(MAX_CONCURRENT)
+    reads = _Slots(MAX_READS, MAX_READS_PER_PEER)
+    small = _Slots(MAX_SMALL, MAX_SMALL_PER_PEER)  # meta, list, usage, delete
 
     async def handle(stream: FramedStream, remote: PeerId) -> None:
         raw = await stream.receive(timeout=_REQUEST_TIMEOUT)
         stream.max_frame_size = MAX_ANSWER_BYTES  # requests are small; answers may not be
         try:
-            slots.acquire_nowait()
-        except trio.WouldBlock:
+            request = decode_request(raw)
+        except _REFUSED as exc:
+            await _send(stream, refusal(exc))
+            return
+        slots = reads if request["op"] == "read" else small
+        if not slots.take(remote):
             await _send(stream, {"ok": False, "error": "unavailable", "message": "the owner peer is busy; retry"})
             return
         try:
-            await _answer(stream, store, raw)
+            await _answer(stream, store, request)
         finally:
-            slots.release()
+            slots.give(remote)
 
     host.set_stream_handler(PROTOCOL, handle, max_frame_size=MAX_REQUEST_BYTES)
 
 
-async def _answer(stream: FramedStream, store: LocalArtifacts, raw: bytes) -> None:
+async def _answer(stream: FramedStream, store: LocalArtifacts, request: dict[str, Any]) -> None:
     try:
-        request = decode_request(raw)
         if request["op"] == "read":
             read = await store.open(request["id"], request["range"])
         else:
             await _send(stream, {"ok": True, **await _run(store, request)})
             return
-    except (ArtifactError, MalformedId, RangeMalformed, RangeNotSatisfiable) as exc:
+    except _REFUSED as exc:
         await _send(stream, refusal(exc))
         return
     header = {"ok": True, "artifact": read.meta.to_record(),
               "range": [read.range.start, read.range.end] if read.range else None}  # fmt: skip
+    length = read.range.length if read.range else read.meta.size_bytes
+    deadline = read_deadline(length)
     try:
-        await _send(stream, header)
-        async for chunk in read.chunks:  # an error here propagates: the host resets the stream
-            await stream.send(chunk, timeout=_DATA_TIMEOUT)
-        await stream.send(b"", timeout=_DATA_TIMEOUT)
+        with trio.move_on_after(deadline) as cut:
+            await _send(stream, header)
+            async for chunk in read.chunks:  # an error here propagates: the host resets the stream
+                await stream.send(chunk, timeout=_DATA_TIMEOUT)
+            await stream.send(b"", timeout=_DATA_TIMEOUT)
     finally:
         await read.chunks.aclose()
+    if cut.cancelled_caught:  # raised, so the host resets the stream: never a short object
+        raise ReadTooSlow(f"a read of {length} bytes took longer than {deadline:.0f} s")
 
 
 async def _run(store: LocalArtifacts, request: dict[str, Any]) -> dict[str, Any]:

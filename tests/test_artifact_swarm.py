@@ -218,19 +218,83 @@ async def test_oversized_display_fields_are_refused_at_creation(tmp_path: Path) 
 async def test_an_owner_serves_a_bounded_number_of_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import p2p.artifacts
 
-    monkeypatch.setattr(p2p.artifacts, "MAX_CONCURRENT", 1)
+    monkeypatch.setattr(p2p.artifacts, "MAX_READS", 1)
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b):
-            big = await a.store.create(chunks(os.urandom(6_000_000)))  # more than the stream window
+            data = os.urandom(6_000_000)  # more than the stream window
+            big = await a.store.create(chunks(data))
             held = await b.swarm.open(big.id)
             await held.chunks.__anext__()  # the owner is now blocked sending the rest
             with pytest.raises(ArtifactUnavailable, match="busy"):
-                await b.swarm.meta(big.id)
+                await b.swarm.open(big.id)
+            assert (await b.swarm.meta(big.id)).id == big.id  # small requests have their own slots
             await held.chunks.aclose()
             with trio.fail_after(10):
                 while True:
                     try:
-                        assert (await b.swarm.meta(big.id)).id == big.id
+                        assert await read(b.swarm, big.id, "bytes=0-9") == data[:10]
                         break
                     except ArtifactUnavailable:
                         await trio.sleep(0.05)
+
+
+@asynccontextmanager
+async def third_peer(owner: P2PHost) -> AsyncIterator[RemoteArtifacts]:
+    """One more peer connected to ``owner``, asking it directly (a hostile asker)."""
+    async with open_host(Identity.generate(), listen_host="127.0.0.1") as host:
+        await host.connect(owner.multiaddrs()[0] + "/p2p/" + owner.peer_id)
+        yield RemoteArtifacts(host)
+
+
+async def test_one_peer_holding_slow_reads_does_not_starve_the_others(tmp_path: Path) -> None:
+    """The audit's attack: a peer opens as many reads as the owner serves and takes one frame
+    of each now and then. Other peers' meta and reads must still be served."""
+    data = os.urandom(6_000_000)  # more than a stream's window: the owner blocks on each read
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b), third_peer(a.host) as attacker:
+            big = await a.store.create(chunks(data))
+            held, refused = [], 0
+            try:
+                for _ in range(16):  # the owner's whole read pool before the fix
+                    try:
+                        opened = await attacker.open(a.host.peer_id, big.id, None)
+                    except ArtifactUnavailable:
+                        refused += 1
+                        continue
+                    held.append(opened)
+                    await opened.chunks.__anext__()
+                assert (await b.swarm.meta(big.id)).id == big.id
+                assert await read(b.swarm, big.id) == data
+                assert (await b.swarm.usage()).total.objects == 1
+                assert len(held) <= 2 and refused == 16 - len(held)
+            finally:
+                for opened in held:
+                    await opened.chunks.aclose()
+
+
+async def test_a_reader_that_trickles_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read must average MIN_READ_RATE: one frame now and then, each within the per-frame
+    timeout, no longer keeps a slot for as long as the reader likes."""
+    import p2p.artifacts
+
+    monkeypatch.setattr(p2p.artifacts, "MIN_READ_RATE", 1 << 20)  # 6 MB: a deadline of ~7 s
+    monkeypatch.setattr(p2p.artifacts, "READ_GRACE_S", 1.0)
+    monkeypatch.setattr(p2p.artifacts, "MAX_READS_PER_PEER", 1)  # so reading again needs the slot back
+    data = os.urandom(6_000_000)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(data))
+            assert await read(b.swarm, big.id) == data  # a reader at full speed is not cut off
+            slow = await b.swarm.open(big.id)
+            received = 0
+            try:
+                with pytest.raises(ArtifactUnavailable):
+                    with trio.fail_after(30):  # trickling at ~340 KB/s would take ~18 s
+                        async for chunk in slow.chunks:
+                            received += len(chunk)
+                            await trio.sleep(0.75)
+                assert received < len(data)
+            finally:
+                await slow.chunks.aclose()
+            # the cut-off read gave its slot back: the same peer reads again
+            assert await read(b.swarm, big.id) == data
