@@ -76,8 +76,10 @@ __all__ = [
 # shorten them).
 MAX_READS = 16
 """Read streams served at once, all remote peers together."""
-MAX_READS_PER_PEER = 2
-"""Read streams served at once to one remote peer (a peer's HTTP clients share them)."""
+MAX_READS_PER_PEER = 4
+"""Read streams served at once to one remote peer: its HTTP clients share them (a page of
+images downloaded through one peer), so fewer turns honest downloads away; more, and a few
+identities hold the whole pool."""
 MAX_SMALL = 16
 """``meta``/``list``/``usage``/``delete`` streams at once: a pool of their own, so reads
 holding every read slot still leave the owner able to answer them."""
