@@ -566,7 +566,12 @@ class ForwardService:
 
     async def _send_replay(self, msg: wire.Forward, replay: wire.Replay) -> bool:
         """Send the kept outputs of positions ``[0, k)`` into the replaced span, in the frames
-        that built them, before the step itself (the same link keeps the order)."""
+        that built them, before the step itself (the same link keeps the order).
+
+        The frames wait for room on the link (a replay may be longer than its queue), and
+        this runs in the stage's worker: the whole replay has one deadline, what the link
+        gives its bytes. Frame by frame, a next hop that never reads held the worker, and
+        every other session at this stage, a link deadline per queueful of frames."""
         kept = self.stage.kept if self.stage is not None else None
         ends = [hop.layers.end for hop in msg.route]
         span = msg.route[1 : ends.index(replay.until) + 1]
@@ -577,10 +582,14 @@ class ForwardService:
         except (KeyError, IndexError) as exc:
             await self._fail(msg, "engine_error", f"cannot replay session {msg.session_id}: {exc}", wait_for_room=False)
             return False
-        for start, rows in frames:
-            await self.send(span[0].peer_id, wire.Forward(msg.req_id, msg.session_id, start, span, msg.reply_to, None,
-                                                          hidden=rows, discard=True))  # fmt: skip
-        return True
+        with trio.move_on_after(self.timeouts.send(sum(rows.nbytes for _, rows in frames))):
+            for start, rows in frames:
+                await self.send(span[0].peer_id, wire.Forward(msg.req_id, msg.session_id, start, span, msg.reply_to, None,
+                                                              hidden=rows, discard=True))  # fmt: skip
+            return True
+        await self._fail(msg, "unreachable", f"the replay of session {msg.session_id} to {span[0].peer_id} missed its deadline",
+                         wait_for_room=False)  # fmt: skip
+        return False
 
     def _admits_control(self, msg: wire.Adopt | wire.Close, remote: PeerId, kind: str) -> bool:
         """A close or adopt acts on a session: only its own peers may send one, along a

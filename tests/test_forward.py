@@ -107,6 +107,32 @@ async def test_a_full_link_fails_a_stage_s_message_at_once_instead_of_holding_th
             assert "wait for the link" in error.message
 
 
+async def test_a_replay_to_a_peer_that_never_reads_gives_up_at_one_deadline() -> None:
+    """A replay's frames wait for room on the link, in the stage's worker. Frame by frame,
+    a next hop that never reads held the worker a link deadline per queueful of frames (a
+    replay may name 4,096); the whole replay now has the deadline of its bytes, and the
+    entry hears that the hop after this one failed."""
+    class Kept:
+        def rows(self, session: SessionId, start: int, n: int) -> tensors.EncodedTensor:
+            return tensors.encode(np.zeros((16, 1024), np.float32), "f32")  # 64 KiB a frame
+
+    class Keeping:
+        kept = Kept()
+
+    with trio.fail_after(20):
+        async with _sending_to_a_peer_that_never_reads(send_base=2.0) as (sender, b):
+            sender._stage = Keeping()  # type: ignore[assignment]
+            inbox = sender.open_inbox(SessionId("s"))
+            route = (Hop(NodeId(sender.me), sender.me, LayerRange(0, 10)), Hop(NodeId(b), b, LayerRange(10, 20)))
+            frames = tuple((i, 1) for i in range(1500))  # ~94 MiB: far more than the link and the socket hold
+            replay = wire.Replay(at=10, until=20, frames=frames)
+            step = wire.Forward(9, SessionId("s"), len(frames), route, sender.me, None,
+                                hidden=tensors.encode(np.zeros((1, 8), np.float32)), replay=replay)  # fmt: skip
+            assert not await sender._send_replay(step, replay)
+            error = await inbox.receive()
+            assert isinstance(error, wire.Error) and error.code == "unreachable" and "replay" in error.message
+
+
 def test_messages_round_trip_through_the_codec() -> None:
     hop = Hop(NodeId("n"), PeerId("p"), LayerRange(0, 5), "")
     from node.sampling import SamplingParams
