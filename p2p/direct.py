@@ -18,10 +18,11 @@ Handshake (A dials B; both already share a Noise-authenticated libp2p connection
 The ticket is used once and expires in seconds; B binds the TCP connection to the PeerID it
 issued the ticket to, so every frame on it is as authenticated as one over libp2p. A
 stranger's connection is closed at once when its first 24 bytes are not a live ticket, or
-after ``hello_timeout_s`` when they do not come. Tickets and connections are bounded per
-peer and in all. Whoever cannot make a direct connection (firewall, NAT, an older peer)
-uses the libp2p stream, as before: :meth:`DirectLinks.open` fails fast and remembers the
-failure for a while.
+after ``hello_timeout_s`` when they do not come; when too many wait, a newcomer closes the
+oldest waiting one of the source holding the most, so a flood of silent connections cannot
+lock honest dialers out. Tickets and connections are bounded per peer and in all. Whoever
+cannot make a direct connection (firewall, NAT, an older peer) uses the libp2p stream, as
+before: :meth:`DirectLinks.open` fails fast and remembers the failure for a while.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import os
 import struct
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -62,7 +64,9 @@ class DirectLimits:
     hello_timeout_s: float = 2.0
     """An accepted TCP connection must show its ticket within this, or it is closed."""
     max_unauthenticated: int = 64
-    """Accepted connections still waiting for their ticket; more are closed at once."""
+    """Accepted connections still waiting for their ticket. One more closes the oldest waiting
+    connection of the source IP that has the most (refusing the newcomer instead let anyone
+    who kept this many silent connections open lock every honest dialer out)."""
     links_per_peer: int = 4
     """Live inbound direct connections of one peer (one per protocol and direction is normal)."""
     max_links: int = 512
@@ -111,7 +115,9 @@ class DirectLinks:
         self._clock = clock
         self._handlers: dict[str, DirectHandler] = {}
         self._tickets: dict[bytes, _Ticket] = {}
-        self._unauthenticated = 0
+        self._pending: dict[trio.CancelScope, str] = {}
+        """Connections waiting for their ticket, oldest first: the scope that evicts one, its
+        source IP."""
         self._links: dict[PeerId, int] = {}
         self._failed_until: dict[PeerId, float] = {}
         self.port: int | None = None
@@ -169,14 +175,23 @@ class DirectLinks:
             await trio.aclose_forcefully(tcp)
 
     async def _serve_connection(self, tcp: trio.SocketStream) -> None:
-        if self._unauthenticated >= self.limits.max_unauthenticated:
+        try:
+            source: str = tcp.socket.getpeername()[0]
+        except OSError:  # reset before we got to it
+            source = ""
+        if not source or self.limits.max_unauthenticated < 1:
             self.refused += 1
             return
-        self._unauthenticated += 1
+        while len(self._pending) >= self.limits.max_unauthenticated:
+            self._evict_pending()
+        ticket = None
+        waiting = trio.CancelScope()
+        self._pending[waiting] = source
         try:
-            ticket = await self._read_ticket(tcp)
+            with waiting:
+                ticket = await self._read_ticket(tcp)
         finally:
-            self._unauthenticated -= 1
+            self._pending.pop(waiting, None)
         if ticket is None or self._links.get(ticket.peer, 0) >= self.limits.links_per_peer \
                 or sum(self._links.values()) >= self.limits.max_links:  # fmt: skip
             self.refused += 1
@@ -199,6 +214,17 @@ class DirectLinks:
                 self._links[ticket.peer] = left
             else:
                 self._links.pop(ticket.peer, None)
+
+    def _evict_pending(self) -> None:
+        """Close the oldest waiting connection of the source with the most waiting: a flood
+        from one address pushes out only its own, a flood from many its oldest, so an honest
+        hello is lost only if ``max_unauthenticated`` newer connections beat it (it takes
+        milliseconds), never by sitting behind silent ones."""
+        held = Counter(self._pending.values())
+        most = max(held.values())
+        oldest = next(scope for scope, source in self._pending.items() if held[source] == most)
+        del self._pending[oldest]
+        oldest.cancel()
 
     async def _read_ticket(self, tcp: trio.SocketStream) -> _Ticket | None:
         """The live ticket this connection shows first, or None (closed by the caller)."""

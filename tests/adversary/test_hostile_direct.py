@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import cast
 
 import pytest
 import trio
 from direct_helpers import ECHO, direct_pair
 
 from inclavate.types import PeerId
-from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, Grant
+from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, DirectLinks, Grant
 from p2p.errors import DialError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
@@ -120,11 +121,15 @@ async def test_expired_tickets_and_excess_tickets_are_refused() -> None:
 async def test_a_flood_of_silent_connections_is_bounded() -> None:
     with trio.fail_after(30):
         async with direct_pair(FAST) as (a, b, links_a, links_b):
-            silent = [await trio.open_tcp_stream("127.0.0.1", links_b.port) for _ in range(FAST.max_unauthenticated)]
-            await trio.sleep(0.1)
+            silent = []
+            for _ in range(FAST.max_unauthenticated):
+                silent.append(await trio.open_tcp_stream("127.0.0.1", links_b.port))
+                while len(links_b._pending) < len(silent):  # accepted, in this order
+                    await trio.sleep(0.01)
             extra = await trio.open_tcp_stream("127.0.0.1", links_b.port)
-            assert await _closed_within(extra, 0.3)  # over the bound: closed on arrival
-            for tcp in silent:
+            assert await _closed_within(silent[0], 1)  # over the bound: the oldest waiting one goes
+            assert len(links_b._pending) == FAST.max_unauthenticated
+            for tcp in (*silent[1:], extra):
                 assert await _closed_within(tcp, FAST.hello_timeout_s + 1)
             # and an honest peer still gets through afterwards
             stream = await links_a.open(b.peer_id, ECHO, timeout=5)
@@ -133,6 +138,53 @@ async def test_a_flood_of_silent_connections_is_bounded() -> None:
             await stream.close()
             for tcp in (*silent, extra):
                 await tcp.aclose()
+
+
+def test_a_full_waiting_table_evicts_the_oldest_of_the_source_holding_most() -> None:
+    """One address flooding pushes out only its own connections; among equals, the oldest."""
+    links = DirectLinks(cast(P2PHost, None), limits=FAST)
+    first, flood_old, flood_new = trio.CancelScope(), trio.CancelScope(), trio.CancelScope()
+    links._pending = {first: "192.0.2.1", flood_old: "192.0.2.66", flood_new: "192.0.2.66"}
+    links._evict_pending()
+    assert flood_old.cancel_called and list(links._pending) == [first, flood_new]
+    links._evict_pending()
+    assert first.cancel_called and list(links._pending) == [flood_new]
+
+
+async def _hold_silent(port: int) -> None:
+    """One stranger's place in a flood: a TCP connection that never says hello, reopened as
+    soon as the acceptor closes it."""
+    while True:
+        try:
+            tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            await trio.sleep(0.01)
+            continue
+        try:
+            await _closed_within(tcp, 60)
+        finally:
+            await trio.aclose_forcefully(tcp)
+
+
+async def test_honest_dials_get_through_a_held_flood_of_silent_connections() -> None:
+    """A stranger keeps more silent connections open than may wait for a ticket, reopening
+    each one the acceptor closes (the default limits, as an attacker would meet them). An
+    honest dial still gets through: a newcomer pushes out the oldest waiting connection, so
+    only someone opening connections faster than an honest hello completes could starve it."""
+    limits = DirectLimits()
+    with trio.fail_after(45):
+        async with direct_pair(limits) as (a, b, links_a, links_b), trio.open_nursery() as flood:
+            for _ in range(limits.max_unauthenticated + 8):
+                flood.start_soon(_hold_silent, links_b.port)
+            while links_b.refused < 8:  # the waiting places are full and the flood keeps them so
+                await trio.sleep(0.05)
+            for _ in range(5):
+                stream = await links_a.open(b.peer_id, ECHO, timeout=5)
+                await stream.send(b"through", timeout=5)
+                assert await stream.receive(timeout=5) == a.peer_id.encode() + b":through"
+                await stream.close()
+            assert len(links_b._pending) <= limits.max_unauthenticated  # and the flood is still bounded
+            flood.cancel_scope.cancel()
 
 
 async def test_live_links_per_peer_are_bounded() -> None:
