@@ -96,6 +96,10 @@ class UnreachableNode(LegacyError):
     """The node's URL did not answer ``GET /health`` at registration (422)."""
 
 
+_RELAY_QUEUE = 64
+"""Frames waiting for one legacy node's HTTP relay."""
+
+
 @dataclass
 class _Node:
     record: NodeRecord
@@ -322,16 +326,25 @@ class LegacyNodes:
         return self._registry_id(node_id) in self._nodes
 
     async def relay(self, msg: wire.Forward | wire.Close) -> None:
-        """Queue a frame for a legacy node; its worker keeps each node's frames in order."""
+        """Queue a frame for a legacy node; its worker keeps each node's frames in order.
+
+        A full queue is an error to the entry, never a wait: this runs in the reader of the
+        sender's inbound stream, and waiting stalled every other session that sender drives
+        through this peer until the node's HTTP relays drained."""
         node = self._nodes.get(msg.route[0].node_id)
         if node is None or node.queue is None:
             await self._fail(msg, f"legacy node {msg.route[0].node_id} is not served by this peer")
             return
-        await node.queue.send(msg)
+        try:
+            node.queue.send_nowait(msg)
+        except trio.WouldBlock:
+            await self._fail(msg, f"legacy node {msg.route[0].node_id} is busy: {_RELAY_QUEUE} frames wait for it")
+        except trio.ClosedResourceError:
+            await self._fail(msg, f"legacy node {msg.route[0].node_id} has left")
 
     def _start_worker(self, node: _Node) -> None:
         assert self._nursery is not None, "LegacyNodes.run has not started"
-        send, receive = trio.open_memory_channel[wire.Forward | wire.Close](64)
+        send, receive = trio.open_memory_channel[wire.Forward | wire.Close](_RELAY_QUEUE)
         node.queue = send
         self._nursery.start_soon(self._worker, node, receive)
 

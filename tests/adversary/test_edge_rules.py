@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from p2p.admission import Admission, AdmissionLimits
 from p2p.errors import ProtocolError
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
+from p2p.legacy import LegacyNodes, _Node
 from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
 from p2p.legs import Leg, blame
 from p2p.records import NodeRecord
@@ -296,3 +298,26 @@ async def test_a_hop_cannot_make_the_entry_blame_another_hop() -> None:
     assert await blamed(wire.Error(5, session, "context_full", "full", last), last) == {last}
     entry_lost = wire.Error(6, session, "unreachable", "link lost", Entry.peer_id, failed_peer=honest)
     assert await blamed(entry_lost, Entry.peer_id) == {honest}
+
+
+async def test_a_full_legacy_relay_queue_is_an_error_to_the_entry_not_a_wait() -> None:
+    """The relay runs in the reader of the sender's inbound stream: waiting for room stalled
+    every other session that sender drives through this peer."""
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message) -> None:
+        sent.append((peer, msg))
+
+    registry = SimpleNamespace(identity=SimpleNamespace(peer_id=PeerId("host")))
+    nodes = LegacyNodes(registry, None, send=send)  # type: ignore[arg-type]
+    node_id = NodeId("host:n1")
+    queue, _unread = trio.open_memory_channel[wire.Message](1)
+    nodes._nodes[node_id] = _Node(NodeRecord.__new__(NodeRecord), "http://127.0.0.1:1/forward", "t", queue=queue)
+    hop = Hop(node_id, PeerId("host"), LayerRange(0, 10), "http://127.0.0.1:1/forward")
+    frame = wire.Forward(1, SessionId("s"), 0, (hop,), PeerId("entry"), None, tokens=np.array([1], np.int32))
+    with trio.fail_after(5):
+        await nodes.relay(frame)  # takes the queue's one place
+        await nodes.relay(frame)
+    assert len(sent) == 1
+    peer, error = sent[0]
+    assert peer == "entry" and isinstance(error, wire.Error) and "busy" in error.message
