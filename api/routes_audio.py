@@ -10,8 +10,10 @@ running) and answers with the artifact's bytes, naming the artifact and job in
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
+import trio
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
 
@@ -217,17 +219,37 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         params: dict[str, Any] = {"prompt": form.get("prompt") or DEFAULT_TRANSCRIPTION_PROMPT}
         if form.get("language"):
             params["language"] = form["language"][:16]
-        input_id = await generations.store_upload(data, media_type)
-        new = NewJob(modality="text", model=model, params=params, input_artifacts=(input_id,),
-                     deadline_s=generations.settings.default_deadline_s)  # fmt: skip
-        job = await generations.submit(new, local_only=False, known_chat_model=False)
-        done = await _finished(generations, job, generations.settings.transcription_sync_timeout_s)
+        new = NewJob(modality="text", model=model, params=params, deadline_s=generations.settings.default_deadline_s)
+        generations.check(new, n_inputs=1)  # refused params cost no stored clip
+        done = await _transcribed(generations, new, data, media_type)
         text = (await generations.read_artifact(done["output_artifacts"][0], MAX_OUTPUT_BYTES)).data.decode(errors="replace")
         if fmt == "text":
             return Response(text, status=200, content_type="text/plain; charset=utf-8", headers=_headers(done))
         response = jsonify(text=text)
         response.headers.update(_headers(done))
         return response
+
+
+async def _transcribed(generations: GenerationService, new: NewJob, data: bytes, media_type: str) -> dict[str, Any]:
+    """Store the clip as the job's input, submit the job and wait for it (the finished job).
+
+    A clip may be 64 MiB and the artifact quota may be unlimited, so a refused request must
+    not leave its clip behind, or refusals alone fill the disk. The clip is deleted again
+    whenever no job will read it: the submission failed (400, 429, 503, ... or the request
+    was cancelled), or the job ended without output. It stays while a job may still read it
+    (504, or its owner stopped answering the wait) and with a completed job (its input).
+    """
+    input_id = await generations.store_upload(data, media_type)
+    job: dict[str, Any] | None = None
+    try:
+        job = await generations.submit(replace(new, input_artifacts=(input_id,)), local_only=False,
+                                       known_chat_model=False)  # fmt: skip
+        return await _finished(generations, job, generations.settings.transcription_sync_timeout_s)
+    except BaseException as exc:
+        if job is None or isinstance(exc, _JobDidNotComplete):
+            with trio.CancelScope(shield=True):
+                await generations.discard_upload(input_id)
+        raise
 
 
 def _decodable(data: bytes, media_type: str) -> bool:

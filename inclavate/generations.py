@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from inclavate.artifact_swarm import SwarmArtifacts
-from inclavate.artifact_types import ArtifactNotFound
+from inclavate.artifact_types import ArtifactError, ArtifactNotFound
 from inclavate.errors import InclavateError, RelayedError
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_runner import JobNotFound, JobRunner
@@ -121,6 +121,15 @@ class GenerationService:
             f"no generator produces {new.modality} with model {new.model!r}; "
             "GET /v1/generations/capabilities lists what this swarm offers"
         )
+
+    def check(self, new: NewJob, *, n_inputs: int) -> None:
+        """Let this peer's generator for ``new`` refuse its params (``InvalidParams``, 400)
+        before the caller stores the inputs it would read: a submission refused after its
+        upload was stored would leave that upload behind. ``submit`` checks again (with the
+        stored inputs); a generator on another peer checks when the submission arrives."""
+        local = self.runner.generators.get(new.model)
+        if local is not None and local.modality == new.modality:
+            local.check(new.modality, new.params, n_inputs)
 
     async def _forward_submit(self, view: NodeView, new: NewJob) -> dict[str, Any]:
         key = new.idempotency_key
@@ -298,6 +307,15 @@ class GenerationService:
 
         meta = await self.artifacts.store.create(chunks(), media_type=media_type, kind="uploaded", declared_size=len(data))
         return meta.id
+
+    async def discard_upload(self, artifact_id: str) -> None:
+        """Delete a clip kept by :meth:`store_upload` that no job will read (its submission
+        was refused, or its job ended without output). Called while an error is on its way
+        to the client, so a failure here is logged rather than raised over that error."""
+        try:
+            await self.artifacts.store.delete(artifact_id)
+        except (ArtifactError, OSError) as exc:
+            log.warning("could not delete the refused upload %s: %s", artifact_id, exc)
 
 
 def _submission(new: NewJob) -> dict[str, Any]:

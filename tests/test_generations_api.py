@@ -5,6 +5,7 @@ Every error status the spec lists for these routes is asserted here."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import httpx
@@ -42,6 +43,33 @@ async def submit(http: httpx.AsyncClient, **body: object) -> dict:
     response = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio", **body})
     assert response.status_code == 202, response.text
     return response.json()
+
+
+def pcm_wav(seconds: float = 0.25, format_tag: int = 1) -> bytes:
+    """A mono 16 kHz 16-bit WAV of silence. Another ``format_tag`` names a codec no decoder
+    has: the header still reads, the samples do not decode."""
+    rate, block = 16000, 2
+    samples = bytes(int(rate * seconds) * block)
+    fmt = struct.pack("<HHIIHH", format_tag, 1, rate, rate * block, block, 16)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(samples)) + samples
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+async def transcribe(http: httpx.AsyncClient, clip: bytes, media_type: str = "audio/wav", **fields: str) -> httpx.Response:
+    return await http.post("/v1/audio/transcriptions", files={"file": ("clip", clip, media_type)},
+                           data={"model": "whisper:tiny.en", **fields})  # fmt: skip
+
+
+async def uploaded_objects(http: httpx.AsyncClient) -> int:
+    return (await http.get("/v1/artifacts/usage")).json()["uploaded"]["objects"]
+
+
+def assert_error_shape(response: httpx.Response, status: int) -> str:
+    """The spec's error format: a JSON object whose ``error`` is a string (the message)."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert isinstance(body, dict) and isinstance(body["error"], str) and body["error"]
+    return body["error"]
 
 
 async def wait_state(http: httpx.AsyncClient, job_id: str, states: tuple[str, ...], timeout: float = 60) -> dict:
@@ -169,6 +197,23 @@ async def test_transcription_errors(served: Served, speech_generators: dict) -> 
     big = await post({"file": ("a.wav", b"RIFF" + bytes(64 * 1024 * 1024 + 1024 * 1024 + 10), "audio/wav")},
                      {"model": "whisper:tiny.en"})  # fmt: skip
     assert big.status_code == 413
+
+
+async def test_refused_transcriptions_leave_no_clip_behind(tmp_path: Path, speech_generators: dict) -> None:
+    """A clip may be 64 MiB and the quota may be unlimited: a refusal that kept the clip would
+    let a client fill the disk with requests that all fail. Params the generator refuses are
+    refused before the clip is stored; a full queue (429) deletes the stored clip again."""
+    config = RunnerConfig(max_active=1, poll_s=0.1)
+    async with serve_generations(tmp_path, speech_generators, config=config) as s, client(s) as http:
+        for _ in range(3):
+            long_prompt = await transcribe(http, pcm_wav(), prompt="x" * 5000)
+            assert assert_error_shape(long_prompt, 400) == "params.prompt is longer than 4096 characters"
+        assert await uploaded_objects(http) == 0
+        busy = await submit(http, params={"text": LONG_TEXT})
+        full = await transcribe(http, pcm_wav())
+        assert "queue" in assert_error_shape(full, 429)
+        assert await uploaded_objects(http) == 0 and s.artifacts.usage().uploaded.objects == 0
+        await http.delete(f"/v1/generations/{busy['id']}")
 
 
 async def test_job_lifecycle_events_listing_and_admin_erase(served: Served) -> None:
