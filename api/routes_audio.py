@@ -20,6 +20,7 @@ from quart_trio import QuartTrio
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
+from api.media_headers import UnreadableHeader, audio_duration, sniff_audio
 from api.routes_generations import service
 from api.uploads import set_body_limit
 from api.request_guard import takes_any_body
@@ -32,6 +33,10 @@ MAX_CLIP_BYTES = 64 * 1024 * 1024
 MULTIPART_OVERHEAD = 1024 * 1024
 """Room for the form's other fields and boundaries around a clip of the maximum size."""
 AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3")
+MP3_TYPES = ("audio/mpeg", "audio/mp3")
+"""The MP3 types of ``AUDIO_TYPES``; the others are WAV."""
+UNREADABLE_INPUT_CODES = ("input_unreadable", "no_input")
+"""Job error codes that blame the clip the client sent, not this server: 400."""
 REFUSED_FORMATS = ("verbose_json", "srt", "vtt")
 DEFAULT_TRANSCRIPTION_PROMPT = "Transcribe this audio."
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
@@ -82,7 +87,7 @@ async def _finished(generations: GenerationService, job: dict[str, Any], timeout
     if done is None:
         raise _TimedOut(job["id"])
     if done["state"] != "completed" or not done["output_artifacts"]:
-        raise _JobDidNotComplete(done)
+        raise (_InputUnreadable if done.get("error_code") in UNREADABLE_INPUT_CODES else _JobDidNotComplete)(done)
     return done
 
 
@@ -107,6 +112,15 @@ class _JobDidNotComplete(ApiError):
 
     def body(self) -> dict[str, Any]:
         return {"error": self.message, "job_id": self.job["id"], "error_code": self.job.get("error_code")}
+
+
+class _InputUnreadable(_JobDidNotComplete):
+    """The job failed on its input (the generator could not decode the clip, or there was
+    none): the client's request was bad, so 400 as the spec lists for "a container that
+    cannot be decoded", not a server error. The header check before the job catches most
+    such clips; this catches those whose header reads but whose contents do not decode."""
+
+    status = 400
 
 
 def _headers(job: dict[str, Any]) -> dict[str, str]:
@@ -213,8 +227,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         data = upload.read(MAX_CLIP_BYTES + 1)
         if len(data) > MAX_CLIP_BYTES:
             raise PayloadTooLarge("the clip is over 64 MiB")
-        if not _decodable(data, media_type):
-            raise BadRequest(f"the file cannot be decoded as {media_type}")
+        _check_container(data, media_type)
         _capability(generations, model, "transcribe")
         params: dict[str, Any] = {"prompt": form.get("prompt") or DEFAULT_TRANSCRIPTION_PROMPT}
         if form.get("language"):
@@ -252,9 +265,16 @@ async def _transcribed(generations: GenerationService, new: NewJob, data: bytes,
         raise
 
 
-def _decodable(data: bytes, media_type: str) -> bool:
-    """The container matches its declared type (a cheap check before any job exists):
-    RIFF/WAVE for the WAV types; an ID3 tag or an MPEG audio frame sync for MP3."""
-    if media_type in ("audio/mpeg", "audio/mp3"):
-        return data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
-    return len(data) > 44 and data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+def _check_container(data: bytes, media_type: str) -> None:
+    """Refuse (400) a clip whose bytes are not the declared container or whose header cannot
+    be read, before anything is stored or a job exists. Magic bytes alone let a RIFF/WAVE
+    shell through to the decoder, which failed the job and answered 500; reading the header
+    the way chat audio parts are read (:mod:`api.media_headers`) refuses it here."""
+    fmt = "mp3" if media_type in MP3_TYPES else "wav"
+    found = sniff_audio(data)
+    if found != fmt:
+        raise BadRequest(f"the file cannot be decoded as {media_type}: it is {found or 'not audio'}, not {fmt}")
+    try:
+        audio_duration(fmt, data)
+    except UnreadableHeader as exc:
+        raise BadRequest(f"the file cannot be decoded as {media_type}: {exc}") from None

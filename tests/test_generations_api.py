@@ -174,7 +174,7 @@ async def test_music_validates_then_has_no_generator(served: Served, body: dict,
 
 
 async def test_transcription_errors(served: Served, speech_generators: dict) -> None:
-    wav = b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(64)
+    wav = pcm_wav()
 
     async def post(files: dict | None, data: dict, headers: dict | None = None) -> httpx.Response:
         async with client(served) as http:
@@ -214,6 +214,36 @@ async def test_refused_transcriptions_leave_no_clip_behind(tmp_path: Path, speec
         assert "queue" in assert_error_shape(full, 429)
         assert await uploaded_objects(http) == 0 and s.artifacts.usage().uploaded.objects == 0
         await http.delete(f"/v1/generations/{busy['id']}")
+
+
+@pytest.mark.parametrize(
+    "clip, media_type",
+    [
+        (b"RIFF" + struct.pack("<I", 100) + b"WAVE" + bytes(60), "audio/wav"),  # RIFF/WAVE, no fmt or data chunk
+        (pcm_wav()[:30], "audio/wav"),  # cut inside the fmt chunk
+        (b"ID3\x04\x00\x00\x00\x00\x00\x00" + bytes(100), "audio/mpeg"),  # an ID3 tag, then no MPEG frame
+        (pcm_wav(), "audio/mpeg"),  # a WAV declared as MP3
+    ],
+    ids=["riff-shell", "cut-header", "id3-without-frame", "wav-as-mp3"],
+)
+async def test_a_container_that_cannot_be_decoded_is_a_400_before_any_job(served: Served, clip: bytes, media_type: str) -> None:
+    async with client(served) as http:
+        message = assert_error_shape(await transcribe(http, clip, media_type), 400)
+        assert f"cannot be decoded as {media_type}" in message
+        assert (await http.get("/v1/generations")).json()["generations"] == []
+        assert await uploaded_objects(http) == 0
+
+
+async def test_a_clip_whose_samples_do_not_decode_is_a_400_and_keeps_nothing(served: Served) -> None:
+    """The header reads (so the check before the job lets it through) but the decoder has no
+    codec for it: the job fails with input_unreadable, which is the client's clip, not a 500."""
+    async with client(served) as http:
+        response = await transcribe(http, pcm_wav(format_tag=0x1234))
+        assert "input_unreadable" in assert_error_shape(response, 400)
+        assert response.json()["error_code"] == "input_unreadable"
+        job = (await http.get(f"/v1/generations/{response.json()['job_id']}")).json()
+        assert (job["state"], job["error_code"]) == ("failed", "input_unreadable")
+        assert await uploaded_objects(http) == 0
 
 
 async def test_job_lifecycle_events_listing_and_admin_erase(served: Served) -> None:
