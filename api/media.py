@@ -220,6 +220,9 @@ def _collect_part(budget: _Budget, param: str, raw: Any, allow_media: bool) -> _
     if not isinstance(raw, dict):
         raise _invalid("a content part must be an object", param)
     kind = raw.get("type")
+    if not isinstance(kind, str):
+        # Checked before the collector lookup: a list or object is unhashable (a 500 there).
+        raise _invalid("a content part's type must be a string", f"{param}.type")
     if kind == "text":
         text = raw.get("text")
         if not isinstance(text, str):
@@ -345,7 +348,7 @@ def _finish_video_file(item: _Encoded) -> VideoPart:
     return VideoPart(file=VideoFile(item.kind, data))
 
 
-_MEDIA_COLLECTORS: dict[Any, Callable[[_Budget, str, dict[str, Any]], _Finish]] = {
+_MEDIA_COLLECTORS: dict[str, Callable[[_Budget, str, dict[str, Any]], _Finish]] = {
     "image_url": _collect_image,
     "input_audio": _collect_audio,
     "input_video": _collect_video,

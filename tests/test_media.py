@@ -363,6 +363,9 @@ def test_declared_mime_must_match_magic_bytes() -> None:
             ".input_audio.data",
         ),
         ({"type": "file", "file": {}}, MediaCode.INVALID_MEDIA, ".type"),
+        ({"type": ["x"]}, MediaCode.INVALID_MEDIA, ".type"),  # unhashable: was a 500
+        ({"type": {"image_url": 1}}, MediaCode.INVALID_MEDIA, ".type"),
+        ({"text": "no type"}, MediaCode.INVALID_MEDIA, ".type"),
         ("just a string", MediaCode.INVALID_MEDIA, ""),
         (image("image/png", png(3, 2)[:20]), MediaCode.INVALID_MEDIA, ".image_url.url"),
         (image("image/png", png(0, 5, pixels=False)), MediaCode.INVALID_MEDIA, ".image_url.url"),

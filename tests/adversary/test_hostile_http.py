@@ -3,7 +3,8 @@
 Each test is one finding; each ends with every honest peer alive, the honest records
 unchanged, and a chat through the chain answering with the whole model's text. The module
 ends with a property-based fuzz of the REST API driven by the peer's own ``/openapi.json``.
-One swarm serves the whole module (peer b requires a join token for legacy nodes)."""
+One swarm serves the whole module (peer b requires a join token for legacy nodes); findings
+at the chat edge alone run against the app over the real model in this process instead."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import secrets
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ import trio
 from forward_frames import attack, forward, hop, peer_id
 from hostile_peer import HostilePeer, hostile_peer, honest_record
 from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, honest_nodes, three_peers
+from local_context import LocalContext, serve
 from reference import whole_model_text
 from swarm import PeerProcess, Swarm, request_json
 
@@ -212,6 +214,39 @@ def test_deeply_nested_json_is_a_400_in_the_spec_shape(live, expected, baseline)
             r = client.post(a.url + path, content=deep, headers={"content-type": "application/json"})
             assert r.status_code == 400 and isinstance(r.json()["error"], str), (path, r.status_code, r.text[:200])
     assert_swarm_healthy([a, b, c], expected, baseline)
+
+
+@pytest.fixture
+async def local_chat(smollm2, slice_cache) -> AsyncIterator[tuple[str, LocalContext]]:
+    """The REST app over the real model in this process: no swarm, for the chat edge."""
+    ctx = LocalContext(MODEL, smollm2.path, slice_cache)
+    try:
+        async with serve(ctx) as url:
+            yield url, ctx
+    finally:
+        ctx.close()
+
+
+async def _chat_and_ws(url: str, body: bytes) -> tuple[httpx.Response, dict[str, Any]]:
+    """The same request body through ``POST /v1/chat/completions`` and ``/ws/chat``."""
+    from trio_websocket import open_websocket_url
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    async with open_websocket_url(url.replace("http://", "ws://") + "/ws/chat") as ws:
+        await ws.send_message(body)
+        frame = json.loads(await ws.get_message())
+    return response, frame
+
+
+async def test_a_content_part_type_that_is_not_a_string_is_a_media_400(local_chat) -> None:
+    """``"type": ["x"]`` reached a dict lookup and raised ``TypeError: unhashable`` (500)."""
+    url, _ = local_chat
+    for kind in (["x"], {"image_url": 1}):
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": kind}]}]}).encode()
+        response, frame = await _chat_and_ws(url, body)
+        for status, error in ((response.status_code, response.json()["error"]), (frame["status"], frame["error"])):
+            assert status == 400 and error["param"] == "messages[0].content[0].type" and error["code"] == "invalid_media", (kind, status, error)
 
 
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
