@@ -17,7 +17,9 @@ Why not just ``json.loads`` and ``try/except``: ``json.loads`` raises ``Recursio
 (not ``ValueError``) on deep nesting, a value nested just below the recursion limit breaks
 later code that recurses over it (``dataclasses.asdict``, ``json.dumps``), ``bool`` is an
 ``int`` in Python, ``float('nan')`` and ``1e400`` parse, and ``2**70`` is a valid JSON
-integer that overflows every C integer it reaches.
+integer that overflows every C integer it reaches. JSON also allows an unpaired UTF-16
+surrogate escape (``"\\ud800"``), which ``json.loads`` turns into a ``str`` that is not
+Unicode text: every later ``.encode("utf-8")`` raises (SQLite, the tokenizer, a log file).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -75,13 +78,19 @@ _MISSING: Any = object()
 # ------------------------------------------------------------------ parsing
 
 
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+"""A ``\\uD800``-``\\uDFFF`` escape: where a lone surrogate can enter a parsed document
+(paired ones decode to one code point; raw ones are refused with the text)."""
+
+
 def parse_json(data: bytes | bytearray | str, *, max_bytes: int, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
     """Parse one JSON document from the network, or raise :class:`Malformed`.
 
-    Size is checked before parsing, nesting depth after (a cheap bracket count decides
-    whether the walk is needed at all). Non-finite numbers (``NaN``, ``Infinity``, and
+    Size is checked before parsing, nesting depth and lone surrogates after, in one walk
+    that runs only when a cheap scan of the text says it may find something (more brackets
+    than ``max_depth``; a surrogate escape). Non-finite numbers (``NaN``, ``Infinity``, and
     literals like ``1e400`` that overflow to infinity) are refused here, so no reader ever
-    sees them."""
+    sees them; nor does any reader see a string (value or key) that is not Unicode text."""
     if len(data) > max_bytes:
         raise Malformed(Reason.TOO_LARGE, detail=f"{len(data)} bytes exceeds the limit of {max_bytes}")
     if isinstance(data, (bytes, bytearray)):
@@ -91,6 +100,8 @@ def parse_json(data: bytes | bytearray | str, *, max_bytes: int, max_depth: int 
             raise Malformed(Reason.NOT_UTF8) from None
     else:
         text = data
+        if not text.isascii():
+            _check_text(text)  # a raw surrogate in the str itself
     try:
         value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
@@ -99,26 +110,52 @@ def parse_json(data: bytes | bytearray | str, *, max_bytes: int, max_depth: int 
         raise
     except ValueError as exc:  # JSONDecodeError, or a huge integer literal Python refuses
         raise Malformed(Reason.NOT_JSON, detail=f"not valid JSON ({type(exc).__name__})") from None
-    if text.count("[") + text.count("{") > max_depth:
-        check_depth(value, max_depth)
+    deep = text.count("[") + text.count("{") > max_depth
+    escapes = "\\u" in text and _SURROGATE_ESCAPE.search(text) is not None
+    if deep or escapes:
+        _walk(value, max_depth if deep else None, strings=escapes)
     return value
 
 
 def check_depth(value: Any, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
     """Raise :class:`Malformed` if containers nest deeper than ``max_depth`` (iterative, so
     it cannot itself recurse too deep)."""
+    _walk(value, max_depth, strings=False)
+
+
+def _walk(value: Any, max_depth: int | None, *, strings: bool) -> None:
+    """One iterative pass over a parsed document: containers nested deeper than
+    ``max_depth`` (``None``: not checked) and, with ``strings``, any string, key or value,
+    that is not Unicode text."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, str):
+            if strings and not item.isascii():
+                _check_text(item)
+            continue
         if isinstance(item, dict):
+            if strings:
+                for key in item:
+                    if not key.isascii():
+                        _check_text(key)
             children: Any = item.values()
         elif isinstance(item, list):
             children = item
         else:
             continue
-        if depth > max_depth:
+        if max_depth is not None and depth > max_depth:
             raise Malformed(Reason.TOO_DEEP, detail=f"nested deeper than {max_depth} levels")
         stack.extend((child, depth + 1) for child in children)
+
+
+def _check_text(text: str) -> None:
+    """Refuse a ``str`` holding a lone surrogate: it cannot be encoded as UTF-8 (encoding is
+    a C loop that stops at the first one, faster than any search)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Malformed(Reason.NOT_UTF8, detail="a string holds an unpaired UTF-16 surrogate (\\ud800-\\udfff)") from None
 
 
 def _refuse_constant(name: str) -> Any:

@@ -351,6 +351,20 @@ async def test_generation_submission_errors(served: Served) -> None:
         assert (await http.get("/v1/generations?limit=0")).status_code == 400
 
 
+async def test_a_lone_surrogate_in_any_string_is_a_400(served: Served) -> None:
+    """``"\\ud800"`` is valid JSON but not text: the job table refused it as an idempotency
+    key (500), and a speech job crashed on it. The body parser refuses it for every route."""
+    bodies = {
+        "/v1/generations": rb'{"model": "piper:joe", "modality": "audio", "params": {"text": "hi"}, "idempotency_key": "k\ud800"}',
+        "/v1/audio/speech": rb'{"model": "piper:joe", "input": "\udfff hi"}',
+    }
+    async with client(served) as http:
+        for path, body in bodies.items():
+            response = await http.post(path, content=body, headers={"content-type": "application/json"})
+            assert response.status_code == 400 and "surrogate" in response.json()["error"], (path, response.text)
+    assert served.jobs.list(10, 0) == []
+
+
 async def test_queue_full_is_429(tmp_path: Path, speech_generators: dict) -> None:
     async with serve_generations(tmp_path, speech_generators, config=RunnerConfig(max_active=1, poll_s=0.1)) as s:
         async with client(s) as http:

@@ -249,6 +249,16 @@ async def test_a_content_part_type_that_is_not_a_string_is_a_media_400(local_cha
             assert status == 400 and error["param"] == "messages[0].content[0].type" and error["code"] == "invalid_media", (kind, status, error)
 
 
+async def test_a_lone_surrogate_in_chat_content_is_a_400(local_chat) -> None:
+    """``"\\ud800"`` is valid JSON that is not text: the tokenizer's UTF-8 encode raised (500)."""
+    url, _ = local_chat
+    for content in (rb'"hi \ud800"', rb'[{"type": "text", "text": "\udfff"}]'):
+        body = b'{"model": "' + MODEL.encode() + b'", "max_tokens": 1, "messages": [{"role": "user", "content": ' + content + b"}]}"
+        response, frame = await _chat_and_ws(url, body)
+        assert response.status_code == 400 and "surrogate" in response.json()["error"], response.text
+        assert frame["status"] == 400 and "surrogate" in frame["error"], frame
+
+
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
     """``GET /api/models`` used to fetch the GGUF of any model in the registry, from whoever
     claimed to hold it, and compile its Jinja template."""

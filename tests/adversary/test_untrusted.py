@@ -68,6 +68,27 @@ def test_brackets_inside_strings_do_not_count_as_depth() -> None:
     assert parse_json(json.dumps({"s": "[" * 1000}), max_bytes=1 << 20, max_depth=4) == {"s": "[" * 1000}
 
 
+@pytest.mark.parametrize(
+    "doc",
+    [
+        rb'{"content": "\ud800"}',  # a lone high surrogate (chat content: the tokenizer raised)
+        rb'{"k": "ok \uDFFF"}',  # a lone low one, upper-case hex (SQLite refused an idempotency key)
+        rb'{"\udabc": 1}',  # in a key
+        rb'{"a": [{"b": ["x", "\ude00\ud83d"]}]}',  # nested, and a pair in the wrong order
+    ],
+)
+def test_lone_surrogate_escapes_are_not_utf8(doc: bytes) -> None:
+    """JSON allows an unpaired ``\\ud800``; json.loads makes it a str no UTF-8 encoder takes,
+    so every later ``.encode()`` (SQLite, the tokenizer, a log) raised: a 500 on every route."""
+    assert reason_of(lambda: parse_json(doc, max_bytes=1 << 20)) is Reason.NOT_UTF8
+    assert reason_of(lambda: parse_json(doc.decode(), max_bytes=1 << 20)) is Reason.NOT_UTF8
+
+
+def test_paired_surrogates_and_escaped_backslashes_are_text() -> None:
+    assert parse_json(rb'{"e": "\ud83d\ude00", "\ud83d\ude00": "\\ud800"}', max_bytes=100) == {"e": "\U0001f600", "\U0001f600": "\\ud800"}
+    assert reason_of(lambda: parse_json('{"raw": "\ud800"}', max_bytes=100)) is Reason.NOT_UTF8  # a raw one in a str
+
+
 def test_check_depth_is_iterative() -> None:
     value: list = []
     for _ in range(50_000):
