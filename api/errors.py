@@ -237,7 +237,7 @@ _register_lower_layers()
 
 def _register_generation_errors() -> None:
     """Generation jobs, generators and the peer-to-peer forwarding they use."""
-    from inclavate.generations import NoGenerator
+    from inclavate.generations import ListingTooDeep, NoGenerator
     from inclavate.job_runner import JobActive, JobFinished, JobNotFound
     from inclavate.jobs import IdempotencyConflict, JobStoreError, QueueFull
     from inclavate.peer_http import PeerUnreachable
@@ -245,6 +245,7 @@ def _register_generation_errors() -> None:
 
     for exc_type, status in [
         (InvalidParams, 400),
+        (ListingTooDeep, 400),
         (JobNotFound, 404),
         (JobFinished, 409),
         (JobActive, 409),

@@ -45,8 +45,19 @@ EraseRemote = Callable[[str, str, bool], Awaitable[dict[str, Any]]]
 """``(owner peer id, job id, artifacts) -> answer``: an admin erase signed by this peer."""
 
 
+LIST_MAX_LIMIT = 1000
+"""The most jobs one ``GET /v1/generations`` answers (the spec's largest ``limit``). A
+swarm-wide listing asks every other peer for one such page, so this is also the deepest row
+(offset + limit) it can serve without missing one of theirs."""
+
+
 class NoGenerator(InclavateError):
     """No generator in the swarm produces this model/modality (422, never retryable)."""
+
+
+class ListingTooDeep(InclavateError):
+    """A swarm-wide page reaching past :data:`LIST_MAX_LIMIT` rows (400): the rows of other
+    peers beyond their first page were never fetched, and would be missing without a word."""
 
 
 class GenerationService:
@@ -207,28 +218,41 @@ class GenerationService:
 
     async def list(self, limit: int, offset: int, *, local_only: bool) -> tuple[list[dict[str, Any]], bool]:
         """``(rows, truncated)``, newest first over the whole swarm (this peer alone when
-        ``local_only``); each owner resolves its own jobs' output artifacts."""
-        if local_only:
+        ``local_only``); each owner resolves its own jobs' output artifacts.
+
+        Another peer sends its newest ``offset + limit`` rows (one page: see
+        :data:`LIST_MAX_LIMIT`, past which the listing is :class:`ListingTooDeep`), and says
+        whether it has more, which makes the whole listing ``truncated``."""
+        peers = [] if local_only else self._live_peers()
+        if not peers:
             jobs = self.runner.store.list(limit + 1, offset)
             return [self._listed(job) for job in jobs[:limit]], len(jobs) > limit
-        want = offset + limit + 1
-        rows = [self._listed(job) for job in self.runner.store.list(want, 0)]
+        window = offset + limit
+        if window > LIST_MAX_LIMIT:
+            raise ListingTooDeep(
+                f"offset + limit may reach at most {LIST_MAX_LIMIT} jobs in a swarm-wide listing "
+                f"({len(peers)} other peers each send their newest {LIST_MAX_LIMIT} at most)"
+            )
+        rows = [self._listed(job) for job in self.runner.store.list(window + 1, 0)]
+        more_elsewhere = False
 
         async def fetch(url: str) -> None:
+            nonlocal more_elsewhere
             try:
                 with trio.move_on_after(10):
-                    _, body = await self.http.json(url, "GET", "/v1/generations", params={"limit": min(want, 1000)})
+                    _, body = await self.http.json(url, "GET", "/v1/generations", params={"limit": window})
                     if isinstance(body, dict) and isinstance(body.get("generations"), list):
                         rows.extend(r for r in body["generations"] if isinstance(r, dict) and "created_at" in r)
+                        more_elsewhere |= body.get("truncated") is True
             except (PeerUnreachable, RelayedError) as exc:
                 log.info("listing jobs: %s skipped (%s)", url, exc)
 
         async with trio.open_nursery() as nursery:
-            for view in self._live_peers():
+            for view in peers:
                 nursery.start_soon(fetch, view.record.api_url)
         unique = {str(r.get("id")): r for r in rows}
         ordered = sorted(unique.values(), key=lambda r: (str(r["created_at"]), str(r["id"])), reverse=True)
-        return ordered[offset : offset + limit], len(ordered) > offset + limit
+        return ordered[offset:window], more_elsewhere or len(ordered) > window
 
     def _listed(self, job: Job) -> dict[str, Any]:
         body = job.to_json()

@@ -12,7 +12,8 @@ from registry_helpers import view
 
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifacts import ArtifactStore
-from inclavate.generations import GenerationService, NoGenerator
+from inclavate.errors import RelayedError
+from inclavate.generations import LIST_MAX_LIMIT, GenerationService, ListingTooDeep, NoGenerator
 from inclavate.job_runner import JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, JobStore, NewJob
 from inclavate.owner_ids import new_id
@@ -91,3 +92,32 @@ async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
         await service.get(new_id("12D3KooWstranger"), local_only=False)
     with pytest.raises(PeerUnreachable):  # its owner is known but Dead: the job may exist
         await service.get(new_id("12D3KooWdead"), local_only=False)
+
+
+class PagingPeer:
+    """Another peer holding ``n`` jobs, answering ``GET /v1/generations`` as the route does:
+    its newest ``limit`` (at most LIST_MAX_LIMIT, else 400) and whether it has more."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [{"id": f"job-{i:05d}", "created_at": f"2026-01-01T{n - i:08d}"} for i in range(n)]
+
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None) -> tuple[int, Any]:
+        limit = params["limit"]
+        if limit > LIST_MAX_LIMIT:
+            raise RelayedError(400, {"error": "limit must be 1-1000"})
+        return 200, {"generations": self.rows[:limit], "truncated": len(self.rows) > limit}
+
+
+async def test_a_swarm_listing_never_silently_misses_another_peers_rows(tmp_path: Path) -> None:
+    """Other peers send one page (1000 rows at most) from offset 0: a window past that used to
+    come back short (rows 950-999 of 1050 asked for, truncated false), never an error."""
+    store = ArtifactStore(tmp_path, ME)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, ME, read_input=None)  # type: ignore[arg-type]
+    peer = PagingPeer(1500)
+    views = [view(OTHER, 0, 30, api_url="http://other")]
+    service = GenerationService(ME, runner, SwarmArtifacts(store), lambda: views, peer)  # type: ignore[arg-type]
+    rows, truncated = await service.list(100, 900, local_only=False)
+    assert [r["id"] for r in rows] == [r["id"] for r in peer.rows[900:1000]] and truncated  # it has 500 more
+    with pytest.raises(ListingTooDeep):
+        await service.list(100, 950, local_only=False)
+    assert await service.list(100, 10**15, local_only=True) == ([], False)  # this peer alone: any depth

@@ -349,6 +349,9 @@ async def test_generation_submission_errors(served: Served) -> None:
         assert (await http.get(f"/v1/generations/{UNKNOWN_ID}/events")).status_code == 404
         assert (await http.delete(f"/v1/generations/{UNKNOWN_ID}")).status_code == 404
         assert (await http.get("/v1/generations?limit=0")).status_code == 400
+        for offset in ("9223372036854775808", "99999999999999999999999"):  # SQLite overflowed: a 500
+            too_far = await http.get(f"/v1/generations?offset={offset}")
+            assert too_far.status_code == 400 and "offset" in too_far.json()["error"], too_far.text
 
 
 async def test_a_lone_surrogate_in_any_string_is_a_400(served: Served) -> None:
