@@ -75,21 +75,18 @@ class HostPolicy:
 def install(app: QuartTrio, hosts: HostPolicy = HostPolicy(None)) -> None:
     @app.before_request
     async def _guard_request() -> None:
+        # A refusal never reads the body: the error handler answers a request that has one
+        # with ``Connection: close`` (``api.app._closing_if_body_unread``), so nothing waits
+        # behind it. Reading it first held the whole body in memory (up to an upload route's
+        # 512 MiB) for a request that was refused from its headers.
         _check_host(hosts, request.host)
         if request.method not in _STATE_CHANGING:
             return
-        try:
-            _check_origin(request.headers.get("Origin"), request.host)
-            if _has_body() and not _body_type_accepted(app):
-                raise UnsupportedMediaType(
-                    f"{request.method} {request.path} takes a JSON body: send Content-Type: application/json"
-                )
-        except ApiError:
-            # Read what was sent (bounded by MAX_CONTENT_LENGTH) before refusing: a body left
-            # unread (a multipart one especially) stalls the next request on the connection.
-            if _has_body():
-                await request.get_data(cache=False)
-            raise
+        _check_origin(request.headers.get("Origin"), request.host)
+        if _has_body() and not _body_type_accepted(app):
+            raise UnsupportedMediaType(
+                f"{request.method} {request.path} takes a JSON body: send Content-Type: application/json"
+            )
 
     @app.before_websocket
     async def _guard_websocket() -> None:

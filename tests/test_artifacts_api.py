@@ -83,6 +83,24 @@ async def test_uploads_take_any_type_but_never_from_another_origin(tmp_path: Pat
         assert store.usage().uploaded.objects == 1
 
 
+async def test_a_cross_origin_upload_is_refused_before_its_body_arrives(tmp_path: Path) -> None:
+    """The refusal used to read the whole body first: 400 MiB in the peer's memory before the
+    403. Now it answers from the headers (closing the connection), while the client has sent
+    64 KiB of the 400 MiB it announced; the old code never answered until it had them all."""
+    announced = 400 * 1024 * 1024
+    head = (f"POST /v1/artifacts HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\nContent-Type: audio/wav\r\n"
+            f"Content-Length: {announced}\r\n\r\n").encode()  # fmt: skip
+    async with serve_store(tmp_path) as (base, store):
+        not_json = head.replace(b"Origin: http://evil.example\r\n", b"").replace(b"/v1/artifacts", b"/nodes")
+        for request, status in ((head, b"403"), (not_json, b"415")):  # the same path refuses a JSON route's text body
+            answer = await trio.to_thread.run_sync(lambda r=request: raw_http(base, r + b"x" * 65536, read_timeout=10))
+            line, _, rest = answer.partition(b"\r\n")
+            assert line.split(b" ")[1:2] == [status], answer[:300]
+            assert b"connection: close" in rest.lower().partition(b"\r\n\r\n")[0], answer[:300]
+        assert store.usage().uploaded.objects == 0
+        assert (await upload(base, b"still serving"))["size_bytes"] == 13
+
+
 async def test_range_reads(tmp_path: Path) -> None:
     data = bytes(range(256)) * 100
     async with serve_store(tmp_path) as (base, _):
