@@ -2,13 +2,16 @@
 
 Shared by ``POST /v1/chat/completions`` (plain and SSE) and ``/ws/chat``, so all three
 validate in the same order, before any work: request shape and limits, then the model (422),
-its capabilities (400), the reasoning level (400), a route through the swarm (503), and the
-prompt length (400).
+its capabilities (400), a route through the swarm (503), the prompt's length on its face
+(400: :meth:`ChatModel.refuse_if_it_cannot_fit`), the reasoning level and the template (400),
+and the prompt's length in tokens (400).
 
 The CPU-heavy steps (parsing a body of up to 24 MiB, decoding its media, rendering the
 template, tokenizing) run in worker threads, at most :data:`PREPARE_THREADS` at a time: on
 the event loop a few big requests would stall every stream, every forward frame and the
-peer's heartbeats.
+peer's heartbeats. A prompt too long for any tokenization to fit the context is refused
+before rendering and tokenizing: four clients sending 20 MB prompts held both threads for
+~7 s each, and every chat waited behind them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import trio
 
 from api.bodies import decode_json
 from api.chat_model import ChatModel, PreparedPrompt
-from api.chat_request import ChatMessage, ChatRequest, parse_chat_request
+from api.chat_request import ChatMessage, ChatRequest, Role, parse_chat_request
 from api.content import TextPart
 from api.context import PeerContext
 from api.errors import UnknownModel
@@ -79,13 +82,22 @@ PREPARE_THREADS = 2
 _PREPARE = trio.CapacityLimiter(PREPARE_THREADS)
 
 
-def _parse(raw: bytes | str, ctx: PeerContext) -> ChatRequest:
-    return parse_chat_request(decode_json(raw), ctx.limits)
+def _parse(raw: bytes | str, ctx: PeerContext) -> tuple[ChatRequest, int]:
+    request = parse_chat_request(decode_json(raw), ctx.limits)
+    return request, _user_text_chars(request)
+
+
+def _user_text_chars(request: ChatRequest) -> int:
+    """Characters of user text that any chat template renders: each user message's text,
+    without the surrounding whitespace a template's ``trim`` removes. Other roles do not
+    count: a template may leave them out (one that knows only user and assistant turns drops
+    system and tool messages) or shorten them (Qwen3's drops an earlier answer's reasoning)."""
+    return sum(len(template_message(m)["content"].strip()) for m in request.messages if m.role is Role.USER)
 
 
 async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
     """``raw``: the request body, size-checked by the caller."""
-    request = await trio.to_thread.run_sync(_parse, raw, ctx, limiter=_PREPARE)
+    request, user_chars = await trio.to_thread.run_sync(_parse, raw, ctx, limiter=_PREPARE)
     if not ctx.knows_model(request.model):
         raise UnknownModel(f"model {request.model!r} is not in the registry")
     chat = await ctx.chat_model(request.model)
@@ -103,8 +115,9 @@ async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
         tools=tools if tool_choice != "none" else None,
         tool_choice=tool_choice,
     )
-    prompt = await trio.to_thread.run_sync(prepare, limiter=_PREPARE)
     pipeline = ctx.pipeline(request.model)
+    chat.refuse_if_it_cannot_fit(user_chars, pipeline.context_length)
+    prompt = await trio.to_thread.run_sync(prepare, limiter=_PREPARE)
     params = chat.generation_params(
         prompt,
         max_tokens=request.max_tokens,

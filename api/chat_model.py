@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from api.chat_template import ChatTemplate, TemplateError
-from api.generation import GenerationParams
+from api.generation import GenerationParams, PromptTooLong
 from api.reasoning import ReasoningPlan, ReasoningSupport, probe_reasoning, resolve_reasoning
 from api.reasoning_split import ReasoningSplitter
 from inclavate.types import ModelId
@@ -46,6 +46,7 @@ class ChatModel:
         self.tokenizer = tokenizer
         self.template = template
         self.reasoning: ReasoningSupport = probe_reasoning(template)
+        self.max_bytes_per_token = tokenizer.max_bytes_per_token()
 
     @classmethod
     def load(cls, model_id: ModelId, gguf_path: Path) -> ChatModel:
@@ -74,6 +75,20 @@ class ChatModel:
     @property
     def input_modalities(self) -> frozenset[str]:
         return frozenset({"text"})
+
+    def refuse_if_it_cannot_fit(self, user_chars: int, context_length: int) -> None:
+        """Raise :class:`PromptTooLong` for a conversation too long for the context whatever
+        it renders and tokenizes to, judged on length alone, before that work (seconds for
+        megabytes of text, which any client may send).
+
+        ``user_chars``: characters of user text the rendered prompt holds at least (see
+        ``api.chat_job``). Characters are at most bytes and a token stands for at most
+        :attr:`max_bytes_per_token` of them, so the prompt has at least ``user_chars /
+        max_bytes_per_token`` tokens; past ``context_length - 1`` tokens it is refused
+        anyway (:class:`api.generation.Generation`). Never refuses a prompt that fits."""
+        per_token = self.max_bytes_per_token
+        if per_token and user_chars > per_token * (context_length - 1):
+            raise PromptTooLong(-(-user_chars // per_token), context_length, at_least=True)
 
     def prepare(
         self,

@@ -31,14 +31,17 @@ CLOSE_TIMEOUT = 10.0
 
 
 class PromptTooLong(InclavateError):
-    """The prompt leaves no room in the context for even one generated token."""
+    """The prompt leaves no room in the context for even one generated token.
 
-    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+    ``at_least``: ``prompt_tokens`` is a lower bound, known from the prompt's length before
+    it was tokenized (:meth:`api.chat_model.ChatModel.refuse_if_it_cannot_fit`)."""
+
+    def __init__(self, prompt_tokens: int, context_length: int, *, at_least: bool = False) -> None:
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
         super().__init__(
-            f"the prompt has {prompt_tokens} tokens; this model's context holds "
-            f"{context_length}, so shorten the conversation"
+            f"the prompt has {'at least ' if at_least else ''}{prompt_tokens} tokens; this model's "
+            f"context holds {context_length}, so shorten the conversation"
         )
 
 

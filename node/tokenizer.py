@@ -53,6 +53,26 @@ class Tokenizer:
                     return list(buf[:n])
                 capacity = -n
 
+    def max_bytes_per_token(self) -> int | None:
+        """The most bytes of text one token can stand for: the vocabulary's longest piece,
+        special tokens spelled out (a rendered template holds them as text, parsed back).
+
+        A byte-level BPE or a SentencePiece tokenization covers the text piece by piece (a
+        byte the vocabulary lacks becomes byte-fallback tokens, one byte each), so text of N
+        bytes is at least N / this many tokens. ``None`` for the other tokenizers, whose
+        tokens may cover more than they spell (WordPiece's one ``[UNK]`` for a whole unknown
+        word, Unigram's normalisation), so that no bound holds. Walks the vocabulary once:
+        0.1 s for SmolLM2's 49,152 tokens."""
+        if llama_cpp.llama_vocab_type(self._vocab) not in (llama_cpp.LLAMA_VOCAB_TYPE_SPM, llama_cpp.LLAMA_VOCAB_TYPE_BPE):
+            return None
+        buf = ctypes.create_string_buffer(256)
+        longest = 0
+        with self._lock:
+            for token in range(self.n_vocab):
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+                longest = max(longest, -n if n < 0 else n)  # negative: the size it needs
+        return longest
+
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token (possibly part of a UTF-8 character).
 

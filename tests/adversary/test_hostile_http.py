@@ -219,7 +219,7 @@ def test_deeply_nested_json_is_a_400_in_the_spec_shape(live, expected, baseline)
 @pytest.fixture
 async def local_chat(smollm2, slice_cache) -> AsyncIterator[tuple[str, LocalContext]]:
     """The REST app over the real model in this process: no swarm, for the chat edge."""
-    ctx = LocalContext(MODEL, smollm2.path, slice_cache)
+    ctx = LocalContext(MODEL, smollm2.path, slice_cache, context_length=256)
     try:
         async with serve(ctx) as url:
             yield url, ctx
@@ -257,6 +257,31 @@ async def test_a_lone_surrogate_in_chat_content_is_a_400(local_chat) -> None:
         response, frame = await _chat_and_ws(url, body)
         assert response.status_code == 400 and "surrogate" in response.json()["error"], response.text
         assert frame["status"] == 400 and "surrogate" in frame["error"], frame
+
+
+async def test_a_prompt_too_long_for_the_context_is_refused_before_any_tokenizing(local_chat, monkeypatch) -> None:
+    """Four clients with 20 MB prompts held the two preparation threads ~7 s each (render,
+    tokenize, then the 400), stalling every chat. The 400 now comes from the length alone;
+    the bound is sound: a prompt near it that fits (66-byte tokens) is still served."""
+    url, ctx = local_chat
+    chat = ctx.chat
+    calls: list[str] = []
+    tokenize, render = chat.tokenizer.tokenize, chat.template.render
+    monkeypatch.setattr(chat.tokenizer, "tokenize", lambda *a, **k: calls.append("tokenize") or tokenize(*a, **k))
+    monkeypatch.setattr(chat.template, "render", lambda *a, **k: calls.append("render") or render(*a, **k))
+
+    async def ask(content: str) -> httpx.Response:
+        body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await client.post(url + "/v1/chat/completions", json=body)
+
+    huge = await ask("word " * 400_000)  # 2 MB; the context holds 256 tokens
+    assert huge.status_code == 400 and "256" in huge.json()["error"], huge.text  # the same 400 as after tokenizing
+    assert calls == []  # neither rendered nor tokenized
+    assert "at least" in huge.json()["error"]
+    fits = await ask((" " + "=" * 65) * 200)  # 200 tokens of 66 bytes: 13,200 characters
+    assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] < 256, fits.text
+    assert calls[:2] == ["render", "tokenize"]
 
 
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
