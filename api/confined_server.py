@@ -6,7 +6,8 @@ the adversary suite: a websocket upgrade refused with a 403 (``api.request_guard
 second request on the same connection, makes hypercorn's websocket stream answer 400 on an
 h11 connection that is already DONE; h11's ``LocalProtocolError`` escapes, and any client
 could stop any peer with two requests. :func:`install` swaps in a connection handler that
-logs and drops such a failure (the connection is closed by hypercorn's own ``finally``).
+logs and drops such a failure (the connection is closed by hypercorn's own ``finally``), and
+closes a connection its response ended even when the task that closes it is being cancelled.
 
 The same handler writes a response's bytes in place when the kernel takes them at once.
 hypercorn's own write takes a lock and then trio's ``send_all``, and each ends the task's
@@ -35,6 +36,15 @@ class ConfinedTCPServer(TCPServer):
             await super().run()
         except Exception:  # noqa: BLE001 - any failure of one connection stays with it
             log.warning("an HTTP connection failed and was closed", exc_info=True)
+
+    async def _close(self) -> None:
+        """Close the connection, shielded. After a response that ends it (``Connection:
+        close``, HTTP/1.0) hypercorn closes from the application's task, which is being
+        cancelled just then: its first checkpoint raised ``Cancelled`` and the socket was
+        never closed, so every client that waits for the server to close (or never closes)
+        kept a descriptor and a task of the peer for ever."""
+        with trio.CancelScope(shield=True):
+            await super()._close()
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData) and event.data:

@@ -11,7 +11,10 @@ from contextlib import asynccontextmanager
 import trio
 from hypercorn.config import Config
 from hypercorn.events import RawData
+from hypercorn.trio import serve
+from quart_trio import QuartTrio
 
+from api import confined_server
 from api.confined_server import ConfinedTCPServer
 from tests.turn_helpers import gives_a_turn
 
@@ -84,3 +87,40 @@ async def test_a_write_to_a_closed_client_is_handed_to_hypercorn_which_closes_th
         await client.aclose()
         await server.protocol_send(RawData(b"data: late\n\n"))
     assert closed, "hypercorn's own write saw the broken connection and reported it"
+
+
+async def test_a_response_that_ends_its_connection_closes_it() -> None:
+    """``Connection: close`` (or HTTP/1.0): hypercorn closed the socket from a task being
+    cancelled, and it stayed open, a descriptor and a task of the peer for as long as the
+    client kept it (a client that waits for the server's close waited for ever)."""
+    confined_server.install()
+    app = QuartTrio("close")
+
+    @app.get("/")
+    async def root() -> dict[str, bool]:
+        return {"ok": True}
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve, app, config)
+            for request in (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"GET / HTTP/1.0\r\n\r\n"):
+                while True:
+                    try:
+                        client = await trio.open_tcp_stream("127.0.0.1", port)
+                        break
+                    except OSError:
+                        await trio.sleep(0.05)  # the server is starting
+                async with client:
+                    await client.send_all(request)
+                    answer = b""
+                    with trio.fail_after(5):  # before: no end, ever
+                        while chunk := await client.receive_some(65536):
+                            answer += chunk
+                    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"ok":true}\n')
+            nursery.cancel_scope.cancel()
