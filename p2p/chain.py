@@ -332,7 +332,7 @@ class SwarmPipeline:
             failure = stage_failure(reply.code, reply.message, reply.origin)
             if reply.code in CLIENT_ERRORS:
                 raise failure
-            return Broken(blame(leg, reply), failure)
+            return Broken(blame(leg, reply, self.service.me), failure)
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:
                 last = leg.route[-1].peer_id

@@ -38,20 +38,24 @@ class Leg:
         return frozenset(h.peer_id for h in self.route)
 
 
-def blame(leg: Leg, error: wire.Error) -> frozenset[PeerId]:
-    """The hop an error points at: for ``unreachable``, the hop after the one that reported
-    it (the only one it sends to); else the reporter. ``origin`` is the peer the frame came
-    from (the forward service sets it so on arrival), and only hops of the route can be
-    blamed: a lying stage can get itself avoided, never another hop of its choosing."""
+def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
+    """The hop an error points at: for ``unreachable``, the hop it names or else the one
+    after its reporter; for anything else, the reporter. ``origin`` is the peer the frame
+    came from (the forward service sets it so on arrival), and only hops of the route can be
+    blamed. A hop's report may name only the hop after it (the only one it sends to; naming
+    another, it blames itself), so a lying stage can get itself avoided, never a hop of its
+    choosing; our own (``me``: a link of ours that ended) names any hop."""
     peers = [h.peer_id for h in leg.route]
     reporter = frozenset({error.origin}) & leg.peers
     if error.code != "unreachable":
         return reporter
     nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
     successor = frozenset(peers[nxt : nxt + 1])
-    if error.failed_peer is None or error.failed_peer in successor:
+    if error.failed_peer is None:
         return successor
-    return reporter  # it names a hop it never sends to: the report is what failed
+    if error.origin == me or error.failed_peer in successor:
+        return frozenset({error.failed_peer}) & leg.peers
+    return reporter
 
 
 @dataclass

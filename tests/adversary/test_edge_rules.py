@@ -287,7 +287,7 @@ async def test_a_hop_cannot_make_the_entry_blame_another_hop() -> None:
 
     async def blamed(error: wire.Error, sender: PeerId) -> set[PeerId]:
         await service._dispatch(error, sender)
-        return set(blame(leg, leg.inbox.receive_nowait()))
+        return set(blame(leg, leg.inbox.receive_nowait(), Entry.peer_id))
 
     assert await blamed(wire.Error(1, session, "engine_error", "boom", origin=honest), liar) == {liar}
     assert await blamed(wire.Error(2, session, "unreachable", "gone", liar, failed_peer=honest), liar) == {liar}
@@ -296,8 +296,9 @@ async def test_a_hop_cannot_make_the_entry_blame_another_hop() -> None:
     assert await blamed(wire.Error(3, session, "unreachable", "gone", liar, failed_peer=last), liar) == {last}
     assert await blamed(wire.Error(4, session, "unreachable", "gone", honest), honest) == {liar}
     assert await blamed(wire.Error(5, session, "context_full", "full", last), last) == {last}
-    entry_lost = wire.Error(6, session, "unreachable", "link lost", Entry.peer_id, failed_peer=honest)
-    assert await blamed(entry_lost, Entry.peer_id) == {honest}
+    for i, lost in enumerate((honest, liar, last)):  # our own link to any hop that ended
+        entry_lost = wire.Error(6 + i, session, "unreachable", "link lost", Entry.peer_id, failed_peer=lost)
+        assert await blamed(entry_lost, Entry.peer_id) == {lost}
 
 
 async def test_a_full_legacy_relay_queue_is_an_error_to_the_entry_not_a_wait() -> None:
