@@ -203,6 +203,7 @@ class Peer:
                                                   direct_port=cfg.direct_port,
                                                   max_frame_bytes=max_frame_bytes(cfg.engine.context_length, meta.d_model))
                     self.forward.record_of = self._registered
+                    self.forward.records_signed_by = self._signed_by
                     await nursery.start(self.forward.run)
                     serve_vocab(host, self._local_vocab)
                     self.latency = LatencyMonitor(host, self._route_candidates)
@@ -481,6 +482,10 @@ class Peer:
         """The registry's record of a node: what forward routes are checked against."""
         entry = self.registry.table.get(node_id) if self.registry is not None else None
         return entry.record if entry is not None else None
+
+    def _signed_by(self, peer: PeerId) -> list[NodeRecord]:
+        """Every record ``peer`` signs in the registry (its node's, its legacy nodes')."""
+        return self.registry.table.records_signed_by(peer) if self.registry is not None else []
 
     def _own_record(self) -> NodeRecord | None:
         assert self.registry is not None

@@ -9,7 +9,9 @@ anything a frame claims:
   control then pushes back on it): a flood from one peer cannot fill the stage queue that
   every other peer shares.
 * **Sessions opened by strangers.** A *known* peer is one the registry lists (it holds layers,
-  so it is a chain member or an entry peer). Anyone else is a stranger: it may open at most
+  so it is a chain member or an entry peer); for a frame of hidden states, only one that signs
+  a live record of the model ending where the stage starts (its previous hop on any honest
+  route: ``ForwardService``), since a record costs nothing to publish. Anyone else is a stranger: it may open at most
   ``stranger_sessions_per_peer`` sessions here, strangers together at most
   ``stranger_session_share`` of the slots, and a stranger's session idle for
   ``stranger_idle_s`` is freed (a known peer's idles out after the stage's own, longer,
@@ -75,17 +77,20 @@ class Admission:
 
     # ------------------------------------------------------------ sessions
 
-    def admit(self, remote: PeerId, session_id: SessionId, *, held: bool, max_sessions: int) -> None:
+    def admit(self, remote: PeerId, session_id: SessionId, *, held: bool, max_sessions: int, known: bool | None = None) -> None:
         """Raise :class:`FrameRejected` unless ``remote`` may send work for ``session_id``.
 
-        ``held``: the stage already holds the session (so it is someone's)."""
+        ``held``: the stage already holds the session (so it is someone's). ``known``: the
+        caller's verdict on ``remote`` for this frame (None: :attr:`is_known`'s)."""
+        if known is None:
+            known = self.is_known(remote)
         owner = self._strangers.get(session_id)
         if owner is not None:
-            if owner[0] != remote and not self.is_known(remote):
+            if owner[0] != remote and not known:
                 raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "the session belongs to another peer")
             self._strangers[session_id] = (owner[0], self.clock())
             return
-        if self.is_known(remote):
+        if known:
             return
         if held:
             raise FrameRejected(FrameReason.SESSION_NOT_YOURS, "the session belongs to another peer")

@@ -28,7 +28,7 @@ from inclavate import tensors
 from inclavate.turns import send_or_wait
 from inclavate.types import NodeId, PeerId, SessionId
 from inclavate.untrusted import DropCounter
-from node.engine import BatchItem
+from node.engine import BatchItem, EngineInfo
 from node.errors import ContextFull, InvalidBatch, SessionLimitReached
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
@@ -38,7 +38,7 @@ from p2p.errors import LinkFull, P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
-from p2p.records import legacy_owner
+from p2p.records import NodeRecord, legacy_owner
 from p2p.routing import Hop
 from p2p.sealed import SealedStream
 
@@ -78,6 +78,11 @@ _REJECTION_CODES: dict[FrameReason, wire.ErrorCode] = {
 
 async def _ignore(_: StageResult) -> None:
     return None
+
+
+def _feeds(record: NodeRecord, stage: EngineInfo) -> bool:
+    """Whether ``record``'s node is a live previous hop of ``stage`` on some route."""
+    return record.model_id == stage.model_id and record.end_layer == stage.layers.start and record.state != "Dead"
 
 
 def _speaks_for(remote: PeerId, origin: PeerId) -> bool:
@@ -300,6 +305,10 @@ class ForwardService:
         self.record_of: RecordOf | None = None
         """The registry's record of a node (set by the peer): routes are checked against it,
         and peers it lists are "known" to admission control. None trusts every route."""
+        self.records_signed_by: Callable[[PeerId], Iterable[NodeRecord]] | None = None
+        """Every record a peer signs, its node's and its legacy nodes' (set by the peer): a
+        frame of hidden states gets a known peer's quota only from a peer that signs a live
+        record of this model ending where this stage starts (:meth:`_may_feed`)."""
         self.admission = Admission(admission, is_known=self._is_known)
         self.drops = DropCounter()
         """Frames refused, by :class:`~p2p.forward_checks.FrameReason`."""
@@ -316,7 +325,26 @@ class ForwardService:
         self.admission.reset_in_flight()
 
     def _is_known(self, peer: PeerId) -> bool:
-        return peer == self.me or self.record_of is None or self.record_of(NodeId(peer)) is not None
+        if peer == self.me or self.record_of is None:
+            return True
+        record = self.record_of(NodeId(peer))
+        return record is not None and record.state != "Dead"
+
+    def _may_feed(self, remote: PeerId, msg: wire.Forward, stage: Stage) -> bool:
+        """Whether ``remote`` gets a known peer's session quota for ``msg`` at ``stage``.
+
+        Any registered peer may be an entry (token ids for the first range); hidden states
+        come only from the previous hop of a route, which signs a live record of this model
+        ending where this stage starts. A record costs nothing to publish: without the second
+        rule, any identity that gossiped one about itself could hold every slot of every
+        stage (and feed any session whose id it learnt)."""
+        if msg.tokens is not None or self.records_signed_by is None or remote == self.me:
+            return self._is_known(remote)
+        info = stage.engine.info
+        own = self.record_of(NodeId(remote)) if self.record_of is not None else None
+        if own is not None and _feeds(own, info):  # the usual case: one lookup
+            return True
+        return any(_feeds(record, info) for record in self.records_signed_by(remote))  # its legacy nodes
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -499,7 +527,8 @@ class ForwardService:
             item = self._item(msg, stage) if stage is not None else None
             if stage is not None:
                 held = stage.engine.session_length(msg.session_id) > 0
-                self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions)
+                self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions,
+                                     known=self._may_feed(remote, msg, stage))  # fmt: skip
                 self._check_replay(msg, stage)
             await self.admission.reserve(remote, nbytes)
         except FrameRejected as exc:

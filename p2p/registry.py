@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -152,26 +151,36 @@ class Table:
         return self.entries.get(NodeId(node_id))
 
     @functools.cached_property
-    def _signers(self) -> Counter[PeerId]:
-        """Entries per signer: counted once per table, then carried to the table :func:`apply`
-        builds from it, so a sync bringing thousands of new nodes stays linear."""
-        return Counter(entry.record.peer_id for entry in self.entries.values())
+    def _by_signer(self) -> dict[PeerId, frozenset[NodeId]]:
+        """The nodes each peer signs for (its own, and the legacy nodes it vouches for):
+        indexed once per table, then carried to the table :func:`apply` builds from it, so a
+        sync bringing thousands of new nodes stays linear."""
+        index: dict[PeerId, set[NodeId]] = {}
+        for node_id, entry in self.entries.items():
+            index.setdefault(entry.record.peer_id, set()).add(node_id)
+        return {peer: frozenset(nodes) for peer, nodes in index.items()}
 
     def signed_by(self, peer_id: PeerId) -> int:
-        return self._signers[peer_id]
+        return len(self._by_signer.get(peer_id, ()))
+
+    def records_signed_by(self, peer_id: PeerId) -> list[NodeRecord]:
+        """The records ``peer_id`` signs: its own node's and its legacy nodes'."""
+        return [self.entries[node_id].record for node_id in self._by_signer.get(peer_id, ())]
 
     def with_entry(self, entry: Entry) -> Table:
-        """This table with ``entry`` added or replacing its node's."""
+        """This table with ``entry`` added or replacing its node's (a node's signer never
+        changes: a record is valid only from the peer its id is namespaced under)."""
         entries = dict(self.entries)
-        held = entries.get(entry.record.node_id)
-        entries[entry.record.node_id] = entry
+        node_id, signer = entry.record.node_id, entry.record.peer_id
+        new = node_id not in entries
+        entries[node_id] = entry
         table = Table(MappingProxyType(entries))
-        if "_signers" in self.__dict__:  # counted already: carry the counts over (a copy, in C)
-            signers = self._signers.copy()
-            if held is not None:
-                signers[held.record.peer_id] -= 1
-            signers[entry.record.peer_id] += 1
-            table.__dict__["_signers"] = signers
+        if "_by_signer" in self.__dict__:  # indexed already: carry the index over (a copy, in C)
+            index = self._by_signer
+            if new:
+                index = dict(index)
+                index[signer] = index.get(signer, frozenset()) | {node_id}
+            table.__dict__["_by_signer"] = index
         return table
 
     def signed_records(self) -> list[SignedRecord]:

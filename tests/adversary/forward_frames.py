@@ -30,13 +30,14 @@ def hop(peer: PeerProcess, layers: str) -> Hop:
 Attack = Callable[[HostilePeer, FramedStream, list[wire.Message]], Awaitable[None]]
 
 
-def attack(peer: PeerProcess, swarm: Swarm, run: Attack, *, settle: float = 1.0) -> list[wire.Message]:
+def attack(peer: PeerProcess, swarm: Swarm, run: Attack, *, settle: float = 1.0, gossip: bool = False) -> list[wire.Message]:
     """Connect a stranger to ``peer``, let ``run`` write frames on a forward stream, and
-    return what the swarm sent back to the stranger (errors, results) within ``settle`` s."""
+    return what the swarm sent back to the stranger (errors, results) within ``settle`` s.
+    ``gossip``: the stranger joins the registry's topic first (``run`` may publish)."""
     replies: list[wire.Message] = []
 
     async def main() -> None:
-        async with hostile_peer(swarm.multiaddr(peer), gossip=False) as evil:
+        async with hostile_peer(swarm.multiaddr(peer), gossip=gossip) as evil:
             async def collect(stream: FramedStream, remote: PeerId) -> None:
                 while True:
                     replies.append(wire.decode(await stream.receive(timeout=60)))

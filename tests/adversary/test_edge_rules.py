@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import trio
+from registry_helpers import MODEL, signed
 
 from api.chat_template import ChatTemplate, TemplateError
 from api.request_guard import HostPolicy
+from inclavate import tensors
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from inclavate.untrusted import Malformed
 from node.engine import EngineInfo
@@ -27,8 +29,10 @@ from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
 from p2p.legacy import LegacyNodes, _Node
 from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
+from p2p.identity import Identity
 from p2p.legs import Leg, blame
-from p2p.records import NodeRecord
+from p2p.records import NodeRecord, legacy_node_id
+from p2p.registry import Liveness, Table, Verdict, apply
 from p2p.routing import Hop
 
 
@@ -82,8 +86,6 @@ def test_inputs_must_fit_the_range() -> None:
 def test_a_legacy_node_may_only_continue_the_frame_it_was_sent() -> None:
     b, c = _hop("b", 10, 20, "http://n"), _hop("c", 20, 30)
     sent = wire.Forward(1, SessionId("s"), 0, (b, c), PeerId("e"), None, hidden=None)
-    from inclavate import tensors
-
     h = tensors.encode(np.zeros((1, 8), np.float32))
     assert relay_answer_matches(sent, wire.Forward(1, SessionId("s"), 0, (c,), PeerId("e"), None, hidden=h))
     assert relay_answer_matches(sent, wire.Error(1, SessionId("s"), "engine_error", "x", PeerId("b")))
@@ -322,3 +324,33 @@ async def test_a_full_legacy_relay_queue_is_an_error_to_the_entry_not_a_wait() -
     assert len(sent) == 1
     peer, error = sent[0]
     assert peer == "entry" and isinstance(error, wire.Error) and "busy" in error.message
+
+
+def test_hidden_states_get_a_chain_members_quota_only_from_a_previous_hop() -> None:
+    """A record costs nothing to publish: "known" for a frame of hidden states means a live
+    record of this model ending where the stage starts, the previous hop of some route."""
+    prev, elsewhere, other_model, departed, relay, entry = (Identity.generate() for _ in range(6))
+    records = [
+        signed(prev, 0, 10), signed(elsewhere, 20, 30), signed(other_model, 0, 10, model_id=ModelId("other:1m")),
+        signed(departed, 0, 10, state="Dead"), signed(entry, 0, 30, model_id=ModelId("other:1m")),
+        signed(relay, 0, 10, node_id=legacy_node_id(relay.peer_id, "n1"), relayed=True, forward_url="http://10.0.0.1:9/forward"),
+    ]  # fmt: skip
+    table = Table()
+    for record in records:
+        table, verdict = apply(table, record, 1_000_000, Liveness())
+        assert verdict is Verdict.ACCEPTED
+    service = ForwardService(SimpleNamespace(peer_id=PeerId("me")), node_id=NodeId("me"), stage=None, direct_port=None)  # type: ignore[arg-type]
+    service.record_of = lambda node_id: entry.record if (entry := table.get(node_id)) else None
+    service.records_signed_by = table.records_signed_by
+    stage = SimpleNamespace(engine=SimpleNamespace(info=SimpleNamespace(model_id=MODEL, layers=LayerRange(10, 20))))
+    hop = Hop(NodeId("me"), PeerId("me"), LayerRange(10, 20))
+    hidden = wire.Forward(1, SessionId("s"), 0, (hop,), PeerId("e"), None, hidden=tensors.encode(np.zeros((1, 4), np.float32)))
+    tokens = wire.Forward(1, SessionId("s"), 0, (hop,), PeerId("e"), None, tokens=np.array([1], np.int32))
+
+    def feeds(peer: Identity, msg: wire.Forward) -> bool:
+        return service._may_feed(peer.peer_id, msg, stage)  # type: ignore[arg-type]
+
+    assert [feeds(p, hidden) for p in (prev, relay)] == [True, True]
+    assert [feeds(p, hidden) for p in (elsewhere, other_model, departed, entry)] == [False] * 4
+    assert [feeds(p, tokens) for p in (prev, elsewhere, other_model, entry)] == [True] * 4  # any entry
+    assert not feeds(departed, tokens) and not feeds(Identity.generate(), tokens)

@@ -183,6 +183,31 @@ def test_a_stranger_cannot_hold_every_kv_slot(live, expected, baseline) -> None:
         assert status == 200 and body["choices"][0]["message"]["content"] == expected
 
 
+def test_a_record_of_its_own_does_not_make_a_stranger_a_previous_hop(live, expected, baseline) -> None:
+    """A record costs nothing to publish. Any identity that gossiped one about itself used
+    to get a chain member's quota: every slot of every stage. Hidden states now get it only
+    from a peer whose record ends where the stage starts (the previous hop of a route)."""
+    s, (a, b, c) = live
+    route = (hop(b, "10-20"), hop(c, "20-30"))
+    before = stage_sessions(b)
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        record = honest_record(evil.identity, model=MODEL, start=0, end=1, state="Joining")  # no route uses it
+        await evil.publish_record(record)
+        with trio.fail_after(15):
+            while evil.peer_id not in {n["node_id"] for n in await trio.to_thread.run_sync(b.get, "/nodes")}:
+                await trio.sleep(0.2)
+        for i in range(8):
+            await stream.send(forward(evil, route, session=f"known{i}", hidden=finite_hidden()), timeout=10)
+        await trio.sleep(1.0)
+        await evil.publish_record(record.replace(state="Dead", seq=record.seq + 1))  # leave the registry as it was
+
+    replies = attack(b, s, run, settle=2.0, gossip=True)
+    assert errors(replies).count("session_limit") >= 7  # a stranger's one session, at most
+    assert stage_sessions(b) <= before + 1
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
 def test_a_stranger_s_lane_numbers_fold_onto_the_stage_s_lanes(live, expected, baseline) -> None:
     """Any lane 0-15 is served, and it makes at most ``--decode-lanes`` (4) groups at a
     stage: lanes 15 and 6 run as lanes 3 and 2, and the stage counts no fifth lane."""
