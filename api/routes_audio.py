@@ -82,8 +82,16 @@ def _wav_only(body: dict[str, Any]) -> None:
 
 
 async def _finished(generations: GenerationService, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Wait for the job within the route's bound: the finished job, or 504 naming it."""
-    done = await generations.wait_finished(job["id"], timeout_s)
+    """Wait for the job within the route's bound: the finished job, or 504 naming it. A
+    client that leaves meanwhile takes the job with it (:meth:`GenerationService.abandon`):
+    it never got the job's id, so the job's output would stay for good."""
+    try:
+        done = await generations.wait_finished(job["id"], timeout_s)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # the request is being cancelled: its client left
+            with trio.CancelScope(shield=True):
+                await generations.abandon(job["id"])
+        raise
     if done is None:
         raise _TimedOut(job["id"])
     if done["state"] != "completed" or not done["output_artifacts"]:
@@ -248,9 +256,10 @@ async def _transcribed(generations: GenerationService, new: NewJob, data: bytes,
 
     A clip may be 64 MiB and the artifact quota may be unlimited, so a refused request must
     not leave its clip behind, or refusals alone fill the disk. The clip is deleted again
-    whenever no job will read it: the submission failed (400, 429, 503, ... or the request
-    was cancelled), or the job ended without output. It stays while a job may still read it
-    (504, or its owner stopped answering the wait) and with a completed job (its input).
+    whenever no job will read it: the submission failed (400, 429, 503, ...), the job ended
+    without output, or the client left (the job is then cancelled, see :func:`_finished`). It
+    stays while a job may still read it (504, or its owner stopped answering the wait) and
+    with a completed job (its input).
     """
     input_id = await generations.store_upload(data, media_type)
     job: dict[str, Any] | None = None
@@ -259,7 +268,7 @@ async def _transcribed(generations: GenerationService, new: NewJob, data: bytes,
                                        known_chat_model=False)  # fmt: skip
         return await _finished(generations, job, generations.settings.transcription_sync_timeout_s)
     except BaseException as exc:
-        if job is None or isinstance(exc, _JobDidNotComplete):
+        if job is None or isinstance(exc, _JobDidNotComplete) or not isinstance(exc, Exception):  # refused, failed, or abandoned
             with trio.CancelScope(shield=True):
                 await generations.discard_upload(input_id)
         raise

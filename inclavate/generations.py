@@ -29,7 +29,7 @@ from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound
 from inclavate.errors import InclavateError, RelayedError
 from inclavate.generation_settings import GenerationSettings
-from inclavate.job_runner import JobNotFound, JobRunner
+from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, Job, NewJob
 from inclavate.owner_ids import owner_candidates, parse_id
 from inclavate.peer_http import PeerHttp, PeerUnreachable
@@ -331,6 +331,20 @@ class GenerationService:
 
         meta = await self.artifacts.store.create(chunks(), media_type=media_type, kind="uploaded", declared_size=len(data))
         return meta.id
+
+    async def abandon(self, job_id: str) -> None:
+        """A synchronous route's client left while it waited for ``job_id``, whose id it never
+        got: cancel the job, and erase one of ours that finished meanwhile with its outputs.
+        Nobody else knows the id, so anything kept would stay for good. Called while the
+        request is being cancelled: a failure here is logged, not raised."""
+        try:
+            try:
+                await self.cancel(job_id, local_only=False)
+            except JobFinished:
+                if self._owner_url(job_id) is None:
+                    await self.runner.erase(job_id, artifacts=True)
+        except (InclavateError, OSError) as exc:  # another peer's finished job keeps its output
+            log.warning("could not cancel job %s after its client left: %s", job_id, exc)
 
     async def discard_upload(self, artifact_id: str) -> None:
         """Delete a clip kept by :meth:`store_upload` that no job will read (its submission

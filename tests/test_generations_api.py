@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -313,6 +314,35 @@ async def test_cancel_mid_generation_stops_between_frames_and_keeps_nothing(serv
         cancelled = await http.delete(f"/v1/generations/{job['id']}")
         assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
         assert cancelled.json()["output_artifacts"] == []
+    assert served.artifacts.usage().generated.objects == 0
+
+
+async def _leave_while_it_runs(http: httpx.AsyncClient, request: Callable[[], Awaitable[object]]) -> dict:
+    """Start a synchronous route's request, hang up once its job is generating (the
+    connection closes), and return the job as it ends."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request)
+        with trio.fail_after(60):
+            while not (running := [j for j in (await http.get("/v1/generations")).json()["generations"] if j["state"] == "running"]):
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    return await wait_state(http, running[0]["id"], ("completed", "failed", "cancelled", "expired"))
+
+
+async def test_a_client_that_leaves_a_speech_request_takes_its_job_along(served: Served) -> None:
+    """Only the waiting client would have learnt the job's id: one that left used to leave the
+    job running to the end and its audio kept for good."""
+    async with client(served) as http:
+        job = await _leave_while_it_runs(http, lambda: http.post("/v1/audio/speech", json={"model": "piper:joe", "input": LONG_TEXT}))
+        assert job["state"] == "cancelled" and job["output_artifacts"] == []
+    assert served.artifacts.usage().generated.objects == 0
+
+
+async def test_a_client_that_leaves_a_transcription_takes_its_job_and_clip_along(served: Served) -> None:
+    async with client(served) as http:
+        job = await _leave_while_it_runs(http, lambda: transcribe(http, pcm_wav(seconds=20.0)))
+        assert job["state"] == "cancelled"
+        assert await uploaded_objects(http) == 0
     assert served.artifacts.usage().generated.objects == 0
 
 
