@@ -201,11 +201,20 @@ class JobRunner:
                 return
             output = await trio.to_thread.run_sync(generator.run, task, flag.is_set,
                                                    self._progress_reporter(job.id))  # fmt: skip
+            writer = None
             try:
-                async with self.artifacts.begin(media_type=output.media_type, kind="generated", pending=True) as writer:
+                writer = self.artifacts.begin(media_type=output.media_type, kind="generated", pending=True)
+                async with writer:
                     await writer.write(output.data)
                     meta = await writer.commit()
-            except ArtifactError as exc:
+            except BaseException as exc:
+                # No job names the row (a shutdown cancels the write once the generator has
+                # finished): a failed row left here would stay for good.
+                if writer is not None:
+                    with trio.CancelScope(shield=True):
+                        await self._forget(writer.id)
+                if not isinstance(exc, ArtifactError):
+                    raise
                 self._settle(job.id, "failed", error_code="publish_failed", error_message=str(exc))
                 return
             if not self._settle(job.id, "completed", outputs=(meta.id,)):
@@ -221,6 +230,12 @@ class JobRunner:
         finally:
             self._cancel_flags.pop(job.id, None)
             self._expired.discard(job.id)
+
+    async def _forget(self, artifact_id: str) -> None:
+        try:
+            await self.artifacts.delete(artifact_id)
+        except (ArtifactError, OSError) as exc:  # gone already, or the disk failed: nothing more to do
+            log.debug("could not delete the unfinished output %s: %s", artifact_id, exc)
 
     async def _task(self, job: Job) -> GenerationTask | None:
         """Read the inputs; an understanding job's missing prompt or inputs fail it here."""

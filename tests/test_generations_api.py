@@ -444,7 +444,11 @@ async def test_a_restart_resumes_the_interrupted_job(tmp_path: Path, speech_gene
     # The service above was torn down mid-generation (its worker cancelled): the row says running.
     async with serve_generations(tmp_path, speech_generators) as s, client(s) as http:
         done = await wait_state(http, job["id"], ("completed", "failed"), timeout=120)
+        listed = (await http.get("/v1/artifacts")).json()["artifacts"]
     assert done["state"] == "completed" and len(done["output_artifacts"]) == 1
+    # The shutdown's own output (the generator ran to its end; the write was cancelled) left
+    # no row behind: the job never named it, so nothing would ever delete it.
+    assert [a["id"] for a in listed] == done["output_artifacts"]
 
 
 async def test_openapi_describes_the_generation_and_audio_routes(served: Served) -> None:
