@@ -14,7 +14,6 @@ answered is :class:`inclavate.errors.RelayedError`, relayed with its status and 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 
 from inclavate.errors import InclavateError, RelayedError
+from inclavate.untrusted import Malformed, parse_json
 
 FORWARDED_HEADER = "x-inclavate-forwarded"
 
@@ -68,9 +68,9 @@ class PeerHttp:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         _raise_for_error(response.status_code, bytes(raw))
         try:
-            return response.status_code, json.loads(raw) if raw else None
-        except ValueError as exc:
-            raise PeerUnreachable(f"peer {base_url} answered something that is not JSON") from exc
+            return response.status_code, parse_json(raw, max_bytes=MAX_ANSWER_BYTES) if raw else None
+        except Malformed as exc:
+            raise PeerUnreachable(f"peer {base_url} answered something that is not JSON ({exc})") from exc
 
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str) -> AsyncIterator[AsyncIterator[str]]:
@@ -89,8 +89,8 @@ def _raise_for_error(status: int, raw: bytes) -> None:
     if status < 400:
         return
     try:
-        body = json.loads(raw[:MAX_RELAYED_ERROR_BYTES]) if raw else {}
-    except ValueError:
+        body = parse_json(raw[:MAX_RELAYED_ERROR_BYTES], max_bytes=MAX_RELAYED_ERROR_BYTES) if raw else {}
+    except Malformed:
         body = {}
     if not isinstance(body, dict) or "error" not in body:
         body = {"error": f"the owning peer answered {status}"}

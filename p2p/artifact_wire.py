@@ -47,6 +47,7 @@ from inclavate.artifact_types import (
 from inclavate.byte_ranges import MAX_HEADER_CHARS, ByteRange, RangeMalformed, RangeNotSatisfiable
 from inclavate.errors import InclavateError
 from inclavate.owner_ids import MalformedId, parse_id
+from inclavate.untrusted import Malformed, parse_json
 
 PROTOCOL = "/inclavate/artifacts/1"
 MAX_REQUEST_BYTES = 4096
@@ -79,8 +80,8 @@ def decode_request(raw: bytes) -> dict[str, Any]:
     if len(raw) > MAX_REQUEST_BYTES:
         raise BadArtifactRequest("request too large")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = parse_json(raw, max_bytes=MAX_REQUEST_BYTES)
+    except Malformed as exc:  # deep nesting too: json.loads raised RecursionError past the handler
         raise BadArtifactRequest(f"request is not JSON: {exc}") from exc
     if not isinstance(body, dict) or body.get("op") not in OPS:
         raise BadArtifactRequest("request must be an object with a known op")
@@ -145,8 +146,8 @@ def list_request(query: ListQuery) -> dict[str, Any]:
 def decode_answer(raw: bytes, peer: str) -> dict[str, Any]:
     """The answer if ok; the owner's refusal raised as our own exception type otherwise."""
     try:
-        answer = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        answer = parse_json(raw, max_bytes=MAX_ANSWER_BYTES)
+    except Malformed:
         answer = None
     if not isinstance(answer, dict):
         raise ArtifactUnavailable(f"peer {peer} sent a malformed answer")

@@ -18,12 +18,16 @@ from registry_helpers import MODEL, signed
 from api.chat_template import ChatTemplate, TemplateError
 from api.request_guard import HostPolicy
 from inclavate import tensors
+from inclavate.artifact_types import ArtifactUnavailable, BadArtifactRequest
+from inclavate.errors import RelayedError
+from inclavate.peer_http import _raise_for_error
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from inclavate.untrusted import Malformed
 from node.engine import EngineInfo
 from node.sampling import SamplingParams, UnusableLogits, sample
 from p2p import wire
 from p2p.admission import Admission, AdmissionLimits
+from p2p.artifact_wire import decode_answer, decode_request
 from p2p.errors import ProtocolError
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
@@ -354,3 +358,18 @@ def test_hidden_states_get_a_chain_members_quota_only_from_a_previous_hop() -> N
     assert [feeds(p, hidden) for p in (elsewhere, other_model, departed, entry)] == [False] * 4
     assert [feeds(p, tokens) for p in (prev, elsewhere, other_model, entry)] == [True] * 4  # any entry
     assert not feeds(departed, tokens) and not feeds(Identity.generate(), tokens)
+
+
+def test_nesting_from_another_peer_is_a_refusal_not_a_recursion_error() -> None:
+    """Artifact requests and answers, and peers' HTTP answers, came through ``json.loads``:
+    2,000 brackets (4 KiB, within a request's size) raised ``RecursionError`` past every
+    handler that expects ``ValueError``, a traceback logged per request (and a 500 for the
+    asker's client)."""
+    deep = b"[" * 2000 + b"]" * 2000
+    with pytest.raises(BadArtifactRequest):
+        decode_request(deep)
+    with pytest.raises(ArtifactUnavailable, match="malformed answer"):
+        decode_answer(b'{"ok": true, "x": ' + deep + b"}", "p")
+    with pytest.raises(RelayedError) as refused:
+        _raise_for_error(500, deep)
+    assert refused.value.body == {"error": "the owning peer answered 500"}
