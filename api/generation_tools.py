@@ -14,14 +14,13 @@ fourth or with arguments no job can take, is handed back as an ordinary tool cal
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from api.chat_request import ChatRequest
-from api.tool_calls import ParsedToolCall
+from api.tool_calls import ParsedToolCall, read_json
 from inclavate.errors import InclavateError
 from inclavate.generations import GenerationService
 from inclavate.jobs import NewJob
@@ -102,7 +101,7 @@ async def start_generations(
 
 def _params(tool: GenerationTool, call: ParsedToolCall, request: ChatRequest, max_s: float | None) -> dict[str, Any] | None:
     try:
-        args = json.loads(call.arguments)
+        args = read_json(call.arguments)
     except ValueError:
         return None
     text = args.get("text") if isinstance(args, dict) else None

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from inclavate.untrusted import parse_json
+
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -36,13 +38,25 @@ class ParsedToolCall:
         return call
 
 
+MAX_CALL_CHARS = 1 << 20
+"""More than any context's worth of generated text."""
+
+
+def read_json(text: str) -> Any:
+    """JSON the model wrote, read as bytes from the network are (:func:`parse_json`): a
+    stage can make the model write anything, and ``json.loads`` let 1,000 brackets raise
+    ``RecursionError`` and a lone surrogate through to whatever encodes it next. Raises
+    :class:`ValueError` (``Malformed``)."""
+    return parse_json(text, max_bytes=MAX_CALL_CHARS)
+
+
 def _call(obj: Any) -> ParsedToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            json.loads(args)
+            read_json(args)
         except ValueError:
             return None
         text = args
@@ -60,7 +74,7 @@ def extract_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
         calls = []
         for block in blocks:
             try:
-                call = _call(json.loads(block))
+                call = _call(read_json(block))
             except ValueError:
                 call = None
             if call is None:
@@ -70,7 +84,7 @@ def extract_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
     stripped = text.strip()
     if stripped[:1] in "{[":
         try:
-            obj = json.loads(stripped)
+            obj = read_json(stripped)
         except ValueError:
             return text, []
         items = obj if isinstance(obj, list) else [obj]

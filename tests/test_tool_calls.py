@@ -38,3 +38,14 @@ def test_length_outranks_tool_calls() -> None:
     content, finish, calls = finish_and_calls(_Job(True), GenerationResult("length", 5, 9), call)
     assert finish == "length" and calls == [] and content == call
     assert finish_and_calls(_Job(False), GenerationResult("stop", 5, 9), call) == (call, "stop", [])
+
+
+def test_what_a_stage_can_make_the_model_write_stays_content() -> None:
+    """The text comes from the last stage's tokens: 2,000 brackets raised RecursionError out
+    of the chat (a 500), and a lone surrogate in the arguments reached whatever encoded them."""
+    deep = "[" * 2000 + "]" * 2000
+    assert extract_tool_calls(deep) == (deep, [])
+    block = '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"
+    assert extract_tool_calls(block) == (block, [])
+    lone = '{"name": "f", "arguments": "{\\"text\\": \\"\\ud800\\"}"}'
+    assert extract_tool_calls(lone) == (lone, [])
