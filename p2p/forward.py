@@ -58,6 +58,10 @@ class Timeouts:
     idle: float = 3600.0
     """An inbound stream with no frame for this long (to within a tenth) is reset; the
     sender reopens one (:meth:`ForwardService._reset_idle_streams`)."""
+    close_retry: tuple[float, ...] = (10.0, 20.0, 40.0, 80.0)
+    """Our own close that could not be delivered is sent again after each of these waits,
+    while the hop is still registered: one that stalled and came back (a stopped process, a
+    slow machine) frees the session then, not at its idle timeout ten minutes on."""
 
     def send(self, nbytes: int) -> float:
         return self.send_base + nbytes / self.send_bytes_per_s
@@ -268,6 +272,9 @@ than a stage has in flight to one neighbour."""
 _BURST_MAX = _LINK_QUEUE
 """Most messages one write carries."""
 
+_MAX_CLOSE_RETRIES = 256
+"""Undelivered closes of ours being sent again (a close is a few hundred bytes)."""
+
 
 class ForwardService:
     def __init__(
@@ -314,6 +321,9 @@ class ForwardService:
         """Frames refused, by :class:`~p2p.forward_checks.FrameReason`."""
         self.leaving = False
         """Set when the peer leaves: frames for its stage are answered ``shutting_down``."""
+        self._close_attempts: dict[tuple[PeerId, SessionId, int], int] = {}
+        """Our closes that could not be delivered, by (hop, session, request): how many times
+        they were sent again (bounded by ``_MAX_CLOSE_RETRIES``)."""
 
     @property
     def stage(self) -> Stage | None:
@@ -429,10 +439,27 @@ class ForwardService:
             # The peer is gone or unreachable: retire its link. Its task answers what is still
             # queued (each with an error to the entry) and ends, instead of waiting forever.
             self._retire(peer, link)
+        if isinstance(msg, wire.Close) and msg.reply_to == self.me:
+            self._close_again_later(msg, peer)
         if isinstance(msg, (wire.Forward, wire.Close)) and msg.reply_to != peer:
             await self.send(msg.reply_to, wire.Error(
                 msg.req_id, msg.session_id, "unreachable", f"peer {peer} is unreachable: {exc}", self.me, peer),
                 wait_for_room=False)  # fmt: skip
+
+    def _close_again_later(self, msg: wire.Close, peer: PeerId) -> None:
+        key = (peer, msg.session_id, msg.req_id)
+        attempt = self._close_attempts.pop(key, 0)
+        if attempt >= len(self.timeouts.close_retry) or self._nursery is None:
+            return
+        if len(self._close_attempts) >= _MAX_CLOSE_RETRIES:
+            del self._close_attempts[next(iter(self._close_attempts))]  # the oldest: it has had most of its tries
+        self._close_attempts[key] = attempt + 1
+        self._nursery.start_soon(self._close_again, msg, peer, self.timeouts.close_retry[attempt])
+
+    async def _close_again(self, msg: wire.Close, peer: PeerId, wait: float) -> None:
+        await trio.sleep(wait)
+        if self._is_known(peer):  # gone from the registry, or Dead: its sessions went with it
+            await self.send(peer, msg, wait_for_room=False)
 
     # ----------------------------------------------------------------- inbound
 

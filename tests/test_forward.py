@@ -133,6 +133,35 @@ async def test_a_replay_to_a_peer_that_never_reads_gives_up_at_one_deadline() ->
             assert isinstance(error, wire.Error) and error.code == "unreachable" and "replay" in error.message
 
 
+async def test_a_close_a_hop_missed_while_unreachable_reaches_it_when_it_is_back() -> None:
+    """A hop that stalled (a stopped process) missed the close of a leg that failed over:
+    it held the session until its idle timeout, ten minutes. Our own closes are sent again
+    for a while, and it frees the session when it answers again."""
+    back = Identity.generate()
+    received: list[wire.Message] = []
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, trio.open_nursery() as n:
+            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, direct_port=None,
+                                    timeouts=Timeouts(connect=1.0, close_retry=(0.5, 0.5, 0.5, 0.5)))  # fmt: skip
+            await n.start(sender.run)
+            hop = Hop(NodeId(back.peer_id), back.peer_id, LayerRange(10, 20))
+            close = wire.Close(7, SessionId("old-leg"), (hop,), sender.me)
+            await sender.send(back.peer_id, close)  # nobody there yet: undeliverable
+            await trio.sleep(0.2)
+            async with open_host(back) as b:
+
+                async def keep(stream, remote) -> None:
+                    while True:
+                        received.append(wire.decode(await stream.receive(timeout=60)))
+
+                b.set_stream_handler(wire.PROTOCOL, keep)
+                await a.connect(b.multiaddrs()[0])
+                while not received:
+                    await trio.sleep(0.05)
+            assert received == [close]
+            n.cancel_scope.cancel()
+
+
 def test_messages_round_trip_through_the_codec() -> None:
     hop = Hop(NodeId("n"), PeerId("p"), LayerRange(0, 5), "")
     from node.sampling import SamplingParams
