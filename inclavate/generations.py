@@ -114,11 +114,10 @@ class GenerationService:
 
     async def submit(self, new: NewJob, *, local_only: bool, known_chat_model: bool) -> dict[str, Any]:
         """Queue ``new`` where its generator is; the job record (spec shape)."""
-        local = self.runner.generators.get(new.model)
-        if local is not None and local.modality == new.modality:
-            local.check(new.modality, new.params, len(new.input_artifacts))
+        if self.check(new, n_inputs=len(new.input_artifacts)):
             job, _ = self.runner.submit(new)
             return job.to_json()
+        local = self.runner.generators.get(new.model)
         if not local_only and local is None:
             remote = self._generator_peer(new.model, new.modality)
             if remote is not None:
@@ -133,14 +132,16 @@ class GenerationService:
             "GET /v1/generations/capabilities lists what this swarm offers"
         )
 
-    def check(self, new: NewJob, *, n_inputs: int) -> None:
-        """Let this peer's generator for ``new`` refuse its params (``InvalidParams``, 400)
-        before the caller stores the inputs it would read: a submission refused after its
-        upload was stored would leave that upload behind. ``submit`` checks again (with the
-        stored inputs); a generator on another peer checks when the submission arrives."""
+    def check(self, new: NewJob, *, n_inputs: int) -> bool:
+        """Whether this peer's own generator takes ``new``, after letting it refuse the params
+        (``InvalidParams``, 400). A caller that stores inputs first calls this before storing:
+        a submission refused after its upload was stored would leave that upload behind. A
+        generator on another peer checks when the submission arrives."""
         local = self.runner.generators.get(new.model)
-        if local is not None and local.modality == new.modality:
-            local.check(new.modality, new.params, n_inputs)
+        if local is None or local.modality != new.modality:
+            return False
+        local.check(new.modality, new.params, n_inputs)
+        return True
 
     async def _forward_submit(self, view: NodeView, new: NewJob) -> dict[str, Any]:
         key = new.idempotency_key
