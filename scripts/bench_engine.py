@@ -67,7 +67,7 @@ def run(engines: list[LayerEngine], prompt: np.ndarray, n_decode: int, wire: str
 
 def batched_steps(engine: LayerEngine, prompt: list[int], sessions: int, steps: int) -> float:
     """Seconds per step of ``steps`` greedy decode steps, every session's in one call, after
-    each session is prefilled with ``prompt`` (as ``bench_llama_worker.batched`` does)."""
+    each session is prefilled with ``prompt`` (as ``bench_llama_worker.batched`` is asked to)."""
     sids = [SessionId(f"batched-{i}") for i in range(sessions)]
     try:
         last = []
@@ -93,8 +93,7 @@ def engine_vs_llama_batched(path: Any, make: Callable[[EngineConfig], LayerEngin
 
     threads = args.threads or EngineConfig().n_threads
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-    prompt_text = "Once upon a time, in a land far away, there lived a dragon who loved to read."
-    prompt = llm.tokenize(prompt_text.encode())
+    prompt = llm.tokenize(b"Once upon a time, in a land far away, there lived a dragon who loved to read.")
     config = EngineConfig(n_threads=threads, context_length=len(prompt) + args.batched_steps + 8, max_sessions=args.sessions)
     engine = make(config)
     ours, theirs = [], []
@@ -102,7 +101,7 @@ def engine_vs_llama_batched(path: Any, make: Callable[[EngineConfig], LayerEngin
         batched_steps(engine, prompt, args.sessions, 4)  # warm up
         for _ in range(args.rounds):
             ours.append(batched_steps(engine, prompt, args.sessions, args.batched_steps))
-            theirs.append(batched(llm, threads, prompt_text, args.sessions, args.batched_steps, None)["decode_s"] / args.batched_steps)
+            theirs.append(batched(llm, threads, [prompt] * args.sessions, args.batched_steps, None)["decode_s"] / args.batched_steps)
     finally:
         engine.close()
         llm.close()

@@ -6,14 +6,19 @@ It stays alive for the whole benchmark and answers one JSON command per stdin li
 benchmark can alternate it with the peer (ABAB) and the two share whatever the machine does.
 
 Commands:
-  {"op": "single", "prompt": str, "n": int, "sampling": [temperature, top_p] (optional)}:
-      reset, evaluate the prompt (prefill), then generate n tokens, greedy or sampled with
+  {"op": "single", "tokens": [int, ...], "n": int, "sampling": [temperature, top_p] (optional)}:
+      reset, evaluate the prompt's token ids (prefill), then generate n tokens, greedy or sampled with
       llama.cpp's own sampler chain; answers prompt tokens, prefill seconds and decode seconds
       for the n-1 tokens after the first (what a stream shows after its first token).
-  {"op": "batched", "prompt": str, "sessions": int, "n": int, "sampling": [...] (optional)}:
-      llama.cpp batched decoding in this process: every session prefilled with the prompt,
-      then n steps in which one ``llama_decode`` carries one token of every session, each
-      token picked greedily or by the session's own sampler chain; answers the steps' seconds.
+  {"op": "batched", "prompts": [[int, ...], ...], "n": int, "sampling": [...] (optional)}:
+      llama.cpp batched decoding in this process: one session per prompt, each prefilled
+      with its token ids, then n steps in which one ``llama_decode`` carries one token of
+      every session, each token picked greedily or by the session's own sampler chain;
+      answers the steps' seconds.
+
+A prompt is token ids, not text, so that the baseline decodes exactly the sequence the peer
+does: the peer's chat template turns a 12-token request into ~47 tokens, and a step over the
+longer context costs llama.cpp itself ~6% more (8 sessions batched, SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -44,8 +49,7 @@ def sampler_chain(sampling: list[float] | None) -> llama_cpp.llama_sampler_p:
     return chain
 
 
-def single(llm: llama_cpp.Llama, prompt: str, n: int, sampling: list[float] | None) -> dict[str, float]:
-    tokens = llm.tokenize(prompt.encode())
+def single(llm: llama_cpp.Llama, tokens: list[int], n: int, sampling: list[float] | None) -> dict[str, float]:
     chain = sampler_chain(sampling)
     try:
         llm.reset()
@@ -62,17 +66,17 @@ def single(llm: llama_cpp.Llama, prompt: str, n: int, sampling: list[float] | No
     return {"prompt_tokens": len(tokens), "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
-def batched(llm: llama_cpp.Llama, threads: int, prompt: str, sessions: int, n: int,
+def batched(llm: llama_cpp.Llama, threads: int, prompts: list[list[int]], n: int,
             sampling: list[float] | None) -> dict[str, float]:  # fmt: skip
-    tokens = llm.tokenize(prompt.encode())
-    n_ctx = len(tokens) + n + 8
+    sessions = len(prompts)
+    n_ctx = -(-(max(len(tokens) for tokens in prompts) + n + 8) // 256) * 256  # llama.cpp's padding, so no warning
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx * sessions
     params.n_seq_max = sessions
     params.n_threads = params.n_threads_batch = threads
     params.no_perf = True
     ctx = llama_cpp.llama_init_from_model(llm.model, params)
-    batch = llama_cpp.llama_batch_init(max(len(tokens), sessions), 0, 1)
+    batch = llama_cpp.llama_batch_init(max(n_ctx, sessions), 0, 1)
     n_vocab = llm.n_vocab()
 
     def decode(rows: list[tuple[int, int, int]]) -> None:
@@ -94,12 +98,12 @@ def batched(llm: llama_cpp.Llama, threads: int, prompt: str, sessions: int, n: i
 
     try:
         last = []
-        for seq in range(sessions):
+        for seq, tokens in enumerate(prompts):
             decode([(t, p, seq) for p, t in enumerate(tokens)])
             last.append(pick(seq, len(tokens) - 1))
         t0 = time.perf_counter()
         for step in range(n):
-            decode([(last[seq], len(tokens) + step, seq) for seq in range(sessions)])
+            decode([(last[seq], len(prompts[seq]) + step, seq) for seq in range(sessions)])
             last = [pick(seq, seq) for seq in range(sessions)]
         return {"decode_s": time.perf_counter() - t0}
     finally:
@@ -121,9 +125,9 @@ def main() -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "single":
-            answer = single(llm, cmd["prompt"], cmd["n"], cmd.get("sampling"))
+            answer = single(llm, cmd["tokens"], cmd["n"], cmd.get("sampling"))
         else:
-            answer = batched(llm, args.threads, cmd["prompt"], cmd["sessions"], cmd["n"], cmd.get("sampling"))
+            answer = batched(llm, args.threads, cmd["prompts"], cmd["n"], cmd.get("sampling"))
         print(json.dumps(answer), flush=True)
     return 0
 

@@ -2,7 +2,9 @@
 stream latency while another session prefills, and resident memory.
 
 The baseline is llama-cpp-python alone (``scripts/bench_llama_worker.py``), same GGUF, same
-thread count, in its own process with llama.cpp's default environment. The peer is
+thread count, in its own process with llama.cpp's default environment, given the token ids
+the peer's chat template makes of each request (checked against the peer's reported
+``prompt_tokens``): both sides decode the same sequences. The peer is
 ``inclavate peer`` holding the whole model at default flags (``--threads`` set only where a
 thread count is being compared), measured over its REST API as a user sees it. Both stay up
 for the whole run and are measured alternately (ABAB ...), so a busy machine slows both
@@ -50,6 +52,7 @@ from pathlib import Path  # noqa: E402
 
 from bench_sse import stream_all  # noqa: E402
 
+from api.chat_model import ChatModel  # noqa: E402
 from api.chat_request import ChatRequest  # noqa: E402
 from inclavate.catalog import Catalog  # noqa: E402
 from inclavate.config import inclavate_home  # noqa: E402
@@ -66,6 +69,24 @@ LONG_DECODE_PROMPT = "Write the numbers from 1 to 3000 separated by commas."
 outlasts B's prefill. ("Count from 1 to 2000, one number per line" stopped after 121 tokens,
 and a run could measure A's gaps over only the first moments of B's prefill.)"""
 FILLER = "the quick brown fox jumps over the lazy dog "  # ~9 tokens
+
+
+def chat_tokens(chat: ChatModel, content: str) -> list[int]:
+    """The token ids the peer decodes for a one-message chat of ``content``: its chat template
+    rendered and tokenized, which is what the llama.cpp baseline must decode too (the
+    template's ~35 tokens make a step over the context measurably dearer)."""
+    return list(chat.prepare([{"role": "user", "content": content}]).tokens)
+
+
+def check_same_prompt(peer_prompt_tokens: int, tokens: list[int]) -> None:
+    """Refuse a comparison in which the peer decoded another prompt than the baseline."""
+    if peer_prompt_tokens != len(tokens):
+        raise RuntimeError(f"the peer decoded a prompt of {peer_prompt_tokens} tokens, the baseline one of "
+                           f"{len(tokens)}: the two sides would not do the same work")  # fmt: skip
+
+
+def story_content(i: int) -> str:
+    return f"{DECODE_PROMPT} Story number {i}."
 
 
 @dataclass
@@ -149,11 +170,12 @@ def verdict(ratio: float, target: float) -> str:
     return f"{ratio:7.3f}  target >= {target}: {'met' if ratio >= target else 'NOT met'}"
 
 
-def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int | None, cores: int,
+def single_stream(swarm: LocalSwarm, chat: ChatModel, model_path: Path, threads: int | None, cores: int,
                   prompt: str, n: int, rounds: int) -> dict[str, float]:  # fmt: skip
     """Best decode/prefill rates of the peer and of llama.cpp at ``threads`` (None: default);
     at the default, also the decode rates at the API's default sampling."""
-    count = threads or cores
+    count, model = threads or cores, chat.model_id
+    decode_tokens, prefill_tokens = chat_tokens(chat, DECODE_PROMPT), chat_tokens(chat, prompt)
     peer = swarm.start(f"whole-{threads or 'default'}", model, *whole_layers(model_path),
                        *(["--threads", str(threads)] if threads else []))  # fmt: skip
     swarm.wait_ready(peer)
@@ -161,19 +183,20 @@ def single_stream(swarm: LocalSwarm, model: str, model_path: Path, threads: int 
     best = {"peer_decode": 0.0, "peer_prefill": 0.0, "llama_decode": 0.0, "llama_prefill": 0.0,
             "peer_sampled": 0.0, "llama_sampled": 0.0}  # fmt: skip
     try:
-        stream(peer, model, DECODE_PROMPT, 4)  # warm: page in the weights, build the template
-        base.ask(op="single", prompt=DECODE_PROMPT, n=4)
+        check_same_prompt(stream(peer, model, DECODE_PROMPT, 4).prompt_tokens, decode_tokens)  # warm: weights, template
+        check_same_prompt(stream(peer, model, prompt, 1).prompt_tokens, prefill_tokens)
+        base.ask(op="single", tokens=decode_tokens, n=4)
         for _ in range(rounds):
-            b = base.ask(op="single", prompt=DECODE_PROMPT, n=n)
+            b = base.ask(op="single", tokens=decode_tokens, n=n)
             best["llama_decode"] = max(best["llama_decode"], (n - 1) / b["decode_s"])
             s = stream(peer, model, DECODE_PROMPT, n)
             best["peer_decode"] = max(best["peer_decode"], s.decode_rate)
-            b = base.ask(op="single", prompt=prompt, n=1)
+            b = base.ask(op="single", tokens=prefill_tokens, n=1)
             best["llama_prefill"] = max(best["llama_prefill"], b["prompt_tokens"] / b["prefill_s"])
             s = stream(peer, model, prompt, 2)
             best["peer_prefill"] = max(best["peer_prefill"], s.prompt_tokens / s.ttft)
             if threads is None:
-                b = base.ask(op="single", prompt=DECODE_PROMPT, n=n, sampling=list(API_SAMPLING))
+                b = base.ask(op="single", tokens=decode_tokens, n=n, sampling=list(API_SAMPLING))
                 best["llama_sampled"] = max(best["llama_sampled"], (n - 1) / b["decode_s"])
                 s = stream(peer, model, DECODE_PROMPT, n, greedy=False)
                 best["peer_sampled"] = max(best["peer_sampled"], s.decode_rate)
@@ -187,19 +210,23 @@ def story_requests(model: str, sessions: int, n: int, *, streamed: bool, greedy:
     """Chat bodies for ``sessions`` concurrent generations of ``n`` tokens each: greedy, or
     at the API's default sampling with a seed per session."""
     extra = {"stream": True, "stream_options": {"include_usage": True}} if streamed else {}
-    return [{"model": model, "messages": [{"role": "user", "content": f"{DECODE_PROMPT} Story number {i}."}],
+    return [{"model": model, "messages": [{"role": "user", "content": story_content(i)}],
              "max_tokens": n, **({"temperature": 0} if greedy else {"seed": i + 1}), **extra}
             for i in range(sessions)]  # fmt: skip
 
 
-def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int, greedy: bool = True) -> float:
+def concurrent_decode(peer: PeerProcess, model: str, sessions: int, n: int, greedy: bool = True,
+                      prompts: list[list[int]] | None = None) -> float:  # fmt: skip
     """Aggregate tokens/s while every session streams: from the moment the last one got its
     first token until the first one finished, counting every session's tokens in between.
     The streams are read by this one thread (``bench_sse``), so the client takes as little
-    of the machine's CPU from the peer as it can."""
+    of the machine's CPU from the peer as it can. ``prompts``: what a baseline decoded for
+    each session, checked to be what the peer decoded."""
     results = stream_all(peer.url + "/v1/chat/completions", story_requests(model, sessions, n, streamed=True, greedy=greedy))
     if any(not s.token_times for s in results):
         raise RuntimeError(f"{peer.name}: a session streamed no tokens")
+    for s, tokens in zip(results, prompts or []):
+        check_same_prompt(s.usage["prompt_tokens"], tokens)
     lo = max(s.token_times[0] for s in results)
     hi = min(s.token_times[-1] for s in results)
     if hi <= lo:
@@ -245,12 +272,13 @@ def loop_cpu_s(main_thread_s: float, before: dict[str, float], after: dict[str, 
     return main_thread_s - (after.get("inline_cpu_seconds", 0.0) - before.get("inline_cpu_seconds", 0.0))
 
 
-def batched_round(peer: PeerProcess, model: str, sessions: int, n: int, llama_decode_s: float,
+def batched_round(peer: PeerProcess, model: str, prompts: list[list[int]], n: int, llama_decode_s: float,
                   greedy: bool = True) -> BatchedRound:  # fmt: skip
     """Section 2's peer half of a round, with the peer's own account of its steps."""
     before = peer.get("/health").get("batching") or {}
     cpu0, client0 = _thread_cpu_s(peer.process.pid), os.times()
-    rate = concurrent_decode(peer, model, sessions, n, greedy)
+    sessions = len(prompts)
+    rate = concurrent_decode(peer, model, sessions, n, greedy, prompts)
     cpu1, client1 = _thread_cpu_s(peer.process.pid), os.times()
     after = peer.get("/health").get("batching") or {}
     steps = max(1, after.get("step_rounds", 0) - before.get("step_rounds", 0))
@@ -414,6 +442,7 @@ def main() -> int:
         peer_env.setdefault("INCLAVATE_THREAD_WAIT_DEFAULTED", "")
         print(f"peers run with {' '.join(args.peer_env)}")
     prompt = "Summarise this text: " + FILLER * (args.prompt_words // 9)
+    chat = ChatModel.load(spec.model_id, model_path)
     common = ["--p2p-host", "127.0.0.1", "--no-mdns"]
     with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home), **peer_env},
                                                           colocated=False) as swarm:
@@ -425,7 +454,7 @@ def main() -> int:
             if cores <= 2:
                 counts = [1, None] if cores == 2 else [None]
             for threads in counts:
-                r = single_stream(swarm, spec.model_id, model_path, threads, cores, prompt, args.decode_tokens, args.rounds)
+                r = single_stream(swarm, chat, model_path, threads, cores, prompt, args.decode_tokens, args.rounds)
                 label = f"{threads}" if threads else f"{cores} (default)"
                 decode_by_threads[threads or cores] = r["peer_decode"]
                 print(f"{label:>12}{r['llama_decode']:11.1f}{r['peer_decode']:10.1f}{r['llama_prefill']:11.1f}"
@@ -447,17 +476,17 @@ def main() -> int:
         swarm.wait_ready(peer)
         if "batched" not in args.skip:
             base = LlamaBaseline(model_path, cores)
+            prompts = [chat_tokens(chat, story_content(i)) for i in range(args.sessions)]
             rounds: list[BatchedRound] = []
             sampled: list[BatchedRound] = []
             try:
                 stream(peer, spec.model_id, DECODE_PROMPT, 4)
                 for _ in range(args.rounds):
-                    b = base.ask(op="batched", prompt=DECODE_PROMPT, sessions=args.sessions, n=args.batched_tokens)
-                    rounds.append(batched_round(peer, spec.model_id, args.sessions, args.batched_tokens, b["decode_s"]))
+                    b = base.ask(op="batched", prompts=prompts, n=args.batched_tokens)
+                    rounds.append(batched_round(peer, spec.model_id, prompts, args.batched_tokens, b["decode_s"]))
                 for _ in range(args.rounds):
-                    b = base.ask(op="batched", prompt=DECODE_PROMPT, sessions=args.sessions, n=args.batched_tokens,
-                                 sampling=list(API_SAMPLING))  # fmt: skip
-                    sampled.append(batched_round(peer, spec.model_id, args.sessions, args.batched_tokens, b["decode_s"],
+                    b = base.ask(op="batched", prompts=prompts, n=args.batched_tokens, sampling=list(API_SAMPLING))
+                    sampled.append(batched_round(peer, spec.model_id, prompts, args.batched_tokens, b["decode_s"],
                                                  greedy=False))  # fmt: skip
             finally:
                 base.close()

@@ -23,8 +23,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_peer import DECODE_PROMPT, FILLER, LlamaBaseline, concurrent_decode, stream
+from bench_peer import DECODE_PROMPT, FILLER, LlamaBaseline, chat_tokens, concurrent_decode, stream
 
+from api.chat_model import ChatModel
 from inclavate.catalog import Catalog
 from inclavate.config import inclavate_home
 from inclavate.local_swarm import LocalSwarm, PeerProcess, split_cores
@@ -70,11 +71,13 @@ def main() -> int:
     print(f"bench_swarm: {spec.model_id}, {cores} cores, load average {os.getloadavg()[0]:.1f} at the start; "
           f"best of {args.rounds} in turns; llama.cpp alone at {cores} threads")  # fmt: skip
     print("reproduce: scripts/bench_swarm")
+    chat = ChatModel.load(spec.model_id, model_path)
+    decode_tokens, prefill_tokens = chat_tokens(chat, DECODE_PROMPT), chat_tokens(chat, prompt)
     llama = LlamaBaseline(model_path, cores)
     llama_best = Best()
     rows: list[tuple[int, list[Setup]]] = []
     try:
-        llama.ask(op="single", prompt=DECODE_PROMPT, n=4)
+        llama.ask(op="single", tokens=decode_tokens, n=4)
         for peers in (int(p) for p in args.peers.split(",")):
             split = split_cores(peers, cores)
             with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +91,8 @@ def main() -> int:
                     for setup in setups:
                         stream(setup.entry, spec.model_id, DECODE_PROMPT, 4)  # warm: weights paged in, template built
                     for _ in range(args.rounds):
-                        b = llama.ask(op="single", prompt=DECODE_PROMPT, n=n)
-                        p = llama.ask(op="single", prompt=prompt, n=1)
+                        b = llama.ask(op="single", tokens=decode_tokens, n=n)
+                        p = llama.ask(op="single", tokens=prefill_tokens, n=1)
                         llama_best.add((n - 1) / b["decode_s"], p["prompt_tokens"] / p["prefill_s"])
                         for setup in setups:
                             d, s = stream(setup.entry, spec.model_id, DECODE_PROMPT, n), stream(setup.entry, spec.model_id, prompt, 2)
