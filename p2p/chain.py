@@ -380,6 +380,11 @@ class SwarmPipeline:
                 route = self._reroute(old, broken.peers, exclude_load=session, certain=broken.certain)
                 break
             except NoRoute:
+                route = self._through_draining(old, broken, session)
+                if route is not None:
+                    log.warning("session %s: only a draining peer still serves the layers: failing over onto it",
+                                session.session_id)  # fmt: skip
+                    break
                 if trio.current_time() >= give_up:
                     await self._retire(session, broken.peers)
                     raise
@@ -393,13 +398,13 @@ class SwarmPipeline:
         counted, nobody blamed). The old leg is closed *before* the replay: a hop on both
         routes must not need two session slots, and the old KV is never reused anyway."""
         assert session.leg is not None
-        span = self._span_route(session.leg.route, leaving, session)
+        span = self._span_route(session.leg.route, leaving, session, voluntary=True)
         if span is not None:
             log.info("session %s: moving off leaving peer(s) %s to %s (span replay)", session.session_id,
                      ", ".join(sorted(p[-6:] for p in leaving)), _describe(span.route))  # fmt: skip
             return await self._move_span(session, span, frozenset(), sampling)
         try:
-            route = self._reroute(session.leg.route, leaving, exclude_load=session)
+            route = self._reroute(session.leg.route, leaving, exclude_load=session, voluntary=True)
         except NoRoute:
             found = self._leave_some(session, leaving)
             if found is None:
@@ -409,6 +414,22 @@ class SwarmPipeline:
                  ", ".join(sorted(p[-6:] for p in leaving)), _describe(route))  # fmt: skip
         await self._switch(session, route, frozenset())
         return await self._replay(session, sampling)
+
+    def _through_draining(self, old: Sequence[Hop], broken: Broken, session: _Session) -> list[Hop] | None:
+        """Failover's last resort: a route through holders that are draining. A draining peer
+        still serves until its ``--drain-timeout``, and its stop waits for the sessions it
+        holds; refusing it would fail the stream with a 503 while it runs (the other holder
+        of its span killed during its drain). At the next step boundary the session moves
+        off it again if another holder has appeared (migration). Idle peers stay out: an
+        admin set them so."""
+        draining = {v.record.peer_id for v in self.views() if v.record.draining and not v.record.idle}
+        if not draining:
+            return None
+        try:
+            return self._reroute(old, broken.peers, session, certain=broken.certain,
+                                 views=_serving(self.views(), lambda v: v.record.peer_id in draining))  # fmt: skip
+        except NoRoute:
+            return None
 
     def _leave_some(self, session: _Session, leaving: frozenset[PeerId]) -> tuple[frozenset[PeerId], list[Hop]] | None:
         """When no route avoids every leaving hop, a route that leaves one of them and keeps
@@ -421,13 +442,9 @@ class SwarmPipeline:
             if hop.peer_id not in leaving:
                 continue
             kept = leaving - {hop.peer_id}
-            views = [
-                NodeView(v.record.replace(draining=False, idle=False), v.state)
-                if v.record.peer_id in kept and v.record.node_id in route_nodes else v
-                for v in self.views()
-            ]  # fmt: skip
+            views = _serving(self.views(), lambda v: v.record.peer_id in kept and v.record.node_id in route_nodes)
             try:
-                route = self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views=views)
+                route = self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views=views, voluntary=True)
                 return frozenset({hop.peer_id}), route
             except NoRoute:
                 continue
@@ -442,11 +459,13 @@ class SwarmPipeline:
         await self._close_leg(old, broken)
 
     def _reroute(self, old: Sequence[Hop], failed: frozenset[PeerId], exclude_load: _Session | None,
-                 certain: bool = True, views: Sequence[NodeView] | None = None) -> list[Hop]:  # fmt: skip
+                 certain: bool = True, views: Sequence[NodeView] | None = None, voluntary: bool = False) -> list[Hop]:  # fmt: skip
         """A new route without ``failed``: the old hops before the first failed one, then the
         cheapest way on from that boundary (a replacement may be split differently); failing
         that, the cheapest route from layer 0. Peers this entry avoids are left out when a
-        route exists without them, and so are ``failed`` ones blamed without ``certain``ty."""
+        route exists without them, and so are ``failed`` ones blamed without ``certain``ty.
+        A ``voluntary`` move (off a hop that still serves) never goes through avoided peers:
+        one killed a moment ago may still be Ready in the registry."""
         index = next((i for i, h in enumerate(old) if h.peer_id in failed), None)
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
@@ -454,7 +473,8 @@ class SwarmPipeline:
         views = list(self.views() if views is None else views)
         avoided = self.health.avoided(trio.current_time()) | failed
         last: NoRoute | None = None
-        for exclude in (avoided, failed) if certain else (avoided, failed, frozenset()):
+        passes = (avoided,) if voluntary else (avoided, failed) if certain else (avoided, failed, frozenset())
+        for exclude in passes:
             attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
             for prefix, boundary in attempts:
                 try:
@@ -465,11 +485,13 @@ class SwarmPipeline:
         assert last is not None
         raise last
 
-    def _span_route(self, old: Sequence[Hop], failed: frozenset[PeerId], session: _Session) -> _Span | None:
+    def _span_route(self, old: Sequence[Hop], failed: frozenset[PeerId], session: _Session,
+                    voluntary: bool = False) -> _Span | None:  # fmt: skip
         """A route that replaces only the hops from the first to the last failed one, ending
         where they ended, so that the hops around them keep their caches; None when the
         policy says no, nothing around would be kept, a kept hop is itself in trouble, or no
-        replacement ends at that boundary."""
+        replacement ends at that boundary (through no avoided peer, for a ``voluntary`` move:
+        see :meth:`_reroute`)."""
         index = [i for i, hop in enumerate(old) if hop.peer_id in failed]
         if not self.policy.span_replay or not index:
             return None
@@ -483,7 +505,8 @@ class SwarmPipeline:
         costs = self._costs(session)
         kept = frozenset(hop.peer_id for hop in prefix + suffix)
         start, end = old[index[0]].layers.start, old[index[-1]].layers.end
-        for exclude in (self.health.avoided(trio.current_time()) | failed | kept, failed | kept):
+        strict = self.health.avoided(trio.current_time()) | failed | kept
+        for exclude in (strict,) if voluntary else (strict, failed | kept):
             try:
                 middle = choose_route(views, self.model_id, self.service.me, costs, self.rng,
                                       start=start, end=end, exclude=exclude)  # fmt: skip
@@ -644,6 +667,11 @@ class SwarmPipeline:
                     if not pending:
                         return True
         return False
+
+
+def _serving(views: Iterable[NodeView], which: Callable[[NodeView], bool]) -> list[NodeView]:
+    """``views`` with the draining and idle flags of ``which`` ones cleared: routable again."""
+    return [NodeView(v.record.replace(draining=False, idle=False), v.state) if which(v) else v for v in views]
 
 
 def _departed(failed: frozenset[PeerId]) -> Broken:

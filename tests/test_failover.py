@@ -13,6 +13,8 @@ left):
   The first stage killed under 3 streams, then the replacement killed too; an entry allowed no failover reports the failure.
 - f32, greedy, three replicas of the middle span: 8 sessions on one of them fail over at
   once and spread over the two survivors.
+- f32, greedy, two holders of the middle span: one drains (SIGTERM) and the other is then
+  killed; the streams fail over onto the draining one.
 
 (Five peers per swarm: with six, py-libp2p 0.8.1 here stops opening streams from the peer
 everyone bootstrapped to, failover or not: a separate problem.)
@@ -61,8 +63,10 @@ def kill(peer: PeerProcess) -> None:
     peer.process.wait(10)
 
 
-def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[StreamedChat]], None]) -> list[StreamedChat]:
-    """Stream every body at once; call ``during`` (in this thread) once every stream has text."""
+def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[StreamedChat]], None],
+                entries: list[PeerProcess] | None = None) -> list[StreamedChat]:  # fmt: skip
+    """Stream every body at once (the i-th through ``entries[i]`` when given); call ``during``
+    (in this thread) once every stream has text."""
     started: list[StreamedChat] = []
     ready = threading.Event()
 
@@ -73,7 +77,8 @@ def run_streams(entry: PeerProcess, bodies: list[dict], during: Callable[[list[S
                 ready.set()
 
     with ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(stream_chat, entry.url, body, 300, on_delta) for body in bodies]
+        urls = [p.url for p in entries] if entries else [entry.url] * len(bodies)
+        futures = [pool.submit(stream_chat, url, body, 300, on_delta) for url, body in zip(urls, bodies)]
         deadline = time.monotonic() + 240
         while not ready.wait(0.2):
             # A stream that ended before its first text (an error) would never set ``ready``.
@@ -353,3 +358,39 @@ def test_eight_sessions_failing_over_at_once_spread_over_the_survivors(tmp_path:
         assert [(c.error, c.text) for c in chats] == [(None, expected)] * 8
         assert sum(spread) == 8 and min(spread) > 0, spread
         wait_no_sessions(s, peers)
+
+
+# ------------------------------------------------- a draining holder as the last resort
+
+
+def test_a_draining_holder_takes_the_streams_when_the_other_holder_dies(tmp_path: Path) -> None:
+    """A 0-10, B/C 10-20, D 20-30. C is stopped politely (SIGTERM: draining) while two streams
+    run, one entered at A and one at C itself (which keeps C's drain waiting); the streams
+    move off C onto B; then B is killed. C, still serving until its drain ends, is the only
+    way through 10-20: both streams fail over onto it and finish with the undisturbed text
+    (before, a 503 "layers 10-20 have no Ready node"), and C leaves once they are done."""
+    with Swarm(tmp_path, extra_args=["--wire-dtype", "f32", *SHARED, "--drain-timeout", "120"]) as s:
+        a = s.start("a", "--layers", "0-10")
+        b, c, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
+        for peer in (a, b, c, d):
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the whole swarm")
+        warm_up(s, a, 3)
+        body = ask("Write the numbers from 1 to 3000 separated by commas.", 300)  # no early end of stream
+        status, reply = request_json("POST", a.url + "/v1/chat/completions", body, timeout=120)
+        assert status == 200, reply
+        expected = reply["choices"][0]["message"]["content"]
+        c_id = c.get("/health")["peer_id"]
+
+        def drain_c_then_kill_b(chats: list[StreamedChat]) -> None:
+            s.signal(c, signal.SIGTERM)
+            s.wait(lambda: any(n["draining"] for n in a.get("/nodes") if n["peer_id"] == c_id), 20,
+                   "the entry to see C draining", a)  # fmt: skip
+            s.wait(lambda: stage_sessions(c) == 0 and stage_sessions(b) == 2, 60, "the streams to move off C", c)
+            assert not any(chat.finish_reason for chat in chats), "the streams should still be running"
+            kill(b)
+
+        chats = run_streams(a, [body, body], drain_c_then_kill_b, entries=[a, c])
+        assert [(chat.error, chat.text) for chat in chats] == [(None, expected)] * 2
+        assert c.process.wait(30) == 0, "C should leave on its own once its streams are done"
+        wait_no_sessions(s, [a, d])

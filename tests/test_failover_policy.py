@@ -209,3 +209,34 @@ def test_new_sessions_are_spread_evenly_over_the_lanes() -> None:
     assert least_used_lane([0, 0, 2, 1], 3) == 1  # the fewest first, the lowest on a tie
     assert least_used_lane([1, 3, 1], 2) == 0  # lanes fold onto the entry's count
     assert least_used_lane([0, 1, 2], 1) == 0
+
+
+def test_a_draining_holder_is_the_last_resort_and_a_move_off_it_avoids_failed_peers() -> None:
+    """b failed a moment ago (still Ready in the registry), c drains: a failover goes through
+    c rather than fail; moving off c again is voluntary and must not go back to b."""
+    from types import SimpleNamespace
+
+    from p2p.chain import Broken, SwarmPipeline, _Session
+    from p2p.errors import P2PError
+
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20, draining=True), view("d", 20, 30)]
+    pipeline = SwarmPipeline(SimpleNamespace(me=PeerId("a")), MODEL, lambda: views, 512, lambda _: None)  # type: ignore[arg-type]
+    old = choose_route(views, MODEL, PeerId("a"))
+    assert ranges(old)[1][0] == "b"  # c, draining, is not routable
+
+    async def main() -> None:
+        pipeline.health.failed(PeerId("b"), trio.current_time())
+        session = _Session(SessionId("s"))
+        broken = Broken(frozenset({PeerId("b")}), P2PError("b is gone"))
+        with pytest.raises(NoRoute):
+            pipeline._reroute(old, broken.peers, session)
+        route = pipeline._through_draining(old, broken, session)
+        assert route is not None and [h.node_id for h in route] == ["a", "c", "d"]
+        # On c, at the next step boundary: b is avoided, so there is nowhere to move.
+        with pytest.raises(NoRoute):
+            pipeline._reroute(route, frozenset({PeerId("c")}), session, voluntary=True)
+        assert pipeline._span_route(route, frozenset({PeerId("c")}), session, voluntary=True) is None
+        # A failover (not voluntary) may still try b once nothing else is left.
+        assert [h.node_id for h in pipeline._reroute(route, frozenset({PeerId("c")}), session)] == ["a", "b", "d"]
+
+    trio.run(main)
