@@ -37,6 +37,11 @@ class SessionLimitReached(EngineError):
     """All ``max_sessions`` sequence slots hold a live session."""
 
 
+class SessionEvicted(EngineError):
+    """The stage gave the session's slot to another source's new session (fair share when
+    every slot is taken: ``node.slot_share``); the entry replays it, not a client error."""
+
+
 class ContextFull(EngineError):
     """The session (or the shared KV cache) has no room for more positions."""
 

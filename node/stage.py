@@ -62,11 +62,14 @@ from inclavate.turns import send_or_wait
 from inclavate.types import SessionId
 from node.engine import BatchItem, LayerEngine, StageOutput
 from node.engine_thread import EngineThread
-from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionLimitReached
+from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionEvicted, SessionLimitReached
 from node.kept_outputs import KeptOutputs
 from node.sampling import SamplingParams, sample
+from node.slot_share import fair_victim
 
 log = logging.getLogger(__name__)
+
+_MAX_EVICTED = 256
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,9 @@ class Job:
     """With no item: continue ``session_id``'s cache under this id (a failover's adopt)."""
     lane: int = 0
     """The entry's lane for the session (any small number; the stage folds it onto its own)."""
+    source: str = ""
+    """Who feeds the session (the sending peer): slots are shared fairly between sources
+    when they run out (``node.slot_share``)."""
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0
     """Positions of ``item`` already computed (a job computed in slices)."""
@@ -145,6 +151,8 @@ class StageStats:
     errors: int = 0
     adopted: int = 0
     """Sessions kept across a failover (renamed to a new leg with their cache)."""
+    evicted: int = 0
+    """Sessions whose slot went to another source's new session (``node.slot_share``)."""
     recomputed: int = 0
     """Positions computed again after a rewind (a replay, or a step re-sent after a failover)."""
     step_ms_per_layer: float = 0.0
@@ -252,6 +260,10 @@ class Stage:
         self.on_batch = on_batch
         """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
         self.on_error = on_error
+        self.on_evict: Callable[[SessionId], Awaitable[None]] | None = None
+        """Told the session a new one took the slot of (:meth:`_evict_for`), before the new
+        one runs: the wire layer closes it on the hops after this one, which hold it too (and
+        the close goes ahead of the new session's frames on the link they share)."""
         self.admission_timeout_s = admission_timeout_s
         self.max_batch_tokens = max_batch_tokens
         self.session_idle_s = session_idle_s
@@ -259,6 +271,11 @@ class Stage:
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
         self._deferred: list[Job] = []
         self._last_used: dict[SessionId, float] = {}
+        self._source_of: dict[SessionId, str] = {}
+        """Each held session's source (one entry per slot)."""
+        self._evicted: dict[SessionId, None] = {}
+        """Sessions evicted lately (at most ``_MAX_EVICTED``, oldest forgotten first): their
+        next frames are answered ``SessionEvicted``, not a confusing position error."""
         self._parked = False
         """The worker waits on an empty queue, with nothing deferred, and nobody has handed it
         a job since (a submitter clears this before it queues)."""
@@ -386,7 +403,13 @@ class Stage:
                 self._deferred.append(job)
                 blocked.add(job.session_id)
                 continue
+            if job.item is not None and job.session_id in self._evicted:
+                await _deliver(job, StageResult(error=SessionEvicted(
+                    f"session {job.session_id} gave its slot of {self.engine.info.layers} to another source's session")))
+                continue
             new = job.item is not None and self.engine.session_length(job.session_id) == 0
+            if new and free_slots <= 0 and await self._evict_for(job, blocked):
+                free_slots += 1
             if new and free_slots <= 0:
                 # Every slot is taken: wait for a session to close rather than fail, within
                 # the admission timeout; later jobs of other sessions go ahead.
@@ -405,6 +428,8 @@ class Stage:
             batch.append(_Work(job, job.piece(limit)))
             run_lane = lane if run_lane is None else run_lane
             blocked.add(job.session_id)
+            if new:
+                self._note_source(job, blocked)
             tokens += n
             free_slots -= new
         if not batch and self._deferred:
@@ -536,11 +561,8 @@ class Stage:
                 await _deliver(job, StageResult(length=await self._adopt(job.session_id, job.rename_to)))
                 return
             closed = await self.engine_thread.run(self.engine.close_session, job.session_id)
-            self._last_used.pop(job.session_id, None)
-            for timing in (self._last_step, self._step_period, self._lane_of):
-                timing.pop(job.session_id, None)
-            if self.kept is not None:
-                self.kept.drop(job.session_id)
+            self._forget(job.session_id)
+            self._evicted.pop(job.session_id, None)
             log.debug("closed session %s (%s)", job.session_id, "freed" if closed else "none held")
             await _deliver(job, StageResult())
             return
@@ -554,6 +576,45 @@ class Stage:
                 continued += await self._run_group(group)
         self._deferred[:0] = continued
 
+    def _forget(self, session_id: SessionId) -> None:
+        """Drop what the stage tracks of a session whose slot was freed."""
+        for table in (self._last_used, self._last_step, self._step_period, self._lane_of, self._source_of):
+            table.pop(session_id, None)
+        if self.kept is not None:
+            self.kept.drop(session_id)
+
+    def _note_source(self, job: Job, batched: set[SessionId]) -> None:
+        """Remember who opened ``job``'s new session. A new session whose first job fails
+        leaves its entry behind: pruned when the table grows."""
+        self._source_of[job.session_id] = job.source
+        if len(self._source_of) > 2 * self.engine.config.max_sessions:
+            self._prune_sources(batched)
+
+    def _prune_sources(self, batched: set[SessionId]) -> None:
+        """Keep the sessions the engine holds and those ``batched`` in the round being built
+        (new ones, not computed yet)."""
+        self._source_of = {sid: s for sid, s in self._source_of.items()
+                           if sid in batched or self.engine.session_length(sid) > 0}  # fmt: skip
+
+    async def _evict_for(self, job: Job, busy: set[SessionId]) -> bool:
+        """Free a slot for ``job``'s new session if fair shares say a session of another
+        source must give it up (``node.slot_share``); whether one was freed."""
+        self._prune_sources(busy)  # only a session the engine holds frees a slot
+        victim = fair_victim(self._source_of, self._last_used, job.source, busy)
+        if victim is None:
+            return False
+        log.warning("evicting session %s of a source holding %d of %d slots, for a session of another", victim,
+                    sum(1 for s in self._source_of.values() if s == self._source_of[victim]), self.engine.config.max_sessions)  # fmt: skip
+        await self.engine_thread.run(self.engine.close_session, victim)
+        self._forget(victim)
+        if self.on_evict is not None:
+            await self.on_evict(victim)
+        self._evicted[victim] = None
+        if len(self._evicted) > _MAX_EVICTED:
+            del self._evicted[next(iter(self._evicted))]
+        self.stats.evicted += 1
+        return True
+
     async def _adopt(self, old: SessionId, new: SessionId) -> int:
         """Rename a session and what it keeps; the positions the new id can be trusted with:
         its cache, and for a stage that keeps outputs, no more than it can send again."""
@@ -562,7 +623,7 @@ class Stage:
             return 0
         self.stats.adopted += 1
         self._last_used[new] = self._last_used.pop(old, time.monotonic())
-        for timing in (self._last_step, self._step_period, self._lane_of):
+        for timing in (self._last_step, self._step_period, self._lane_of, self._source_of):
             if old in timing:
                 timing[new] = timing.pop(old)
         if self.kept is None:

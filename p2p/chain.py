@@ -332,6 +332,8 @@ class SwarmPipeline:
             failure = stage_failure(reply.code, reply.message, reply.origin)
             if reply.code in CLIENT_ERRORS:
                 raise failure
+            if reply.code == "session_evicted":  # a fair share, not a fault: replay, blaming nobody
+                return Broken(frozenset(), failure)
             return Broken(blame(leg, reply, self.service.me), failure)
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:

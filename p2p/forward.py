@@ -16,6 +16,8 @@ an ``error`` message, never a silent hang.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -29,7 +31,7 @@ from inclavate.turns import send_or_wait
 from inclavate.types import NodeId, PeerId, SessionId
 from inclavate.untrusted import DropCounter
 from node.engine import BatchItem, EngineInfo
-from node.errors import ContextFull, InvalidBatch, SessionLimitReached
+from node.errors import ContextFull, InvalidBatch, SessionEvicted, SessionLimitReached
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import Admission, AdmissionLimits
@@ -95,9 +97,19 @@ def _speaks_for(remote: PeerId, origin: PeerId) -> bool:
     return origin == remote or legacy_owner(origin) == remote
 
 
+def _source(msg: wire.Forward, remote: PeerId) -> str:
+    """Whom a session's slot counts against (``node.slot_share``): its entry, as authenticated
+    (token ids come from the entry itself), or as the previous hop passes it on. Keyed by the
+    previous hop alone, every session of a first stage would count as that stage's at the
+    next, the hoarder's and everyone else's alike."""
+    return remote if msg.tokens is not None else f"{remote}>{msg.reply_to}"
+
+
 def error_code_for(exc: BaseException) -> wire.ErrorCode:
     if isinstance(exc, SessionLimitReached):
         return "session_limit"
+    if isinstance(exc, SessionEvicted):
+        return "session_evicted"
     if isinstance(exc, ContextFull):
         return "context_full"
     if isinstance(exc, InvalidBatch):
@@ -274,6 +286,9 @@ _BURST_MAX = _LINK_QUEUE
 
 _MAX_CLOSE_RETRIES = 256
 """Undelivered closes of ours being sent again (a close is a few hundred bytes)."""
+_ONWARD_SLACK = 4
+"""``ForwardService._onward`` is pruned once it holds this many entries per session slot."""
+_close_ids = itertools.count(1)
 
 
 class ForwardService:
@@ -295,7 +310,11 @@ class ForwardService:
         None: libp2p streams only."""
         self.me = host.peer_id
         self.node_id = node_id
-        self._stage = stage
+        self._stage: Stage | None = None
+        self._onward: dict[SessionId, tuple[tuple[Hop, ...], PeerId]] = {}
+        """For each session this stage passes on: the rest of its route and its entry (what
+        closing it after an eviction needs). Pruned to what the stage holds when it grows
+        past ``_ONWARD_SLACK`` x its slots."""
         self.wire_dtype = wire_dtype
         self.timeouts = timeouts
         self.max_frame_bytes = max_frame_bytes
@@ -324,6 +343,7 @@ class ForwardService:
         self._close_attempts: dict[tuple[PeerId, SessionId, int], int] = {}
         """Our closes that could not be delivered, by (hop, session, request): how many times
         they were sent again (bounded by ``_MAX_CLOSE_RETRIES``)."""
+        self.stage = stage
 
     @property
     def stage(self) -> Stage | None:
@@ -332,7 +352,39 @@ class ForwardService:
     @stage.setter
     def stage(self, stage: Stage | None) -> None:
         self._stage = stage
+        self._onward.clear()
+        if stage is not None:
+            stage.on_evict = self._on_evicted
         self.admission.reset_in_flight()
+
+    async def _on_evicted(self, session_id: SessionId) -> None:
+        """The stage gave ``session_id``'s slot to another source: forget its opener, and close
+        it on the hops after this one too (:meth:`_close_onward`)."""
+        self.admission.closed(session_id)
+        await self._close_onward(session_id)
+
+    async def _close_onward(self, session_id: SessionId) -> None:
+        """Close a session this stage freed on its own on the hops after it, which hold it
+        too: a known peer's session there (this stage is their known previous hop) would
+        otherwise keep its slot until their idle timeout (10 minutes), so that one stranger
+        identity per slot, each allowed one session here, held every later stage's slots."""
+        onward = self._onward.pop(session_id, None)
+        if onward is None:
+            return
+        route, entry = onward
+        with trio.move_on_after(self.timeouts.connect):
+            try:  # queued now, ahead of the new session's frames (it runs in the stage's worker)
+                await self.send(route[0].peer_id, wire.Close(next(_close_ids), session_id, route, entry), wait_for_room=False)
+            except P2PError as exc:
+                log.info("cannot close session %s onward at %s: %s", session_id, route[0].peer_id, exc)
+
+    def _note_onward(self, session_id: SessionId, route: tuple[Hop, ...], entry: PeerId) -> None:
+        self._onward[session_id] = (route, entry)
+        stage = self._stage
+        if stage is not None and len(self._onward) > _ONWARD_SLACK * stage.engine.config.max_sessions:
+            held = set(stage.engine.sessions())
+            for sid in [sid for sid in self._onward if sid not in held]:
+                del self._onward[sid]
 
     def _is_known(self, peer: PeerId) -> bool:
         if peer == self.me or self.record_of is None:
@@ -538,6 +590,13 @@ class ForwardService:
         return record.n_layers if record is not None else None
 
     async def _on_forward(self, msg: wire.Forward, remote: PeerId) -> None:
+        if msg.tokens is not None and msg.reply_to != remote:
+            # Token ids come from the entry itself, where every answer goes. One naming another
+            # peer would have the swarm answer a third party, and would let its sender pass
+            # downstream for as many sources as it names (``_source``). Not answered either.
+            self.drops.count(FrameReason.TOKENS_NOT_FROM_ENTRY)
+            log.info("dropping token ids from %s that name %s as their entry", remote, msg.reply_to)
+            return
         hop = msg.route[0]
         stage = self._serves(hop)
         if stage is None and not (hop.forward_url and self.relay is not None):
@@ -573,7 +632,7 @@ class ForwardService:
             self.admission.release(remote, nbytes)
             await self._after_stage(msg, result)
 
-        await stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane))
+        await stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane, source=_source(msg, remote)))
 
     @staticmethod
     def _check_replay(msg: wire.Forward, stage: Stage) -> None:
@@ -616,6 +675,7 @@ class ForwardService:
                 hidden=result.sent or tensors.encode(hidden, self.wire_dtype), discard=msg.discard, replay=replay,
                 lane=msg.lane,
             )  # fmt: skip
+            self._note_onward(msg.session_id, nxt.route, msg.reply_to)
             await self.send(nxt.route[0].peer_id, nxt, wait_for_room=False)
         elif msg.sampling is not None:
             await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, result.token), wait_for_room=False)
@@ -690,6 +750,7 @@ class ForwardService:
 
         async def deliver(_: StageResult) -> None:
             self.admission.closed(msg.session_id)
+            self._onward.pop(msg.session_id, None)
             await self._pass_close(msg, wait_for_room=False)
 
         await self.stage.submit(Job(None, msg.session_id, deliver))
@@ -702,7 +763,10 @@ class ForwardService:
                 stage = self.stage
                 if stage is not None:
                     log.info("freeing session %s: opened by a peer outside the registry, now idle", session_id)
-                    await stage.submit(Job(None, session_id, _ignore))
+                    await stage.submit(Job(None, session_id, functools.partial(self._freed, session_id)))
+
+    async def _freed(self, session_id: SessionId, _: StageResult) -> None:
+        await self._close_onward(session_id)
 
     async def _pass_close(self, msg: wire.Close, *, wait_for_room: bool = True) -> None:
         if len(msg.route) > 1:

@@ -55,6 +55,8 @@ class FrameReason(enum.Enum):
     FOREIGN_ORIGIN = "foreign_origin"
     """An error naming another peer as its origin (counted, then attributed to its sender)."""
     REPLAY_REFUSED = "replay_refused"
+    TOKENS_NOT_FROM_ENTRY = "tokens_not_from_entry"
+    """Token ids whose ``reply_to`` is not their sender: dropped unanswered."""
 
 
 class FrameRejected(P2PError):

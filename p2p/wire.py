@@ -90,7 +90,7 @@ def max_frame_bytes(context_length: int, d_model: int) -> int:
 
 ErrorCode = Literal[
     "session_limit", "context_full", "invalid_batch", "engine_error", "wrong_route",
-    "unreachable", "timeout", "shutting_down", "protocol",
+    "unreachable", "timeout", "shutting_down", "protocol", "session_evicted",
 ]  # fmt: skip
 
 

@@ -10,7 +10,7 @@ import trio.testing
 
 from inclavate.types import LayerRange, ModelId, SessionId
 from node.engine import BatchItem, EngineConfig
-from node.errors import SessionLimitReached
+from node.errors import SessionEvicted, SessionLimitReached
 from node.llamacpp_engine import LlamaCppEngine
 from node.sampling import SamplingParams
 from node.stage import Job, Stage, StageResult
@@ -25,7 +25,7 @@ def engine(smollm2, slice_cache) -> LlamaCppEngine:
         yield e
 
 
-async def run_job(stage: Stage, session: str, start: int, tokens: list[int], sampling=GREEDY) -> StageResult:
+async def run_job(stage: Stage, session: str, start: int, tokens: list[int], sampling=GREEDY, source: str = "") -> StageResult:
     done: list[StageResult] = []
     event = trio.Event()
 
@@ -33,7 +33,8 @@ async def run_job(stage: Stage, session: str, start: int, tokens: list[int], sam
         done.append(result)
         event.set()
 
-    await stage.submit(Job(BatchItem(SessionId(session), start, tokens=np.array(tokens, np.int32)), SessionId(session), deliver, sampling))
+    await stage.submit(Job(BatchItem(SessionId(session), start, tokens=np.array(tokens, np.int32)), SessionId(session), deliver,
+                           sampling, source=source))  # fmt: skip
     await event.wait()
     return done[0]
 
@@ -126,6 +127,28 @@ async def test_waiting_too_long_for_a_slot_is_a_clear_error(engine) -> None:
         with trio.fail_after(5):
             result = await run_job(stage, "c", 0, [1, 2])
         assert isinstance(result.error, SessionLimitReached) and "stayed busy" in str(result.error)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_source_holding_every_slot_gives_its_longest_idle_one_to_another_source(engine) -> None:
+    """Any peer may open sessions at a first stage: one that took every slot (and kept them
+    with a step now and then) used to make everyone else wait out the admission timeout."""
+    stage = Stage(engine, admission_timeout_s=30)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for name in ("h1", "h2"):
+            assert (await run_job(stage, name, 0, [1, 2, 3], source="hoarder")).error is None
+        assert (await run_job(stage, "h2", 3, [4], source="hoarder")).error is None  # h1 is now the longest idle
+        with trio.fail_after(5):
+            honest = await run_job(stage, "honest", 0, [1, 2, 3], source="entry")
+        assert honest.error is None and honest.token is not None
+        assert stage.stats.evicted == 1 and set(engine.sessions()) == {SessionId("h2"), SessionId("honest")}
+        evicted = await run_job(stage, "h1", 3, [4], source="hoarder")
+        assert isinstance(evicted.error, SessionEvicted), evicted.error
+        # Now one each: a new session of either source waits for a slot, evicting nobody.
+        with trio.move_on_after(0.5) as waited:
+            await run_job(stage, "h3", 0, [1, 2, 3], source="hoarder")
+        assert waited.cancelled_caught and stage.stats.evicted == 1
         nursery.cancel_scope.cancel()
 
 
@@ -399,3 +422,20 @@ async def test_a_stage_holding_the_whole_model_runs_every_lane_in_one_call(smoll
         assert stage.decode_lanes == 1
         await _one_step_each(stage, {"a": 0, "b": 1, "c": 0, "d": 1}, calls)
     assert calls == [4]
+
+
+async def test_a_new_session_whose_first_job_fails_frees_no_slot_when_evicted(engine) -> None:
+    """Sessions that never got a slot (their first job failed) are not evicted: only a
+    session the engine holds frees one, or a newcomer would be let in past the slots."""
+    stage = Stage(engine, admission_timeout_s=30)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for i in range(6):  # a new session cannot start at position 5: each fails, none is held
+            assert (await run_job(stage, f"bogus{i}", 5, [1], source="hoarder")).error is not None
+        assert (await run_job(stage, "h1", 0, [1, 2, 3], source="hoarder")).error is None
+        assert (await run_job(stage, "mine", 0, [1, 2, 3], source="entry")).error is None
+        with trio.move_on_after(0.5) as waited:  # one each: nobody is evicted, the newcomer waits
+            await run_job(stage, "later", 0, [1, 2, 3], source="other")
+        assert waited.cancelled_caught and stage.stats.evicted == 0
+        assert set(engine.sessions()) == {SessionId("h1"), SessionId("mine")}
+        nursery.cancel_scope.cancel()

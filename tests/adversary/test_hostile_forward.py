@@ -208,6 +208,55 @@ def test_a_record_of_its_own_does_not_make_a_stranger_a_previous_hop(live, expec
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
+def test_a_record_holder_cannot_keep_every_slot_of_a_first_stage(tmp_path, expected) -> None:
+    """Any peer may be an entry, so one with a record of its own may open sessions at a first
+    stage. Holding every slot there (and, through the route, every slot after it) made every
+    other chat wait out the stage's 60 s admission timeout and fail. A new session of another
+    source now takes the longest-idle slot of the source holding the most, and the eviction
+    closes that session on the hops after the stage too; the hoarder's next frame for it is
+    answered ``session_evicted``. (A swarm of its own: the module's keeps other tests'
+    strangers' sessions for a while, one slot each, which no fair share displaces.)"""
+    with three_peers(tmp_path) as (s, (a, b, c)):
+        _hoard_a_first_stage(s, a, b, c, expected, honest_nodes(a))
+
+
+def _hoard_a_first_stage(s: Swarm, a: PeerProcess, b: PeerProcess, c: PeerProcess, expected: str,
+                         baseline: list[tuple[str, int, int, str]]) -> None:  # fmt: skip
+    route = (hop(a, "0-10"), hop(b, "10-20"), hop(c, "20-30"))
+    slots = 4  # PEER_DEFAULTS' --max-sessions
+    answers: list[tuple[int, Any]] = []
+
+    async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
+        record = honest_record(evil.identity, model=MODEL, start=0, end=1, state="Joining")  # on no route
+        await evil.publish_record(record)
+        with trio.fail_after(15):
+            while evil.peer_id not in {n["node_id"] for n in await trio.to_thread.run_sync(a.get, "/nodes")}:
+                await trio.sleep(0.2)
+        for i in range(slots):
+            await stream.send(forward(evil, route, session=f"hoard{i}", tokens=[1, 2, 3]), timeout=10)
+        with trio.fail_after(30):
+            while [await trio.to_thread.run_sync(stage_sessions, p) for p in (a, b, c)] != [slots] * 3:
+                await trio.sleep(0.2)
+        answers.append(await trio.to_thread.run_sync(lambda: chat(b, timeout=45)))
+        for i in range(slots):  # the hoarder steps on: the evicted one is told so
+            await stream.send(forward(evil, route, session=f"hoard{i}", tokens=[4], start_pos=3), timeout=10)
+        await trio.sleep(1.0)
+        # Leave the swarm as it was: close what is left (on a stream of its own: the target may
+        # have hung up on a peer that takes no connection back), retract the record.
+        cleanup = await evil.open_stream(evil.target, wire.PROTOCOL)
+        for i in range(slots):
+            await cleanup.send(wire.encode(wire.Close(1, SessionId(f"hoard{i}"), route, evil.peer_id)), timeout=10)
+        await trio.sleep(1.0)
+        await evil.publish_record(record.replace(state="Dead", seq=record.seq + 1))
+
+    replies = attack(a, s, run, settle=2.0, gossip=True)
+    ((status, body),) = answers
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected, (status, body)
+    assert errors(replies).count("session_evicted") == 1, errors(replies)
+    s.wait(lambda: [stage_sessions(p) for p in (a, b, c)] == [0, 0, 0], 15, "the hoarder's sessions closed")
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
 def test_a_stranger_s_lane_numbers_fold_onto_the_stage_s_lanes(live, expected, baseline) -> None:
     """Any lane 0-15 is served, and it makes at most ``--decode-lanes`` (4) groups at a
     stage: lanes 15 and 6 run as lanes 3 and 2, and the stage counts no fifth lane."""

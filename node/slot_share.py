@@ -1,0 +1,36 @@
+"""Who gives up a session slot when a stage has none left: fair shares between sources.
+
+A stage's slots (its KV cache sequences) are taken first come, first served; a session
+holds its slot until it closes or idles out (10 minutes). Any peer may be an entry and send
+token ids to a first stage, and a registry record costs nothing, so one identity could open
+every slot of a stage and keep it (a step now and then) while everyone else's sessions
+waited their admission timeout and failed. When a new session finds every slot taken, the
+source (the peer feeding its sessions) holding the most gives up its longest-idle session,
+if it holds at least two more than the newcomer's source. A lone busy entry (every slot
+its own, nobody else asking) never loses one; two sources converge to equal shares, each
+new session of the smaller taking one from the larger; a hoarder keeps no more than an
+honest entry asks to leave it. Identities are free, so a hoarder with many of them, each
+holding one slot, is not displaced by this: that is the residual (docs/ARCHITECTURE.md,
+threat model).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Container, Mapping
+
+from inclavate.types import SessionId
+
+
+def fair_victim(sources: Mapping[SessionId, str], last_used: Mapping[SessionId, float], newcomer: str,
+                busy: Container[SessionId] = ()) -> SessionId | None:  # fmt: skip
+    """The session to evict so that ``newcomer``'s new session gets a slot, or None (it
+    waits, as before). ``sources``: each held session's source; ``busy``: sessions that may
+    not be evicted now (they have work in the batch being assembled)."""
+    counts = Counter(sources.values())
+    floor = counts[newcomer] + 1
+    candidates = [sid for sid, source in sources.items() if counts[source] > floor and sid not in busy]
+    if not candidates:
+        return None
+    most = max(counts[sources[sid]] for sid in candidates)
+    return min((sid for sid in candidates if counts[sources[sid]] == most), key=lambda sid: last_used.get(sid, 0.0))

@@ -1,0 +1,35 @@
+"""Who gives up a slot when a stage has none left (node.slot_share): fair shares by source."""
+
+from __future__ import annotations
+
+from inclavate.types import SessionId
+from node.slot_share import fair_victim
+
+
+def sessions(**by_source: int) -> dict[SessionId, str]:
+    return {SessionId(f"{source}{i}"): source for source, n in by_source.items() for i in range(n)}
+
+
+def test_a_lone_busy_source_never_loses_a_slot_to_itself() -> None:
+    assert fair_victim(sessions(a=8), {}, "a") is None
+
+
+def test_the_source_holding_the_most_gives_up_its_longest_idle_session() -> None:
+    held = sessions(hoarder=6, b=1, c=1)
+    used = {sid: float(i) for i, sid in enumerate(held)}
+    used[SessionId("hoarder3")] = -1.0
+    assert fair_victim(held, used, "newcomer") == SessionId("hoarder3")
+    assert fair_victim(held, used, "b") == SessionId("hoarder3")
+
+
+def test_shares_converge_and_then_nobody_is_evicted() -> None:
+    assert fair_victim(sessions(a=5, b=3), {}, "b") == SessionId("a0")  # 5 > 3 + 1
+    assert fair_victim(sessions(a=4, b=4), {}, "b") is None
+    assert fair_victim(sessions(a=4, b=3), {}, "b") is None  # one apart: taking would only swap
+    assert fair_victim(sessions(a=1, b=1, c=1, d=1), {}, "e") is None  # one each, e.g. many identities
+
+
+def test_sessions_with_work_in_the_batch_being_built_are_not_evicted() -> None:
+    held = sessions(a=3)
+    assert fair_victim(held, {SessionId("a0"): 0.0}, "b", busy={SessionId("a0")}) in {SessionId("a1"), SessionId("a2")}
+    assert fair_victim(held, {}, "b", busy=set(held)) is None
