@@ -12,6 +12,11 @@ new session of the smaller taking one from the larger; a hoarder keeps no more t
 honest entry asks to leave it. Identities are free, so a hoarder with many of them, each
 holding one slot, is not displaced by this: that is the residual (docs/ARCHITECTURE.md,
 threat model).
+
+Eviction is also a weapon: a peer that opens and closes sessions over and over would take a
+slot from a busy honest entry each time, and each costs that entry a replay of the whole
+context. So a source loses at most one session per interval (the stage's
+``evict_interval_s``, 10 s): its other sessions are ``spared`` until then.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ from inclavate.types import SessionId
 
 
 def fair_victim(sources: Mapping[SessionId, str], last_used: Mapping[SessionId, float], newcomer: str,
-                busy: Container[SessionId] = ()) -> SessionId | None:  # fmt: skip
+                busy: Container[SessionId] = (), spared: Container[str] = ()) -> SessionId | None:  # fmt: skip
     """The session to evict so that ``newcomer``'s new session gets a slot, or None (it
     waits, as before). ``sources``: each held session's source; ``busy``: sessions that may
-    not be evicted now (they have work in the batch being assembled)."""
+    not be evicted now (they have work in the batch being assembled); ``spared``: sources
+    that lost a session too lately to lose another."""
     counts = Counter(sources.values())
     floor = counts[newcomer] + 1
-    candidates = [sid for sid, source in sources.items() if counts[source] > floor and sid not in busy]
+    candidates = [sid for sid, source in sources.items()
+                  if counts[source] > floor and sid not in busy and source not in spared]  # fmt: skip
     if not candidates:
         return None
     most = max(counts[sources[sid]] for sid in candidates)

@@ -215,6 +215,7 @@ class Stage:
         keep_outputs: tensors.WireDType | None = None,
         align_s: float = 0.25,
         decode_lanes: int = 4,
+        evict_interval_s: float = 10.0,
     ) -> None:
         self.engine = engine
         info = engine.info
@@ -273,6 +274,11 @@ class Stage:
         self._last_used: dict[SessionId, float] = {}
         self._source_of: dict[SessionId, str] = {}
         """Each held session's source (one entry per slot)."""
+        self.evict_interval_s = evict_interval_s
+        """A source loses at most one session to another's newcomer per this many seconds
+        (``node.slot_share``: eviction must not become a way to make an entry replay)."""
+        self._evicted_at: dict[str, float] = {}
+        """When each source last lost a session (pruned past the interval)."""
         self._evicted: dict[SessionId, None] = {}
         """Sessions evicted lately (at most ``_MAX_EVICTED``, oldest forgotten first): their
         next frames are answered ``SessionEvicted``, not a confusing position error."""
@@ -600,9 +606,12 @@ class Stage:
         """Free a slot for ``job``'s new session if fair shares say a session of another
         source must give it up (``node.slot_share``); whether one was freed."""
         self._prune_sources(busy)  # only a session the engine holds frees a slot
-        victim = fair_victim(self._source_of, self._last_used, job.source, busy)
+        now = time.monotonic()
+        self._evicted_at = {s: at for s, at in self._evicted_at.items() if now - at < self.evict_interval_s}
+        victim = fair_victim(self._source_of, self._last_used, job.source, busy, spared=self._evicted_at)
         if victim is None:
             return False
+        self._evicted_at[self._source_of[victim]] = now
         log.warning("evicting session %s of a source holding %d of %d slots, for a session of another", victim,
                     sum(1 for s in self._source_of.values() if s == self._source_of[victim]), self.engine.config.max_sessions)  # fmt: skip
         await self.engine_thread.run(self.engine.close_session, victim)

@@ -33,3 +33,10 @@ def test_sessions_with_work_in_the_batch_being_built_are_not_evicted() -> None:
     held = sessions(a=3)
     assert fair_victim(held, {SessionId("a0"): 0.0}, "b", busy={SessionId("a0")}) in {SessionId("a1"), SessionId("a2")}
     assert fair_victim(held, {}, "b", busy=set(held)) is None
+
+
+def test_a_source_that_just_lost_a_session_is_spared_until_its_interval_ends() -> None:
+    """Opening and closing sessions over and over must not make a busy entry replay one
+    session after another: the next busiest may give one up instead, or nobody."""
+    assert fair_victim(sessions(a=6, b=3), {}, "c", spared={"a"}) == SessionId("b0")
+    assert fair_victim(sessions(a=6, b=1), {}, "c", spared={"a"}) is None
