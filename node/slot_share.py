@@ -35,9 +35,22 @@ def fair_victim(sources: Mapping[SessionId, str], last_used: Mapping[SessionId, 
     that lost a session too lately to lose another."""
     counts = Counter(sources.values())
     floor = counts[newcomer] + 1
+    hops = Counter(map(_hop, sources.values()))
+    hop = _hop(newcomer)
     candidates = [sid for sid, source in sources.items()
-                  if counts[source] > floor and sid not in busy and source not in spared]  # fmt: skip
+                  if counts[source] > floor and sid not in busy and source not in spared
+                  and (_hop(source) == hop or hops[_hop(source)] > hops[hop] + 1)]  # fmt: skip
     if not candidates:
         return None
     most = max(counts[sources[sid]] for sid in candidates)
     return min((sid for sid in candidates if counts[sources[sid]] == most), key=lambda sid: last_used.get(sid, 0.0))
+
+
+def _hop(source: str) -> str:
+    """Who vouches for ``source``: the previous hop that names the entry (``forward._source``:
+    ``"hop>entry"``), or the entry itself. Entries named by one previous hop share fairly
+    among themselves; across previous hops, the hops' totals must be unfair too. A hop names
+    whatever entry it likes: counted by name alone, one peer with a record of the range
+    before a stage would be a fresh source per session, each evicting another's session
+    until every other source held one slot."""
+    return source.split(">", 1)[0]

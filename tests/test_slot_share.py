@@ -40,3 +40,23 @@ def test_a_source_that_just_lost_a_session_is_spared_until_its_interval_ends() -
     session after another: the next busiest may give one up instead, or nobody."""
     assert fair_victim(sessions(a=6, b=3), {}, "c", spared={"a"}) == SessionId("b0")
     assert fair_victim(sessions(a=6, b=1), {}, "c", spared={"a"}) is None
+
+
+def test_a_previous_hop_naming_a_new_entry_per_session_gets_one_source_s_share() -> None:
+    """After a first stage, a source is the previous hop with the entry it names; a peer with
+    a record of the range before the stage names any entry it likes. One entry per session
+    made it as many sources as it wanted, each a newcomer holding none: it took every slot
+    but one of an honest entry's (3 of 4 here), and then no honest newcomer evicted it."""
+    held = {SessionId(f"e{i}"): "A>E" for i in range(4)}
+    taken = 0
+    for i in range(4):
+        victim = fair_victim(held, {}, f"H>r{i}")
+        if victim is None:
+            break
+        del held[victim]
+        held[SessionId(f"h{i}")] = f"H>r{i}"
+        taken += 1
+    assert taken == 2, held  # equal shares between the two previous hops, as between two sources
+    # Entries behind one previous hop still share fairly between themselves.
+    assert fair_victim(sessions(**{"A>E": 5, "A>F": 1, "B>G": 2}), {}, "A>F") == SessionId("A>E0")
+    assert fair_victim(sessions(**{"A>E": 3, "B>G": 1}), {}, "C>F") == SessionId("A>E0")
