@@ -604,7 +604,13 @@ class Stage:
 
     async def _evict_for(self, job: Job, busy: set[SessionId]) -> bool:
         """Free a slot for ``job``'s new session if fair shares say a session of another
-        source must give it up (``node.slot_share``); whether one was freed."""
+        source must give it up (``node.slot_share``); whether one was freed. Not for a job
+        that cannot open a session (it starts past position 0, or holds no position or more
+        than a context: a stale frame of a closed session, or a peer's way to evict sessions
+        while it never holds a slot)."""
+        item = job.item
+        if item is None or item.start_pos != 0 or not 0 < item.n_tokens <= self.engine.config.context_length:
+            return False
         self._prune_sources(busy)  # only a session the engine holds frees a slot
         now = time.monotonic()
         self._evicted_at = {s: at for s, at in self._evicted_at.items() if now - at < self.evict_interval_s}

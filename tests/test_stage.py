@@ -439,3 +439,22 @@ async def test_a_new_session_whose_first_job_fails_frees_no_slot_when_evicted(en
         assert waited.cancelled_caught and stage.stats.evicted == 0
         assert set(engine.sessions()) == {SessionId("h1"), SessionId("mine")}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_frame_that_cannot_open_a_session_evicts_nobody(engine) -> None:
+    """A new session can only start at position 0. A frame for one that starts later (a stale
+    frame of a closed session, or a peer's) fails whatever slot it is given: it took another
+    source's session all the same, so a peer holding nothing evicted a lone busy entry's
+    sessions with frames that cost it no compute and no slot, one per 10 s forever."""
+    stage = Stage(engine, admission_timeout_s=30)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for name in ("a1", "a2"):
+            assert (await run_job(stage, name, 0, [1, 2, 3], source="busy")).error is None
+        with trio.move_on_after(0.5):
+            await run_job(stage, "bogus", 5, [1], source="other")
+        with trio.move_on_after(0.5):  # more positions than a context holds
+            await run_job(stage, "long", 0, [1] * (engine.config.context_length + 1), source="other")
+        assert stage.stats.evicted == 0
+        assert set(engine.sessions()) == {SessionId("a1"), SessionId("a2")}
+        nursery.cancel_scope.cancel()
