@@ -13,6 +13,10 @@ honest entry asks to leave it. Identities are free, so a hoarder with many of th
 holding one slot, is not displaced by this: that is the residual (docs/ARCHITECTURE.md,
 threat model).
 
+After a first stage a session's source is the previous hop with the entry it names, and the
+hop names what it likes: entries behind one previous hop share by source, previous hops by
+their totals (one identity's share however many entries it names).
+
 Eviction is also a weapon: a peer that opens and closes sessions over and over would take a
 slot from a busy honest entry each time, and each costs that entry a replay of the whole
 context. So a source loses at most one session per interval (the stage's
@@ -34,23 +38,29 @@ def fair_victim(sources: Mapping[SessionId, str], last_used: Mapping[SessionId, 
     not be evicted now (they have work in the batch being assembled); ``spared``: sources
     that lost a session too lately to lose another."""
     counts = Counter(sources.values())
-    floor = counts[newcomer] + 1
     hops = Counter(map(_hop, sources.values()))
     hop = _hop(newcomer)
-    candidates = [sid for sid, source in sources.items()
-                  if counts[source] > floor and sid not in busy and source not in spared
-                  and (_hop(source) == hop or hops[_hop(source)] > hops[hop] + 1)]  # fmt: skip
+
+    def unfair(source: str) -> bool:  # to the newcomer: within its hop by source, else by hop
+        if _hop(source) == hop:
+            return counts[source] > counts[newcomer] + 1
+        return hops[_hop(source)] > hops[hop] + 1
+
+    candidates = [sid for sid, source in sources.items() if unfair(source) and sid not in busy and source not in spared]
     if not candidates:
         return None
-    most = max(counts[sources[sid]] for sid in candidates)
-    return min((sid for sid in candidates if counts[sources[sid]] == most), key=lambda sid: last_used.get(sid, 0.0))
 
+    def share(sid: SessionId) -> tuple[int, int]:
+        return hops[_hop(sources[sid])], counts[sources[sid]]
+
+    most = max(map(share, candidates))
+    return min((sid for sid in candidates if share(sid) == most), key=lambda sid: last_used.get(sid, 0.0))
 
 def _hop(source: str) -> str:
     """Who vouches for ``source``: the previous hop that names the entry (``forward._source``:
-    ``"hop>entry"``), or the entry itself. Entries named by one previous hop share fairly
-    among themselves; across previous hops, the hops' totals must be unfair too. A hop names
-    whatever entry it likes: counted by name alone, one peer with a record of the range
-    before a stage would be a fresh source per session, each evicting another's session
-    until every other source held one slot."""
+    ``"hop>entry"``), or the entry itself (token ids come from it). Entries named by one
+    previous hop share its slots fairly among themselves; previous hops share by their
+    totals. A hop names whatever entry it likes: counted by name alone, one peer with a
+    record of the range before a stage (any state but Dead) was a fresh source per session,
+    evicting others' sessions until each held one slot, and then never displaced."""
     return source.split(">", 1)[0]

@@ -60,3 +60,22 @@ def test_a_previous_hop_naming_a_new_entry_per_session_gets_one_source_s_share()
     # Entries behind one previous hop still share fairly between themselves.
     assert fair_victim(sessions(**{"A>E": 5, "A>F": 1, "B>G": 2}), {}, "A>F") == SessionId("A>E0")
     assert fair_victim(sessions(**{"A>E": 3, "B>G": 1}), {}, "C>F") == SessionId("A>E0")
+
+
+def test_a_previous_hop_holding_every_slot_one_named_entry_each_gives_one_up() -> None:
+    """A peer with a record of the range before a stage (a Joining one will do) is a known
+    previous hop there: naming a new entry per session, it held every slot of the stage, one
+    per named source, and no newcomer could take any (one each, as with many identities),
+    so every chat through the stage waited out its admission timeout. Between previous hops
+    it is their totals that are shared fairly: it keeps no more than one source's share."""
+    held = {SessionId(f"h{i}"): f"H>r{i}" for i in range(4)}
+    taken = 0
+    for i in range(4):
+        victim = fair_victim(held, {}, "A>E")
+        if victim is None:
+            break
+        assert held[victim].startswith("H>")
+        del held[victim]
+        held[SessionId(f"e{i}")] = "A>E"
+        taken += 1
+    assert taken == 2, held
