@@ -414,7 +414,13 @@ class Stage:
                     f"session {job.session_id} gave its slot of {self.engine.info.layers} to another source's session")))
                 continue
             new = job.item is not None and self.engine.session_length(job.session_id) == 0
-            if new and free_slots <= 0 and await self._evict_for(job, blocked):
+            others_streaming = bool(streaming - {job.session_id})
+            limit = self._slice_tokens() if others_streaming else job.remaining
+            n = min(limit, job.remaining)
+            fits = not (batch and tokens + n > self.max_batch_tokens)
+            # Evict only for a newcomer that runs in this batch: one deferred for room left the
+            # freed slot to the jobs ahead of it next round (the hoarder's own new session).
+            if new and free_slots <= 0 and fits and await self._evict_for(job, blocked):
                 free_slots += 1
             if new and free_slots <= 0:
                 # Every slot is taken: wait for a session to close rather than fail, within
@@ -424,10 +430,7 @@ class Stage:
                         f"all {self.engine.config.max_sessions} session slots of {self.engine.info.model_id} "
                         f"{self.engine.info.layers} stayed busy for {self.admission_timeout_s:g} s")))  # fmt: skip
                     continue
-            others_streaming = bool(streaming - {job.session_id})
-            limit = self._slice_tokens() if others_streaming else job.remaining
-            n = min(limit, job.remaining)
-            if job.item is None or (new and free_slots <= 0) or (batch and tokens + n > self.max_batch_tokens):
+            if job.item is None or (new and free_slots <= 0) or not fits:
                 self._deferred.append(job)
                 blocked.add(job.session_id)
                 continue

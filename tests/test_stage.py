@@ -458,3 +458,34 @@ async def test_a_frame_that_cannot_open_a_session_evicts_nobody(engine) -> None:
         assert stage.stats.evicted == 0
         assert set(engine.sessions()) == {SessionId("a1"), SessionId("a2")}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_newcomer_that_evicted_gets_the_slot_it_freed(engine) -> None:
+    """A newcomer evicted a session, then waited a round for room in the batch (a full one:
+    16 slots prefilling fill the default 1024 tokens): the hoarder's own new session, queued
+    ahead of it, took the freed slot the next round, and the hoarder, spared for 10 s after
+    its loss, gave up no other. A hoarder keeping every slot busy so kept them all."""
+    stage = Stage(engine, admission_timeout_s=30, max_batch_tokens=3)
+    results: dict[str, StageResult] = {}
+
+    def job(session: str, start: int, tokens: list[int], source: str) -> Job:
+        async def deliver(result: StageResult) -> None:
+            results[session] = result
+
+        return Job(BatchItem(SessionId(session), start, tokens=np.array(tokens, np.int32)), SessionId(session), deliver,
+                   GREEDY, source=source)  # fmt: skip
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        for name in ("a1", "a2"):
+            assert (await run_job(stage, name, 0, [1, 2, 3], source="hoarder")).error is None
+        # One round: the hoarder's next session (waits: its own source), a step of a1 (in the
+        # batch), a newcomer of another source (evicts a2, no room left in this batch).
+        for queued in (job("a3", 0, [1, 2, 3], "hoarder"), job("a1", 3, [4], "hoarder"), job("new", 0, [1, 2, 3], "entry")):
+            await stage.submit(queued)
+        with trio.move_on_after(3):
+            while "new" not in results:
+                await trio.sleep(0.05)
+        assert "new" in results and results["new"].error is None, (results, engine.sessions())
+        assert SessionId("new") in engine.sessions()
+        nursery.cancel_scope.cancel()
