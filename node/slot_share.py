@@ -36,27 +36,31 @@ def fair_victim(sources: Mapping[SessionId, str], last_used: Mapping[SessionId, 
     """The session to evict so that ``newcomer``'s new session gets a slot, or None (it
     waits, as before). ``sources``: each held session's source; ``busy``: sessions that may
     not be evicted now (they have work in the batch being assembled); ``spared``: sources
-    that lost a session too lately to lose another."""
+    and previous hops (:func:`hop_of`) that lost a session too lately to lose another."""
     counts = Counter(sources.values())
-    hops = Counter(map(_hop, sources.values()))
-    hop = _hop(newcomer)
+    hops = Counter(map(hop_of, sources.values()))
+    hop = hop_of(newcomer)
 
     def unfair(source: str) -> bool:  # to the newcomer: within its hop by source, else by hop
-        if _hop(source) == hop:
+        if hop_of(source) == hop:
             return counts[source] > counts[newcomer] + 1
-        return hops[_hop(source)] > hops[hop] + 1
+        return hops[hop_of(source)] > hops[hop] + 1
 
-    candidates = [sid for sid, source in sources.items() if unfair(source) and sid not in busy and source not in spared]
+    def spares(source: str) -> bool:  # a hop's spare counts where its totals decide
+        return source in spared or (hop_of(source) != hop and hop_of(source) in spared)
+
+    candidates = [sid for sid, source in sources.items() if unfair(source) and sid not in busy and not spares(source)]
     if not candidates:
         return None
 
     def share(sid: SessionId) -> tuple[int, int]:
-        return hops[_hop(sources[sid])], counts[sources[sid]]
+        return hops[hop_of(sources[sid])], counts[sources[sid]]
 
     most = max(map(share, candidates))
     return min((sid for sid in candidates if share(sid) == most), key=lambda sid: last_used.get(sid, 0.0))
 
-def _hop(source: str) -> str:
+
+def hop_of(source: str) -> str:
     """Who vouches for ``source``: the previous hop that names the entry (``forward._source``:
     ``"hop>entry"``), or the entry itself (token ids come from it). Entries named by one
     previous hop share its slots fairly among themselves; previous hops share by their

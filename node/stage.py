@@ -65,7 +65,7 @@ from node.engine_thread import EngineThread
 from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionEvicted, SessionLimitReached
 from node.kept_outputs import KeptOutputs
 from node.sampling import SamplingParams, sample
-from node.slot_share import fair_victim
+from node.slot_share import fair_victim, hop_of
 
 log = logging.getLogger(__name__)
 
@@ -620,7 +620,10 @@ class Stage:
         victim = fair_victim(self._source_of, self._last_used, job.source, busy, spared=self._evicted_at)
         if victim is None:
             return False
-        self._evicted_at[self._source_of[victim]] = now
+        source = self._source_of[victim]
+        # Its hop too: entries behind one previous hop are sources of their own, and a peer
+        # opening and closing a session over and over took one from each in turn.
+        self._evicted_at[source] = self._evicted_at[hop_of(source)] = now
         log.warning("evicting session %s of a source holding %d of %d slots, for a session of another", victim,
                     sum(1 for s in self._source_of.values() if s == self._source_of[victim]), self.engine.config.max_sessions)  # fmt: skip
         await self.engine_thread.run(self.engine.close_session, victim)

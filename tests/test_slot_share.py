@@ -79,3 +79,13 @@ def test_a_previous_hop_holding_every_slot_one_named_entry_each_gives_one_up() -
         held[SessionId(f"e{i}")] = "A>E"
         taken += 1
     assert taken == 2, held
+
+
+def test_a_previous_hop_that_just_lost_a_session_is_spared_by_other_hops() -> None:
+    """Entries behind one previous hop are sources of their own: spared one by one, a peer
+    opening and closing sessions took one from each in turn. Within the hop they still
+    share fairly."""
+    held = {SessionId(f"e{i}"): f"A>E{i}" for i in range(4)}
+    assert fair_victim(held, {}, "H>r0") is not None
+    assert fair_victim(held, {}, "H>r0", spared={"A"}) is None
+    assert fair_victim(sessions(**{"A>E": 3}), {}, "A>F", spared={"A"}) == SessionId("A>E0")

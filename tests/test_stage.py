@@ -489,3 +489,39 @@ async def test_a_newcomer_that_evicted_gets_the_slot_it_freed(engine) -> None:
         assert "new" in results and results["new"].error is None, (results, engine.sessions())
         assert SessionId("new") in engine.sessions()
         nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def four_slots(smollm2, slice_cache) -> LlamaCppEngine:
+    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
+                        config=EngineConfig(n_threads=1, context_length=64, max_sessions=4), slice_cache=slice_cache) as e:  # fmt: skip
+        yield e
+
+
+async def test_a_previous_hop_loses_at_most_one_session_per_interval_to_another_hop(four_slots) -> None:
+    """Previous hops share a stage by their totals (``node.slot_share``), each entry behind
+    one a source of its own. A peer feeding the stage directly, opening and closing a session
+    over and over, took a session from another entry behind an honest previous hop each time
+    (each spared alone): every honest entry replayed in turn, not one per 10 s."""
+    stage = Stage(four_slots, admission_timeout_s=30, evict_interval_s=3600)  # the whole test in one interval
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        source_of = {f"e{i}": f"A>E{i}" for i in range(4)}  # an honest first stage's four entries
+        for sid, source in source_of.items():
+            assert (await run_job(stage, sid, 0, [1, 2, 3], source=source)).error is None
+        for i in range(3):
+            with trio.move_on_after(0.5):
+                await run_job(stage, f"h{i}", 0, [1, 2, 3], source=f"H>r{i}")
+            done = trio.Event()
+
+            async def closed(_: StageResult, done: trio.Event = done) -> None:
+                done.set()
+
+            await stage.submit(Job(None, SessionId(f"h{i}"), closed))
+            with trio.move_on_after(0.5):  # behind its session's job, if that still waits for a slot
+                await done.wait()
+            for sid in [sid for sid in source_of if SessionId(sid) not in four_slots.sessions()]:  # its replay
+                source_of[f"{sid}.1"] = source_of.pop(sid)
+                assert (await run_job(stage, f"{sid}.1", 0, [1, 2, 3], source=source_of[f"{sid}.1"])).error is None
+        assert stage.stats.evicted == 1, stage.stats.evicted
+        nursery.cancel_scope.cancel()
