@@ -60,9 +60,15 @@ def fair_victim(sources: Mapping[SessionId, str], last_used: Mapping[SessionId, 
     return min((sid for sid in candidates if share(sid) == most), key=lambda sid: last_used.get(sid, 0.0))
 
 
+def relayed(hop: str, entry: str) -> str:
+    """The source of a session whose frames come from ``hop`` in the name of ``entry`` (a
+    stage after the first; at a first stage the source is the entry itself)."""
+    return f"{hop}>{entry}"
+
+
 def hop_of(source: str) -> str:
-    """Who vouches for ``source``: the previous hop that names the entry (``forward._source``:
-    ``"hop>entry"``), or the entry itself (token ids come from it). Entries named by one
+    """Who vouches for ``source``: the previous hop that names the entry (:func:`relayed`),
+    or the entry itself (token ids come from it). Entries named by one
     previous hop share its slots fairly among themselves; previous hops share by their
     totals. A hop names whatever entry it likes: counted by name alone, one peer with a
     record of the range before a stage (any state but Dead) was a fresh source per session,

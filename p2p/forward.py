@@ -32,6 +32,7 @@ from inclavate.types import NodeId, PeerId, SessionId
 from inclavate.untrusted import DropCounter
 from node.engine import BatchItem, EngineInfo
 from node.errors import ContextFull, InvalidBatch, SessionEvicted, SessionLimitReached
+from node.slot_share import relayed
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import Admission, AdmissionLimits
@@ -102,7 +103,7 @@ def _source(msg: wire.Forward, remote: PeerId) -> str:
     (token ids come from the entry itself), or as the previous hop passes it on. Keyed by the
     previous hop alone, every session of a first stage would count as that stage's at the
     next, the hoarder's and everyone else's alike."""
-    return remote if msg.tokens is not None else f"{remote}>{msg.reply_to}"
+    return remote if msg.tokens is not None else relayed(remote, msg.reply_to)
 
 
 def error_code_for(exc: BaseException) -> wire.ErrorCode:

@@ -11,11 +11,15 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from inclavate.catalog import Catalog, ModelSpec
 from inclavate.store import ModelStore
+
+if TYPE_CHECKING:
+    from node.llamacpp_engine import LlamaCppEngine
 
 # A suite started in the background of a script (`pytest &`, `nohup ... &`) inherits SIGINT
 # ignored, and so would every CLI it starts: tests that press Ctrl-C on `inclavate chat` or
@@ -51,6 +55,19 @@ def smollm2() -> PulledModel:
     # tests/gguf_factory.py reads its tokenizer from here.
     os.environ["INCLAVATE_TEST_SMOLLM2"] = str(model.path)
     return model
+
+
+def smollm2_engine(model: PulledModel, slice_cache: Path, layers: tuple[int, int] = (0, 30), *,
+                   context_length: int = 128, max_sessions: int = 2) -> LlamaCppEngine:  # fmt: skip
+    """A small llama.cpp engine over a layer range of the real SmolLM2 (one thread): close it,
+    or use it as a context manager."""
+    from inclavate.types import LayerRange, ModelId
+    from node.engine import EngineConfig
+    from node.llamacpp_engine import LlamaCppEngine
+
+    return LlamaCppEngine(model_id=ModelId(DEFAULT_MODEL), model_path=model.path, layers=LayerRange(*layers),
+                          config=EngineConfig(n_threads=1, context_length=context_length, max_sessions=max_sessions),
+                          slice_cache=slice_cache)  # fmt: skip
 
 
 SPEECH_MODELS = ("piper:joe", "whisper:tiny.en")

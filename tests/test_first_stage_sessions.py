@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import trio
+from conftest import smollm2_engine
 from registry_helpers import view
 
-from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
-from node.engine import EngineConfig
+from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from node.llamacpp_engine import LlamaCppEngine
 from node.stage import Stage
 from p2p import wire
@@ -101,9 +101,7 @@ async def _start(nursery: trio.Nursery, engine: LlamaCppEngine, limits: Admissio
 
 
 def _engine(smollm2, slice_cache, max_sessions: int) -> LlamaCppEngine:
-    return LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 10),
-                          config=EngineConfig(n_threads=1, context_length=64, max_sessions=max_sessions),
-                          slice_cache=slice_cache)  # fmt: skip
+    return smollm2_engine(smollm2, slice_cache, (0, 10), context_length=64, max_sessions=max_sessions)
 
 
 async def test_an_idle_stranger_session_freed_here_is_closed_on_the_next_hop(smollm2, slice_cache) -> None:

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from conftest import smollm2_engine
 
-from inclavate.types import LayerRange, ModelId, SessionId
-from node.engine import BatchItem, EngineConfig
+from inclavate.types import SessionId
+from node.engine import BatchItem
 from node.errors import SessionEvicted, SessionLimitReached
 from node.llamacpp_engine import LlamaCppEngine
 from node.sampling import SamplingParams
@@ -20,8 +21,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture
 def engine(smollm2, slice_cache) -> LlamaCppEngine:
-    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
-                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=2), slice_cache=slice_cache) as e:  # fmt: skip
+    with smollm2_engine(smollm2, slice_cache, context_length=128, max_sessions=2) as e:
         yield e
 
 
@@ -191,8 +191,7 @@ async def test_a_long_prefill_is_sliced_while_another_session_streams(engine) ->
 
 
 async def test_a_sliced_prefill_passes_on_the_same_hidden_states(smollm2, slice_cache) -> None:
-    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 10),
-                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=2), slice_cache=slice_cache) as first:  # fmt: skip
+    with smollm2_engine(smollm2, slice_cache, (0, 10), context_length=128, max_sessions=2) as first:
         (alone,) = first.forward([BatchItem(SessionId("ref"), 0, tokens=np.array(PROMPT, np.int32))])
         first.close_session(SessionId("ref"))
         _, result = await _stream_while_prefilling(Stage(first, prefill_slice_tokens=8), None)
@@ -357,8 +356,7 @@ async def test_a_step_stuck_delivering_in_place_holds_back_only_its_own_session(
 @pytest.fixture
 def first_range(smollm2, slice_cache) -> LlamaCppEngine:
     """A stage of a chain: the first third of the model (hidden states out)."""
-    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 10),
-                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=4), slice_cache=slice_cache) as e:  # fmt: skip
+    with smollm2_engine(smollm2, slice_cache, (0, 10), context_length=128, max_sessions=4) as e:
         yield e
 
 
@@ -415,8 +413,7 @@ async def test_a_chain_stage_runs_each_lane_s_steps_in_a_call_of_their_own(first
 
 async def test_a_stage_holding_the_whole_model_runs_every_lane_in_one_call(smollm2, slice_cache) -> None:
     """Nothing to overlap with: splitting its batch would only cost throughput."""
-    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
-                        config=EngineConfig(n_threads=1, context_length=128, max_sessions=4), slice_cache=slice_cache) as whole:  # fmt: skip
+    with smollm2_engine(smollm2, slice_cache, context_length=128, max_sessions=4) as whole:
         calls: list[int] = []
         stage = Stage(whole, decode_lanes=2, on_batch=lambda n, ms: calls.append(n))
         assert stage.decode_lanes == 1
@@ -493,8 +490,7 @@ async def test_a_newcomer_that_evicted_gets_the_slot_it_freed(engine) -> None:
 
 @pytest.fixture
 def four_slots(smollm2, slice_cache) -> LlamaCppEngine:
-    with LlamaCppEngine(model_id=ModelId("smollm2:135m"), model_path=smollm2.path, layers=LayerRange(0, 30),
-                        config=EngineConfig(n_threads=1, context_length=64, max_sessions=4), slice_cache=slice_cache) as e:  # fmt: skip
+    with smollm2_engine(smollm2, slice_cache, context_length=64, max_sessions=4) as e:
         yield e
 
 
