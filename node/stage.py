@@ -100,8 +100,8 @@ class Job:
     lane: int = 0
     """The entry's lane for the session (any small number; the stage folds it onto its own)."""
     source: str = ""
-    """Who feeds the session (the sending peer): slots are shared fairly between sources
-    when they run out (``node.slot_share``)."""
+    """Whose the session is (its entry, or ``slot_share.relayed`` by the previous hop): slots
+    are shared fairly between sources when they run out (``node.slot_share``)."""
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0
     """Positions of ``item`` already computed (a job computed in slices)."""

@@ -424,12 +424,12 @@ class SwarmPipeline:
         of its span killed during its drain). At the next step boundary the session moves
         off it again if another holder has appeared (migration). Idle peers stay out: an
         admin set them so."""
-        draining = {v.record.peer_id for v in self.views() if v.record.draining and not v.record.idle}
-        if not draining:
+        views = list(self.views())
+        if not any(v.record.draining and not v.record.idle for v in views):
             return None
         try:
             return self._reroute(old, broken.peers, session, certain=broken.certain,
-                                 views=_serving(self.views(), lambda v: v.record.peer_id in draining))  # fmt: skip
+                                 views=_serving(views, lambda v: v.record.draining and not v.record.idle))  # fmt: skip
         except NoRoute:
             return None
 

@@ -240,3 +240,24 @@ def test_a_draining_holder_is_the_last_resort_and_a_move_off_it_avoids_failed_pe
         assert [h.node_id for h in pipeline._reroute(route, frozenset({PeerId("c")}), session)] == ["a", "b", "d"]
 
     trio.run(main)
+
+
+def test_a_hop_s_session_evicted_is_a_replay_that_blames_nobody() -> None:
+    """Any hop may answer ``session_evicted``: the entry replays without blaming (an honest
+    stage's fair share is no fault), so a hostile hop gains nothing over dropping frames, and
+    each one spends a failover (bounded by ``--max-failovers``)."""
+    from types import SimpleNamespace
+
+    from p2p import wire
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("b", 10, 20), view("d", 20, 30)]
+    pipeline = SwarmPipeline(SimpleNamespace(me=PeerId("a")), MODEL, lambda: views, 512, lambda _: None)  # type: ignore[arg-type]
+    route = tuple(choose_route(views, MODEL, PeerId("a")))
+    leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
+    evicted = wire.Error(1, SessionId("s"), "session_evicted", "gave its slot", PeerId("b"))
+    broken = pipeline._on_reply(leg, evicted, 1)
+    assert broken is not None and not isinstance(broken, int)
+    assert broken.peers == frozenset() and "gave its slot" in str(broken.cause)
+    other = pipeline._on_reply(leg, wire.Error(1, SessionId("s"), "engine_error", "boom", PeerId("b")), 1)
+    assert other is not None and not isinstance(other, int) and other.peers == frozenset({PeerId("b")})
