@@ -142,3 +142,14 @@ async def test_token_ids_that_name_another_peer_as_their_entry_are_dropped_unans
             assert await c.next_hop_got(1) == [("forward", "honest")]
             assert c.first.drops[FrameReason.TOKENS_NOT_FROM_ENTRY] == 1
             assert engine.sessions() == [SessionId("honest")]
+
+
+async def test_the_onward_routes_kept_stay_bounded_by_the_slots(smollm2, slice_cache) -> None:
+    """Every session passed on leaves its onward route behind; sessions the stage no longer
+    holds (refused, failed, freed elsewhere) are pruned, so a sender of many session ids
+    grows the table no further than a few times the slots."""
+    with _engine(smollm2, slice_cache, 2) as engine, trio.fail_after(60):
+        async with chain(engine, known_entries=1, strangers=0, limits=AdmissionLimits()) as c:
+            for i in range(40):
+                c.first._note_onward(SessionId(f"s{i}"), c.route[1:], c.entries[0].me)
+            assert len(c.first._onward) <= 4 * 2 + 1
