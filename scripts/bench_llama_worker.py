@@ -18,7 +18,8 @@ Commands:
 
 A prompt is token ids, not text, so that the baseline decodes exactly the sequence the peer
 does: the peer's chat template turns a 12-token request into ~47 tokens, and a step over the
-longer context costs llama.cpp itself ~6% more (8 sessions batched, SmolLM2-135M).
+longer context cost llama.cpp itself ~6% more in a throwaway timing loop (8 sessions
+batched, SmolLM2-135M, 2026-12-05).
 """
 
 from __future__ import annotations
