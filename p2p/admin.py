@@ -110,6 +110,7 @@ class AdminService:
         self._seen: dict[str, float] = {}
 
     def start(self) -> None:
+        # The default cap (8 per peer): an admin peer sends one command per operator request.
         self.host.set_stream_handler(PROTOCOL, self._serve, max_frame_size=_MAX_FRAME)
 
     def command(self, action: Action, target: str, recipient: PeerId, **args: Any) -> AdminCommand:

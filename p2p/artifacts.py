@@ -167,7 +167,10 @@ def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
         finally:
             slots.give(remote)
 
-    host.set_stream_handler(PROTOCOL, handle, max_frame_size=MAX_REQUEST_BYTES)
+    # An asker may hold MAX_READS_PER_PEER reads and MAX_SMALL_PER_PEER small requests at
+    # once; a stream past those gets a refusal from its slots, one past this a reset.
+    host.set_stream_handler(PROTOCOL, handle, max_frame_size=MAX_REQUEST_BYTES,
+                            max_streams_per_peer=MAX_READS_PER_PEER + MAX_SMALL_PER_PEER)
 
 
 async def _answer(stream: FramedStream, store: LocalArtifacts, request: dict[str, Any]) -> None:

@@ -133,7 +133,10 @@ class DirectLinks:
         except OSError as exc:
             raise ListenError(f"cannot listen for direct links on {self._host.listen_host}:{self._listen_port}: {exc}") from exc
         self.port = listeners[0].socket.getsockname()[1]
-        self._host.set_stream_handler(PROTOCOL, self._grant, max_frame_size=_CONTROL_FRAME_BYTES)
+        # One ticket request per direct link being set up; a peer holds at most
+        # tickets_per_peer tickets, so it never needs more requests open at once.
+        self._host.set_stream_handler(PROTOCOL, self._grant, max_frame_size=_CONTROL_FRAME_BYTES,
+                                      max_streams_per_peer=self.limits.tickets_per_peer)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._accept, listeners)

@@ -309,7 +309,8 @@ async def run_discovery(
                 if event.connected:
                     nursery.start_soon(exchange_with, nursery, event.peer)
 
-    host.set_stream_handler(PEERS_PROTOCOL, serve, max_frame_size=_MAX_PEER_LIST_BYTES)
+    # A neighbour asks once per connect and once per exchange period: 2 covers an overlap.
+    host.set_stream_handler(PEERS_PROTOCOL, serve, max_frame_size=_MAX_PEER_LIST_BYTES, max_streams_per_peer=2)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_connections, nursery, host.connection_events())

@@ -419,7 +419,9 @@ class ForwardService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.host.set_stream_handler(wire.PROTOCOL, self._serve_stream)
+            # A neighbour sends on one stream (its link to us); 4 lets it replace a link
+            # while the old stream's end has not reached us, more than once in a row.
+            self.host.set_stream_handler(wire.PROTOCOL, self._serve_stream, max_streams_per_peer=4)
             if self.direct is not None:
                 self.direct.set_handler(wire.PROTOCOL, self._serve_stream)
                 await nursery.start(self.direct.run)

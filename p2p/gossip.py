@@ -209,7 +209,10 @@ class RegistryService:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.host.set_topic_validator(TOPIC, self._validate)
-        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=_MAX_SYNC_BYTES)
+        # A neighbour syncs once per connection (at most every 30 s); each answer holds our
+        # whole table (up to tens of MiB) until the asker has read it: 2 at a time.
+        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=_MAX_SYNC_BYTES,
+                                     max_streams_per_peer=2)
         messages = await self.host.subscribe(TOPIC)
         events = self.host.connection_events()
         async with trio.open_nursery() as nursery:

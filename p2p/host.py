@@ -60,7 +60,8 @@ from p2p.errors import DialError, ListenError, P2PError, PublishRejected
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from inclavate.ports import port_in_use
 from p2p.identity import Identity
-from p2p import yamux_credit
+from p2p import yamux_credit, yamux_window
+from p2p.stream_quota import InboundStreams
 from p2p.pubsub import Broadcast, GossipConfig, GossipMessage, SwarmPubsub, build_gossip
 
 logger = logging.getLogger(__name__)
@@ -159,8 +160,9 @@ def _expand_wildcards(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multia
 
 
 def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr,
-                       dial_timeout: float) -> BasicHost:
+                       dial_timeout: float, inbound: InboundStreams) -> BasicHost:
     yamux_credit.install()
+    yamux_window.install()
     key_pair = identity.key_pair
     swarm = new_swarm(
         key_pair=key_pair,
@@ -187,7 +189,10 @@ def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr,
     # ignoring the target degree), and its dial deadlines cancel handshakes midway,
     # which leaks their sockets.
     swarm.auto_connector = _InertAutoConnector(swarm=swarm)
-    return BasicHost(network=swarm, addrs_factory=_expand_wildcards)
+    host = BasicHost(network=swarm, addrs_factory=_expand_wildcards)
+    # Every inbound stream, from before its negotiation, counts against its peer's cap.
+    swarm.set_stream_handler(inbound.guard_peer(host._swarm_stream_handler))
+    return host
 
 
 class _InertAutoConnector(AutoConnector):
@@ -205,7 +210,8 @@ class P2PHost:
 
     def __init__(self, identity: Identity, host: BasicHost, pubsub: SwarmPubsub,
                  gossip: GossipConfig, topics: dict[str, Broadcast],
-                 connection_events: Broadcast, dial_timeout: float, listen_host: str = "127.0.0.1") -> None:
+                 connection_events: Broadcast, dial_timeout: float, inbound: InboundStreams,
+                 listen_host: str = "127.0.0.1") -> None:
         self.identity = identity
         self.listen_host = listen_host
         """The interface the host listens on (the direct data plane listens there too)."""
@@ -219,6 +225,8 @@ class P2PHost:
         self._dial_timeout = dial_timeout
         self._dials: dict[ID, trio.Event] = {}
         self._validators: dict[str, TopicValidator] = {}
+        self.inbound = inbound
+        """Live inbound streams per peer and protocol, and what was refused (tests read it)."""
 
     @property
     def libp2p_host(self) -> BasicHost:
@@ -375,11 +383,14 @@ class P2PHost:
         raise AssertionError("unreachable")
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
-                           max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+                           max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+                           max_streams_per_peer: int | None = None) -> None:
         """Serve ``protocol``: ``handler(stream, remote_peer)`` runs once per inbound stream.
 
         The stream is closed when the handler returns and reset if it raises; a handler's
-        exception is logged and stays contained to its stream.
+        exception is logged and stays contained to its stream. One remote peer holds at
+        most ``max_streams_per_peer`` of these streams at once (default
+        :data:`p2p.stream_quota.DEFAULT_PROTOCOL_STREAMS`); more are reset on arrival.
         """
 
         async def on_stream(stream: INetStream) -> None:
@@ -394,7 +405,8 @@ class P2PHost:
             except Exception:
                 logger.exception("%s handler failed on a stream from %s", protocol, remote)
 
-        self._host.set_stream_handler(TProtocol(protocol), on_stream)
+        guarded = self.inbound.guard_protocol(protocol, on_stream, max_streams_per_peer)
+        self._host.set_stream_handler(TProtocol(protocol), guarded)
 
     def remove_stream_handler(self, protocol: str) -> None:
         """Stop serving ``protocol`` (new streams for it are reset; open ones go on).
@@ -507,12 +519,13 @@ async def open_host(
     """
     listen = _listen_multiaddr(listen_host, listen_port)
     _ensure_port_free(listen_host, listen_port)
-    libp2p_host = _build_libp2p_host(identity, listen, dial_timeout)
+    inbound = InboundStreams()
+    libp2p_host = _build_libp2p_host(identity, listen, dial_timeout, inbound)
     topics: dict[str, Broadcast] = {}
-    pubsub, router = build_gossip(libp2p_host, gossip, topics)
+    pubsub, router = build_gossip(libp2p_host, gossip, topics, inbound)
     events = Broadcast("connection events")
     libp2p_host.get_network().register_notifee(_ConnectionNotifee(events))
-    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout, listen_host)
+    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout, inbound, listen_host)
     try:
         async with libp2p_host.run([listen]):
             try:

@@ -48,7 +48,9 @@ class LatencyMonitor:
         return {peer: rtt / 2 for peer, rtt in self.rtt_ms.items()}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.host.set_stream_handler(PROTOCOL, _echo, max_frame_size=64)
+        # A prober keeps one stream to each peer; 2 lets it replace one whose end we have
+        # not seen yet (an echo stream otherwise lives an hour).
+        self.host.set_stream_handler(PROTOCOL, _echo, max_frame_size=64, max_streams_per_peer=2)
         task_status.started()
         while True:
             targets = [p for p in self.targets() if p != self.host.peer_id]

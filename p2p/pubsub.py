@@ -35,8 +35,13 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from inclavate.errors import ConfigError
 from inclavate.types import PeerId
+from p2p.stream_quota import InboundStreams
 
 logger = logging.getLogger(__name__)
+
+PUBSUB_STREAMS = 4
+"""Inbound pubsub streams of one peer at once: an honest one opens one per connection, and a
+reconnect's new stream may arrive before the old one's end is seen."""
 
 # The GossipSub defaults are sized for this swarm: a 100-peer swarm beats every 2 s
 # (p2p.registry.Cadence keeps larger swarms near 20 records/s), 1-8 KB each.
@@ -142,10 +147,14 @@ class SwarmPubsub(Pubsub):
     """
 
     def __init__(self, host: BasicHost, router: GossipSub, config: GossipConfig,
-                 topics: dict[str, Broadcast]) -> None:
+                 topics: dict[str, Broadcast], inbound: InboundStreams) -> None:
         super().__init__(host, router, seen_ttl=config.seen_ttl)
         self._config = config
         self._topics = topics
+        # The library registered our reader for each of its protocol versions; a peer's
+        # streams of all versions count together against one cap.
+        for protocol in router.get_protocols():
+            host.set_stream_handler(protocol, inbound.guard_protocol("pubsub", self.stream_handler, PUBSUB_STREAMS))
 
     def notify_subscriptions(self, publish_message: rpc_pb2.Message) -> None:
         message = GossipMessage(_peer_id(ID(publish_message.from_id)), publish_message.data)
@@ -246,8 +255,8 @@ def _share_sender_records() -> None:
             module._inclavate_cached = True  # type: ignore[attr-defined]
 
 
-def build_gossip(host: BasicHost, config: GossipConfig,
-                  topics: dict[str, Broadcast]) -> tuple[SwarmPubsub, GossipSub]:
+def build_gossip(host: BasicHost, config: GossipConfig, topics: dict[str, Broadcast],
+                 inbound: InboundStreams) -> tuple[SwarmPubsub, GossipSub]:
     _share_sender_records()
     router = SwarmGossipSub(
         protocols=[PROTOCOL_ID_V20, PROTOCOL_ID_V14, PROTOCOL_ID_V13, PROTOCOL_ID_V12,
@@ -259,7 +268,7 @@ def build_gossip(host: BasicHost, config: GossipConfig,
         adaptive_gossip_enabled=False,
         max_messages_per_topic_per_second=config.max_messages_per_topic_per_second,
     )
-    return SwarmPubsub(host, router, config, topics), router
+    return SwarmPubsub(host, router, config, topics, inbound), router
 
 
 def _peer_id(peer: ID) -> PeerId:

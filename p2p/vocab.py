@@ -65,7 +65,9 @@ def serve_vocab(host: P2PHost, local_vocab: Callable[[str], Path | None]) -> Non
         data = await trio.to_thread.run_sync(path.read_bytes)
         await stream.send(_OK + data, timeout=60.0)
 
-    host.set_stream_handler(PROTOCOL, handle, max_frame_size=MAX_VOCAB_BYTES)
+    # A peer fetches one vocabulary per model it serves or routes, rarely several at once;
+    # each answer holds a file (up to 32 MiB) until read.
+    host.set_stream_handler(PROTOCOL, handle, max_frame_size=MAX_VOCAB_BYTES, max_streams_per_peer=4)
 
 
 @dataclass(frozen=True)
