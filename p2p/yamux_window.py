@@ -19,10 +19,16 @@ while its reader keeps up).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 from libp2p.stream_muxer.yamux.yamux import Yamux
+
+logger = logging.getLogger(__name__)
+
+_REFUSED_MARK = "bytes past a window of"
+"""In the message of every :class:`WindowExceeded` (the library logs it; see install)."""
 
 
 class WindowExceeded(ConnectionError):
@@ -39,7 +45,7 @@ class _WindowedBuffer(bytearray):
         stream = self._conn.streams.get(self._stream_id)
         size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else None
         if stream is not None and size is not None and size > stream.recv_window:
-            raise WindowExceeded(f"stream {self._stream_id}: {size} bytes past a window of {stream.recv_window}")
+            raise WindowExceeded(f"stream {self._stream_id}: {size} {_REFUSED_MARK} {stream.recv_window}")
         super().extend(data)
 
 
@@ -55,10 +61,20 @@ class _WindowedBuffers(dict[int, bytearray]):
 _INSTALLED = "_inclavate_windowed_buffers"
 
 
+def _not_a_refusal(record: logging.LogRecord) -> bool:
+    """The library logs every refused frame at error level, so a sender past its window
+    would fill the log as fast as it sends: those records are dropped (debug-level here)."""
+    if _REFUSED_MARK not in record.getMessage():
+        return True
+    logger.debug("dropped bytes past a yamux window")
+    return False
+
+
 def install() -> None:
     """Patch ``Yamux.__init__`` once per process (every connection of every host here)."""
     if getattr(Yamux, _INSTALLED, False):
         return
+    logging.getLogger(Yamux.__module__).addFilter(_not_a_refusal)
     library_init = Yamux.__init__
 
     def windowed_init(self: Yamux, *args: Any, **kwargs: Any) -> None:
