@@ -312,6 +312,12 @@ class SignedRecord:
         return verify(self.record.peer_id, self.payload, self.signature)
 
     def encode(self) -> bytes:
+        """The envelope as every peer of this version sends it (cached: a sync answer both
+        serves and recognizes the records it holds by these bytes)."""
+        return self._wire
+
+    @functools.cached_property
+    def _wire(self) -> bytes:
         envelope = {
             "v": RECORD_VERSION,
             "record": self.payload.decode(),

@@ -27,10 +27,28 @@ import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, Protocol
 
 from inclavate.types import NodeId, PeerId
 from p2p.records import NodeRecord, NodeState, SignedRecord, with_details
+
+
+class Header(Protocol):
+    """What the registry's rules read before the signature: a decoded record's fields, or a
+    sync answer's record read that far only (:class:`p2p.record_schema.RecordHeader`)."""
+
+    @property
+    def node_id(self) -> NodeId: ...
+    @property
+    def peer_id(self) -> PeerId: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def ts_ms(self) -> int: ...
+    @property
+    def heartbeat_ms(self) -> int: ...
+    @property
+    def slim(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,7 @@ class Liveness:
     max_heartbeat_s: float = 300.0
     """The longest announced interval believed: a record claiming more stays Ready no longer."""
 
-    def for_record(self, record: NodeRecord) -> Liveness:
+    def for_record(self, record: Header) -> Liveness:
         """The thresholds for a node that announced ``record.heartbeat_ms``."""
         announced = min(record.heartbeat_ms / 1000, self.max_heartbeat_s)
         if announced <= self.heartbeat_s:
@@ -221,27 +239,12 @@ def apply(
     limits: RegistryLimits = RegistryLimits(),
 ) -> tuple[Table, Verdict]:
     record = signed.record
-    if record.ts_ms > now_ms + liveness.max_future_skew_s * 1000:
-        return table, Verdict.FROM_THE_FUTURE
-    if record.ts_ms < now_ms - liveness.for_record(record).drop_after_s * 1000:
-        return table, Verdict.TOO_OLD
-    if record.seq > record.ts_ms + limits.max_seq_lead_s * 1000:
-        return table, Verdict.SEQ_AHEAD
+    refused = admit(table, record, now_ms, liveness, limits)
+    if refused is not None:
+        return table, refused
     held = table.entries.get(record.node_id)
-    # A record counts twice over: as liveness if newer than the newest record held, and (a
-    # full record) as details if newer than the newest full record held; a full record
-    # overtaken in flight by the next heartbeat still brings its details.
-    newer_live = held is None or record.seq > held.signed.record.seq
     held_details = held.details if held is not None else None
-    newer_details = not record.slim and (held_details is None or record.seq > held_details.record.seq)
-    if held is not None and not (newer_live or newer_details):
-        same = record.seq in (held.signed.record.seq, held_details.record.seq if held_details else -1)
-        return table, Verdict.DUPLICATE if same else Verdict.REPLAY
-    if held is None:
-        if len(table.entries) >= limits.max_records:
-            return table, Verdict.TABLE_FULL
-        if table.signed_by(record.peer_id) >= limits.max_records_per_signer:
-            return table, Verdict.SIGNER_FULL
+    newer_live, newer_details = _newer(held, record)
     if not signed.verified():  # last: the only costly check
         return table, Verdict.BAD_SIGNATURE
     details = signed if newer_details else held_details
@@ -252,6 +255,43 @@ def apply(
         assert held is not None
         entry = Entry(held.signed, held.fresh_ms, details)
     return table.with_entry(entry), Verdict.ACCEPTED
+
+
+def admit(table: Table, record: Header, now_ms: int, liveness: Liveness,
+          limits: RegistryLimits = RegistryLimits()) -> Verdict | None:  # fmt: skip
+    """Every rule but the signature, from the header alone: the verdict refusing ``record``
+    (or finding it a duplicate), or None if only its signature is left to check. A sync
+    answer's records go through this before they are typed and verified, so a record that
+    cannot change the table costs a header's parse, not a decode."""
+    if record.ts_ms > now_ms + liveness.max_future_skew_s * 1000:
+        return Verdict.FROM_THE_FUTURE
+    if record.ts_ms < now_ms - liveness.for_record(record).drop_after_s * 1000:
+        return Verdict.TOO_OLD
+    if record.seq > record.ts_ms + limits.max_seq_lead_s * 1000:
+        return Verdict.SEQ_AHEAD
+    held = table.entries.get(record.node_id)
+    if held is None:
+        if len(table.entries) >= limits.max_records:
+            return Verdict.TABLE_FULL
+        if table.signed_by(record.peer_id) >= limits.max_records_per_signer:
+            return Verdict.SIGNER_FULL
+        return None
+    if any(_newer(held, record)):
+        return None
+    same = record.seq in (held.signed.record.seq, held.details.record.seq if held.details else -1)
+    return Verdict.DUPLICATE if same else Verdict.REPLAY
+
+
+def _newer(held: Entry | None, record: Header) -> tuple[bool, bool]:
+    """Whether ``record`` is newer than ``held``'s liveness record, and than its details.
+
+    A record counts twice over: as liveness if newer than the newest record held, and (a
+    full record) as details if newer than the newest full record held; a full record
+    overtaken in flight by the next heartbeat still brings its details."""
+    if held is None:
+        return True, not record.slim
+    details = held.details
+    return record.seq > held.signed.record.seq, not record.slim and (details is None or record.seq > details.record.seq)
 
 
 def effective_state(entry: Entry, now_ms: int, liveness: Liveness) -> NodeState:
