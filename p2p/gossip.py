@@ -34,15 +34,23 @@ from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.identity import Identity
-from p2p.record_schema import MAX_RECORD_BYTES, fit_record
+from p2p.record_schema import MAX_RECORD_BYTES, Envelope, decode_opened, fit_record, open_envelope
 from p2p.records import InvalidRecord, NodeRecord, SignedRecord, details_changed, now_ms, slim_record
-from p2p.registry import Cadence, Liveness, NodeView, RegistryLimits, Table, Verdict, apply, expire, remove
+from p2p.registry import Cadence, Header, Liveness, NodeView, RegistryLimits, Table, Verdict, admit, apply, expire, remove
+from p2p.sync_answer import (
+    DECODE_COST,
+    MAX_ANSWER_BYTES,
+    PEEK_COST,
+    SyncAnswer,
+    SyncBudget,
+    SyncDrop,
+    answer_cost,
+)
 
 log = logging.getLogger(__name__)
 
 TOPIC = "inclavate/registry/1"
 SYNC_PROTOCOL = "/inclavate/registry-sync/1"
-_MAX_SYNC_BYTES = 64 * 1024 * 1024
 _SYNC_TIMEOUT_S = 10.0
 _VALIDATED_KEPT = 64
 """Validated envelopes awaiting delivery (a miss only costs decoding again)."""
@@ -64,6 +72,7 @@ class RegistryService:
         clock: Callable[[], int] = now_ms,
         limits: RegistryLimits = RegistryLimits(),
         cadence: Cadence = Cadence(),
+        sync_budget: SyncBudget | None = None,
     ) -> None:
         self.host = host
         self.identity = identity
@@ -85,6 +94,8 @@ class RegistryService:
         """When we last synced with a neighbour because it connected (bounded by the table)."""
         self._syncing = trio.Lock()
         """One sync at a time: each may hold a 64 MiB answer and a second of decoding."""
+        self.sync_budget = sync_budget or SyncBudget.for_limits(limits)
+        """The decode work all syncs together may make us do (:mod:`p2p.sync_answer`)."""
         self._nursery: trio.Nursery | None = None
         self._validated: dict[bytes, SignedRecord] = {}
         """Envelopes the gossip validator accepted, by their bytes, until delivered (bounded)."""
@@ -211,7 +222,7 @@ class RegistryService:
         self.host.set_topic_validator(TOPIC, self._validate)
         # A neighbour syncs once per connection (at most every 30 s); each answer holds our
         # whole table (up to tens of MiB) until the asker has read it: 2 at a time.
-        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=_MAX_SYNC_BYTES,
+        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=MAX_ANSWER_BYTES,
                                      max_streams_per_peer=2)
         messages = await self.host.subscribe(TOPIC)
         events = self.host.connection_events()
@@ -287,19 +298,31 @@ class RegistryService:
 
     async def _pull(self, peer: PeerId) -> int:
         async with self._syncing:
+            if not self.sync_budget.may_ask():
+                self.drops.count(SyncDrop.BUDGET_SPENT)
+                return 0
             return await self._pull_one(peer)
 
     async def _pull_one(self, peer: PeerId) -> int:
         try:
-            stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=_MAX_SYNC_BYTES)
+            stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=MAX_ANSWER_BYTES)
             async with stream:
                 await stream.send(b"{}", timeout=5.0)
                 payload = await stream.receive(timeout=_SYNC_TIMEOUT_S)
-            body = parse_json(payload, max_bytes=_MAX_SYNC_BYTES, max_depth=2)
-            envelopes = read_list(body, "records", max_len=2 * self.limits.max_records)  # liveness + details
         except P2PError as exc:
             log.debug("registry sync with %s failed: %s", peer, exc)
             return 0
+        return await self.take_answer(payload, peer)
+
+    async def take_answer(self, payload: bytes, peer: PeerId) -> int:
+        """Apply ``peer``'s sync answer as far as the budget and the answer's own refusals
+        allow (:mod:`p2p.sync_answer`); returns how many records changed our table."""
+        if not self.sync_budget.spend(answer_cost(len(payload))):
+            self.drops.count(SyncDrop.BUDGET_SPENT)
+            return 0
+        try:
+            body = parse_json(payload, max_bytes=MAX_ANSWER_BYTES, max_depth=2)
+            envelopes = read_list(body, "records", max_len=2 * self.limits.max_records)  # liveness + details
         except Malformed as exc:
             self.drops.count(exc.reason)
             log.info("registry sync with %s: malformed answer (%s)", peer, exc)
@@ -307,26 +330,69 @@ class RegistryService:
         # Applied with a checkpoint between records and one notice at the end: an answer of
         # thousands of records must not hold the event loop (forward frames, heartbeats) for
         # the seconds its decoding takes, nor wake every reader of the table once per record.
-        # A record repeated in the answer is decoded once.
+        answer = SyncAnswer({signed.encode() for signed in self.table.signed_records()}, self.sync_budget)
         accepted = 0
-        seen: set[str] = set()
         try:
             for envelope in envelopes:
                 await trio.lowlevel.checkpoint()
-                try:
-                    text = as_str(envelope, "records", max_len=_MAX_SYNC_BYTES)
-                except Malformed as exc:
-                    self.drops.count(exc.reason)
-                    continue
-                if text in seen:
-                    self.drops.count(Verdict.DUPLICATE)
-                    continue
-                seen.add(text)
-                accepted += self._take(text.encode(), "sync", notify=False) is Verdict.ACCEPTED
+                accepted += self._take_synced(envelope, answer) is Verdict.ACCEPTED
+                if answer.stopped is not None:
+                    self.drops.count(answer.stopped)
+                    log.info("registry sync with %s: stopped reading its answer (%s)", peer, answer.stopped.value)
+                    break
         finally:
             if accepted:
                 self._notify()
         return accepted
+
+    def _take_synced(self, envelope: Any, answer: SyncAnswer) -> Verdict | None:
+        """One record of a sync answer, cheapest check first: held verbatim or repeated (a
+        set lookup), then its header against the table's rules (a plain parse), and only
+        then typed and verified. Whatever is refused counts against the answer."""
+        try:
+            data = as_str(envelope, "records", max_len=MAX_ANSWER_BYTES).encode()
+        except Malformed as exc:
+            self.drops.count(exc.reason)
+            answer.refuse()
+            return None
+        if answer.holds(data):
+            return Verdict.DUPLICATE
+        if not answer.first_sight(data):
+            self.drops.count(Verdict.DUPLICATE)
+            return Verdict.DUPLICATE
+        if not answer.pay(PEEK_COST):
+            return None
+        try:
+            opened = open_envelope(data)
+            refused = self._admit(opened.header(), answer)
+        except InvalidRecord as exc:
+            self.drops.count(exc.reason)
+            answer.refuse()
+            return None
+        if refused is not None:
+            if refused is not Verdict.DUPLICATE:
+                answer.refuse()
+            return refused
+        if not answer.pay(DECODE_COST):
+            return None
+        verdict = self._take_opened(opened)
+        if verdict is not Verdict.ACCEPTED:
+            answer.refuse()
+        return verdict
+
+    def _admit(self, header: Header, answer: SyncAnswer) -> Verdict | SyncDrop | None:
+        """What the table's rules say of a record from its header alone (counted if refused),
+        or None if it is worth typing and verifying."""
+        verdict: Verdict | SyncDrop | None
+        if self._is_banned(header.node_id):
+            verdict = Verdict.BANNED
+        else:
+            verdict = admit(self.table, header, self.clock(), self.liveness, self.limits)
+        if verdict is None and not answer.node_turn(header.node_id):
+            verdict = SyncDrop.NODE_REPEATED
+        if isinstance(verdict, SyncDrop) or (verdict is not None and verdict.rejected):
+            self.drops.count(verdict)
+        return verdict
 
     async def _serve_sync(self, stream: FramedStream, remote: PeerId) -> None:
         await stream.receive(timeout=5.0)
@@ -349,9 +415,15 @@ class RegistryService:
 
     def _take(self, data: bytes, via: str, *, notify: bool = True) -> Verdict | None:
         """Decode and apply one envelope from the network; a failure stays with it."""
+        return self._confined(lambda: self._decode(data), via, notify)
+
+    def _take_opened(self, opened: Envelope) -> Verdict | None:
+        """Type, verify and apply a sync answer's record whose header the rules admitted."""
+        return self._confined(lambda: decode_opened(opened), "sync", notify=False)
+
+    def _confined(self, decode: Callable[[], SignedRecord], via: str, notify: bool) -> Verdict | None:
         try:
-            signed = self._decode(data)
-            return self._accept(signed, via, notify=notify)
+            return self._accept(decode(), via, notify=notify)
         except InvalidRecord as exc:
             self.drops.count(exc.reason)
         except Exception:  # a bug must cost one record, never the peer

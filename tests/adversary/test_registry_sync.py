@@ -1,23 +1,33 @@
 """A neighbour's answer to our registry sync (``/inclavate/registry-sync/1``) is hostile input
 we asked for: we ask on every connection, so a stranger can make us read one as often as it
-reconnects. What it may cost us is bounded: records repeated in one answer are decoded once, a
-long answer is applied with the event loop still turning, and a reconnecting neighbour is not
-asked again at once."""
+reconnects, and identities are free. What it may cost us is bounded: records repeated in one
+answer are decoded once, a long answer is applied with the event loop still turning, and a
+reconnecting neighbour is not asked again at once; records we hold verbatim, stale ones and
+ones the quotas refuse are never typed nor verified, an answer that keeps being refused is
+abandoned, and all answers together type and verify no more than the sync budget.
+
+Work is counted where it is done (the schema typing a record, a signature checked), never
+timed."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any, Self
 
+import pytest
 import trio
 from registry_helpers import signed
 
 from inclavate.types import PeerId
+from p2p import record_schema
+from p2p import records as records_module
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
-from p2p.records import legacy_node_id
-from p2p.registry import Liveness, Verdict
+from p2p.records import SignedRecord, legacy_node_id, slim_record
+from p2p.registry import Liveness, RegistryLimits, Verdict
 
 NOW = 1_000_000
 ME, MALLORY = Identity.generate(), Identity.generate()
@@ -29,7 +39,7 @@ class _Answer:
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
 
-    async def __aenter__(self) -> _Answer:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -45,19 +55,63 @@ class _Answer:
 
 
 class _Neighbour:
-    """A host whose every neighbour answers a sync with ``records``."""
+    """A host whose every neighbour answers a sync with ``records`` (then with each of
+    ``more`` in turn, the last one for ever)."""
 
-    def __init__(self, records: list[str]) -> None:
-        self.payload = json.dumps({"records": records}).encode()
+    def __init__(self, records: list[str], *more: list[str]) -> None:
+        self.payloads = [json.dumps({"records": r}).encode() for r in (records, *more)]
         self.asked = 0
 
     async def new_stream(self, peer: PeerId, protocol: str, *, timeout: float, max_frame_size: int) -> _Answer:
         self.asked += 1
-        return _Answer(self.payload)
+        return _Answer(self.payloads[min(self.asked, len(self.payloads)) - 1])
+
+    def is_connected(self, peer: PeerId) -> bool:
+        return False
 
 
-def _service(host: object) -> RegistryService:
-    return RegistryService(host, ME, Liveness(), clock=lambda: NOW)  # type: ignore[arg-type]
+def _service(host: object, limits: RegistryLimits | None = None) -> RegistryService:
+    return RegistryService(host, ME, Liveness(), clock=lambda: NOW, limits=limits or RegistryLimits())  # type: ignore[arg-type]
+
+
+@dataclass
+class _Work:
+    typed: int = 0
+    """Records the schema typed (a full parse and every field read)."""
+    verified: int = 0
+    """Signatures checked."""
+
+
+@pytest.fixture
+def work(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Work]:
+    """Counts the costly part of taking a record, wherever the code under test does it."""
+    counted = _Work()
+    decode_record, verify = record_schema.decode_record, records_module.verify
+
+    def typing(data: Any) -> Any:
+        counted.typed += 1
+        return decode_record(data)
+
+    def verifying(peer_id: str, data: bytes, signature: bytes) -> bool:
+        counted.verified += 1
+        return verify(peer_id, data, signature)
+
+    monkeypatch.setattr(record_schema, "decode_record", typing)
+    monkeypatch.setattr(records_module, "verify", verifying)
+    yield counted
+
+
+def _wire(record: SignedRecord) -> str:
+    return record.encode().decode()
+
+
+def _legacy(signer: Identity, name: str, seq: int = NOW, **fields: Any) -> SignedRecord:
+    return signed(signer, 0, 10, node_id=legacy_node_id(signer.peer_id, name), relayed=True, seq=seq, ts_ms=NOW, **fields)
+
+
+def _holding(service: RegistryService, held: list[SignedRecord]) -> None:
+    for record in held:
+        assert service._accept(record, "gossip") is Verdict.ACCEPTED
 
 
 async def _pull_counting_turns(service: RegistryService) -> tuple[int, int]:
@@ -77,20 +131,11 @@ async def _pull_counting_turns(service: RegistryService) -> tuple[int, int]:
     return accepted, turns
 
 
-async def test_a_record_repeated_in_a_sync_answer_is_decoded_once() -> None:
+async def test_a_record_repeated_in_a_sync_answer_is_decoded_once(work: _Work) -> None:
     one = signed(MALLORY, 0, 10, seq=NOW, ts_ms=NOW).encode().decode()
     service = _service(_Neighbour([one] * 2000))
-    decoded = 0
-    decode = service._decode
-
-    def counting(data: bytes):  # type: ignore[no-untyped-def]
-        nonlocal decoded
-        decoded += 1
-        return decode(data)
-
-    service._decode = counting  # type: ignore[method-assign]
     accepted, _ = await _pull_counting_turns(service)
-    assert (accepted, decoded) == (1, 1)
+    assert (accepted, work.typed) == (1, 1)
     assert service.drops[Verdict.DUPLICATE] == 1999
 
 
@@ -133,3 +178,90 @@ async def test_a_neighbour_that_reconnects_is_not_synced_with_again_at_once() ->
             await send.send(_Event(peer))
         await send.aclose()
     assert synced == [MALLORY.peer_id, other]
+
+
+async def test_an_honest_answer_costs_only_the_records_we_lack(work: _Work) -> None:
+    """Most of a neighbour's table is what gossip already brought us: those records, which
+    we hold verbatim, are recognized by their bytes, and only what is new is typed."""
+    held = [_legacy(MALLORY, f"n{i}") for i in range(40)]
+    newer = [_legacy(MALLORY, f"n{i}", seq=NOW + 1, slim=True) for i in range(5)]
+    service = _service(_Neighbour([_wire(r) for r in held + newer]))
+    _holding(service, held)
+    typed_before = work.typed
+    assert await service.sync_with(MALLORY.peer_id) == 5
+    assert (work.typed - typed_before, work.verified) == (5, len(held) + 5)
+
+
+async def test_stale_and_over_quota_records_are_refused_before_they_are_typed(work: _Work) -> None:
+    """Records that cannot change the table (older seqs of nodes we hold, new nodes of a
+    signer at its quota, new nodes once the table is full) are refused on their header."""
+    limits = RegistryLimits(max_records=41, max_records_per_signer=30)
+    held = [_legacy(MALLORY, f"n{i}", seq=NOW - 1) for i in range(30)]
+    held += [_legacy(ME, f"m{i}", seq=NOW - 1) for i in range(10)]
+    stale = [_legacy(MALLORY, f"n{i}", seq=NOW - 2) for i in range(30)]
+    over_quota = [_legacy(MALLORY, f"extra{i}") for i in range(10)]
+    last_room = [signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW)]
+    table_full = [signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW) for _ in range(10)]
+    answer = stale + over_quota + last_room + table_full
+    service = _service(_Neighbour([_wire(r) for r in answer]), limits)
+    _holding(service, held)
+    typed_before = work.typed
+    assert await service.sync_with(MALLORY.peer_id) == 1
+    assert work.typed == typed_before + 1
+    assert (service.drops[Verdict.REPLAY], service.drops[Verdict.SIGNER_FULL]) == (30, 10)
+    assert service.drops[Verdict.TABLE_FULL] == 10
+
+
+async def test_an_answer_that_keeps_being_refused_is_abandoned(work: _Work) -> None:
+    """Fresh signers are free: an answer of their records with a bad signature is read until
+    it has been refused 64 times, not to its end."""
+    forged = []
+    for _ in range(300):
+        real = signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW)
+        forged.append(_wire(SignedRecord(real.record, real.payload, bytes(64))))
+    service = _service(_Neighbour(forged))
+    assert await service.sync_with(MALLORY.peer_id) == 0
+    assert work.verified <= 64
+    assert service.drops.snapshot().get("sync_answer_abandoned") == 1
+
+
+async def test_one_node_is_taken_at_most_twice_from_one_answer(work: _Work) -> None:
+    """An honest table holds a node's full record and its heartbeat; one node at ever newer
+    seqs (each valid, each accepted before) is not typed beyond that."""
+    bumps = [_wire(_legacy(MALLORY, "n0", seq=NOW + i)) for i in range(300)]
+    service = _service(_Neighbour(bumps))
+    assert await service.sync_with(MALLORY.peer_id) == 2
+    assert work.typed == 2
+    assert service.drops.snapshot().get("node_repeated_in_answer", 0) >= 1
+
+
+async def test_strangers_answers_together_type_no_more_than_the_sync_budget(work: _Work) -> None:
+    """Each answer (a fresh identity each time) carries valid, newer records of the nodes
+    the stranger holds here: each one would be accepted. Together they may type and verify
+    what a newcomer's first pull of a full table needs (here 32 nodes x 2 envelopes, with
+    a quarter to spare: 80), then no sync is even asked for until the budget refills."""
+    limits = RegistryLimits(max_records=32)
+    answers = [[_wire(_legacy(MALLORY, f"n{i}", seq=NOW + 2 * k + j)) for i in range(32) for j in (0, 1)]
+               for k in range(10)]  # fmt: skip
+    host = _Neighbour(*answers)
+    service = _service(host, limits)
+    for _ in answers:
+        await service.sync_with(Identity.generate().peer_id)
+    assert work.typed <= 81  # 80, and what the budget may have refilled during the test
+    assert host.asked < len(answers)
+    assert service.drops.snapshot().get("sync_budget_spent", 0) >= 1
+
+
+async def test_a_newcomer_still_pulls_a_whole_full_table_from_one_answer(work: _Work) -> None:
+    """Honest convergence: a table of ``max_records`` nodes, each its full record and a
+    newer heartbeat, all taken from the first answer (the budget is sized for it)."""
+    limits = RegistryLimits(max_records=128)
+    honest: list[SignedRecord] = []
+    for _ in range(128):
+        peer = Identity.generate()
+        node = signed(peer, 0, 10, seq=NOW, ts_ms=NOW, hardware={"gpu": "none"})
+        honest += [node, SignedRecord.sign(slim_record(node.record.replace(seq=NOW + 1)), peer)]
+    service = _service(_Neighbour([_wire(r) for r in honest]), limits)
+    assert await service.sync_with(MALLORY.peer_id) == 256
+    assert len(service.table) == 128 and all(e.details is not None for e in service.table.entries.values())
+    assert service.drops.total() == 0
