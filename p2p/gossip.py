@@ -10,7 +10,8 @@
   message, so forged, replayed or future-dated records are neither delivered nor forwarded.
 * Anti-entropy (``/inclavate/registry-sync/1``): on every new connection, and every
   ``sync_interval`` with a random neighbour, a peer asks for the neighbour's whole table, so
-  a joining or reconnecting peer does not wait for heartbeats to learn the swarm.
+  a joining or reconnecting peer does not wait for heartbeats to learn the swarm. An answer
+  costs what it brings, per answer and over time (:mod:`p2p.sync_answer`).
 * The table is aged every second (Degraded, Dead, then dropped).
 
 The table itself is an immutable :class:`~p2p.registry.Table` swapped on every change;
