@@ -265,3 +265,20 @@ async def test_a_newcomer_still_pulls_a_whole_full_table_from_one_answer(work: _
     assert await service.sync_with(MALLORY.peer_id) == 256
     assert len(service.table) == 128 and all(e.details is not None for e in service.table.entries.values())
     assert service.drops.total() == 0
+
+
+async def test_anti_entropy_resumes_once_the_budget_has_refilled() -> None:
+    """A spent budget pauses syncs, it does not end them: once it could pay for an answer
+    again (here after the whole refill time), the next sync is asked for and applied."""
+    from p2p.sync_answer import SyncBudget
+
+    now = [0.0]
+    host = _Neighbour([_wire(_legacy(MALLORY, "n0"))])
+    service = _service(host)
+    service.sync_budget = SyncBudget(100, refill_s=60.0, clock=lambda: now[0])
+    assert service.sync_budget.spend(100)
+    assert await service.sync_with(MALLORY.peer_id) == 0
+    assert host.asked == 0
+    now[0] = 60.0
+    assert await service.sync_with(MALLORY.peer_id) == 1
+    assert host.asked == 1
