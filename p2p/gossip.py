@@ -384,11 +384,7 @@ class RegistryService:
     def _admit(self, header: Header, answer: SyncAnswer) -> Verdict | SyncDrop | None:
         """What the table's rules say of a record from its header alone (counted if refused),
         or None if it is worth typing and verifying."""
-        verdict: Verdict | SyncDrop | None
-        if self._is_banned(header.node_id):
-            verdict = Verdict.BANNED
-        else:
-            verdict = admit(self.table, header, self.clock(), self.liveness, self.limits)
+        verdict: Verdict | SyncDrop | None = self._on_header(header)
         if verdict is None and not answer.node_turn(header.node_id):
             verdict = SyncDrop.NODE_REPEATED
         if isinstance(verdict, SyncDrop) or (verdict is not None and verdict.rejected):
@@ -402,29 +398,40 @@ class RegistryService:
 
     # -------------------------------------------------------------- internals
 
-    def _decode(self, data: bytes) -> SignedRecord:
-        """Decode an envelope, or take the value the gossip validator decoded from the same
-        bytes a moment ago: every gossiped message is validated, then delivered, and decoding
-        (the typed schema) and the signature check are what a received record costs."""
-        signed = self._validated.pop(data, None)
-        return signed if signed is not None else SignedRecord.decode(data)
-
     def _remember_validated(self, data: bytes, signed: SignedRecord) -> None:
         self._validated[data] = signed
         while len(self._validated) > _VALIDATED_KEPT:
             del self._validated[next(iter(self._validated))]
 
     def _take(self, data: bytes, via: str, *, notify: bool = True) -> Verdict | None:
-        """Decode and apply one envelope from the network; a failure stays with it."""
-        return self._confined(lambda: self._decode(data), via, notify)
+        """Decode and apply one envelope from the network; a failure stays with it.
+
+        Every gossiped message is validated, then delivered: what the validator typed and
+        verified a moment ago is taken as it is, and a record its header refused or found a
+        duplicate is not typed here either (typing and the signature are what a received
+        record costs)."""
+        return self._confined(lambda: self._take_now(data, via, notify))
+
+    def _take_now(self, data: bytes, via: str, notify: bool) -> Verdict:
+        validated = self._validated.pop(data, None)
+        if validated is not None:
+            return self._accept(validated, via, notify=notify)
+        opened = open_envelope(data)
+        early = self._on_header(opened.header())
+        if early is not None:
+            if early.rejected:
+                self.drops.count(early)
+            return early
+        return self._accept(decode_opened(opened), via, notify=notify)
 
     def _take_opened(self, opened: Envelope) -> Verdict | None:
         """Type, verify and apply a sync answer's record whose header the rules admitted."""
-        return self._confined(lambda: decode_opened(opened), "sync", notify=False)
+        return self._confined(lambda: self._accept(decode_opened(opened), "sync", notify=False))
 
-    def _confined(self, decode: Callable[[], SignedRecord], via: str, notify: bool) -> Verdict | None:
+    def _confined(self, take: Callable[[], Verdict]) -> Verdict | None:
+        """``take()``'s verdict; a record that fails to decode, or a bug, costs that record."""
         try:
-            return self._accept(decode(), via, notify=notify)
+            return take()
         except InvalidRecord as exc:
             self.drops.count(exc.reason)
         except Exception:  # a bug must cost one record, never the peer
@@ -432,14 +439,28 @@ class RegistryService:
             log.exception("a registry record could not be handled; dropped")
         return None
 
+    def _on_header(self, header: Header) -> Verdict | None:
+        """The verdict of the table's rules (and bans) on a record's header, or None if only
+        its typing and signature are left to check."""
+        if self._is_banned(header.node_id):
+            return Verdict.BANNED
+        return admit(self.table, header, self.clock(), self.liveness, self.limits)
+
     def _validate(self, origin: PeerId, data: bytes) -> bool:
+        """Gossip's check before a message is delivered or forwarded: the header first (a
+        plain parse), so a stale, replayed or over-quota record, the ones a stranger can
+        send without limit, is refused without typing or verifying it."""
         try:
-            signed = SignedRecord.decode(data)
+            opened = open_envelope(data)
+            early = self._on_header(opened.header())
+            if early is not None:
+                if early.rejected:
+                    self.drops.count(early)
+                    log.debug("rejected a record from %s: %s", origin, early.value)
+                return not early.rejected
+            signed = decode_opened(opened)
         except InvalidRecord as exc:
             self.drops.count(exc.reason)
-            return False
-        if self._is_banned(signed.record.node_id):
-            self.drops.count(Verdict.BANNED)
             return False
         _, verdict = apply(self.table, signed, self.clock(), self.liveness, limits=self.limits)
         if verdict.rejected:

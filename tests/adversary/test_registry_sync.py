@@ -4,7 +4,8 @@ reconnects, and identities are free. What it may cost us is bounded: records rep
 answer are decoded once, a long answer is applied with the event loop still turning, and a
 reconnecting neighbour is not asked again at once; records we hold verbatim, stale ones and
 ones the quotas refuse are never typed nor verified, an answer that keeps being refused is
-abandoned, and all answers together type and verify no more than the sync budget.
+abandoned, and all answers together type and verify no more than the sync budget. Gossip
+reads the header first as well.
 
 Work is counted where it is done (the schema typing a record, a signature checked), never
 timed."""
@@ -282,3 +283,25 @@ async def test_anti_entropy_resumes_once_the_budget_has_refilled() -> None:
     now[0] = 60.0
     assert await service.sync_with(MALLORY.peer_id) == 1
     assert host.asked == 1
+
+
+def test_gossiped_stale_and_over_quota_records_are_refused_before_they_are_typed(work: _Work) -> None:
+    """Gossip reads the header first too: a stranger may send stale, replayed or over-quota
+    records as fast as the spam limit lets it (200 a second per forwarder), and each used to
+    be typed in full before the rules refused it."""
+    limits = RegistryLimits(max_records=100, max_records_per_signer=30)
+    service = _service(_Neighbour([]), limits)
+    held = [_legacy(MALLORY, f"n{i}", seq=NOW - 1) for i in range(30)]
+    _holding(service, held)
+    stale = [_legacy(MALLORY, f"n{i}", seq=NOW - 2) for i in range(30)]
+    over_quota = [_legacy(MALLORY, f"extra{i}") for i in range(10)]
+    typed_before, verified_before = work.typed, work.verified
+    for record in stale + over_quota:
+        assert not service._validate(MALLORY.peer_id, record.encode())
+        assert service._take(record.encode(), "gossip") in (Verdict.REPLAY, Verdict.SIGNER_FULL)
+    assert (work.typed, work.verified) == (typed_before, verified_before)
+    assert (service.drops[Verdict.REPLAY], service.drops[Verdict.SIGNER_FULL]) == (60, 20)
+    fresh = _legacy(MALLORY, "n0", seq=NOW)
+    assert service._validate(MALLORY.peer_id, fresh.encode())
+    assert service._take(fresh.encode(), "gossip") is Verdict.ACCEPTED
+    assert (work.typed, work.verified) == (typed_before + 1, verified_before + 1)
