@@ -37,7 +37,7 @@ from p2p.host import P2PHost
 from p2p.identity import Identity
 from p2p.record_schema import MAX_RECORD_BYTES, Envelope, decode_opened, fit_record, open_envelope
 from p2p.records import InvalidRecord, NodeRecord, SignedRecord, details_changed, now_ms, slim_record
-from p2p.registry import Cadence, Header, Liveness, NodeView, RegistryLimits, Table, Verdict, admit, apply, expire, remove
+from p2p.registry import Cadence, Eviction, Header, Liveness, NodeView, RegistryLimits, Table, Verdict, admit, apply, expire, remove
 from p2p.sync_answer import (
     DECODE_COST,
     MAX_ANSWER_BYTES,
@@ -475,6 +475,8 @@ class RegistryService:
             return Verdict.BANNED
         table, verdict = apply(self.table, signed, self.clock(), self.liveness, via, self.limits)  # type: ignore[arg-type]
         if verdict is Verdict.ACCEPTED:
+            if len(table) == len(self.table) and self.table.get(signed.record.node_id) is None:
+                self.drops.count(Eviction.FAIR_SHARE)  # a new node, and no more rows: one made room
             self._set_table(table, notify)
             self._ask_details(table, signed.record)
         elif verdict.rejected:

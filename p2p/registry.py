@@ -10,7 +10,8 @@ most ``drop_after`` behind it (older records describe a past that has already ex
 sequence number may lead the record's own timestamp by at most ``max_seq_lead`` (it is the
 publisher's clock, see :class:`RegistryLimits`) and must exceed the one we hold for that
 node (an equal one is a harmless duplicate, a lower one a replay); a new node must fit the
-signer's and the table's quotas; the signature must verify against the publisher's PeerID.
+signer's quota, and the table's or its fair share of it (:func:`fair_donor`); the signature
+must verify against the publisher's PeerID.
 Who may publish which node id (ownership) is checked when the record is decoded
 (:meth:`p2p.records.NodeRecord.check_ownership`): a record carries its node's owner.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol
@@ -113,11 +114,17 @@ class Verdict(enum.Enum):
     BANNED = "node banned by an admin"
     SEQ_AHEAD = "sequence number ahead of the signer's clock"
     SIGNER_FULL = "the signer already has its maximum number of records"
-    TABLE_FULL = "the registry is full"
+    TABLE_FULL = "the registry is full and its signer holds a fair share"
 
     @property
     def rejected(self) -> bool:
         return self not in (Verdict.ACCEPTED, Verdict.DUPLICATE)
+
+
+class Eviction(enum.Enum):
+    """Why a record left the table before its drop horizon (counted like drops)."""
+
+    FAIR_SHARE = "evicted to share a full table between signers"
 
 
 @dataclass(frozen=True)
@@ -178,12 +185,27 @@ class Table:
             index.setdefault(entry.record.peer_id, set()).add(node_id)
         return {peer: frozenset(nodes) for peer, nodes in index.items()}
 
+    @functools.cached_property
+    def _largest(self) -> tuple[int, PeerId] | None:
+        """The signer holding the most records, with its count (ties: the greatest PeerId,
+        so that peers holding the same nodes agree): the one that gives up a record when the
+        table is full (:func:`fair_donor`). Found once per table (O(signers)), then carried
+        to the tables :meth:`with_entry` builds from it, where only one signer can grow."""
+        return max(((len(nodes), peer) for peer, nodes in self._by_signer.items()), default=None)
+
     def signed_by(self, peer_id: PeerId) -> int:
         return len(self._by_signer.get(peer_id, ()))
 
+    def largest_signer(self) -> tuple[int, PeerId] | None:
+        """``(records, signer)`` of the signer holding the most, or None if the table is empty."""
+        return self._largest
+
+    def nodes_signed_by(self, peer_id: PeerId) -> frozenset[NodeId]:
+        return self._by_signer.get(peer_id, frozenset())
+
     def records_signed_by(self, peer_id: PeerId) -> list[NodeRecord]:
         """The records ``peer_id`` signs: its own node's and its legacy nodes'."""
-        return [self.entries[node_id].record for node_id in self._by_signer.get(peer_id, ())]
+        return [self.entries[node_id].record for node_id in self.nodes_signed_by(peer_id)]
 
     def with_entry(self, entry: Entry) -> Table:
         """This table with ``entry`` added or replacing its node's (a node's signer never
@@ -192,12 +214,37 @@ class Table:
         node_id, signer = entry.record.node_id, entry.record.peer_id
         new = node_id not in entries
         entries[node_id] = entry
+        table = self._successor(entries, signer, (lambda nodes: nodes | {node_id}) if new else None)
+        if "_largest" in self.__dict__:  # only ``signer`` may have grown
+            grown = (table.signed_by(signer), signer)
+            table.__dict__["_largest"] = grown if self._largest is None else max(self._largest, grown)
+        return table
+
+    def without(self, node_id: NodeId) -> Table:
+        """This table less ``node_id``'s entry (the signer who held the most is found again
+        when next asked: it may be the one that shrank)."""
+        entry = self.entries.get(node_id)
+        if entry is None:
+            return self
+        entries = dict(self.entries)
+        del entries[node_id]
+        return self._successor(entries, entry.record.peer_id, lambda nodes: nodes - {node_id})
+
+    def _successor(self, entries: dict[NodeId, Entry], signer: PeerId,
+                   change: Callable[[frozenset[NodeId]], frozenset[NodeId]] | None) -> Table:  # fmt: skip
+        """A table of ``entries``, which differ from ours in one node of ``signer``'s: our
+        signer index carried over if we built it (a copy, in C), with ``change`` applied to
+        ``signer``'s nodes (None: they are the same nodes)."""
         table = Table(MappingProxyType(entries))
-        if "_by_signer" in self.__dict__:  # indexed already: carry the index over (a copy, in C)
+        if "_by_signer" in self.__dict__:
             index = self._by_signer
-            if new:
+            if change is not None:
                 index = dict(index)
-                index[signer] = index.get(signer, frozenset()) | {node_id}
+                nodes = change(index.get(signer, frozenset()))
+                if nodes:
+                    index[signer] = nodes
+                else:
+                    del index[signer]
             table.__dict__["_by_signer"] = index
         return table
 
@@ -254,6 +301,8 @@ def apply(
     else:
         assert held is not None
         entry = Entry(held.signed, held.fresh_ms, details)
+    if held is None and len(table) >= limits.max_records:
+        table = _make_room(table, record.peer_id)
     return table.with_entry(entry), Verdict.ACCEPTED
 
 
@@ -271,7 +320,7 @@ def admit(table: Table, record: Header, now_ms: int, liveness: Liveness,
         return Verdict.SEQ_AHEAD
     held = table.entries.get(record.node_id)
     if held is None:
-        if len(table.entries) >= limits.max_records:
+        if len(table.entries) >= limits.max_records and fair_donor(table, record.peer_id) is None:
             return Verdict.TABLE_FULL
         if table.signed_by(record.peer_id) >= limits.max_records_per_signer:
             return Verdict.SIGNER_FULL
@@ -280,6 +329,54 @@ def admit(table: Table, record: Header, now_ms: int, liveness: Liveness,
         return None
     same = record.seq in (held.signed.record.seq, held.details.record.seq if held.details else -1)
     return Verdict.DUPLICATE if same else Verdict.REPLAY
+
+
+def fair_donor(table: Table, signer: PeerId) -> PeerId | None:
+    """Who gives up a record of a full table for a new node of ``signer``'s: the signer
+    holding the most, if it holds at least two more than ``signer`` does, else nobody (the
+    new node is refused, :attr:`Verdict.TABLE_FULL`).
+
+    Identities are free, so a first-come table let 64 of them (64 records each) refuse every
+    new node everywhere, for as long as their records lived (up to 2.5 hours of silence, see
+    :meth:`Liveness.for_record`). Shared this way (as a stage's KV slots are,
+    :mod:`node.slot_share`), a full table refuses a newcomer only while no signer holds two
+    records more than the newcomer's: one record per signer takes as many identities as the
+    table has rows. A lone signer never evicts its own records, and shares two apart converge
+    to shares one apart, which stay put: the evicted node's next record finds its signer one
+    record short of the largest, not two."""
+    largest = table.largest_signer()
+    if largest is None:
+        return None
+    count, donor = largest
+    return donor if count >= table.signed_by(signer) + 2 else None
+
+
+def fair_victim(table: Table, signer: PeerId) -> NodeId | None:
+    """The node whose entry makes room for a new node of ``signer``'s (:func:`fair_donor`),
+    or None if it is refused. O(signers) once per table, then the donor's nodes (at most
+    ``max_records_per_signer``)."""
+    donor = fair_donor(table, signer)
+    if donor is None:
+        return None
+    return min(table.nodes_signed_by(donor), key=lambda node: _eviction_order(table.entries[node]))
+
+
+def _eviction_order(entry: Entry) -> tuple[bool, bool, int, str]:
+    """Which of a donor's nodes goes first: a legacy node it vouches for before its own node
+    (a donor holds two or more, so a peer's own node, the peer itself, is never evicted), a
+    departed node (Dead: kept only so that its departure is seen) before a live one, then
+    the least recently refreshed (the likeliest to be gone), then by id, so that peers
+    holding the same entries agree."""
+    record = entry.record
+    return record.node_id == record.peer_id, record.state != "Dead", entry.fresh_ms, record.node_id
+
+
+def _make_room(table: Table, signer: PeerId) -> Table:
+    """``table`` less the entry that a new node of ``signer``'s takes the place of; called
+    only once :func:`admit` found a donor and the record's signature verified."""
+    victim = fair_victim(table, signer)
+    assert victim is not None, "admit() lets a new node into a full table only if a donor holds more"
+    return table.without(victim)
 
 
 def _newer(held: Entry | None, record: Header) -> tuple[bool, bool]:
@@ -322,8 +419,4 @@ def expire(table: Table, now_ms: int, liveness: Liveness) -> Table:
 
 def remove(table: Table, node_id: str) -> Table:
     """Drop a node at once (admin force-deregistration on this peer)."""
-    if node_id not in table.entries:
-        return table
-    entries = dict(table.entries)
-    del entries[NodeId(node_id)]
-    return Table(MappingProxyType(entries))
+    return table.without(NodeId(node_id))

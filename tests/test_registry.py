@@ -12,8 +12,8 @@ from inclavate.types import LayerRange
 from p2p.coverage import has_chain, model_coverage, uncovered
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
-from p2p.records import InvalidRecord, MetricSample, NodeRecord, SignedRecord, slim_record
-from p2p.registry import Cadence, Liveness, Table, Verdict, apply, effective_state, expire
+from p2p.records import InvalidRecord, MetricSample, NodeRecord, SignedRecord, legacy_node_id, slim_record
+from p2p.registry import Cadence, Liveness, RegistryLimits, Table, Verdict, admit, apply, effective_state, expire
 
 NOW = 1_000_000
 LIVE = Liveness()
@@ -272,3 +272,144 @@ async def test_a_heartbeat_without_known_details_asks_its_connected_owner_once()
         service._take(_full(4).encode(), "gossip")
     assert asked == [ALICE.peer_id]  # bob is not connected: its heartbeat makes us dial nobody
     assert service.table.get(ALICE.peer_id).record.samples  # the full record filled the gap
+
+
+# ------------------------------------------------- a full table, shared between signers
+
+SHARED = RegistryLimits(max_records=6, max_records_per_signer=8)
+
+
+def _node(signer: Identity, name: str | None, seq: int = NOW, ts_ms: int = NOW, **fields: object) -> SignedRecord:
+    """``signer``'s own node (``name`` None) or one of the legacy nodes it vouches for."""
+    if name is None:
+        return signed(signer, 0, 10, seq=seq, ts_ms=ts_ms, **fields)
+    return signed(signer, 0, 10, node_id=legacy_node_id(signer.peer_id, name), relayed=True, seq=seq, ts_ms=ts_ms, **fields)
+
+
+def _filled(shares: list[tuple[Identity, int]], limits: RegistryLimits = SHARED) -> Table:
+    """A table holding each signer's own node then its legacy nodes, one refreshed per
+    second in that order (the own node is each signer's least recently refreshed)."""
+    table, at = Table(), NOW
+    for signer, count in shares:
+        for i in range(count):
+            table, verdict = apply(table, _node(signer, None if i == 0 else f"n{i}", ts_ms=at), at, LIVE, limits=limits)
+            assert verdict is Verdict.ACCEPTED
+            at += 1000
+    return table
+
+
+def _ids(table: Table) -> set[str]:
+    return set(table.entries)
+
+
+def test_a_full_table_makes_room_from_the_signer_holding_two_more_than_the_newcomer() -> None:
+    carol = Identity.generate()
+    table = _filled([(ALICE, 4), (MALLORY, 2)])
+    later = NOW + 10_000
+    newcomer = _node(carol, None, ts_ms=later)
+    assert admit(table, newcomer.record, later, LIVE, SHARED) is None
+    after, verdict = apply(table, newcomer, later, LIVE, limits=SHARED)
+    assert verdict is Verdict.ACCEPTED and len(after) == SHARED.max_records
+    # Alice's least recently refreshed node that she vouches for went; never her own node.
+    assert _ids(table) - _ids(after) == {legacy_node_id(ALICE.peer_id, "n1")}
+    assert after.get(ALICE.peer_id) is not None and after.signed_by(ALICE.peer_id) == 3
+    # Alice now holds 3, Mallory 2, Carol 1: Mallory's new node waits, Carol's takes another
+    # of Alice's, then the shares are equal and nobody's new node gets in.
+    assert _refused(after, _node(MALLORY, "m9", ts_ms=later), later)
+    after, verdict = apply(after, _node(carol, "c1", ts_ms=later), later, LIVE, limits=SHARED)
+    assert verdict is Verdict.ACCEPTED and _ids(table) - _ids(after) == {legacy_node_id(ALICE.peer_id, f"n{i}") for i in (1, 2)}
+    assert all(_refused(after, _node(signer, "z", ts_ms=later), later) for signer in (ALICE, MALLORY, carol))
+
+
+def _refused(table: Table, newcomer: SignedRecord, now: int) -> bool:
+    """Whether both the header check and the whole rules refuse ``newcomer`` for fullness."""
+    early = admit(table, newcomer.record, now, LIVE, SHARED)
+    return early is Verdict.TABLE_FULL and apply(table, newcomer, now, LIVE, limits=SHARED) == (table, early)
+
+
+def test_a_departed_node_goes_before_a_live_one_of_the_same_signer() -> None:
+    table = _filled([(ALICE, 5), (MALLORY, 1)])
+    table, _ = apply(table, _node(ALICE, "n4", seq=NOW + 1, ts_ms=NOW + 9000, state="Dead"), NOW + 9000, LIVE, limits=SHARED)
+    after, verdict = apply(table, _node(Identity.generate(), None, ts_ms=NOW + 9000), NOW + 9000, LIVE, limits=SHARED)
+    assert verdict is Verdict.ACCEPTED and _ids(table) - _ids(after) == {legacy_node_id(ALICE.peer_id, "n4")}
+
+
+def test_fair_shares_settle_and_evicted_nodes_coming_back_evict_nobody() -> None:
+    """Shares converge to one apart, then stay put: every node ever seen keeps publishing
+    (the evicted ones too), round after round, and the table no longer changes."""
+    carol = Identity.generate()
+    table = _filled([(ALICE, 5), (MALLORY, 1)])
+    seen = _ids(table)
+    at = NOW + 10_000
+    for i in range(3):
+        newcomer = _node(carol, None if i == 0 else f"c{i}", ts_ms=at)
+        seen.add(newcomer.record.node_id)
+        table, _ = apply(table, newcomer, at, LIVE, limits=SHARED)
+    counts = sorted(table.signed_by(s.peer_id) for s in (ALICE, MALLORY, carol))
+    assert counts == [1, 2, 3] and len(table) == SHARED.max_records
+    settled = _ids(table)
+    for beat in range(1, 4):
+        at += 2000
+        for node in sorted(seen):
+            signer = next(s for s in (ALICE, MALLORY, carol) if node.startswith(s.peer_id))
+            name = node.split(":", 1)[1] if ":" in node else None
+            table, verdict = apply(table, _node(signer, name, seq=at, ts_ms=at), at, LIVE, limits=SHARED)
+            assert verdict is (Verdict.ACCEPTED if node in settled else Verdict.TABLE_FULL)
+        assert _ids(table) == settled
+
+
+def test_shares_one_apart_evict_nobody() -> None:
+    table = _filled([(ALICE, 3), (MALLORY, 2), (Identity.generate(), 1)])
+    assert _refused(table, _node(ALICE, "n9"), NOW) and _refused(table, _node(MALLORY, "n9"), NOW)
+
+
+def test_a_lone_signer_never_evicts_its_own_records() -> None:
+    assert _refused(_filled([(ALICE, 6)]), _node(ALICE, "n9", ts_ms=NOW + 10_000), NOW + 10_000)
+
+
+def test_a_newcomer_with_a_bad_signature_evicts_nothing() -> None:
+    table = _filled([(ALICE, 6)])
+    real = _node(Identity.generate(), None)
+    forged = SignedRecord(real.record, real.payload, bytes(64))
+    assert admit(table, forged.record, NOW, LIVE, SHARED) is None  # its header is fair...
+    assert apply(table, forged, NOW, LIVE, limits=SHARED) == (table, Verdict.BAD_SIGNATURE)  # ...its signature is not
+
+
+def test_admit_and_apply_agree_on_a_full_table_and_the_signer_index_follows() -> None:
+    """Whatever the shares, a new node the header check lets through is not refused for
+    fullness after its signature; and the per-signer counts and the largest signer carried
+    from table to table are what indexing the table afresh finds."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(7)
+    signers = [Identity.generate() for _ in range(4)]
+    limits = RegistryLimits(max_records=8, max_records_per_signer=6)
+    table, at, seen = Table(), NOW, Counter[str]()
+    for step in range(200):
+        at += 2000
+        table = expire(table, at, LIVE)  # a table built afresh, without the index carried
+        signer = rng.choices(signers, weights=(6, 3, 1, 1))[0]
+        newcomer = _node(signer, f"x{rng.randrange(12)}", seq=at, ts_ms=at)
+        early = admit(table, newcomer.record, at, LIVE, limits)
+        new, verdict = apply(table, newcomer, at, LIVE, limits=limits)
+        assert verdict is (early or Verdict.ACCEPTED), step
+        assert len(new) <= limits.max_records
+        evicted = verdict is Verdict.ACCEPTED and len(new) == len(table) and newcomer.record.node_id not in table.entries
+        seen["evicted" if evicted else verdict.name] += 1
+        table = new
+        afresh = Table(table.entries)
+        assert table.largest_signer() == afresh.largest_signer()
+        assert [table.signed_by(s.peer_id) for s in signers] == [afresh.signed_by(s.peer_id) for s in signers]
+    assert min(seen["evicted"], seen["TABLE_FULL"], seen["ACCEPTED"]) > 5, seen
+
+
+def test_the_registry_service_counts_what_it_evicts() -> None:
+    from p2p.registry import Eviction
+
+    service = RegistryService(_Wire(), Identity.generate(), LIVE, clock=lambda: NOW, limits=SHARED)  # type: ignore[arg-type]
+    service.table = _filled([(ALICE, 6)])
+    newcomer = _node(MALLORY, None).encode()
+    assert service._validate(MALLORY.peer_id, newcomer)
+    assert service._take(newcomer, "gossip") is Verdict.ACCEPTED
+    assert service.drops[Eviction.FAIR_SHARE] == 1 and service.table.signed_by(ALICE.peer_id) == 5

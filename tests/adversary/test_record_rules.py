@@ -130,6 +130,11 @@ def test_signer_and_table_quotas() -> None:
         other = Identity.generate()
         table, verdict = apply(table, signed(other, 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)
         assert verdict is Verdict.ACCEPTED
+    # The table is full: a new signer's node takes the place of one of Alice's while she
+    # holds two more than it (the fair share), and is refused once nobody does.
+    for alices in (2, 1):
+        table, verdict = apply(table, signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)
+        assert (verdict, len(table), table.signed_by(ALICE.peer_id)) == (Verdict.ACCEPTED, 5, alices)
     assert apply(table, signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)[1] is Verdict.TABLE_FULL
 
 

@@ -195,14 +195,15 @@ async def test_an_honest_answer_costs_only_the_records_we_lack(work: _Work) -> N
 
 async def test_stale_and_over_quota_records_are_refused_before_they_are_typed(work: _Work) -> None:
     """Records that cannot change the table (older seqs of nodes we hold, new nodes of a
-    signer at its quota, new nodes once the table is full) are refused on their header."""
-    limits = RegistryLimits(max_records=41, max_records_per_signer=30)
+    signer at its quota, new nodes of a signer holding its fair share once the table is
+    full) are refused on their header."""
+    limits = RegistryLimits(max_records=60, max_records_per_signer=30)
     held = [_legacy(MALLORY, f"n{i}", seq=NOW - 1) for i in range(30)]
-    held += [_legacy(ME, f"m{i}", seq=NOW - 1) for i in range(10)]
+    held += [_legacy(ME, f"m{i}", seq=NOW - 1) for i in range(29)]
     stale = [_legacy(MALLORY, f"n{i}", seq=NOW - 2) for i in range(30)]
     over_quota = [_legacy(MALLORY, f"extra{i}") for i in range(10)]
     last_room = [signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW)]
-    table_full = [signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW) for _ in range(10)]
+    table_full = [_legacy(ME, f"m{i}") for i in range(29, 39)]  # 29 held: one short of the largest
     answer = stale + over_quota + last_room + table_full
     service = _service(_Neighbour([_wire(r) for r in answer]), limits)
     _holding(service, held)
