@@ -11,6 +11,7 @@ import pytest
 from registry_helpers import record, signed
 
 from inclavate.untrusted import Reason
+from p2p.gossip import RegistryService
 from p2p.identity import Identity
 from p2p.record_schema import MAX_RECORD_BYTES, decode_envelope, fit_record
 from p2p.records import (
@@ -136,6 +137,44 @@ def test_signer_and_table_quotas() -> None:
         table, verdict = apply(table, signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)
         assert (verdict, len(table), table.signed_by(ALICE.peer_id)) == (Verdict.ACCEPTED, 5, alices)
     assert apply(table, signed(Identity.generate(), 0, 10, seq=NOW, ts_ms=NOW), NOW, live, limits=limits)[1] is Verdict.TABLE_FULL
+
+
+def test_free_identities_filling_the_table_cannot_lock_newcomers_out() -> None:
+    """64 throw-away signers x 64 records, each claiming the longest believed heartbeat
+    (300 s: silence keeps a record 30 x 300 s = 2.5 hours), filled every peer's table, and
+    from then on every new node was refused everywhere (TABLE_FULL) for as long as they
+    lived. A full table is now shared by signer: an honest newcomer, through gossip's
+    header check and then the whole rules, takes the place of a hoarder's record, and the
+    evicted record cannot evict a sibling to come back."""
+    live, limits = Liveness(), RegistryLimits()
+    clock = [NOW]
+    service = RegistryService(object(), Identity.generate(), live, clock=lambda: clock[0])  # type: ignore[arg-type]
+    hoarders = [Identity.generate() for _ in range(limits.max_records // limits.max_records_per_signer)]
+    for hoarder in hoarders:
+        for i in range(limits.max_records_per_signer):
+            node = hoarder.peer_id if i == 0 else legacy_node_id(hoarder.peer_id, f"n{i}")
+            hoarded = signed(hoarder, 0, 10, node_id=node, relayed=i > 0, seq=NOW, ts_ms=NOW, heartbeat_ms=300_000)
+            assert service._accept(hoarded, "gossip") is Verdict.ACCEPTED
+    clock[0] += 3600_000  # an hour of silence later, every hoarded record is still held
+    service.table = expire(service.table, clock[0], live)
+    assert len(service.table) == limits.max_records
+    newcomers = [Identity.generate() for _ in range(3)]
+    for peer in [ALICE, *newcomers]:
+        honest = signed(peer, 0, 10, seq=clock[0], ts_ms=clock[0]).encode()
+        assert service._validate(peer.peer_id, honest)
+        assert service._take(honest, "gossip") is Verdict.ACCEPTED
+        assert service.view(peer.peer_id) is not None and len(service.table) == limits.max_records
+    # Each came at a hoarder's expense, never at an honest peer's or a hoarder's own node.
+    assert all(service.view(h.peer_id) is not None for h in hoarders)
+    lost = [h for h in hoarders if service.table.signed_by(h.peer_id) < limits.max_records_per_signer]
+    assert len(lost) == 4 and all(service.table.signed_by(h.peer_id) == limits.max_records_per_signer - 1 for h in lost)
+    # An evicted record's next heartbeat finds its signer one short of the largest: refused.
+    loser = lost[0]
+    gone = next(legacy_node_id(loser.peer_id, f"n{i}") for i in range(1, 64)
+                if service.table.get(legacy_node_id(loser.peer_id, f"n{i}")) is None)  # fmt: skip
+    back = signed(loser, 0, 10, node_id=gone, relayed=True, seq=clock[0], ts_ms=clock[0], heartbeat_ms=300_000)
+    assert not service._validate(loser.peer_id, back.encode())
+    assert service._take(back.encode(), "gossip") is Verdict.TABLE_FULL
 
 
 def test_our_own_record_is_trimmed_to_fit_never_dropped() -> None:
