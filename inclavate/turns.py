@@ -9,16 +9,12 @@ when trio's would.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
 import trio
 
 T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
 
 
 class QuickLock:
@@ -60,43 +56,3 @@ async def send_or_wait(channel: trio.MemorySendChannel[T], value: T) -> None:
         channel.send_nowait(value)
     except trio.WouldBlock:
         await channel.send(value)
-
-
-class _TurnEnd(trio.abc.Instrument):
-    """Runs the callbacks :func:`at_turn_end` collected, just before the event loop looks for
-    I/O again: once every task of the loop's current pass has reached its next checkpoint."""
-
-    def __init__(self) -> None:
-        self.due: list[Callable[[], None]] = []
-
-    def before_io_wait(self, timeout: float) -> None:
-        if not self.due:
-            return
-        due, self.due = self.due, []
-        for callback in due:
-            try:
-                callback()
-            except Exception:  # an instrument that raises is removed by trio: keep this one
-                logger.exception("a turn-end callback failed")
-
-
-_turn_end: trio.lowlevel.RunVar[_TurnEnd] = trio.lowlevel.RunVar("turn_end")
-
-
-def at_turn_end(callback: Callable[[], None]) -> None:
-    """Call ``callback()`` (synchronous, must not raise) once, at the end of the event loop's
-    current pass: when every task it is running has reached its next checkpoint, before it
-    looks for I/O (and before the tasks those made runnable run).
-
-    What it is for: a write that wakes another process. On a core that both share, the
-    kernel hands the woken reader the CPU at once, and whatever the writer still had to do
-    (its bookkeeping, the way back to ``epoll_wait``) then cuts into the reader's work; a
-    write made last leaves the writer nothing to do but sleep (docs/ARCHITECTURE.md, "A write
-    leaves at the end of the turn")."""
-    try:
-        turn_end = _turn_end.get()
-    except LookupError:
-        turn_end = _TurnEnd()
-        trio.lowlevel.add_instrument(turn_end)
-        _turn_end.set(turn_end)
-    turn_end.due.append(callback)

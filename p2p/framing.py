@@ -37,7 +37,7 @@ from libp2p.abc import INetStream
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.stream.exceptions import StreamEOF
 
-from inclavate.turns import QuickLock, at_turn_end
+from inclavate.turns import QuickLock
 from inclavate.types import PeerId
 from p2p.errors import FrameTooLarge, ProtocolError, StreamClosed, StreamError, StreamTimeout
 
@@ -281,11 +281,7 @@ class FramedStream:
         """Bytes read past the last frame returned (at most one read's worth)."""
         self._broken: StreamError | None = None
         self._unsent = b""
-        """A frame :meth:`send_nowait` committed, or its rest; written before anything else."""
-        self._at_turn_end = False
-        """:attr:`_unsent` is a frame :meth:`send_nowait` committed whole, which the end of this
-        turn of the event loop writes (unless a send or close gets to it first)."""
-        self._on_unsent: Callable[[], None] | None = None
+        """The rest of a frame :meth:`send_nowait` committed; written before anything else."""
         self._nowait_error: StreamError | None = None
         """A write in place failed: the next send raises it (and resets the stream)."""
         self._peer_finished = False  # clean EOF seen at a frame boundary
@@ -327,50 +323,29 @@ class FramedStream:
                 and not self._send_lock.locked() and not self._unsent and self._broken is None
                 and self._nowait_error is None and not self._local_finished)  # fmt: skip
 
-    def send_nowait(self, payload: bytes, on_unsent: Callable[[], None]) -> bool:
-        """Commit one small frame to the stream now, with no wait and no scheduler turn,
-        when nothing else is being sent (a decode step crossing an idle link); it is written
-        at the end of this turn of the event loop (:func:`inclavate.turns.at_turn_end`), in
-        order with everything sent after it. True: the frame is committed. False: nothing
-        was committed (the stream is busy, cannot be written in place, or failed): send it
-        the usual way.
+    @property
+    def has_unsent(self) -> bool:
+        """Part of a frame committed by :meth:`send_nowait` still waits to be written: the
+        caller must see that :meth:`send_many` runs (with no payloads, it writes just that)."""
+        return bool(self._unsent)
 
-        If the kernel then takes only part of it, or the write fails, ``on_unsent()`` is
-        called there, by the event loop (not in a task: it must not wait): the caller must
-        see that :meth:`send_many` runs, which writes the rest (with no payloads, just that)
-        or raises the failure."""
+    def send_nowait(self, payload: bytes) -> bool:
+        """Commit one small frame to the stream now, with no wait and no scheduler turn,
+        when nothing else is being sent (a decode step crossing an idle link). True: the frame
+        is committed, all written or its rest in :attr:`has_unsent`. False: nothing was
+        written (the stream is busy, cannot be written in place, or failed; then the next
+        :meth:`send_many` raises the failure): send it the usual way."""
         if not self.can_send_nowait(len(payload)):
             return False
-        self._unsent = _HEADER.pack(len(payload)) + payload
-        self._at_turn_end, self._on_unsent = True, on_unsent
-        at_turn_end(self._write_at_turn_end)
-        return True
-
-    def _write_at_turn_end(self) -> None:
-        if not self._at_turn_end:
-            return  # a send or close wrote it meanwhile
-        self._at_turn_end = False
-        on_unsent, self._on_unsent = self._on_unsent, None
-        if self._broken is not None:
-            return  # reset meanwhile: the frame goes with the stream
+        data = _HEADER.pack(len(payload)) + payload
         try:
-            written = self._raw.write_nowait(self._unsent)  # type: ignore[attr-defined]
+            written = self._raw.write_nowait(data)  # type: ignore[attr-defined]
         except StreamClosed as exc:
             self._nowait_error = exc
-        else:
-            self._unsent = self._unsent[written:]
-            if not self._unsent:
-                return
-        if on_unsent is not None:
-            on_unsent()
-
-    async def _write_unsent(self) -> None:
-        """Write what :meth:`send_nowait` committed and is not written yet (call holding the
-        send lock)."""
-        if self._unsent:
-            self._at_turn_end = False  # written here, not at the turn's end
-            await self._raw.write(self._unsent)
-            self._unsent = b""
+            return False
+        if written < len(data):
+            self._unsent = data[written:]
+        return True
 
     async def send_many(self, payloads: list[bytes], timeout: float) -> None:
         """Send frames back to back; small ones leave in one write (one yamux/Noise frame
@@ -389,7 +364,9 @@ class FramedStream:
                     if self._nowait_error is not None:
                         raise self._nowait_error
                     started = True
-                    await self._write_unsent()
+                    if self._unsent:
+                        await self._raw.write(self._unsent)
+                        self._unsent = b""
                     for write in _writes(payloads):
                         await self._raw.write(write)
             if deadline.cancelled_caught:
@@ -436,7 +413,9 @@ class FramedStream:
             async with self._send_lock:
                 self._local_finished = True
                 try:
-                    await self._write_unsent()
+                    if self._unsent:
+                        await self._raw.write(self._unsent)
+                        self._unsent = b""
                     await self._raw.close()
                 except Exception as exc:  # the peer is gone either way
                     logger.debug("graceful close failed, resetting: %r", exc)

@@ -18,7 +18,6 @@ verifies. A stream stops after 2**64 frames (it never gets there).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from types import TracebackType
 
 import trio
@@ -113,12 +112,16 @@ class SealedStream:
             sealed = [self._out.seal(bytes(payload)) for payload in payloads]
             await self._inner.send_many(sealed, max(0.0, timeout - (trio.current_time() - started)))
 
-    def send_nowait(self, payload: bytes, on_unsent: Callable[[], None]) -> bool:
+    @property
+    def has_unsent(self) -> bool:
+        return self._inner.has_unsent
+
+    def send_nowait(self, payload: bytes) -> bool:
         """As :meth:`FramedStream.send_nowait`; a nonce is spent only on a frame committed
         (or on a stream whose write failed, which is then reset)."""
         if self._send_lock.locked() or not self._inner.can_send_nowait(len(payload) + TAG_BYTES):
             return False
-        return self._inner.send_nowait(self._out.seal(bytes(payload)), on_unsent)
+        return self._inner.send_nowait(self._out.seal(bytes(payload)))
 
     async def receive(self, timeout: float) -> bytes:
         sealed = await self._inner.receive(timeout)

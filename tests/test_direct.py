@@ -4,7 +4,6 @@ forward service using a direct link (or libp2p when the other side offers none).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +19,7 @@ from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.direct import Grant
 from p2p.errors import DialError, FrameTooLarge, ProtocolError, StreamClosed
-from p2p.forward import ForwardService, _Link
+from p2p.forward import ForwardService
 from p2p.framing import FramedStream
 from p2p.host import open_host
 from p2p.identity import Identity
@@ -248,26 +247,3 @@ async def test_a_retired_link_writes_nothing_in_place() -> None:
             while len(receiver.got) < 3:
                 await trio.sleep(0.01)
             assert [msg.req_id for msg, _ in receiver.got] == [1, 2, 4]
-
-
-def _fail_writes(link: _Link) -> None:
-    """Make the link's socket refuse every write from now on (as a peer's reset would)."""
-    stream = link._stream
-    assert isinstance(stream, SealedStream)
-    stream._inner._raw._socket.shutdown(socket.SHUT_WR)  # type: ignore[attr-defined]
-
-
-async def test_a_frame_committed_in_place_whose_write_fails_is_sent_again() -> None:
-    """A frame written in place leaves at the end of the event loop's turn; if the write
-    fails then, the frame is not lost: the link sends it whole on a fresh stream."""
-    with trio.fail_after(30):
-        async with two_services(_Recording) as (sender, receiver):
-            await sender.send(receiver.me, wire.Result(1, SessionId("s"), 1))
-            await receiver.arrived.wait()
-            await trio.testing.wait_all_tasks_blocked()
-            link = sender._links[receiver.me]
-            assert link.write_now(wire.Result(2, SessionId("s"), 2))
-            _fail_writes(link)
-            while len(receiver.got) < 2:
-                await trio.sleep(0.01)
-            assert [msg.req_id for msg, _ in receiver.got] == [1, 2]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
@@ -401,62 +400,27 @@ async def test_a_socket_closed_under_a_reader_or_writer_ends_the_stream() -> Non
             await b.send(b"after reset", 1.0)
 
 
-def _noted(calls: list[str]) -> Callable[[], None]:
-    return lambda: calls.append("unsent")
-
-
-async def test_a_frame_committed_in_place_leaves_at_the_end_of_the_turn() -> None:
-    """Written last in the event loop's turn, not in the sender's: the neighbour it wakes
-    then finds nothing of ours left to run on a core both share (inclavate.turns.at_turn_end)."""
-    s1, s2 = socket.socketpair()
-    a = FramedStream.over_socket(trio.SocketStream(trio.socket.from_stdlib_socket(s1)))
-    with s2, trio.fail_after(5):
-        frame = b"s" * 1200
-        assert a.send_nowait(frame, _noted(calls := []))
-        with pytest.raises(BlockingIOError):
-            s2.recv(65536, socket.MSG_DONTWAIT)
-        await trio.sleep(0)
-        assert s2.recv(65536, socket.MSG_DONTWAIT) == struct.pack(">I", len(frame)) + frame
-        assert calls == []
-        await a.reset()
-
-
 async def test_a_frame_committed_in_place_arrives_whole_even_when_the_kernel_takes_part() -> None:
-    """What the kernel does not take at the turn's end is kept for the next ``send_many``
-    (the caller is told to run one), which writes it before anything else: frames never
-    tear or reorder."""
+    """``send_nowait`` writes what the kernel takes and keeps the rest for the next
+    ``send_many``, which writes it before anything else: frames never tear or reorder."""
     async with socket_pair() as (a, b):
         with trio.fail_after(20):
-            calls: list[str] = []
             small = b"s" * 1200
-            assert a.send_nowait(small, _noted(calls))
+            assert a.send_nowait(small)
+            assert not a.has_unsent
             assert await b.receive(5.0) == small
             # Nobody reads: frames go in whole until the kernel's buffers take one in part.
             sent = 0
-            while not calls:
-                assert a.send_nowait(payload := os.urandom(60 * 1024), _noted(calls))
-                await trio.sleep(0)  # the turn ends: the frame is written, or part of it
-                await trio.sleep(0)  # and the caller, told, runs
+            while a.send_nowait(payload := os.urandom(60 * 1024)) and not a.has_unsent:
                 sent += 1
-            assert not a.send_nowait(b"x", _noted(calls)), "a frame committed in part must finish first"
+            assert a.has_unsent, "the kernel took every frame whole"
+            assert not a.send_nowait(b"x"), "a frame committed in part must finish first"
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(a.send_many, [b"after"], 20.0)  # writes the rest first
-                for _ in range(sent - 1):
+                for _ in range(sent):
                     assert len(await b.receive(20.0)) == 60 * 1024
                 assert await b.receive(20.0) == payload
                 assert await b.receive(20.0) == b"after"
-            assert calls == ["unsent"]
-
-
-async def test_a_send_writes_a_frame_committed_in_place_first() -> None:
-    async with socket_pair() as (a, b):
-        with trio.fail_after(5):
-            assert a.send_nowait(b"first", _noted(calls := []))
-            await a.send_many([b"second"], 5.0)  # in the same turn: before the turn's end
-            assert await b.receive(5.0) == b"first"
-            assert await b.receive(5.0) == b"second"
-            await trio.sleep(0)
-            assert calls == []
 
 
 async def test_a_frame_is_not_written_in_place_while_a_send_holds_the_stream() -> None:
@@ -464,9 +428,9 @@ async def test_a_frame_is_not_written_in_place_while_a_send_holds_the_stream() -
         with trio.fail_after(20):
             nursery.start_soon(a.send_many, [os.urandom(8 * MiB)], 20.0)
             await trio.testing.wait_all_tasks_blocked()  # mid-write, waiting for room
-            assert not a.send_nowait(b"overtaker", _noted(calls := []))
+            assert not a.send_nowait(b"overtaker")
             assert len(await b.receive(20.0)) == 8 * MiB
-            assert a.send_nowait(b"then", _noted(calls))
+            assert a.send_nowait(b"then")
             assert await b.receive(5.0) == b"then"
 
 
@@ -474,13 +438,8 @@ async def test_a_failed_write_in_place_is_raised_by_the_next_send() -> None:
     async with socket_pair() as (a, b):
         with trio.fail_after(5):
             await b.reset()
-            calls: list[str] = []
             for _ in range(100):  # the first writes may still land in the kernel's buffer
-                if not a.send_nowait(b"x" * 1200, _noted(calls)):
-                    break
-                await trio.sleep(0)
-                await trio.sleep(0)
-                if calls:
+                if not a.send_nowait(b"x" * 1200):
                     break
             else:
                 raise AssertionError("writes to a closed peer kept succeeding")
@@ -491,6 +450,6 @@ async def test_a_failed_write_in_place_is_raised_by_the_next_send() -> None:
 async def test_a_memory_stream_is_never_written_in_place() -> None:
     """Only a socket can be written without waiting; libp2p streams queue as before."""
     a, b = memory_pair()
-    assert not a.send_nowait(b"x", lambda: None)
+    assert not a.send_nowait(b"x")
     await a.send(b"x", 1.0)
     assert await b.receive(1.0) == b"x"

@@ -8,7 +8,7 @@ import trio.testing
 
 from turn_helpers import gives_a_turn
 
-from inclavate.turns import QuickLock, at_turn_end, send_or_wait
+from inclavate.turns import QuickLock, send_or_wait
 
 
 async def enter(lock: QuickLock) -> None:
@@ -83,28 +83,3 @@ async def test_send_or_wait_waits_only_for_room() -> None:
     send.close()
     with pytest.raises(trio.ClosedResourceError):
         await send_or_wait(send, 3)
-
-
-async def test_turn_end_callbacks_run_once_when_the_caller_reaches_a_checkpoint() -> None:
-    order: list[str] = []
-    at_turn_end(lambda: order.append("turn end"))
-    order.append("the caller's rest")
-    await trio.sleep(0)
-    order.append("the caller's next turn")
-    await trio.sleep(0)
-    assert order == ["the caller's rest", "turn end", "the caller's next turn"]
-
-
-async def test_a_failing_turn_end_callback_leaves_the_others_running(caplog: pytest.LogCaptureFixture) -> None:
-    ran: list[int] = []
-
-    def fails() -> None:
-        raise RuntimeError("a bug")
-
-    at_turn_end(fails)
-    at_turn_end(lambda: ran.append(1))
-    await trio.sleep(0)
-    at_turn_end(lambda: ran.append(2))  # the hook is still installed
-    await trio.sleep(0)
-    assert ran == [1, 2]
-    assert "a turn-end callback failed" in caplog.text
