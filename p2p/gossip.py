@@ -89,7 +89,7 @@ class RegistryService:
         """When each of our records was last published in full, and as what."""
         self._changed = trio.Event()
         self._banned: dict[NodeId, int] = {}
-        self._asked: dict[NodeId, float] = {}
+        self._asked: dict[PeerId, float] = {}
         """When we last asked a node's owner for its full record (bounded by the table)."""
         self._synced_on_connect: dict[PeerId, float] = {}
         """When we last synced with a neighbour because it connected (bounded by the table)."""
@@ -486,20 +486,23 @@ class RegistryService:
     def _ask_details(self, table: Table, record: NodeRecord) -> None:
         """A heartbeat of a node whose full record we never got (we joined after it was
         gossiped, and the neighbour we synced from lacked it too): pull the owner's table,
-        at most once per ``_DETAILS_ASK_S`` per node, and only from an owner we are connected
-        to, so strangers' heartbeats cannot make us dial anyone."""
+        at most once per ``_DETAILS_ASK_S`` per owner, and only from an owner we are
+        connected to, so strangers' heartbeats cannot make us dial anyone. Per owner, not per
+        node: one pull brings all of its nodes' details, and an owner vouching for 64 legacy
+        nodes made us pull its table 64 times over."""
         entry = table.get(record.node_id)
         if entry is None or entry.details is not None or self._nursery is None:
             return
+        owner = PeerId(record.peer_id)
         now = trio.current_time()
-        if now - self._asked.get(record.node_id, -_DETAILS_ASK_S) < _DETAILS_ASK_S:
+        if now - self._asked.get(owner, -_DETAILS_ASK_S) < _DETAILS_ASK_S:
             return
-        if not self.host.is_connected(record.peer_id):
+        if not self.host.is_connected(owner):
             return
         if len(self._asked) >= self.limits.max_records:
             self._asked.clear()
-        self._asked[record.node_id] = now
-        self._nursery.start_soon(self.sync_with, PeerId(record.peer_id))
+        self._asked[owner] = now
+        self._nursery.start_soon(self.sync_with, owner)
 
     def _set_table(self, table: Table, notify: bool = True) -> None:
         if table is self.table:

@@ -274,6 +274,30 @@ async def test_a_heartbeat_without_known_details_asks_its_connected_owner_once()
     assert service.table.get(ALICE.peer_id).record.samples  # the full record filled the gap
 
 
+async def test_an_owner_whose_many_nodes_lack_details_is_asked_once() -> None:
+    """One pull of the owner's table brings every node's details: a peer vouching for 64
+    legacy nodes used to make us pull its table once per node heartbeat."""
+
+    class Connected(_Wire):
+        def is_connected(self, peer: str) -> bool:
+            return peer == ALICE.peer_id
+
+    asked: list[str] = []
+    service = RegistryService(Connected(), Identity.generate(), LIVE, clock=lambda: NOW)  # type: ignore[arg-type]
+
+    async def sync_with(peer: str) -> int:
+        asked.append(peer)
+        return 0
+
+    service.sync_with = sync_with  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        service._nursery = nursery
+        for i in range(5):
+            legacy = signed(ALICE, 0, 10, node_id=legacy_node_id(ALICE.peer_id, f"n{i}"), relayed=True, seq=NOW, ts_ms=NOW)
+            service._take(SignedRecord.sign(slim_record(legacy.record), ALICE).encode(), "gossip")
+    assert asked == [ALICE.peer_id]
+
+
 # ------------------------------------------------- a full table, shared between signers
 
 SHARED = RegistryLimits(max_records=6, max_records_per_signer=8)
