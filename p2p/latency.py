@@ -54,17 +54,22 @@ class LatencyMonitor:
         task_status.started()
         while True:
             targets = [p for p in self.targets() if p != self.host.peer_id]
-            self._forget_all_but(set(targets))
+            forgotten = self._forget_all_but(set(targets))
             async with trio.open_nursery() as nursery:
+                for stream in forgotten:
+                    nursery.start_soon(stream.reset)
                 for peer in targets:
                     nursery.start_soon(self.measure, peer)
             await trio.sleep(self.interval)
 
-    def _forget_all_but(self, targets: set[PeerId]) -> None:
-        """Peers leave (and strangers come and go): keep state only for current targets."""
+    def _forget_all_but(self, targets: set[PeerId]) -> list[FramedStream]:
+        """Peers leave (and strangers come and go): keep state only for current targets.
+        Returns the streams of the peers forgotten, for the caller to reset: left open, each
+        would hold one of the other end's 2 ping slots for its echo's hour, and a target
+        that left and came back twice had every later stream refused (its pings and the
+        failover probe's failed as if it were gone)."""
         self.rtt_ms = {p: ms for p, ms in self.rtt_ms.items() if p in targets}
-        for peer in [p for p in self._streams if p not in targets]:
-            del self._streams[peer]
+        return [self._streams.pop(peer) for peer in [p for p in self._streams if p not in targets]]
 
     async def measure(self, peer: PeerId) -> float:
         """Ping ``peer`` once; returns the round trip in ms and folds it into the average."""

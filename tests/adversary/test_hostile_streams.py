@@ -169,3 +169,27 @@ async def test_a_sender_past_its_yamux_window_does_not_grow_the_receive_buffer(
                 assert sum(map(len, buffers.values())) <= 256 * KiB
     # The library logs each refused frame at error level: a stranger must not fill the log.
     assert "past a window" not in caplog.text
+
+
+async def test_a_peer_leaving_the_probe_targets_and_coming_back_leaves_no_stream_behind() -> None:
+    # Route candidates come and go; a stream forgotten with its target used to stay open at
+    # the other end (its echo waits an hour), so two such round trips locked pings out.
+    with trio.fail_after(60):
+        async with victim_with_ping() as target, open_host(Identity.generate()) as prober:
+            await prober.connect(target.multiaddrs()[0])
+            targets: list[PeerId] = []
+            monitor = LatencyMonitor(prober, lambda: list(targets), interval=0.05)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(monitor.run)
+                for _ in range(4):
+                    targets[:] = [target.peer_id]
+                    while target.peer_id not in monitor.rtt_ms:
+                        await trio.sleep(0.02)
+                    targets[:] = []
+                    while target.peer_id in monitor.rtt_ms:
+                        await trio.sleep(0.02)
+                await trio.sleep(0.3)
+                assert target.inbound.protocols.held((ID.from_base58(prober.peer_id), PING)) == 0
+                # The failover probe opens a stream of its own: it was reset on arrival.
+                assert await monitor.responds(target.peer_id)
+                nursery.cancel_scope.cancel()
