@@ -168,6 +168,12 @@ class Entry:
 @dataclass(frozen=True)
 class Table:
     entries: Mapping[NodeId, Entry] = field(default_factory=lambda: MappingProxyType({}))
+    evicted: Mapping[NodeId, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
+    """Nodes evicted to share a full table (:func:`fair_victim`), each with the highest
+    ``seq`` we held of it and the time (ms) after which any record up to that ``seq`` is too
+    old to apply anyway. A node forgotten at its drop horizon cannot be replayed (its records
+    are too old by then); one evicted early could: a departed node's last Ready record,
+    replayed once the table had room, made it Ready again. At most ``max_records`` rows."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -215,6 +221,10 @@ class Table:
         new = node_id not in entries
         entries[node_id] = entry
         table = self._successor(entries, signer, (lambda nodes: nodes | {node_id}) if new else None)
+        if node_id in self.evicted:  # back with a newer record: the entry holds its seq now
+            evicted = dict(self.evicted)
+            del evicted[node_id]
+            object.__setattr__(table, "evicted", MappingProxyType(evicted))
         if "_largest" in self.__dict__:  # only ``signer`` may have grown
             grown = (table.signed_by(signer), signer)
             table.__dict__["_largest"] = grown if self._largest is None else max(self._largest, grown)
@@ -235,7 +245,7 @@ class Table:
         """A table of ``entries``, which differ from ours in one node of ``signer``'s: our
         signer index carried over if we built it (a copy, in C), with ``change`` applied to
         ``signer``'s nodes (None: they are the same nodes)."""
-        table = Table(MappingProxyType(entries))
+        table = Table(MappingProxyType(entries), self.evicted)
         if "_by_signer" in self.__dict__:
             index = self._by_signer
             if change is not None:
@@ -302,7 +312,7 @@ def apply(
         assert held is not None
         entry = Entry(held.signed, held.fresh_ms, details)
     if held is None and len(table) >= limits.max_records:
-        table = _make_room(table, record.peer_id)
+        table = _make_room(table, record.peer_id, liveness, limits)
     return table.with_entry(entry), Verdict.ACCEPTED
 
 
@@ -320,6 +330,9 @@ def admit(table: Table, record: Header, now_ms: int, liveness: Liveness,
         return Verdict.SEQ_AHEAD
     held = table.entries.get(record.node_id)
     if held is None:
+        evicted = table.evicted.get(record.node_id)
+        if evicted is not None and record.seq <= evicted[0]:
+            return Verdict.DUPLICATE if record.seq == evicted[0] else Verdict.REPLAY
         if len(table.entries) >= limits.max_records and fair_donor(table, record.peer_id) is None:
             return Verdict.TABLE_FULL
         if table.signed_by(record.peer_id) >= limits.max_records_per_signer:
@@ -371,12 +384,29 @@ def _eviction_order(entry: Entry) -> tuple[bool, bool, int, str]:
     return record.node_id == record.peer_id, record.state != "Dead", entry.fresh_ms, record.node_id
 
 
-def _make_room(table: Table, signer: PeerId) -> Table:
-    """``table`` less the entry that a new node of ``signer``'s takes the place of; called
-    only once :func:`admit` found a donor and the record's signature verified."""
+def _make_room(table: Table, signer: PeerId, liveness: Liveness, limits: RegistryLimits) -> Table:
+    """``table`` less the entry that a new node of ``signer``'s takes the place of, which is
+    remembered in :attr:`Table.evicted`; called only once :func:`admit` found a donor and
+    the record's signature verified."""
     victim = fair_victim(table, signer)
     assert victim is not None, "admit() lets a new node into a full table only if a donor holds more"
-    return table.without(victim)
+    entry = table.entries[victim]
+    seq = max(signed.record.seq for signed in entry.envelopes())
+    # A replayed record has ts_ms <= seq (a publisher's seq never trails its clock) and is
+    # refused as too old once ts_ms is a drop horizon behind (at most the longest one).
+    evicted = dict(table.evicted)  # a copy, in C: a sync may evict thousands
+    evicted[victim] = (seq, seq + int(_longest_drop_s(liveness) * 1000))
+    if len(evicted) > limits.max_records:  # the earliest evicted goes (expire() drops the stale)
+        del evicted[next(iter(evicted))]
+    smaller = table.without(victim)
+    object.__setattr__(smaller, "evicted", MappingProxyType(evicted))
+    return smaller
+
+
+def _longest_drop_s(liveness: Liveness) -> float:
+    """The drop horizon of a record announcing the longest heartbeat believed."""
+    announced = max(liveness.max_heartbeat_s, liveness.heartbeat_s)
+    return liveness.drop_after_s * announced / liveness.heartbeat_s
 
 
 def _newer(held: Entry | None, record: Header) -> tuple[bool, bool]:
@@ -412,9 +442,10 @@ def expire(table: Table, now_ms: int, liveness: Liveness) -> Table:
     """
     keep = {node: entry for node, entry in table.entries.items()
             if entry.fresh_ms >= now_ms - liveness.for_record(entry.record).drop_after_s * 1000}  # fmt: skip
-    if len(keep) == len(table.entries):
+    evicted = {node: row for node, row in table.evicted.items() if row[1] >= now_ms}
+    if len(keep) == len(table.entries) and len(evicted) == len(table.evicted):
         return table
-    return Table(MappingProxyType(keep))
+    return Table(MappingProxyType(keep), MappingProxyType(evicted) if evicted else MappingProxyType({}))
 
 
 def remove(table: Table, node_id: str) -> Table:

@@ -437,3 +437,42 @@ def test_the_registry_service_counts_what_it_evicts() -> None:
     assert service._validate(MALLORY.peer_id, newcomer)
     assert service._take(newcomer, "gossip") is Verdict.ACCEPTED
     assert service.drops[Eviction.FAIR_SHARE] == 1 and service.table.signed_by(ALICE.peer_id) == 5
+
+
+def test_a_node_evicted_for_fair_share_cannot_be_brought_back_by_replaying_an_older_record() -> None:
+    # Forgetting a node only at its drop horizon meant nothing forgotten could be replayed
+    # (its records were all too old by then). An eviction forgets it early: a stranger who
+    # kept a departed node's last Ready record replayed it once the table had room, and the
+    # node was Ready again (fresh as a record received now) on that peer for a whole liveness
+    # cycle, so routes went to a peer that had left.
+    table = _filled([(ALICE, 5), (MALLORY, 1)])
+    ready = _node(ALICE, "n4", seq=NOW + 5000, ts_ms=NOW + 5000)  # what the stranger kept
+    table, _ = apply(table, ready, NOW + 5000, LIVE, limits=SHARED)
+    table, _ = apply(table, _node(ALICE, "n4", seq=NOW + 6000, ts_ms=NOW + 6000, state="Dead"), NOW + 6000, LIVE, limits=SHARED)
+    later = NOW + 9000
+    table, verdict = apply(table, _node(Identity.generate(), None, ts_ms=later), later, LIVE, limits=SHARED)
+    departed = legacy_node_id(ALICE.peer_id, "n4")
+    assert verdict is Verdict.ACCEPTED and departed not in table.entries  # evicted: Dead first
+    table = table.without(MALLORY.peer_id)  # room again (a node expired, or left)
+    assert admit(table, ready.record, later, LIVE, SHARED) is Verdict.REPLAY
+    assert apply(table, ready, later, LIVE, limits=SHARED)[1] is Verdict.REPLAY
+    # The evicted node's own newer records still come back (as fair share allows).
+    newer = _node(ALICE, "n4", seq=later, ts_ms=later)
+    table, verdict = apply(table, newer, later, LIVE, limits=SHARED)
+    assert verdict is Verdict.ACCEPTED and table.get(departed) is not None
+    # What is remembered of evicted nodes is forgotten at their records' drop horizon.
+    horizon = later + int(LIVE.for_record(dataclasses.replace(ready.record, heartbeat_ms=300_000)).drop_after_s * 1000) + 70_000
+    assert not expire(table, horizon, LIVE).evicted
+
+
+def test_what_is_remembered_of_evicted_nodes_is_bounded() -> None:
+    limits = RegistryLimits(max_records=4, max_records_per_signer=64)
+    table = _filled([(ALICE, 4)], limits)
+    at = NOW + 10_000
+    for i in range(12):  # each fresh identity takes the place of one of Alice's legacy nodes...
+        newcomer = _node(Identity.generate(), None, ts_ms=at)
+        table, _ = apply(table, newcomer, at, LIVE, limits=limits)
+        table, _ = apply(table, _node(ALICE, f"m{i}", seq=at, ts_ms=at), at, LIVE, limits=limits)  # ...and she vouches anew
+        table = table.without(newcomer.record.node_id)
+        at += 1000
+    assert 0 < len(table.evicted) <= limits.max_records
