@@ -34,9 +34,17 @@ connect, a direct-link ticket, a vocab fetch, up to 4 artifact reads and 4 small
 requests; identify's own. 64 leaves it room for bursts and never binds it."""
 
 TOTAL_STREAMS = 4096
-"""Inbound streams of all peers together. py-libp2p's one semaphore of 10,000 is shared with
-the streams this peer opens, which wait when it is empty: 4,096 inbound keeps more than half
-of it for our own (64 identities at their cap fill this; 156 used to fill the library's)."""
+"""Inbound streams of all peers together, beyond each one's :data:`RESERVED_STREAMS`.
+py-libp2p's one semaphore of 10,000 is shared with the streams this peer opens, which wait
+when it is empty: 4,096 plus the reserves (2,400 at 300 connections) keep a third of it for
+our own (156 identities used to fill the library's)."""
+
+RESERVED_STREAMS = 8
+"""Each peer's first inbound streams, which :data:`TOTAL_STREAMS` does not count: an honest
+neighbour's usual half dozen (a forward stream, a ping, pubsub, a sync, a peer exchange, a
+ticket) still open however many strangers fill the total (64 identities at their cap did,
+and every other peer's new streams were then refused). What they can hold on top of the
+total is this many per connection: 2,400 at the pruner's 300 connections."""
 
 DEFAULT_PROTOCOL_STREAMS = 8
 """Per peer and protocol, unless the protocol's handler asks for another number: a
@@ -125,7 +133,10 @@ class InboundStreams:
 
     def guard_peer(self, handler: RawHandler) -> RawHandler:
         def claims(peer: object) -> list[_Claim]:
-            return [_Claim(self.peers, peer, None, Refusal.PEER), _Claim(self.total, _ALL, None, Refusal.TOTAL)]
+            own = _Claim(self.peers, peer, None, Refusal.PEER)
+            if self.peers.held(peer) < RESERVED_STREAMS:
+                return [own]
+            return [own, _Claim(self.total, _ALL, None, Refusal.TOTAL)]
 
         return self._guarded(handler, "any", claims)
 

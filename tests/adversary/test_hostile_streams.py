@@ -28,7 +28,7 @@ from p2p.host import P2PHost, open_host
 from p2p.identity import Identity
 from p2p.latency import PROTOCOL as PING
 from p2p.latency import LatencyMonitor
-from p2p.stream_quota import PEER_STREAMS
+from p2p.stream_quota import PEER_STREAMS, Refusal
 
 KiB = 1024
 OWN_STREAMS = 4
@@ -193,3 +193,22 @@ async def test_a_peer_leaving_the_probe_targets_and_coming_back_leaves_no_stream
                 # The failover probe opens a stream of its own: it was reset on arrival.
                 assert await monitor.responds(target.peer_id)
                 nursery.cancel_scope.cancel()
+
+
+async def test_strangers_filling_the_total_leave_an_honest_peer_its_first_streams() -> None:
+    # The total cap is shrunk to 16 so that one stranger fills it; before, once it was full
+    # every other peer's new stream was refused (64 free identities fill the real 4,096).
+    with trio.fail_after(60):
+        async with victim_with_ping() as victim, victim_with_ping() as honest:
+            victim.inbound.total.cap = 16
+            async with hostile_peer(victim.multiaddrs()[0], gossip=False) as evil:
+                lift_backlog(evil)
+                muxer = connection(evil.host, evil.target).muxed_conn
+                for _ in range(64):
+                    await muxer.open_stream()
+                await trio.sleep(0.5)
+                assert victim.inbound.refused.counts[Refusal.TOTAL] > 0  # full: the stranger's are refused
+                await honest.connect(victim.multiaddrs()[0])
+                for _ in range(3):
+                    with trio.fail_after(5):
+                        await ping(honest, victim.peer_id)
