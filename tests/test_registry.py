@@ -246,24 +246,32 @@ async def test_heartbeats_are_slim_and_details_go_out_on_change_no_faster_than_t
     assert service.own(ALICE.peer_id).samples == moved
 
 
-async def test_a_heartbeat_without_known_details_asks_its_connected_owner_once() -> None:
-    class Connected(_Wire):
-        def __init__(self, connected: set[str]) -> None:
-            super().__init__()
-            self.connected = connected
+class _Connected(_Wire):
+    def __init__(self, connected: set[str]) -> None:
+        super().__init__()
+        self.connected = connected
 
-        def is_connected(self, peer: str) -> bool:
-            return peer in self.connected
+    def is_connected(self, peer: str) -> bool:
+        return peer in self.connected
 
+
+def _asking(connected: set[str]) -> tuple[RegistryService, list[str]]:
+    """A service connected to ``connected``, and the peers it asks for a sync (recorded, not
+    asked)."""
     asked: list[str] = []
-    bob = Identity.generate()
-    service = RegistryService(Connected({ALICE.peer_id}), Identity.generate(), LIVE, clock=lambda: NOW)  # type: ignore[arg-type]
+    service = RegistryService(_Connected(connected), Identity.generate(), LIVE, clock=lambda: NOW)  # type: ignore[arg-type]
 
     async def sync_with(peer: str) -> int:
         asked.append(peer)
         return 0
 
     service.sync_with = sync_with  # type: ignore[method-assign]
+    return service, asked
+
+
+async def test_a_heartbeat_without_known_details_asks_its_connected_owner_once() -> None:
+    bob = Identity.generate()
+    service, asked = _asking({ALICE.peer_id})
     async with trio.open_nursery() as nursery:
         service._nursery = nursery
         for seq in (2, 3):  # two heartbeats, one question
@@ -277,19 +285,7 @@ async def test_a_heartbeat_without_known_details_asks_its_connected_owner_once()
 async def test_an_owner_whose_many_nodes_lack_details_is_asked_once() -> None:
     """One pull of the owner's table brings every node's details: a peer vouching for 64
     legacy nodes used to make us pull its table once per node heartbeat."""
-
-    class Connected(_Wire):
-        def is_connected(self, peer: str) -> bool:
-            return peer == ALICE.peer_id
-
-    asked: list[str] = []
-    service = RegistryService(Connected(), Identity.generate(), LIVE, clock=lambda: NOW)  # type: ignore[arg-type]
-
-    async def sync_with(peer: str) -> int:
-        asked.append(peer)
-        return 0
-
-    service.sync_with = sync_with  # type: ignore[method-assign]
+    service, asked = _asking({ALICE.peer_id})
     async with trio.open_nursery() as nursery:
         service._nursery = nursery
         for i in range(5):

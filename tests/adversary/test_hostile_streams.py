@@ -72,6 +72,15 @@ async def open_idle(evil: HostilePeer, protocol: str, n: int) -> int:
     return opened
 
 
+async def open_unnegotiated(evil: HostilePeer, n: int) -> None:
+    """Open ``n`` raw yamux streams that never say which protocol they want."""
+    lift_backlog(evil)
+    muxer = connection(evil.host, evil.target).muxed_conn
+    for _ in range(n):
+        await muxer.open_stream()
+    await trio.sleep(0.5)
+
+
 async def settle(victim: P2PHost, peer: PeerId, at_most: int) -> None:
     with trio.move_on_after(3):
         while live_streams(victim, peer) > at_most:
@@ -108,11 +117,7 @@ async def test_streams_that_never_negotiate_count_against_the_peer() -> None:
     with trio.fail_after(60):
         async with victim_with_ping() as victim:
             async with hostile_peer(victim.multiaddrs()[0], gossip=False) as evil:
-                lift_backlog(evil)
-                muxer = connection(evil.host, evil.target).muxed_conn
-                for _ in range(300):
-                    await muxer.open_stream()
-                await trio.sleep(0.5)
+                await open_unnegotiated(evil, 300)
                 await settle(victim, evil.peer_id, PEER_STREAMS + OWN_STREAMS)
                 # Its streams, plus the few the victim opened to it (pubsub, identify).
                 assert live_streams(victim, evil.peer_id) <= PEER_STREAMS + OWN_STREAMS
@@ -130,9 +135,7 @@ async def test_an_honest_peer_is_served_while_a_stranger_holds_its_cap() -> None
                 lift_backlog(evil)
                 with trio.move_on_after(20):
                     await open_idle(evil, PING, 300)
-                    muxer = connection(evil.host, evil.target).muxed_conn
-                    for _ in range(300):
-                        await muxer.open_stream()
+                    await open_unnegotiated(evil, 300)
                 for _ in range(3):
                     with trio.fail_after(5):
                         await ping(honest, victim.peer_id)
@@ -202,11 +205,7 @@ async def test_strangers_filling_the_total_leave_an_honest_peer_its_first_stream
         async with victim_with_ping() as victim, victim_with_ping() as honest:
             victim.inbound.total.cap = 16
             async with hostile_peer(victim.multiaddrs()[0], gossip=False) as evil:
-                lift_backlog(evil)
-                muxer = connection(evil.host, evil.target).muxed_conn
-                for _ in range(64):
-                    await muxer.open_stream()
-                await trio.sleep(0.5)
+                await open_unnegotiated(evil, 64)
                 assert victim.inbound.refused.counts[Refusal.TOTAL] > 0  # full: the stranger's are refused
                 await honest.connect(victim.multiaddrs()[0])
                 for _ in range(3):
