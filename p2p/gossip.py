@@ -20,6 +20,7 @@ readers take ``service.table`` and never see a half-applied update.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -265,7 +266,7 @@ class RegistryService:
         async with events:
             async for event in events:
                 if event.connected and self._may_sync_on_connect(event.peer):
-                    nursery.start_soon(self.sync_with, event.peer)
+                    nursery.start_soon(functools.partial(self.sync_with, event.peer, prompted=True))
 
     def _may_sync_on_connect(self, peer: PeerId) -> bool:
         now = trio.current_time()
@@ -285,21 +286,22 @@ class RegistryService:
 
     # ---------------------------------------------------------- anti-entropy
 
-    async def sync_with(self, peer: PeerId) -> int:
-        """Pull ``peer``'s whole table; returns how many records changed ours.
+    async def sync_with(self, peer: PeerId, *, prompted: bool = False) -> int:
+        """Pull ``peer``'s whole table; returns how many records changed ours. ``prompted``:
+        a neighbour's doing, not our choice (see :meth:`SyncBudget.may_ask`).
 
         Never raises: whatever the neighbour answers (or does not) is confined here, since
         this runs in the service's nursery, where one escaping error would end the peer."""
         try:
-            return await self._pull(peer)
+            return await self._pull(peer, prompted)
         except Exception:  # a bug must cost one sync, never the peer
             self.drops.count(Reason.HANDLER_FAILED)
             log.exception("registry sync with %s failed unexpectedly", peer)
             return 0
 
-    async def _pull(self, peer: PeerId) -> int:
+    async def _pull(self, peer: PeerId, prompted: bool) -> int:
         async with self._syncing:
-            if not self.sync_budget.may_ask():
+            if not self.sync_budget.may_ask(prompted=prompted):
                 self.drops.count(SyncDrop.BUDGET_SPENT)
                 return 0
             return await self._pull_one(peer)
@@ -502,7 +504,7 @@ class RegistryService:
         if len(self._asked) >= self.limits.max_records:
             self._asked.clear()
         self._asked[owner] = now
-        self._nursery.start_soon(self.sync_with, owner)
+        self._nursery.start_soon(functools.partial(self.sync_with, owner, prompted=True))
 
     def _set_table(self, table: Table, notify: bool = True) -> None:
         if table is self.table:

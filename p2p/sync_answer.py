@@ -77,10 +77,16 @@ class SyncBudget:
         full_table = 2 * limits.max_records * (PEEK_COST + DECODE_COST)
         return cls(full_table * 5 // 4)
 
-    def may_ask(self) -> bool:
+    def may_ask(self, *, prompted: bool = False) -> bool:
         """Whether a sync may be asked for: the budget could pay for the largest answer's
-        parse (an eighth of the budget, if that is less), so every answer we ask for is read."""
-        return self.left() >= min(self.capacity // 8, answer_cost(MAX_ANSWER_BYTES))
+        parse (an eighth of the budget, if that is less), so every answer we ask for is read.
+
+        A sync a neighbour prompted (by connecting, or by gossiping a node whose details we
+        lack) leaves half the budget untouched: fresh identities connecting one after the
+        other could otherwise keep it spent, and with it the syncs we choose (joining
+        through a bootstrap peer, the periodic one), for as long as they kept at it."""
+        floor = min(self.capacity // 8, answer_cost(MAX_ANSWER_BYTES))
+        return self.left() >= floor + (self.capacity // 2 if prompted else 0)
 
     def _refill(self) -> None:
         now = self.clock()

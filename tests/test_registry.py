@@ -261,7 +261,8 @@ def _asking(connected: set[str]) -> tuple[RegistryService, list[str]]:
     asked: list[str] = []
     service = RegistryService(_Connected(connected), Identity.generate(), LIVE, clock=lambda: NOW)  # type: ignore[arg-type]
 
-    async def sync_with(peer: str) -> int:
+    async def sync_with(peer: str, *, prompted: bool = False) -> int:
+        assert prompted, "a heartbeat lacking details is the neighbour's doing, not our choice"
         asked.append(peer)
         return 0
 

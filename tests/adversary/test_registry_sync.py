@@ -166,7 +166,8 @@ async def test_a_neighbour_that_reconnects_is_not_synced_with_again_at_once() ->
     service = _service(host)
     synced: list[str] = []
 
-    async def sync_with(peer: str) -> int:
+    async def sync_with(peer: str, *, prompted: bool = False) -> int:
+        assert prompted, "a neighbour connecting is its doing, not our choice"
         synced.append(peer)
         return 0
 
@@ -306,3 +307,19 @@ def test_gossiped_stale_and_over_quota_records_are_refused_before_they_are_typed
     assert service._validate(MALLORY.peer_id, fresh.encode())
     assert service._take(fresh.encode(), "gossip") is Verdict.ACCEPTED
     assert (work.typed, work.verified) == (typed_before + 1, verified_before + 1)
+
+
+async def test_syncs_strangers_prompt_leave_half_the_budget_for_the_ones_we_choose() -> None:
+    """Fresh identities connecting one after the other, each answering with a few cheap
+    refusals, kept the budget spent and every sync waiting, ours too (an audit): now what a
+    neighbour prompts stops at half the budget, and the periodic and joining syncs still run."""
+    from p2p.sync_answer import SyncBudget
+
+    host = _Neighbour([_wire(_legacy(MALLORY, "n0"))])
+    service = _service(host)
+    service.sync_budget = SyncBudget(100_000, clock=lambda: 0.0)
+    assert service.sync_budget.spend(60_000)  # 40% left: strangers' answers spent the rest
+    assert await service.sync_with(MALLORY.peer_id, prompted=True) == 0
+    assert host.asked == 0
+    assert await service.sync_with(MALLORY.peer_id) == 1
+    assert host.asked == 1
