@@ -386,11 +386,10 @@ class RegistryService:
     def _admit(self, header: Header, answer: SyncAnswer) -> Verdict | SyncDrop | None:
         """What the table's rules say of a record from its header alone (counted if refused),
         or None if it is worth typing and verifying."""
-        verdict: Verdict | SyncDrop | None = self._on_header(header)
+        verdict = self._on_header(header)
         if verdict is None and not answer.node_turn(header.node_id):
-            verdict = SyncDrop.NODE_REPEATED
-        if isinstance(verdict, SyncDrop) or (verdict is not None and verdict.rejected):
-            self.drops.count(verdict)
+            self.drops.count(SyncDrop.NODE_REPEATED)
+            return SyncDrop.NODE_REPEATED
         return verdict
 
     async def _serve_sync(self, stream: FramedStream, remote: PeerId) -> None:
@@ -421,8 +420,6 @@ class RegistryService:
         opened = open_envelope(data)
         early = self._on_header(opened.header())
         if early is not None:
-            if early.rejected:
-                self.drops.count(early)
             return early
         return self._accept(decode_opened(opened), via, notify=notify)
 
@@ -442,11 +439,15 @@ class RegistryService:
         return None
 
     def _on_header(self, header: Header) -> Verdict | None:
-        """The verdict of the table's rules (and bans) on a record's header, or None if only
-        its typing and signature are left to check."""
+        """The verdict of the table's rules (and bans) on a record's header, counted if it
+        refuses the record, or None if only its typing and signature are left to check."""
         if self._is_banned(header.node_id):
-            return Verdict.BANNED
-        return admit(self.table, header, self.clock(), self.liveness, self.limits)
+            verdict: Verdict | None = Verdict.BANNED
+        else:
+            verdict = admit(self.table, header, self.clock(), self.liveness, self.limits)
+        if verdict is not None and verdict.rejected:
+            self.drops.count(verdict)
+        return verdict
 
     def _validate(self, origin: PeerId, data: bytes) -> bool:
         """Gossip's check before a message is delivered or forwarded: the header first (a
@@ -457,7 +458,6 @@ class RegistryService:
             early = self._on_header(opened.header())
             if early is not None:
                 if early.rejected:
-                    self.drops.count(early)
                     log.debug("rejected a record from %s: %s", origin, early.value)
                 return not early.rejected
             signed = decode_opened(opened)
