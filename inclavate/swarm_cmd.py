@@ -1,7 +1,10 @@
 """``inclavate swarm``: a whole swarm on this machine, one process per peer, until Ctrl-C.
 
 The quickest way to see Inclavate work: N peers split the model's layers evenly, find each
-other through the first one, and every one of them serves the full REST API.
+other through the first one, and every one of them serves the full REST API. With
+``--replicas`` each range has that many holders and the swarm goes on when peers exit: a
+``kill -9`` shows failover, and killing every holder of a range shows healing (a peer of a
+range held twice moves there).
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p = subparsers.add_parser(
         "swarm",
         help="run a local swarm: several peers on this machine, each holding part of the model",
-        description="Start PEERS peers as separate processes on 127.0.0.1, each holding an equal "
-        "share of the model's layers, connected over libp2p. Every peer serves the REST API "
-        "(ports API_PORT, API_PORT+1, ...). Runs until Ctrl-C.",
+        description="Start PEERS x REPLICAS peers as separate processes on 127.0.0.1: the model's "
+        "layers in PEERS equal ranges, each held by REPLICAS peers, connected over libp2p. Every "
+        "peer serves the REST API "
+        "(ports API_PORT, API_PORT+1, ...). Runs until Ctrl-C; with one replica, until a peer exits "
+        "too (nothing can take its layers over).",
     )
     p.add_argument("--model", default="smollm2:135m", help="model id (default smollm2:135m)")
-    p.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    p.add_argument("--peers", type=int, default=3, help="number of layer ranges, each held by its own peer(s) (default 3)")
+    p.add_argument("--replicas", type=int, default=1, choices=range(1, 5), metavar="{1..4}",
+                   help="peers holding each range (default 1); with 2 or more the swarm outlives its "
+                        "peers: kill one (the pids are printed) and its streams carry on through the "
+                        "others; kill every holder of a range and a spare moves there")  # fmt: skip
     p.add_argument("--api-port", type=int, default=8001, help="API port of the first peer (default 8001)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f32",
                    help="hidden-state precision between the local peers (default f32: loopback has "
@@ -52,15 +61,16 @@ def _swarm(args: argparse.Namespace) -> int:
     # user could read it in `ps`.
     env = {ADMIN_TOKEN_ENV: args.admin_token} if args.admin_token else {}
     workdir = home / "swarm"
-    print(f"starting {args.peers} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
-    with open_swarm(workdir, args.peers, args.wire_dtype, env) as swarm:
+    count = args.peers * args.replicas
+    print(f"starting {count} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
+    with open_swarm(workdir, count, args.wire_dtype, env) as swarm:
         try:
             peers = start_peers(swarm, spec.model_id, spec.n_layers, args.peers, args.api_port,
-                                report=lambda line: print(line, file=sys.stderr))  # fmt: skip
+                                report=lambda line: print(line, file=sys.stderr), replicas=args.replicas)  # fmt: skip
         except SwarmError as exc:
             raise ConfigError(f"the local swarm did not start: {exc}") from exc
         _print_usage(peers[0].url, spec.model_id)
-        return _serve_until_interrupted(swarm)
+        return _serve_until_interrupted(swarm, stop_on_exit=args.replicas == 1)
 
 
 def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None) -> LocalSwarm:
@@ -78,20 +88,20 @@ def local_peer_args(threads: int, wire_dtype: str) -> list[str]:
 
 
 def start_peers(swarm: LocalSwarm, model_id: str, n_layers: int, peers: int, api_port: int | None,
-                report: Callable[[str], None] = lambda _: None) -> list[PeerProcess]:  # fmt: skip
-    """Start ``peers`` peers holding an equal share of the layers each, the first one the
-    others' bootstrap (API ports from ``api_port`` up; None: free ports), and wait until
-    they cover the model."""
-    ranges = split_evenly(n_layers, peers)
-    first = swarm.start("peer-1", model_id, "--layers", str(ranges[0]), api_port=api_port)
+                report: Callable[[str], None] = lambda _: None, replicas: int = 1) -> list[PeerProcess]:  # fmt: skip
+    """Start ``replicas`` peers for each of ``peers`` equal shares of the layers (a range's
+    holders one after the other), the first one the others' bootstrap (API ports from
+    ``api_port`` up; None: free ports), and wait until they cover the model."""
+    layout = [r for r in split_evenly(n_layers, peers) for _ in range(replicas)]
+    first = swarm.start("peer-1", model_id, "--layers", str(layout[0]), api_port=api_port)
     started = [first] + [
         swarm.start(f"peer-{i + 1}", model_id, "--layers", str(r), bootstrap=first,
                     api_port=None if api_port is None else api_port + i)  # fmt: skip
-        for i, r in enumerate(ranges[1:], start=1)
+        for i, r in enumerate(layout[1:], start=1)
     ]
-    for peer, layers in zip(started, ranges):
+    for peer, layers in zip(started, layout):
         swarm.wait_ready(peer)
-        report(f"  {peer.name}: layers {layers} ready, API {peer.url}")
+        report(f"  {peer.name}: layers {layers} ready, API {peer.url}, pid {peer.process.pid}")
     swarm.wait(lambda: first.get("/api/models")[0]["chain_complete"], 30, "a complete chain")
     return started
 
@@ -105,14 +115,23 @@ def _print_usage(url: str, model_id: str) -> None:
     print(f"\nAny peer answers; see {url}/nodes and {url}/api/models. Ctrl-C stops the swarm.", flush=True)
 
 
-def _serve_until_interrupted(swarm: LocalSwarm) -> int:
+def _serve_until_interrupted(swarm: LocalSwarm, *, stop_on_exit: bool) -> int:
+    """Until Ctrl-C or SIGTERM (0), or until a peer exits if ``stop_on_exit`` (every range
+    held once: its layers are gone for good), else until every peer has (1). An exit the
+    swarm outlives is reported: its sessions fail over, and a range left without a holder
+    is healed by a spare."""
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    reported: set[str] = set()
     try:
         while not stop["now"]:
-            dead = [p for p in swarm.peers if not p.alive()]
-            if dead:
-                print(f"{dead[0].name} exited; its log:\n{dead[0].log_tail()}", file=sys.stderr)
+            for peer in swarm.peers:
+                if not peer.alive() and peer.name not in reported:
+                    reported.add(peer.name)
+                    print(f"{peer.name} exited; its log:\n{peer.log_tail()}", file=sys.stderr)
+                    if stop_on_exit:
+                        return 1
+            if len(reported) == len(swarm.peers):
                 return 1
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -1,0 +1,102 @@
+"""``inclavate swarm`` as a user runs it: with ``--replicas`` the swarm outlives its peers. A
+killed peer's range is still held, and once every holder of a range is killed a spare moves
+there (healing), the swarm serving the same answers all along."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from conftest import DEFAULT_MODEL, TEST_HOME
+
+from inclavate.local_swarm import free_port, request_json
+from inclavate.ports import port_in_use
+
+READY = re.compile(r"(peer-\d+): layers (\d+-\d+) ready, API (\S+), pid (\d+)")
+
+
+def _four_free_ports() -> int:
+    while True:
+        port = free_port()
+        if all(port_in_use("127.0.0.1", port + i) is None for i in range(1, 4)):
+            return port
+
+
+def _lines(stream: object, into: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        into.put(line)
+
+
+def _until(lines: queue.Queue[str], pattern: str, deadline: float, seen: list[str]) -> re.Match[str]:
+    while True:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        seen.append(line)
+        if match := re.search(pattern, line):
+            return match
+
+
+def _chat(url: str, within_s: float = 0) -> str:
+    """A greedy answer from ``url``; retried for up to ``within_s`` while the swarm heals (a
+    range without a live holder is a 503 meanwhile)."""
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    deadline = time.monotonic() + within_s
+    while True:
+        status, answer = request_json("POST", url + "/v1/chat/completions", body, timeout=60)
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert status == 200, answer
+    return answer["choices"][0]["message"]["content"]
+
+
+def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
+    port = _four_free_ports()
+    swarm = subprocess.Popen(
+        [sys.executable, "-m", "inclavate", "swarm", "--peers", "2", "--replicas", "2", "--api-port", str(port)],
+        env={**os.environ, "INCLAVATE_HOME": str(TEST_HOME)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=_lines, args=(swarm.stderr, lines), daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        ready = [_until(lines, READY.pattern, deadline, seen) for _ in range(4)]
+        peers = {m[1]: (m[2], m[3], int(m[4])) for m in ready}
+        assert [layers for layers, _, _ in peers.values()] == ["0-15", "0-15", "15-30", "15-30"]
+        entry = peers["peer-1"][1]
+        before = _chat(entry)
+
+        os.kill(peers["peer-4"][2], signal.SIGKILL)
+        _until(lines, r"peer-4 exited", time.monotonic() + 30, seen)
+        assert _chat(entry) == before  # through peer-3 now
+        assert swarm.poll() is None
+
+        os.kill(peers["peer-3"][2], signal.SIGKILL)  # layers 15-30 have no holder left
+        _until(lines, r"peer-3 exited", time.monotonic() + 30, seen)
+        assert _chat(entry, within_s=120) == before  # peer-2 moved there
+        assert swarm.poll() is None
+        os.killpg(swarm.pid, signal.SIGINT)
+        assert swarm.wait(timeout=60) == 0
+    except (queue.Empty, AssertionError):
+        print("".join(seen), file=sys.stderr)
+        raise
+    finally:
+        if swarm.poll() is None:
+            os.killpg(swarm.pid, signal.SIGINT)
+            try:
+                swarm.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(swarm.pid, signal.SIGKILL)
+                swarm.wait()
+        reader.join(timeout=10)  # the pipe's end: the swarm and its peers are gone
+        assert swarm.stderr is not None
+        swarm.stderr.close()
