@@ -71,7 +71,12 @@ class Liveness:
 
     def for_record(self, record: Header) -> Liveness:
         """The thresholds for a node that announced ``record.heartbeat_ms``."""
-        announced = min(record.heartbeat_ms / 1000, self.max_heartbeat_s)
+        return self.for_interval(record.heartbeat_ms / 1000)
+
+    def for_interval(self, announced_s: float) -> Liveness:
+        """The thresholds for a node beating every ``announced_s`` (believed up to
+        :attr:`max_heartbeat_s`)."""
+        announced = min(announced_s, self.max_heartbeat_s)
         if announced <= self.heartbeat_s:
             return self
         k = announced / self.heartbeat_s
@@ -220,32 +225,36 @@ class Table:
         node_id, signer = entry.record.node_id, entry.record.peer_id
         new = node_id not in entries
         entries[node_id] = entry
-        table = self._successor(entries, signer, (lambda nodes: nodes | {node_id}) if new else None)
-        if node_id in self.evicted:  # back with a newer record: the entry holds its seq now
-            evicted = dict(self.evicted)
-            del evicted[node_id]
-            object.__setattr__(table, "evicted", MappingProxyType(evicted))
+        evicted = self.evicted
+        if node_id in evicted:  # back with a newer record: the entry holds its seq now
+            kept = dict(evicted)  # a copy, in C
+            del kept[node_id]
+            evicted = MappingProxyType(kept)
+        table = self._successor(entries, signer, (lambda nodes: nodes | {node_id}) if new else None, evicted)
         if "_largest" in self.__dict__:  # only ``signer`` may have grown
             grown = (table.signed_by(signer), signer)
             table.__dict__["_largest"] = grown if self._largest is None else max(self._largest, grown)
         return table
 
-    def without(self, node_id: NodeId) -> Table:
+    def without(self, node_id: NodeId, evicted: Mapping[NodeId, tuple[int, int]] | None = None) -> Table:
         """This table less ``node_id``'s entry (the signer who held the most is found again
-        when next asked: it may be the one that shrank)."""
+        when next asked: it may be the one that shrank), remembering ``evicted`` (default:
+        what this table remembers)."""
         entry = self.entries.get(node_id)
         if entry is None:
             return self
         entries = dict(self.entries)
         del entries[node_id]
-        return self._successor(entries, entry.record.peer_id, lambda nodes: nodes - {node_id})
+        return self._successor(entries, entry.record.peer_id, lambda nodes: nodes - {node_id},
+                               self.evicted if evicted is None else evicted)  # fmt: skip
 
     def _successor(self, entries: dict[NodeId, Entry], signer: PeerId,
-                   change: Callable[[frozenset[NodeId]], frozenset[NodeId]] | None) -> Table:  # fmt: skip
+                   change: Callable[[frozenset[NodeId]], frozenset[NodeId]] | None,
+                   evicted: Mapping[NodeId, tuple[int, int]]) -> Table:  # fmt: skip
         """A table of ``entries``, which differ from ours in one node of ``signer``'s: our
         signer index carried over if we built it (a copy, in C), with ``change`` applied to
         ``signer``'s nodes (None: they are the same nodes)."""
-        table = Table(MappingProxyType(entries), self.evicted)
+        table = Table(MappingProxyType(entries), evicted)
         if "_by_signer" in self.__dict__:
             index = self._by_signer
             if change is not None:
@@ -395,18 +404,10 @@ def _make_room(table: Table, signer: PeerId, liveness: Liveness, limits: Registr
     # A replayed record has ts_ms <= seq (a publisher's seq never trails its clock) and is
     # refused as too old once ts_ms is a drop horizon behind (at most the longest one).
     evicted = dict(table.evicted)  # a copy, in C: a sync may evict thousands
-    evicted[victim] = (seq, seq + int(_longest_drop_s(liveness) * 1000))
+    evicted[victim] = (seq, seq + int(liveness.for_interval(liveness.max_heartbeat_s).drop_after_s * 1000))
     if len(evicted) > limits.max_records:  # the earliest evicted goes (expire() drops the stale)
         del evicted[next(iter(evicted))]
-    smaller = table.without(victim)
-    object.__setattr__(smaller, "evicted", MappingProxyType(evicted))
-    return smaller
-
-
-def _longest_drop_s(liveness: Liveness) -> float:
-    """The drop horizon of a record announcing the longest heartbeat believed."""
-    announced = max(liveness.max_heartbeat_s, liveness.heartbeat_s)
-    return liveness.drop_after_s * announced / liveness.heartbeat_s
+    return table.without(victim, MappingProxyType(evicted))
 
 
 def _newer(held: Entry | None, record: Header) -> tuple[bool, bool]:
@@ -445,7 +446,7 @@ def expire(table: Table, now_ms: int, liveness: Liveness) -> Table:
     evicted = {node: row for node, row in table.evicted.items() if row[1] >= now_ms}
     if len(keep) == len(table.entries) and len(evicted) == len(table.evicted):
         return table
-    return Table(MappingProxyType(keep), MappingProxyType(evicted) if evicted else MappingProxyType({}))
+    return Table(MappingProxyType(keep), MappingProxyType(evicted))
 
 
 def remove(table: Table, node_id: str) -> Table:
