@@ -24,6 +24,8 @@ from enum import Enum
 
 from libp2p.abc import INetStream
 
+from inclavate.untrusted import DropCounter
+
 logger = logging.getLogger(__name__)
 
 PEER_STREAMS = 64
@@ -90,17 +92,6 @@ class StreamQuota:
         return len(self._live)
 
 
-class RefusalCounter:
-    """Refused streams by :class:`Refusal`, for tests and the log."""
-
-    def __init__(self) -> None:
-        self.counts: dict[Refusal, int] = dict.fromkeys(Refusal, 0)
-
-    def count(self, reason: Refusal, peer: object, protocol: str) -> None:
-        self.counts[reason] += 1
-        logger.debug("refused an inbound %s stream from %s: %s", protocol, peer, reason.value)
-
-
 RawHandler = Callable[[INetStream], Awaitable[None]]
 
 
@@ -129,7 +120,8 @@ class InboundStreams:
         self.peers = StreamQuota(per_peer)
         self.protocols = StreamQuota(per_protocol)
         self.total = StreamQuota(total)
-        self.refused = RefusalCounter()
+        self.refused = DropCounter()
+        """Refused streams, by :class:`Refusal`."""
 
     def guard_peer(self, handler: RawHandler) -> RawHandler:
         def claims(peer: object) -> list[_Claim]:
@@ -156,7 +148,8 @@ class InboundStreams:
             try:
                 for claim in claims(peer):
                     if not claim.quota.take(claim.key, claim.cap):
-                        self.refused.count(claim.reason, peer, name)
+                        self.refused.count(claim.reason)
+                        logger.debug("refused an inbound %s stream from %s: %s", name, peer, claim.reason.value)
                         with contextlib.suppress(Exception):  # the stranger may be gone already
                             await stream.reset()
                         return

@@ -104,7 +104,7 @@ async def test_a_stranger_holds_at_most_its_cap_of_idle_ping_streams() -> None:
                 await settle(victim, evil.peer_id, 2 + 2)  # its ping cap, plus its sync and peer exchange answers
                 assert live_streams(victim, evil.peer_id) <= 4
                 assert victim.inbound.protocols.held((ID.from_base58(evil.peer_id), PING)) == 2
-                assert sum(victim.inbound.refused.counts.values()) >= 298
+                assert victim.inbound.refused.total() >= 298
             # The stranger left: nothing of it stays counted.
             with trio.fail_after(5):
                 while len(victim.inbound.peers) or len(victim.inbound.protocols):
@@ -206,7 +206,7 @@ async def test_strangers_filling_the_total_leave_an_honest_peer_its_first_stream
             victim.inbound.total.cap = 16
             async with hostile_peer(victim.multiaddrs()[0], gossip=False) as evil:
                 await open_unnegotiated(evil, 64)
-                assert victim.inbound.refused.counts[Refusal.TOTAL] > 0  # full: the stranger's are refused
+                assert victim.inbound.refused[Refusal.TOTAL] > 0  # full: the stranger's are refused
                 await honest.connect(victim.multiaddrs()[0])
                 for _ in range(3):
                     with trio.fail_after(5):
