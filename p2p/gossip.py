@@ -8,10 +8,11 @@
   the records a peer receives per second stay bounded (docs/ARCHITECTURE.md has the model).
 * A topic validator runs the registry's own rules (:func:`p2p.registry.apply`) on every
   message, so forged, replayed or future-dated records are neither delivered nor forwarded.
-* Anti-entropy (``/inclavate/registry-sync/1``): on every new connection, and every
+* Anti-entropy (``/inclavate/registry-sync/2``): on every new connection, and every
   ``sync_interval`` with a random neighbour, a peer asks for the neighbour's whole table, so
-  a joining or reconnecting peer does not wait for heartbeats to learn the swarm. An answer
-  costs what it brings, per answer and over time (:mod:`p2p.sync_answer`).
+  a joining or reconnecting peer does not wait for heartbeats to learn the swarm. The answer
+  comes in pages, smallest records first; it costs what it brings, per answer and over time
+  (:mod:`p2p.sync_answer`), and a peer sends at most a few answers at once.
 * The table is aged every second (Degraded, Dead, then dropped).
 
 The table itself is an immutable :class:`~p2p.registry.Table` swapped on every change;
@@ -21,16 +22,15 @@ readers take ``service.table`` and never see a half-applied update.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
 
 from inclavate.types import NodeId, PeerId
-from inclavate.untrusted import DropCounter, Malformed, Reason, as_str, parse_json, read_list
+from inclavate.untrusted import DropCounter, Malformed, Reason, as_str, parse_json, read_bool, read_list
 from p2p.coverage import ModelCoverage, model_coverage
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
@@ -42,18 +42,24 @@ from p2p.registry import Cadence, Eviction, Header, Liveness, NodeView, Registry
 from p2p.sync_answer import (
     DECODE_COST,
     MAX_ANSWER_BYTES,
+    MAX_PAGE_BYTES,
     PEEK_COST,
+    SERVES_AT_ONCE,
     SyncAnswer,
     SyncBudget,
     SyncDrop,
     answer_cost,
+    answer_pages,
 )
 
 log = logging.getLogger(__name__)
 
 TOPIC = "inclavate/registry/1"
-SYNC_PROTOCOL = "/inclavate/registry-sync/1"
+SYNC_PROTOCOL = "/inclavate/registry-sync/2"
 _SYNC_TIMEOUT_S = 10.0
+"""For the request, and for each page of the answer."""
+_SYNC_ANSWER_S = 120.0
+"""For a whole answer (44 MiB at 3 MB/s), so that no neighbour holds our syncs up longer."""
 _VALIDATED_KEPT = 64
 """Validated envelopes awaiting delivery (a miss only costs decoding again)."""
 _DETAILS_ASK_S = 30.0
@@ -95,6 +101,7 @@ class RegistryService:
         self._synced_on_connect: dict[PeerId, float] = {}
         """When we last synced with a neighbour because it connected (bounded by the table)."""
         self._syncing = trio.Lock()
+        self._serving = trio.CapacityLimiter(SERVES_AT_ONCE)
         """One sync at a time: each may hold a 64 MiB answer and a second of decoding."""
         self.sync_budget = sync_budget or SyncBudget.for_limits(limits)
         """The decode work all syncs together may make us do (:mod:`p2p.sync_answer`)."""
@@ -222,9 +229,8 @@ class RegistryService:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.host.set_topic_validator(TOPIC, self._validate)
-        # A neighbour syncs once per connection (at most every 30 s); each answer holds our
-        # whole table (up to tens of MiB) until the asker has read it: 2 at a time.
-        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=MAX_ANSWER_BYTES,
+        # A neighbour syncs once per connection (at most every 30 s): 2 at a time.
+        self.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync, max_frame_size=MAX_PAGE_BYTES,
                                      max_streams_per_peer=2)
         messages = await self.host.subscribe(TOPIC)
         events = self.host.connection_events()
@@ -307,53 +313,80 @@ class RegistryService:
             return await self._pull_one(peer)
 
     async def _pull_one(self, peer: PeerId) -> int:
+        answer = self._new_answer()
         try:
-            stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=MAX_ANSWER_BYTES)
-            async with stream:
-                await stream.send(b"{}", timeout=5.0)
-                payload = await stream.receive(timeout=_SYNC_TIMEOUT_S)
+            with trio.move_on_after(_SYNC_ANSWER_S):
+                stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=MAX_PAGE_BYTES)
+                async with stream:
+                    await stream.send(b"{}", timeout=5.0)
+                    read, more = 0, True
+                    while more:
+                        page = await stream.receive(timeout=_SYNC_TIMEOUT_S)
+                        read += len(page)
+                        if read > MAX_ANSWER_BYTES:
+                            answer.stopped = SyncDrop.ANSWER_TOO_LARGE
+                            self._stopped_reading(answer, peer)
+                            break
+                        more = await self._take_page(page, peer, answer)
         except P2PError as exc:
             log.debug("registry sync with %s failed: %s", peer, exc)
-            return 0
-        return await self.take_answer(payload, peer)
+        finally:
+            if answer.accepted:
+                self._notify()
+        return answer.accepted
 
-    async def take_answer(self, payload: bytes, peer: PeerId) -> int:
-        """Apply ``peer``'s sync answer as far as the budget and the answer's own refusals
-        allow (:mod:`p2p.sync_answer`); returns how many records changed our table."""
-        if not self.sync_budget.spend(answer_cost(len(payload))):
-            self.drops.count(SyncDrop.BUDGET_SPENT)
-            return 0
+    async def take_answer(self, pages: Iterable[bytes], peer: PeerId) -> int:
+        """Apply ``peer``'s sync answer, already received, as :meth:`_pull_one` applies one
+        as it arrives; returns how many records changed our table."""
+        answer = self._new_answer()
         try:
-            body = parse_json(payload, max_bytes=MAX_ANSWER_BYTES, max_depth=2)
+            for page in pages:
+                if not await self._take_page(page, peer, answer):
+                    break
+        finally:
+            if answer.accepted:
+                self._notify()
+        return answer.accepted
+
+    def _new_answer(self) -> SyncAnswer:
+        return SyncAnswer({signed.encode() for signed in self.table.signed_records()}, self.sync_budget)
+
+    async def _take_page(self, payload: bytes, peer: PeerId, answer: SyncAnswer) -> bool:
+        """Apply one page of ``peer``'s answer as far as the budget and the answer's own
+        refusals allow (:mod:`p2p.sync_answer`); True if more pages are worth reading."""
+        if not answer.pay(answer_cost(len(payload))):
+            self._stopped_reading(answer, peer)
+            return False
+        try:
+            body = parse_json(payload, max_bytes=MAX_PAGE_BYTES, max_depth=2)
             envelopes = read_list(body, "records", max_len=2 * self.limits.max_records)  # liveness + details
+            more = read_bool(body, "more", default=False)
         except Malformed as exc:
             self.drops.count(exc.reason)
             log.info("registry sync with %s: malformed answer (%s)", peer, exc)
-            return 0
-        # Applied with a checkpoint between records and one notice at the end: an answer of
-        # thousands of records must not hold the event loop (forward frames, heartbeats) for
-        # the seconds its decoding takes, nor wake every reader of the table once per record.
-        answer = SyncAnswer({signed.encode() for signed in self.table.signed_records()}, self.sync_budget)
-        accepted = 0
-        try:
-            for envelope in envelopes:
-                await trio.lowlevel.checkpoint()
-                accepted += self._take_synced(envelope, answer) is Verdict.ACCEPTED
-                if answer.stopped is not None:
-                    self.drops.count(answer.stopped)
-                    log.info("registry sync with %s: stopped reading its answer (%s)", peer, answer.stopped.value)
-                    break
-        finally:
-            if accepted:
-                self._notify()
-        return accepted
+            return False
+        # A checkpoint between records: an answer of thousands of records must not hold the
+        # event loop (forward frames, heartbeats) for the seconds its decoding takes; readers
+        # of the table are told once, at the end of the answer.
+        for envelope in envelopes:
+            await trio.lowlevel.checkpoint()
+            answer.accepted += self._take_synced(envelope, answer) is Verdict.ACCEPTED
+            if answer.stopped is not None:
+                self._stopped_reading(answer, peer)
+                return False
+        return more
+
+    def _stopped_reading(self, answer: SyncAnswer, peer: PeerId) -> None:
+        assert answer.stopped is not None
+        self.drops.count(answer.stopped)
+        log.info("registry sync with %s: stopped reading its answer (%s)", peer, answer.stopped.value)
 
     def _take_synced(self, envelope: Any, answer: SyncAnswer) -> Verdict | None:
         """One record of a sync answer, cheapest check first: held verbatim or repeated (a
         set lookup), then its header against the table's rules (a plain parse), and only
         then typed and verified. Whatever is refused counts against the answer."""
         try:
-            data = as_str(envelope, "records", max_len=MAX_ANSWER_BYTES).encode()
+            data = as_str(envelope, "records", max_len=MAX_PAGE_BYTES).encode()
         except Malformed as exc:
             self.drops.count(exc.reason)
             answer.refuse()
@@ -393,9 +426,26 @@ class RegistryService:
         return verdict
 
     async def _serve_sync(self, stream: FramedStream, remote: PeerId) -> None:
-        await stream.receive(timeout=5.0)
-        records = [s.encode().decode() for s in self.table.signed_records()]
-        await stream.send(json.dumps({"records": records}).encode(), timeout=_SYNC_TIMEOUT_S)
+        """Send our table in pages (:func:`p2p.sync_answer.answer_pages`), smallest records
+        first; :data:`SERVES_AT_ONCE` answers at a time in all, since any number of
+        identities may ask. Honest records are 1-8 KB, and whoever bloats the table does it
+        with large ones, which then come last, where the asker's byte cap stops reading."""
+        try:
+            self._serving.acquire_nowait()
+        except trio.WouldBlock:
+            self.drops.count(SyncDrop.SERVES_BUSY)
+            await stream.reset()
+            return
+        try:
+            await stream.receive(timeout=5.0)
+            with trio.fail_after(_SYNC_ANSWER_S):
+                envelopes = sorted((signed.encode() for signed in self.table.signed_records()), key=len)
+                for page in answer_pages(envelopes):
+                    await stream.send(page, timeout=_SYNC_TIMEOUT_S)
+        except trio.TooSlowError:
+            await stream.reset()
+        finally:
+            self._serving.release()
 
     # -------------------------------------------------------------- internals
 

@@ -21,14 +21,23 @@ the answer, cost a set lookup; the others are opened and their header read (a pl
 from __future__ import annotations
 
 import enum
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from inclavate.types import NodeId
 from p2p.registry import RegistryLimits
 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
-"""The largest sync answer read (4,096 nodes' full records and heartbeats take ~44 MiB)."""
+"""The most of one sync answer read (4,096 nodes' full records and heartbeats take ~44 MiB);
+the rest of a larger one is not."""
+PAGE_BYTES = 512 * 1024
+"""An answer is sent in pages of about this much, each its own frame."""
+MAX_PAGE_BYTES = 2 * 1024 * 1024
+"""A page's frame limit: one record at its largest (a 256 KiB envelope whose every byte JSON
+escapes as ``\\u00XX``: 1.5 MiB) fits in one page."""
+SERVES_AT_ONCE = 4
+"""Sync answers this peer sends at once, to all askers together; one more is refused."""
 ANSWER_BYTES_PER_UNIT = 32 * 1024
 """Parsing an answer costs ~6 ms per MiB on the 2-core VM: one unit per 32 KiB is ~1.3x that."""
 PEEK_COST = 1
@@ -52,6 +61,10 @@ class SyncDrop(enum.Enum):
     """The answer had refused :data:`MAX_REFUSALS` records: the rest was not read."""
     BUDGET_SPENT = "sync_budget_spent"
     """The sync budget was spent: the rest of the answer was not read, or none was asked for."""
+    ANSWER_TOO_LARGE = "sync_answer_too_large"
+    """The answer went on past :data:`MAX_ANSWER_BYTES`: the rest was not read."""
+    SERVES_BUSY = "sync_serves_busy"
+    """An asker was refused an answer: :data:`SERVES_AT_ONCE` were being sent."""
 
 
 class SyncBudget:
@@ -107,6 +120,29 @@ class SyncBudget:
         return True
 
 
+def answer_pages(envelopes: Iterable[bytes]) -> Iterator[bytes]:
+    """The frames of a sync answer, ``{"records": [envelope, ...], "more": bool}``, each
+    page built only when the one before it has been taken.
+
+    Why pages: an answer in one frame held the whole table, encoded (~3x its size at the
+    peak), for every asker at once, and a table bloated with records padded to the limit
+    outgrew any frame an asker would take, so no peer could sync at all."""
+    page: list[str] = []
+    size = 0
+    for envelope in envelopes:
+        item = json.dumps(envelope.decode())
+        if page and size + len(item) > PAGE_BYTES:
+            yield _page(page, more=True)
+            page, size = [], 0
+        page.append(item)
+        size += len(item) + 1
+    yield _page(page, more=False)
+
+
+def _page(items: list[str], *, more: bool) -> bytes:
+    return f'{{"records":[{",".join(items)}],"more":{"true" if more else "false"}}}'.encode()
+
+
 def answer_cost(size: int) -> int:
     """What parsing an answer of ``size`` bytes costs, in budget units (at least one)."""
     return 1 + size // ANSWER_BYTES_PER_UNIT
@@ -120,6 +156,8 @@ class SyncAnswer:
         """The envelopes we hold, as we would send them (and so as the neighbour does)."""
         self.budget = budget
         self.refusals = 0
+        self.accepted = 0
+        """Records of this answer that changed our table."""
         self.stopped: SyncDrop | None = None
         self._seen: set[bytes] = set()
         self._per_node: dict[NodeId, int] = {}

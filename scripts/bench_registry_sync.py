@@ -1,8 +1,8 @@
 """What one registry-sync answer costs its receiver, in-process (no network).
 
-We ask every neighbour that connects for its whole table (``/inclavate/registry-sync/1``),
+We ask every neighbour that connects for its whole table (``/inclavate/registry-sync/2``),
 so a stranger chooses the answer. Each scenario hands a :class:`p2p.gossip.RegistryService`
-one answer (:meth:`~p2p.gossip.RegistryService.take_answer`), as large as the protocol allows (8,192 envelopes, 64 MiB),
+one answer (:meth:`~p2p.gossip.RegistryService.take_answer`), as large as an asker reads (8,192 envelopes, 64 MiB, in pages),
 and reports the CPU time the sync took (``time.process_time``, best of ``--rounds``), per
 answer and per envelope, with how many envelopes were typed by the schema and how many
 signatures were checked:
@@ -36,6 +36,7 @@ from p2p.gossip import RegistryService
 from p2p.identity import Identity
 from p2p.records import NodeRecord, SignedRecord, legacy_node_id, now_ms, slim_record
 from p2p.registry import Liveness, Table, apply
+from p2p.sync_answer import answer_pages
 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
 MAX_ENVELOPES = 8192
@@ -52,8 +53,8 @@ class Work:
     accepted: int
 
 
-def answer(envelopes: list[SignedRecord]) -> bytes:
-    """The sync answer carrying as many of ``envelopes`` as the protocol allows."""
+def answer(envelopes: list[SignedRecord]) -> list[bytes]:
+    """The sync answer's pages carrying as many of ``envelopes`` as an asker reads."""
     texts: list[str] = []
     size = 16
     for signed in envelopes[:MAX_ENVELOPES]:
@@ -62,7 +63,7 @@ def answer(envelopes: list[SignedRecord]) -> bytes:
         if size > MAX_ANSWER_BYTES:
             break
         texts.append(text)
-    return json.dumps({"records": texts}).encode()
+    return list(answer_pages(text.encode() for text in texts))
 
 
 def _counting(module: object, name: str, counter: list[int]) -> Callable[[], None]:
@@ -83,18 +84,18 @@ def service_holding(table: Table) -> RegistryService:
     return service
 
 
-def sync_once(service: RegistryService, payload: bytes) -> Work:
+def sync_once(service: RegistryService, pages: list[bytes]) -> Work:
     """CPU of taking one sync answer into ``service``."""
     typed, verified = [0], [0]
     restore = [_counting(record_schema, "decode_record", typed), _counting(records, "verify", verified)]
     try:
         started = time.process_time()
-        accepted = trio.run(service.take_answer, payload, PeerId("neighbour"))
+        accepted = trio.run(service.take_answer, pages, PeerId("neighbour"))
         cpu = time.process_time() - started
     finally:
         for undo in restore:
             undo()
-    count = len(json.loads(payload)["records"])
+    count = sum(len(json.loads(page)["records"]) for page in pages)
     return Work(cpu, count, typed[0], verified[0], accepted)
 
 
@@ -121,13 +122,13 @@ def holding(envelopes: list[SignedRecord]) -> Table:
     return table
 
 
-def scenarios(nodes: int) -> dict[str, tuple[bytes, Table]]:
+def scenarios(nodes: int) -> dict[str, tuple[list[bytes], Table]]:
     ts = now_ms()
     # A 300 s heartbeat keeps the records inside the drop horizon (2.5 h) for the whole run.
     full = sample_record(Identity.generate(), full=True).replace(heartbeat_ms=300_000, seq=ts, ts_ms=ts)
     honest, ids = swarm(nodes, full)
     held = holding(honest)
-    out: dict[str, tuple[bytes, Table]] = {}
+    out: dict[str, tuple[list[bytes], Table]] = {}
 
     mallory = Identity.generate()
     one_signer = [SignedRecord.sign(_node(mallory, full, node_id=legacy_node_id(mallory.peer_id, f"n{i % 64}"),
@@ -159,23 +160,24 @@ def main() -> int:
     args = parser.parse_args()
     print(f"building the answers ({args.nodes} honest nodes, {MAX_ENVELOPES} hostile envelopes)...", flush=True)
     answers = scenarios(args.nodes)
-    for name, (payload, table) in answers.items():
+    for name, (pages, table) in answers.items():
         if args.only not in name:
             continue
-        runs = [sync_once(service_holding(table), payload) for _ in range(args.rounds)]
-        report(name, min(runs, key=lambda w: w.cpu_s), len(payload))
+        runs = [sync_once(service_holding(table), pages) for _ in range(args.rounds)]
+        report(name, min(runs, key=lambda w: w.cpu_s), pages)
     if args.stream:
-        payload, table = answers["hostile: a fresh signer per record"]
+        pages, table = answers["hostile: a fresh signer per record"]
         service = service_holding(table)
         for k in range(args.stream):  # each answer from a new stranger, at once: the budget does not refill
             service.table = Table()  # the table emptied, as if the last answer's nodes had expired
-            report(f"stream of strangers, answer {k + 1}", sync_once(service, payload), len(payload))
+            report(f"stream of strangers, answer {k + 1}", sync_once(service, pages), pages)
     return 0
 
 
-def report(name: str, work: Work, size: int) -> None:
+def report(name: str, work: Work, pages: list[bytes]) -> None:
     per = work.cpu_s / work.envelopes * 1e6 if work.envelopes else 0.0
-    print(f"{name}: {work.envelopes} envelopes, {size / 2**20:.1f} MiB; CPU {work.cpu_s:.2f} s ({per:.0f} us per "
+    size = sum(map(len, pages))
+    print(f"{name}: {work.envelopes} envelopes, {size / 2**20:.1f} MiB in {len(pages)} pages; CPU {work.cpu_s:.2f} s ({per:.0f} us per "
           f"envelope); typed {work.typed}, signatures {work.verified}, accepted {work.accepted}", flush=True)  # fmt: skip
 
 

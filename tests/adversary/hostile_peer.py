@@ -1,7 +1,7 @@
 """A stranger's libp2p peer, built on the project's own stack, for adversarial tests.
 
 It speaks every Inclavate protocol but says whatever a test scripts: arbitrary replies on
-``/inclavate/registry-sync/1`` and ``/inclavate/peers/1``, signed or unsigned gossip
+``/inclavate/registry-sync/2`` and ``/inclavate/peers/1``, signed or unsigned gossip
 envelopes on the registry topic, admin commands, and raw frames on any protocol (the forward
 protocol included). Nothing here validates anything: that is the point.
 

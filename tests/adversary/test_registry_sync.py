@@ -1,4 +1,4 @@
-"""A neighbour's answer to our registry sync (``/inclavate/registry-sync/1``) is hostile input
+"""A neighbour's answer to our registry sync (``/inclavate/registry-sync/2``) is hostile input
 we asked for: we ask on every connection, so a stranger can make us read one as often as it
 reconnects, and identities are free. What it may cost us is bounded: records repeated in one
 answer are decoded once, a long answer is applied with the event loop still turning, and a
@@ -12,6 +12,7 @@ timed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,25 +21,29 @@ from typing import Any, Self
 
 import pytest
 import trio
+import trio.testing
 from registry_helpers import signed
 
 from inclavate.types import PeerId
-from p2p import record_schema
+from p2p import gossip, record_schema
 from p2p import records as records_module
-from p2p.gossip import RegistryService
+from p2p.errors import P2PError
+from p2p.framing import FramedStream
+from p2p.gossip import SYNC_PROTOCOL, RegistryService
 from p2p.identity import Identity
 from p2p.records import SignedRecord, legacy_node_id, slim_record
 from p2p.registry import Liveness, RegistryLimits, Verdict
+from p2p.sync_answer import MAX_PAGE_BYTES, SERVES_AT_ONCE, SyncDrop, answer_pages
 
 NOW = 1_000_000
 ME, MALLORY = Identity.generate(), Identity.generate()
 
 
 class _Answer:
-    """A sync stream whose far end answers ``payload``."""
+    """A sync stream whose far end answers ``pages``, one frame each."""
 
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
+    def __init__(self, pages: list[bytes]) -> None:
+        self.pages = list(pages)
 
     async def __aenter__(self) -> Self:
         return self
@@ -52,7 +57,12 @@ class _Answer:
 
     async def receive(self, timeout: float) -> bytes:
         await trio.lowlevel.checkpoint()
-        return self.payload
+        return self.pages.pop(0)
+
+
+def _pages(records: list[str]) -> list[bytes]:
+    """An answer of ``records`` in their order, in pages as a peer sends them."""
+    return list(answer_pages(r.encode() for r in records))
 
 
 class _Neighbour:
@@ -60,12 +70,12 @@ class _Neighbour:
     ``more`` in turn, the last one for ever)."""
 
     def __init__(self, records: list[str], *more: list[str]) -> None:
-        self.payloads = [json.dumps({"records": r}).encode() for r in (records, *more)]
+        self.answers = [_pages(r) for r in (records, *more)]
         self.asked = 0
 
     async def new_stream(self, peer: PeerId, protocol: str, *, timeout: float, max_frame_size: int) -> _Answer:
         self.asked += 1
-        return _Answer(self.payloads[min(self.asked, len(self.payloads)) - 1])
+        return _Answer(self.answers[min(self.asked, len(self.answers)) - 1])
 
     def is_connected(self, peer: PeerId) -> bool:
         return False
@@ -323,3 +333,69 @@ async def test_syncs_strangers_prompt_leave_half_the_budget_for_the_ones_we_choo
     assert host.asked == 0
     assert await service.sync_with(MALLORY.peer_id) == 1
     assert host.asked == 1
+
+
+class _Linked:
+    """A host whose sync streams reach ``server``'s handler through the real framing, with
+    the frame limit the asker opens its stream with at both ends."""
+
+    def __init__(self, server: RegistryService, nursery: trio.Nursery) -> None:
+        self.server, self.nursery = server, nursery
+
+    async def new_stream(self, peer: PeerId, protocol: str, *, timeout: float, max_frame_size: int) -> FramedStream:
+        ours, theirs = trio.testing.memory_stream_pair()
+        served = FramedStream.over_trio(theirs, max_frame_size=max_frame_size)
+        self.nursery.start_soon(self._serve, served)
+        return FramedStream.over_trio(ours, max_frame_size=max_frame_size)
+
+    async def _serve(self, stream: FramedStream) -> None:
+        with contextlib.suppress(P2PError):  # the asker may stop reading; the host confines this
+            await self.server._serve_sync(stream, ME.peer_id)
+
+    def is_connected(self, peer: PeerId) -> bool:
+        return False
+
+
+def _padded(signer: Identity, name: str) -> SignedRecord:
+    """A legal record near the size limit: ~60 KB of characters JSON escapes."""
+    hardware = {f"k{k}": "\x01" * 1000 for k in range(10)}
+    return _legacy(signer, name, hardware=hardware)
+
+
+async def test_a_table_bloated_past_the_answer_limit_still_syncs_its_honest_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strangers' records padded to the size limit made a peer's table outgrow the largest
+    answer an asker reads: the answer, one frame, failed for every asker, and no peer could
+    sync. Sent in pages, smallest first, the honest records arrive before the padding, and
+    the asker stops reading at its byte cap."""
+    monkeypatch.setattr(gossip, "MAX_ANSWER_BYTES", 1024 * 1024)
+    server = _service(_Neighbour([]))
+    honest = [_legacy(MALLORY, f"honest{i}") for i in range(10)]
+    bloat = [_padded(Identity.generate(), "pad") for _ in range(24)]
+    _holding(server, bloat[:12] + honest + bloat[12:])
+    assert sum(len(r.encode()) for r in bloat) > gossip.MAX_ANSWER_BYTES
+    async with trio.open_nursery() as nursery:
+        asker = _service(_Linked(server, nursery))
+        accepted = await asker.sync_with(MALLORY.peer_id)
+    assert all(asker.table.get(r.record.node_id) is not None for r in honest)
+    assert 10 <= accepted < len(honest) + len(bloat)
+    assert asker.drops[SyncDrop.ANSWER_TOO_LARGE] == 1
+
+
+async def test_a_peer_sends_only_a_few_sync_answers_at_once() -> None:
+    """Any number of identities may ask for our table, each for as long as it reads slowly;
+    every answer in flight held the whole table encoded. Beyond a few at once, an asker is
+    refused at once (and counted)."""
+    server = _service(_Neighbour([]))
+    _holding(server, [_padded(Identity.generate(), "pad") for _ in range(12)])
+    askers: list[FramedStream] = []
+    async with trio.open_nursery() as nursery:
+        host = _Linked(server, nursery)
+        for _ in range(SERVES_AT_ONCE + 2):  # none of them reads its answer
+            stream = await host.new_stream(MALLORY.peer_id, SYNC_PROTOCOL, timeout=5.0, max_frame_size=MAX_PAGE_BYTES)
+            await stream.send(b"{}", timeout=5.0)
+            askers.append(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.drops[SyncDrop.SERVES_BUSY] == 2
+        first = await askers[0].receive(timeout=5.0)  # the ones served are answered all the same
+        assert json.loads(first)["records"]
+        nursery.cancel_scope.cancel()
