@@ -22,9 +22,11 @@ from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError
 from inclavate.generate_cmd import split_evenly
 from inclavate.local_swarm import LocalSwarm, PeerProcess, SwarmError, split_cores
+from inclavate.ports import port_in_use
 from inclavate.progress import Progress
 from inclavate.store import ModelStore
 from inclavate.tensors import WIRE_DTYPES
+from p2p.identity import load_or_create_identity
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +93,37 @@ def start_peers(swarm: LocalSwarm, model_id: str, n_layers: int, peers: int, api
                 report: Callable[[str], None] = lambda _: None, replicas: int = 1) -> list[PeerProcess]:  # fmt: skip
     """Start ``replicas`` peers for each of ``peers`` equal shares of the layers (a range's
     holders one after the other), the first one the others' bootstrap (API ports from
-    ``api_port`` up; None: free ports), and wait until they cover the model."""
+    ``api_port`` up; None: free ports), and wait until they cover the model.
+
+    The peers are one operator's, so each trusts the others' admin commands: an admin
+    request to any of them reaches a node another one holds."""
     layout = [r for r in split_evenly(n_layers, peers) for _ in range(replicas)]
-    first = swarm.start("peer-1", model_id, "--layers", str(layout[0]), api_port=api_port)
-    started = [first] + [
-        swarm.start(f"peer-{i + 1}", model_id, "--layers", str(r), bootstrap=first,
-                    api_port=None if api_port is None else api_port + i)  # fmt: skip
-        for i, r in enumerate(layout[1:], start=1)
-    ]
+    names = [f"peer-{i + 1}" for i in range(len(layout))]
+    if api_port is not None:
+        _refuse_taken_ports(range(api_port, api_port + len(layout)))
+    ids = {name: load_or_create_identity(swarm.workdir / name).peer_id for name in names}
+
+    def start(i: int, bootstrap: PeerProcess | None = None) -> PeerProcess:
+        trust = [arg for name in names if name != names[i] for arg in ("--admin-peer", ids[name])]
+        return swarm.start(names[i], model_id, "--layers", str(layout[i]), *trust, bootstrap=bootstrap,
+                           api_port=None if api_port is None else api_port + i)  # fmt: skip
+
+    first = start(0)
+    started = [first] + [start(i, first) for i in range(1, len(layout))]
     for peer, layers in zip(started, layout):
         swarm.wait_ready(peer)
         report(f"  {peer.name}: layers {layers} ready, API {peer.url}, pid {peer.process.pid}")
     swarm.wait(lambda: first.get("/api/models")[0]["chain_complete"], 30, "a complete chain")
     return started
+
+
+def _refuse_taken_ports(ports: range) -> None:
+    """Before any peer starts: a peer whose API port is taken exits, but only after the
+    readiness probe, asking that port, may have found another swarm's peer there."""
+    for port in ports:
+        if (exc := port_in_use("127.0.0.1", port)) is not None:
+            raise SwarmError(f"API port {port} is taken ({exc.strerror}): is another swarm running? "
+                             f"Choose other ports with --api-port")  # fmt: skip
 
 
 def _print_usage(url: str, model_id: str) -> None:

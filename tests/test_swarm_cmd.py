@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from inclavate.local_swarm import free_port, request_json
 from inclavate.ports import port_in_use
 
 READY = re.compile(r"(peer-\d+): layers (\d+-\d+) ready, API (\S+), pid (\d+)")
+TOKEN = "a-token-for-this-test"
 
 
 def _four_free_ports() -> int:
@@ -59,7 +61,8 @@ def _chat(url: str, within_s: float = 0) -> str:
 def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
     port = _four_free_ports()
     swarm = subprocess.Popen(
-        [sys.executable, "-m", "inclavate", "swarm", "--peers", "2", "--replicas", "2", "--api-port", str(port)],
+        [sys.executable, "-m", "inclavate", "swarm", "--peers", "2", "--replicas", "2", "--api-port", str(port),
+         "--admin-token", TOKEN],
         env={**os.environ, "INCLAVATE_HOME": str(TEST_HOME)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
@@ -74,6 +77,11 @@ def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
         assert [layers for layers, _, _ in peers.values()] == ["0-15", "0-15", "15-30", "15-30"]
         entry = peers["peer-1"][1]
         before = _chat(entry)
+        # An admin request to any peer acts on a node another one holds: they trust each other.
+        _, far = request_json("GET", peers["peer-4"][1] + "/health")
+        status, answer = request_json("PATCH", f"{entry}/admin/nodes/{far['peer_id']}/state", {"state": "ready"},
+                                      headers={"X-Admin-Token": TOKEN})  # fmt: skip
+        assert status == 200, answer
 
         os.kill(peers["peer-4"][2], signal.SIGKILL)
         _until(lines, r"peer-4 exited", time.monotonic() + 30, seen)
@@ -100,3 +108,18 @@ def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
         reader.join(timeout=10)  # the pipe's end: the swarm and its peers are gone
         assert swarm.stderr is not None
         swarm.stderr.close()
+
+
+def test_a_taken_api_port_is_refused_before_any_peer_starts() -> None:
+    """Before, the first peer's readiness probe could find another swarm's peer on that port
+    and report this swarm ready; only then did its own peer exit."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "inclavate", "swarm", "--api-port", str(port)],
+                              env={**os.environ, "INCLAVATE_HOME": str(TEST_HOME)}, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0
+    assert f"API port {port} is taken" in done.stderr
+    assert not READY.search(done.stderr)
