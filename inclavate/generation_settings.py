@@ -15,6 +15,11 @@ variable                                   default   meaning
 ``DPPAN_GENERATION_QUEUE_MAX``             32        queued + running jobs accepted; more is 429
 ``DPPAN_GENERATION_HISTORY_MAX``           10000     finished job records kept (oldest forgotten)
 =========================================  ========  ==============================================
+
+``DPPAN_SPEECH_MODEL`` and ``DPPAN_SPEECH_MMPROJ`` (the spec's speech model named by file, a
+GGUF and its audio projector) stop the peer with a message: this build runs the speech
+models ``inclavate pull --speech`` installs and no projector yet, and a peer that ignored
+them would offer no speech while its operator believes it does.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from inclavate.errors import ConfigError
 
 MAX_DEADLINE_S = 24 * 3600.0
+UNSUPPORTED = ("DPPAN_SPEECH_MODEL", "DPPAN_SPEECH_MMPROJ")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,12 @@ class GenerationSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> GenerationSettings:
+        for name in UNSUPPORTED:
+            if env.get(name, "").strip():
+                raise ConfigError(f"{name} is not supported by this build (a speech model named by file needs a "
+                                  "projector, not implemented yet): unset it and install a speech model with "
+                                  "`inclavate pull --speech piper:joe` (or whisper:tiny.en), which every peer "
+                                  "started afterwards offers")  # fmt: skip
         return cls(
             default_deadline_s=_seconds(env, "DPPAN_GENERATION_DEADLINE_SECS", 600.0, MAX_DEADLINE_S),
             speech_sync_timeout_s=_seconds(env, "DPPAN_SPEECH_SYNC_TIMEOUT_SECS", 120.0),
