@@ -140,6 +140,7 @@ def parse_chat_request(body: object, limits: RequestLimits) -> ChatRequest:
     n = body.get("n")
     if n is not None and (_is_bool(n) or n != 1):
         raise BadRequest("n must be 1: one choice per request")
+    _refuse_what_cannot_be_honoured(body)
     stream_options = _opt(body, "stream_options", _object, {})
     return ChatRequest(
         model=_string(body.get("model"), "model", nonempty=True),
@@ -163,6 +164,19 @@ def parse_chat_request(body: object, limits: RequestLimits) -> ChatRequest:
         # refused before any of its media is decoded.
         messages=_messages(body.get("messages"), limits),
     )
+
+
+def _refuse_what_cannot_be_honoured(body: Mapping[str, Any]) -> None:
+    """OpenAI fields this server accepts only in their default form. Ignored, a request for
+    JSON output or for log probabilities got prose without them and no sign of why; their
+    defaults (``{"type": "text"}``, ``false``), which some clients always send, pass."""
+    response_format = _opt(body, "response_format", _object, {"type": "text"})
+    kind = response_format.get("type")
+    if kind != "text":
+        raise BadRequest(f"response_format {kind!r} is not supported: output cannot be constrained to JSON "
+                         "here; ask for JSON in the messages and parse the reply")  # fmt: skip
+    if _opt(body, "logprobs", _boolean, False) or body.get("top_logprobs") is not None:
+        raise BadRequest("logprobs are not supported: leave logprobs and top_logprobs out (or false)")
 
 
 # --- scalar fields --------------------------------------------------------------------

@@ -103,6 +103,8 @@ def test_openai_sdk_leniency() -> None:
         user="u-1",
         n=None,
         stream_options=None,
+        response_format={"type": "text"},
+        top_logprobs=None,
     )
     assert (request.max_tokens, request.temperature, request.stop) == (64, 0.8, ("###",))
     assert parse(max_tokens=7, max_completion_tokens=7).max_tokens == 7
@@ -224,6 +226,12 @@ def test_tools_and_tool_choice() -> None:
         ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
         ({"generation_max_duration_seconds": 0}, "generation_max_duration_seconds"),
         ({"generation_voice": 2}, "generation_voice"),
+        # Asked for, these would be silently ignored: the reply would not be what was asked.
+        ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "'json_schema'"),
+        ({"response_format": "json"}, "response_format must be an object"),
+        ({"logprobs": True}, "logprobs are not supported"),
+        ({"top_logprobs": 3}, "logprobs are not supported"),
     ],
 )
 def test_malformed_field_names_the_field(fields: dict[str, Any], fragment: str) -> None:
