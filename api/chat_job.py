@@ -29,7 +29,7 @@ from api.chat_model import ChatModel, PreparedPrompt
 from api.chat_request import ChatMessage, ChatRequest, Role, parse_chat_request
 from api.content import TextPart
 from api.context import PeerContext
-from api.errors import UnknownModel
+from api.errors import BadRequest, UnknownModel
 from api.generation import Generation, GenerationResult
 from api.generation_tools import GenerationTool, offered_tools, start_generations
 from api.media import require_modalities
@@ -95,6 +95,16 @@ def _user_text_chars(request: ChatRequest) -> int:
     return sum(len(template_message(m)["content"].strip()) for m in request.messages if m.role is Role.USER)
 
 
+def _require_tools_if_demanded(request: ChatRequest, chat: ChatModel) -> None:
+    """A request that demands a tool call (``tool_choice`` ``required`` or a named function)
+    from a model whose template cannot offer tools would get prose instead: refused. With
+    ``auto`` the model may answer in prose anyway, so that passes."""
+    choice = request.tool_choice
+    if choice is not None and choice.mode in ("required", "function") and not chat.supports_tools:
+        raise BadRequest(f"model {request.model!r} cannot call tools (supports_tools is false in /api/models): "
+                         "tool_choice cannot be required or name a function")  # fmt: skip
+
+
 async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
     """``raw``: the request body, size-checked by the caller."""
     request, user_chars = await trio.to_thread.run_sync(_parse, raw, ctx, limiter=_PREPARE)
@@ -102,6 +112,7 @@ async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
         raise UnknownModel(f"model {request.model!r} is not in the registry")
     chat = await ctx.chat_model(request.model)
     require_modalities(request, chat.input_modalities)
+    _require_tools_if_demanded(request, chat)
     generation_tools: tuple[GenerationTool, ...] = ()
     if ctx.generations is not None and request.tool_choice is not None and chat.supports_tools:
         generation_tools = offered_tools(ctx.generations.capabilities(), request)

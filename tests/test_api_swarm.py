@@ -130,6 +130,15 @@ def test_documented_errors(swarm) -> None:
     envelope = media.value.response.json()["error"]
     assert envelope["type"] == envelope["code"] == "unsupported_modality" and "message" in envelope
 
+    # smollm2's template offers no tools: a demanded call would have been answered in prose.
+    weather = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as tools:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, tools=weather, tool_choice="required")
+    assert "cannot call tools" in tools.value.response.json()["error"]
+    with pytest.raises(openai.BadRequestError) as structured:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, response_format={"type": "json_object"})
+    assert "response_format" in structured.value.response.json()["error"]
+
     malformed = httpx.post(peer.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert malformed.status_code == 400 and "not valid JSON" in malformed.json()["error"]
     missing = httpx.post(peer.url + "/v1/chat/completions", json={"model": MODEL})
