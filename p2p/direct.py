@@ -20,7 +20,9 @@ issued the ticket to, so every frame on it is as authenticated as one over libp2
 stranger's connection is closed at once when its first 24 bytes are not a live ticket, or
 after ``hello_timeout_s`` when they do not come; when too many wait, a newcomer closes the
 oldest waiting one of the source holding the most, so a flood of silent connections cannot
-lock honest dialers out. Tickets and connections are bounded per peer and in all. Whoever
+lock honest dialers out. Tickets and live links are bounded per peer and in all, and a full
+table makes room the same way: the oldest ticket (link) of the peer holding the most goes,
+never the newcomer, since identities cost nothing to make. Whoever
 cannot make a direct connection (firewall, NAT, an older peer) uses the libp2p stream, as
 before: :meth:`DirectLinks.open` fails fast and remembers the failure for a while.
 """
@@ -32,8 +34,9 @@ import os
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
@@ -53,6 +56,7 @@ _MAX_PROTOCOL_BYTES = 128
 _CONTROL_FRAME_BYTES = 256
 
 DirectHandler = Callable[[SealedStream, PeerId], Awaitable[None]]
+_K = TypeVar("_K")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class DirectLimits:
     tickets_per_peer: int = 4
     """Unused tickets one peer may hold; asking for more drops its oldest."""
     max_tickets: int = 1024
+    """Unused tickets in all. One more drops the oldest ticket of the peer holding the most
+    (refusing the newcomer let free identities re-asking every ``ticket_ttl_s`` hold the table
+    and refuse every honest dial)."""
     hello_timeout_s: float = 2.0
     """An accepted TCP connection must show its ticket within this, or it is closed."""
     max_unauthenticated: int = 64
@@ -70,8 +77,18 @@ class DirectLimits:
     links_per_peer: int = 4
     """Live inbound direct connections of one peer (one per protocol and direction is normal)."""
     max_links: int = 512
+    """Live inbound direct connections in all. One more closes the oldest link of the peer
+    holding the most (refusing the newcomer let free identities each holding
+    ``links_per_peer`` idle links refuse every honest dial)."""
     retry_after_s: float = 60.0
     """After a failed direct dial, use libp2p to that peer for this long."""
+
+
+def _oldest_of_the_most(owners: Mapping[_K, str]) -> _K:
+    """The first (oldest) key of whoever owns the most keys in ``owners`` (not empty)."""
+    held = Counter(owners.values())
+    most = max(held.values())
+    return next(key for key, owner in owners.items() if held[owner] == most)
 
 
 @dataclass(frozen=True)
@@ -118,11 +135,16 @@ class DirectLinks:
         self._pending: dict[trio.CancelScope, str] = {}
         """Connections waiting for their ticket, oldest first: the scope that evicts one, its
         source IP."""
-        self._links: dict[PeerId, int] = {}
+        self._links: dict[trio.CancelScope, PeerId] = {}
+        """Live inbound links, oldest first: the scope that closes one, its peer."""
         self._failed_until: dict[PeerId, float] = {}
         self.port: int | None = None
         self.refused = 0
         """Inbound connections closed before a handler saw them (no ticket, bounds)."""
+        self.tickets_evicted = 0
+        """Unused tickets dropped to make room for another peer's (``max_tickets``)."""
+        self.links_evicted = 0
+        """Live links closed to make room for another peer's (``max_links``)."""
 
     def set_handler(self, protocol: str, handler: DirectHandler) -> None:
         self._handlers[protocol] = handler
@@ -157,9 +179,12 @@ class DirectLinks:
         mine = [t for t, v in self._tickets.items() if v.peer == remote]
         for old in mine[: max(0, len(mine) - self.limits.tickets_per_peer + 1)]:
             del self._tickets[old]
-        if len(self._tickets) >= self.limits.max_tickets:
+        if self.limits.max_tickets < 1:
             await control.send(b"\0too many tickets outstanding", timeout=self.limits.hello_timeout_s)
             return
+        while len(self._tickets) >= self.limits.max_tickets:  # never refuse the newcomer: see max_tickets
+            del self._tickets[_oldest_of_the_most({t: v.peer for t, v in self._tickets.items()})]
+            self.tickets_evicted += 1
         grant = Grant(self.port, os.urandom(TICKET_BYTES), os.urandom(KEY_BYTES))
         self._tickets[grant.ticket] = _Ticket(remote, protocol, grant.key, self._clock() + self.limits.ticket_ttl_s)
         await control.send(grant.encode(), timeout=self.limits.hello_timeout_s)
@@ -195,39 +220,48 @@ class DirectLinks:
                 ticket = await self._read_ticket(tcp)
         finally:
             self._pending.pop(waiting, None)
-        if ticket is None or self._links.get(ticket.peer, 0) >= self.limits.links_per_peer \
-                or sum(self._links.values()) >= self.limits.max_links:  # fmt: skip
+        if ticket is None or self.limits.max_links < 1 \
+                or sum(peer == ticket.peer for peer in self._links.values()) >= self.limits.links_per_peer:  # fmt: skip
             self.refused += 1
             return
+        while len(self._links) >= self.limits.max_links:
+            self._evict_link()
         handler = self._handlers.get(ticket.protocol)
         stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
-        self._links[ticket.peer] = self._links.get(ticket.peer, 0) + 1
+        live = trio.CancelScope()
+        self._links[live] = ticket.peer
         try:
-            async with stream:
-                await stream.send(b"", timeout=self.limits.hello_timeout_s)
-                if handler is not None:
-                    await handler(stream, ticket.peer)
+            with live:  # cancelled by _evict_link: the stream is reset, the socket closed
+                async with stream:
+                    await stream.send(b"", timeout=self.limits.hello_timeout_s)
+                    if handler is not None:
+                        await handler(stream, ticket.peer)
         except P2PError as exc:
             log.debug("direct %s link from %s ended: %s", ticket.protocol, ticket.peer, exc)
         except Exception:  # noqa: BLE001 - one link's failure stays with it
             log.exception("direct %s handler failed on a link from %s", ticket.protocol, ticket.peer)
         finally:
-            left = self._links.get(ticket.peer, 1) - 1
-            if left > 0:
-                self._links[ticket.peer] = left
-            else:
-                self._links.pop(ticket.peer, None)
+            self._links.pop(live, None)
 
     def _evict_pending(self) -> None:
         """Close the oldest waiting connection of the source with the most waiting: a flood
         from one address pushes out only its own, a flood from many its oldest, so an honest
         hello is lost only if ``max_unauthenticated`` newer connections beat it (it takes
         milliseconds), never by sitting behind silent ones."""
-        held = Counter(self._pending.values())
-        most = max(held.values())
-        oldest = next(scope for scope, source in self._pending.items() if held[source] == most)
+        oldest = _oldest_of_the_most(self._pending)
         del self._pending[oldest]
         oldest.cancel()
+
+    def _evict_link(self) -> None:
+        """Close the oldest live link of the peer holding the most: its place is free at once,
+        its handler is cancelled and its socket closed, so the far end sees the link end and
+        falls back to libp2p or redials, as after any lost link. Free identities holding
+        ``links_per_peer`` links each push out only their own; a peer holding one link loses
+        it only when every peer holds one and ``max_links`` newer ones arrive."""
+        oldest = _oldest_of_the_most(self._links)
+        del self._links[oldest]
+        oldest.cancel()
+        self.links_evicted += 1
 
     async def _read_ticket(self, tcp: trio.SocketStream) -> _Ticket | None:
         """The live ticket this connection shows first, or None (closed by the caller)."""

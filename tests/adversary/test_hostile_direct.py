@@ -16,7 +16,7 @@ from direct_helpers import ECHO, direct_pair
 
 from inclavate.types import PeerId
 from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, DirectLinks, Grant
-from p2p.errors import DialError
+from p2p.errors import DialError, P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.sealed import SealedStream
@@ -240,3 +240,116 @@ async def test_a_ticket_holder_s_hostile_frames_end_only_its_own_link(attack: by
             await stream.send(b"ok", timeout=5)
             assert await stream.receive(timeout=5) == a.peer_id.encode() + b":ok"
             await stream.close()
+
+
+class _Asking:
+    """A ticket request as the grant handler reads it off a Noise-authenticated libp2p stream.
+    A stranger's identity costs nothing, so these tests name strangers instead of keying a
+    host for each: the grant handler only ever sees the PeerID."""
+
+    def __init__(self, protocol: str = ECHO) -> None:
+        self._request = protocol.encode()
+        self.answer = b""
+
+    async def receive(self, timeout: float) -> bytes:
+        return self._request
+
+    async def send(self, data: bytes, timeout: float) -> None:
+        self.answer = data
+
+
+async def _stranger_grant(links: DirectLinks, who: str) -> Grant:
+    asking = _Asking()
+    await links._grant(cast(FramedStream, asking), PeerId(who))
+    return Grant.decode(asking.answer)
+
+
+async def _stranger_link(links: DirectLinks, who: str) -> SealedStream:
+    """A live direct link held by the stranger ``who`` (the acceptor has proved its key)."""
+    grant = await _stranger_grant(links, who)
+    tcp = await trio.open_tcp_stream("127.0.0.1", grant.port)
+    await tcp.send_all(MAGIC + grant.ticket)
+    stream = SealedStream(FramedStream.over_trio(tcp), grant.key, dialer=True, remote_peer=PeerId("acceptor"), transport=tcp)
+    assert await stream.receive(timeout=5) == b""
+    return stream
+
+
+async def _echoes(stream: SealedStream, who: bytes) -> bool:
+    try:
+        await stream.send(b"alive", timeout=5)
+        return await stream.receive(timeout=5) == who + b":alive"
+    except P2PError:
+        return False
+
+
+TABLES = DirectLimits(tickets_per_peer=2, max_tickets=6, links_per_peer=2, max_links=4)
+
+
+async def test_strangers_holding_every_ticket_do_not_lock_an_honest_dial_out() -> None:
+    """Free identities re-asking for tickets keep the table full; the honest dialer's request
+    drops the oldest ticket of one of them instead of being refused."""
+    with trio.fail_after(30):
+        async with direct_pair(TABLES) as (a, b, links_a, links_b):
+            for i in range(TABLES.max_tickets):
+                await _stranger_grant(links_b, f"stranger-{i % 3}")
+            assert len(links_b._tickets) == TABLES.max_tickets
+            stream = await links_a.open(b.peer_id, ECHO, timeout=5)
+            assert await _echoes(stream, a.peer_id.encode())
+            await stream.close()
+            assert links_b.tickets_evicted == 1 and len(links_b._tickets) == TABLES.max_tickets - 1  # the honest one is used
+
+
+async def test_a_full_ticket_table_drops_the_oldest_of_the_peer_holding_most() -> None:
+    """The honest peer's one ticket is the oldest in the table, yet a newcomer drops the oldest
+    ticket of the stranger holding two, and the honest ticket still opens a link."""
+    with trio.fail_after(30):
+        async with direct_pair(TABLES) as (a, b, _, links_b):
+            honest = await _grant(a, b.peer_id)
+            greedy = [await _stranger_grant(links_b, "greedy") for _ in range(2)]
+            for i in range(TABLES.max_tickets - 3):
+                await _stranger_grant(links_b, f"stranger-{i}")
+            await _stranger_grant(links_b, "newcomer")
+            assert greedy[0].ticket not in links_b._tickets and greedy[1].ticket in links_b._tickets
+            assert honest.ticket in links_b._tickets and links_b.tickets_evicted == 1
+            tcp = await trio.open_tcp_stream("127.0.0.1", honest.port)
+            await tcp.send_all(MAGIC + honest.ticket)
+            stream = SealedStream(FramedStream.over_trio(tcp), honest.key, dialer=True, remote_peer=b.peer_id, transport=tcp)
+            assert await stream.receive(timeout=5) == b""
+            assert await _echoes(stream, a.peer_id.encode())
+            await stream.close()
+
+
+async def test_strangers_holding_every_link_do_not_lock_an_honest_dial_out() -> None:
+    """Free identities each keeping their quota of links open fill the acceptor; the honest
+    dial closes the oldest link of one of them, whose far end sees it end."""
+    with trio.fail_after(30):
+        async with direct_pair(TABLES) as (a, b, links_a, links_b):
+            held = [await _stranger_link(links_b, f"stranger-{i // 2}") for i in range(TABLES.max_links)]
+            stream = await links_a.open(b.peer_id, ECHO, timeout=5)
+            assert await _echoes(stream, a.peer_id.encode())
+            assert not await _echoes(held[0], b"stranger-0")  # closed to make room
+            assert all([await _echoes(s, f"stranger-{i // 2}".encode()) for i, s in enumerate(held) if i])
+            assert len(links_b._links) == TABLES.max_links and links_b.links_evicted == 1
+            await stream.close()
+            for s in held:
+                await s.reset()
+
+
+async def test_a_full_link_table_closes_the_oldest_of_the_peer_holding_most() -> None:
+    """The honest peer's one link is the oldest, yet a newcomer closes the oldest link of the
+    stranger holding two; the closed link's handler ends and its place is given back."""
+    with trio.fail_after(30):
+        async with direct_pair(TABLES) as (a, b, links_a, links_b):
+            honest = await links_a.open(b.peer_id, ECHO, timeout=5)
+            greedy = [await _stranger_link(links_b, "greedy") for _ in range(2)]
+            other = await _stranger_link(links_b, "other")
+            newcomer = await _stranger_link(links_b, "newcomer")
+            assert not await _echoes(greedy[0], b"greedy")
+            for stream, who in ((honest, a.peer_id.encode()), (greedy[1], b"greedy"), (other, b"other"),
+                                (newcomer, b"newcomer")):  # fmt: skip
+                assert await _echoes(stream, who)
+            assert sorted(links_b._links.values()) == sorted([a.peer_id, "greedy", "other", "newcomer"])
+            for stream in (honest, *greedy, other, newcomer):
+                await stream.reset()
+            while links_b._links:  # every handler ends and gives its place back
+                await trio.sleep(0.01)
