@@ -430,6 +430,7 @@ class RegistryService:
         first; :data:`SERVES_AT_ONCE` answers at a time in all, since any number of
         identities may ask. Honest records are 1-8 KB, and whoever bloats the table does it
         with large ones, which then come last, where the asker's byte cap stops reading."""
+        await stream.receive(timeout=5.0)  # before a slot is taken: a silent asker holds none
         try:
             self._serving.acquire_nowait()
         except trio.WouldBlock:
@@ -437,7 +438,6 @@ class RegistryService:
             await stream.reset()
             return
         try:
-            await stream.receive(timeout=5.0)
             with trio.fail_after(_SYNC_ANSWER_S):
                 envelopes = sorted((signed.encode() for signed in self.table.signed_records()), key=len)
                 for page in answer_pages(envelopes):
