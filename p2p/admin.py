@@ -148,7 +148,8 @@ class AdminService:
         now = time.time()
         if command.issuer not in self.trusted:
             log.warning("refused %s of %s: issuer %s is not a trusted admin peer", command.action, command.target, command.issuer)
-            raise AdminRefused(f"peer {command.issuer} is not trusted for administration here")
+            raise AdminRefused(f"peer {command.issuer} is not trusted for administration here (the peer holding "
+                               f"the node trusts it once started with --admin-peer {command.issuer})")  # fmt: skip
         if command.recipient != self.identity.peer_id:
             log.warning("refused %s of %s: addressed to %s, not to this peer", command.action, command.target, command.recipient)
             raise AdminRefused("admin command is addressed to another peer")
