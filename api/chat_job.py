@@ -4,14 +4,16 @@ Shared by ``POST /v1/chat/completions`` (plain and SSE) and ``/ws/chat``, so all
 validate in the same order, before any work: request shape and limits, then the model (422),
 its capabilities (400), a route through the swarm (503), the prompt's length on its face
 (400: :meth:`ChatModel.refuse_if_it_cannot_fit`), the reasoning level and the template (400),
-and the prompt's length in tokens (400).
+the rendered prompt's length on its face (400, the same check), and the prompt's length in
+tokens (400).
 
 The CPU-heavy steps (parsing a body of up to 24 MiB, decoding its media, rendering the
 template, tokenizing) run in worker threads, at most :data:`PREPARE_THREADS` at a time: on
 the event loop a few big requests would stall every stream, every forward frame and the
 peer's heartbeats. A prompt too long for any tokenization to fit the context is refused
-before rendering and tokenizing: four clients sending 20 MB prompts held both threads for
-~7 s each, and every chat waited behind them.
+before tokenizing: on its user text before rendering, on the whole rendered text after (every
+role, name, tool call and tool result it writes). Four clients sending 20 MB prompts held
+both threads for ~7 s each, and every chat waited behind them.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def _parse(raw: bytes | str, ctx: PeerContext) -> tuple[ChatRequest, int]:
 def _user_text_chars(request: ChatRequest) -> int:
     """Characters of user text that any chat template renders: each user message's text,
     without the surrounding whitespace a template's ``trim`` removes. Other roles do not
-    count: a template may leave them out (one that knows only user and assistant turns drops
-    system and tool messages) or shorten them (Qwen3's drops an earlier answer's reasoning)."""
+    count here: a template may leave them out (one that knows only user and assistant turns
+    drops system and tool messages) or shorten them (Qwen3's drops an earlier answer's
+    reasoning). They count once rendered, before tokenizing (:meth:`ChatModel.prepare`)."""
     return sum(len(template_message(m)["content"].strip()) for m in request.messages if m.role is Role.USER)
 
 
@@ -118,6 +121,7 @@ async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
         generation_tools = offered_tools(ctx.generations.capabilities(), request)
     tools = [t.to_openai() for t in request.tools] + [t.to_openai() for t in generation_tools] or None
     tool_choice = None if request.tool_choice is None else request.tool_choice.mode
+    pipeline = ctx.pipeline(request.model)
     prepare = functools.partial(
         chat.prepare,
         [template_message(m) for m in request.messages],
@@ -125,8 +129,8 @@ async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
         reasoning_effort=request.reasoning_effort,
         tools=tools if tool_choice != "none" else None,
         tool_choice=tool_choice,
+        context_length=pipeline.context_length,
     )
-    pipeline = ctx.pipeline(request.model)
     chat.refuse_if_it_cannot_fit(user_chars, pipeline.context_length)
     prompt = await trio.to_thread.run_sync(prepare, limiter=_PREPARE)
     params = chat.generation_params(

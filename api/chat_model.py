@@ -76,19 +76,20 @@ class ChatModel:
     def input_modalities(self) -> frozenset[str]:
         return frozenset({"text"})
 
-    def refuse_if_it_cannot_fit(self, user_chars: int, context_length: int) -> None:
+    def refuse_if_it_cannot_fit(self, chars: int, context_length: int) -> None:
         """Raise :class:`PromptTooLong` for a conversation too long for the context whatever
-        it renders and tokenizes to, judged on length alone, before that work (seconds for
-        megabytes of text, which any client may send).
+        it tokenizes to, judged on length alone, before that work (seconds for megabytes of
+        text, which any client may send).
 
-        ``user_chars``: characters of user text the rendered prompt holds at least (see
-        ``api.chat_job``). Characters are at most bytes and a token stands for at most
-        :attr:`max_bytes_per_token` of them, so the prompt has at least ``user_chars /
+        ``chars``: characters the rendered prompt holds at least: its user text before
+        rendering (see ``api.chat_job``), the rendered text itself before tokenizing (see
+        :meth:`prepare`). Characters are at most bytes and a token stands for at most
+        :attr:`max_bytes_per_token` of them, so the prompt has at least ``chars /
         max_bytes_per_token`` tokens; past ``context_length - 1`` tokens it is refused
         anyway (:class:`api.generation.Generation`). Never refuses a prompt that fits."""
         per_token = self.max_bytes_per_token
-        if per_token and user_chars > per_token * (context_length - 1):
-            raise PromptTooLong(-(-user_chars // per_token), context_length, at_least=True)
+        if per_token and chars > per_token * (context_length - 1):
+            raise PromptTooLong(-(-chars // per_token), context_length, at_least=True)
 
     def prepare(
         self,
@@ -98,10 +99,18 @@ class ChatModel:
         reasoning_effort: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
+        context_length: int | None = None,
     ) -> PreparedPrompt:
-        """Render and tokenize a conversation; raises the reasoning errors for bad levels."""
+        """Render and tokenize a conversation; raises the reasoning errors for bad levels.
+
+        With ``context_length``, a rendered prompt too long for it on its length alone is
+        refused before it is tokenized: the check before rendering sees only user text, and
+        a 20 MB system message, an earlier answer or a tool result held a preparation
+        thread ~7 s in the tokenizer (rendering it takes ~0.06 s)."""
         plan = resolve_reasoning(self.reasoning, thinking, reasoning_effort)
         text = self.template.render(messages, tools=tools, tool_choice=tool_choice, extra=plan.template_vars)
+        if context_length is not None:
+            self.refuse_if_it_cannot_fit(len(text), context_length)
         tokens = self.tokenizer.tokenize(text, add_special=True, parse_special=True)
         # The template may already spell BOS; a second one from the tokenizer changes the
         # model's input (llama.cpp's server drops it the same way).

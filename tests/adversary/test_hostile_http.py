@@ -284,6 +284,36 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_any_tokenizin
     assert calls[:2] == ["render", "tokenize"]
 
 
+async def test_a_prompt_too_long_in_any_role_is_refused_before_any_tokenizing(local_chat, monkeypatch) -> None:
+    """The early refusal counted user text only: 21 MB in a system message held a preparation
+    thread 7-14 s tokenizing before the same 400, and a one-word chat on the peer waited ~12 s.
+    Every role the template writes (instructions, earlier answers, tool results) now counts
+    once rendered, before tokenizing; a long system prompt that fits is still served."""
+    url, ctx = local_chat
+    calls: list[str] = []
+    tokenize = ctx.chat.tokenizer.tokenize
+    monkeypatch.setattr(ctx.chat.tokenizer, "tokenize", lambda *a, **k: calls.append("tokenize") or tokenize(*a, **k))
+
+    async def ask(*messages: dict[str, Any]) -> httpx.Response:
+        body = {"model": MODEL, "max_tokens": 1, "temperature": 0, "messages": [*messages, {"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await client.post(url + "/v1/chat/completions", json=body)
+
+    huge = "word " * 400_000  # 2 MB; the context holds 256 tokens
+    call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    for messages in (
+        [{"role": "system", "content": huge}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": huge}],
+        [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": huge}],
+    ):
+        refused = await ask(*messages)
+        assert refused.status_code == 400 and "at least" in refused.json()["error"], (messages[-1]["role"], refused.text)
+        assert "256" in refused.json()["error"] and calls == [], messages[-1]["role"]
+    fits = await ask({"role": "system", "content": (" " + "=" * 65) * 200})  # 200 tokens of 66 bytes
+    assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] < 256, fits.text
+    assert calls == ["tokenize"]
+
+
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
     """``GET /api/models`` used to fetch the GGUF of any model in the registry, from whoever
     claimed to hold it, and compile its Jinja template."""
