@@ -186,8 +186,12 @@ class Generation:
                 await emit(delta)
 
     async def _finish(self, emit: Emit, reason: FinishReason, completion: int) -> GenerationResult:
-        # Text held back (a partial UTF-8 character, a possible stop-string prefix) is
-        # released unless a stop string already cut the output there.
-        rest = "" if self._stopped else self._utf8.decode(b"", final=True) + self._stops.flush()
+        # Text held back as a possible stop-string prefix is released unless a stop string
+        # already cut the output there. Bytes the decoder still holds are the start of a
+        # character that was never finished (``max_tokens`` cut 🌍 after two of its four
+        # bytes): they are dropped, so the reply ends at its last whole character rather
+        # than in U+FFFD. Invalid bytes before that were already replaced as they came.
+        self._utf8.reset()
+        rest = "" if self._stopped else self._stops.flush()
         await self._emit_classified(emit, rest, final=True)
         return GenerationResult(reason, len(self._params.prompt), completion)
