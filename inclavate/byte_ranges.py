@@ -1,17 +1,20 @@
 """The ``Range`` header of an artifact read: one ``bytes=<start>-<end>`` range, or a refusal.
 
 The spec serves single ranges only and never "partially honours" a request, so this is
-stricter than RFC 9110, which would ignore what it cannot parse and clamp an end past the
-object. The rules, in order:
+stricter than RFC 9110 in what it refuses (several ranges, a suffix, anything it cannot
+parse) but, like RFC 9110 §14.1.2, clamps an end past the object to its last byte: a
+client that asks for ``bytes=990-2000`` of a 1000-byte object wants "from 990 on", and the
+``Content-Range`` it gets back says exactly what it got. The rules, in order:
 
 * no header (or an empty one): the whole object, 200;
 * not ``bytes=`` followed by digits, one hyphen, digits (or an open end), or a start after
   its end, or a number of more than 19 digits: :class:`RangeMalformed` (400);
 * a comma (multi-range) or a missing start (suffix ``bytes=-500``): :class:`RangeNotSatisfiable`
   (416), as the spec says, rather than serving part of what was asked;
-* a start or an end at or past the object's size (so any range of an empty object):
+* a start at or past the object's size (so any range of an empty object):
   :class:`RangeNotSatisfiable` (416, ``Content-Range: bytes */<size>``);
-* otherwise the inclusive range ``start..end`` (``bytes=100-`` runs to the last byte): 206.
+* otherwise the inclusive range ``start..min(end, size - 1)`` (``bytes=100-`` and
+  ``bytes=100-99999`` both run to the last byte): 206.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ class RangeMalformed(InclavateError):
 
 
 class RangeNotSatisfiable(InclavateError):
-    """A readable Range this server will not serve: several ranges, a suffix, or bytes
-    outside the object (416). ``size`` goes into ``Content-Range: bytes */<size>``."""
+    """A readable Range this server will not serve: several ranges, a suffix, or a start
+    at or past the object's end (416). ``size`` goes into ``Content-Range: bytes */<size>``."""
 
     def __init__(self, message: str, size: int) -> None:
         super().__init__(message)
@@ -76,6 +79,6 @@ def parse_range(header: str | None, size: int) -> ByteRange | None:
     end = int(match.group(2)) if match.group(2) is not None else None
     if end is not None and end < start:
         raise RangeMalformed(f"malformed Range {text!r}: the end comes before the start")
-    if start >= size or (end is not None and end >= size):
-        raise RangeNotSatisfiable(f"range {text!r} is outside the object ({size} bytes)", size)
-    return ByteRange(start, size - 1 if end is None else end, size)
+    if start >= size:
+        raise RangeNotSatisfiable(f"range {text!r} starts past the object's end ({size} bytes)", size)
+    return ByteRange(start, size - 1 if end is None else min(end, size - 1), size)

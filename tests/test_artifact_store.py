@@ -68,8 +68,9 @@ async def test_range_reads(tmp_path: Path) -> None:
     assert read.range is not None and read.length == 300000
     assert b"".join([c async for c in read.chunks]) == data[1000:301000]
     assert await read_whole(store, meta.id, f"bytes={len(data) - 3}-") == data[-3:]
+    assert await read_whole(store, meta.id, f"bytes={len(data) - 3}-{len(data) + 99}") == data[-3:]
     with pytest.raises(RangeNotSatisfiable):
-        await store.open(meta.id, f"bytes=0-{len(data)}")
+        await store.open(meta.id, f"bytes={len(data)}-{len(data) + 99}")
 
 
 async def test_size_cap_refuses_declared_and_streamed_bytes(tmp_path: Path) -> None:

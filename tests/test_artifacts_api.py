@@ -111,7 +111,12 @@ async def test_range_reads(tmp_path: Path) -> None:
         assert part.headers["content-range"] == f"bytes 10-19/{len(data)}" and part.headers["content-length"] == "10"
         tail = await call(httpx.get, url, headers={"Range": f"bytes={len(data) - 5}-"})
         assert tail.status_code == 206 and tail.content == data[-5:]
-        for header in ["bytes=0-9,20-29", "bytes=-500", f"bytes={len(data)}-", f"bytes=0-{len(data)}"]:
+        clamped = await call(httpx.get, url, headers={"Range": f"bytes={len(data) - 10}-{len(data) + 1000}"})
+        assert clamped.status_code == 206 and clamped.content == data[-10:]
+        assert clamped.headers["content-range"] == f"bytes {len(data) - 10}-{len(data) - 1}/{len(data)}"
+        assert clamped.headers["content-length"] == "10"
+        past_the_end = [f"bytes={len(data)}-", f"bytes={len(data)}-{len(data) + 9}"]
+        for header in ["bytes=0-9,20-29", "bytes=-500", "bytes=-50000", *past_the_end]:
             refused = await call(httpx.get, url, headers={"Range": header})
             assert refused.status_code == 416, header
             assert refused.headers["content-range"] == f"bytes */{len(data)}" and "error" in refused.json()

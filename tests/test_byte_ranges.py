@@ -25,12 +25,20 @@ def test_single_ranges_are_served(header: str, start: int, end: int) -> None:
 
 @pytest.mark.parametrize(
     "header",
-    ["bytes=0-9,20-29", "bytes=0-1, 3-4", "bytes=-5", "bytes=-0", "bytes=10-10", "bytes=10-", "bytes=0-10", "bytes=5-999999"],
+    ["bytes=0-9,20-29", "bytes=0-1, 3-4", "bytes=-5", "bytes=-0", "bytes=-500", "bytes=10-10", "bytes=10-", "bytes=10-999"],
 )
-def test_multi_suffix_and_out_of_bounds_are_416(header: str) -> None:
+def test_multi_suffix_and_starts_past_the_end_are_416(header: str) -> None:
     with pytest.raises(RangeNotSatisfiable) as info:
         parse_range(header, 10)
     assert info.value.size == 10
+
+
+@pytest.mark.parametrize(("header", "start"), [("bytes=0-10", 0), ("bytes=5-999999", 5), ("bytes=9-10", 9)])
+def test_an_end_past_the_object_is_clamped_to_its_last_byte(header: str, start: int) -> None:
+    # RFC 9110 §14.1.2: a range whose first byte is inside the object is satisfiable
+    r = parse_range(header, 10)
+    assert r == ByteRange(start, 9, 10)
+    assert r.content_range() == f"bytes {start}-9/10"
 
 
 def test_any_range_of_an_empty_object_is_416() -> None:

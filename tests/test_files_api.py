@@ -191,3 +191,16 @@ async def test_unknown_and_malformed_file_ids(tmp_path: Path) -> None:
             assert response.status_code == 409
             assert (await in_thread(lambda: sdk.files.retrieve(writer.id))).status == "uploaded"
             await writer.abort()
+
+
+async def test_file_content_ranges_clamp_past_the_end(tmp_path: Path) -> None:
+    data = os.urandom(1000)
+    async with serve_store(tmp_path) as (base, _):
+        sdk = client(base)
+        created = await in_thread(lambda: sdk.files.create(file=("a.bin", data, "application/octet-stream"), purpose="user_data"))
+        url = f"{base}/v1/files/{created.id}/content"
+        part = await in_thread(lambda: httpx.get(url, headers={"Range": "bytes=990-2000"}))
+        assert part.status_code == 206 and part.content == data[990:]
+        assert part.headers["content-range"] == "bytes 990-999/1000"
+        refused = await in_thread(lambda: httpx.get(url, headers={"Range": "bytes=1000-2000"}))
+        assert refused.status_code == 416 and refused.headers["content-range"] == "bytes */1000"
