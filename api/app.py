@@ -20,6 +20,7 @@ from werkzeug.exceptions import HTTPException
 from api import (
     confined_server,
     request_guard,
+    responses,
     routes_admin,
     routes_artifacts,
     routes_audio,
@@ -65,6 +66,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
     install_request_class(app)  # upload routes raise their own body ceilings
     request_guard.install(app, hosts)
+    responses.install(app)  # a 204 carries no Content-Type
     for install in INSTALLERS:
         install(app, ctx)
 
