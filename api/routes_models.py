@@ -1,4 +1,5 @@
-"""Model endpoints: ``/v1/models``, ``/api/models``, ``/models/registry``, ``/admin/chain/:id``."""
+"""Model endpoints: ``/v1/models`` (and ``/v1/models/:id``), ``/api/models``, ``/models/registry``,
+``/admin/chain/:id``."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ async def _capabilities(ctx: PeerContext, model_id: str) -> dict[str, Any]:
     }
 
 
+def openai_model(model_id: str) -> dict[str, Any]:
+    """One model in OpenAI's shape; the listing and the single read build it here, so the
+    SDK's ``models.retrieve`` and ``models.list`` cannot disagree."""
+    return {"id": model_id, "object": "model", "owned_by": "dppan"}
+
+
 def coverage_json(cov: ModelCoverage) -> dict[str, Any]:
     return {
         "id": cov.model_id,
@@ -76,8 +83,19 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         """OpenAI-compatible list of the models the swarm serves."""
         return jsonify(
             object="list",
-            data=[{"id": m, "object": "model", "owned_by": "dppan"} for m in ctx.coverage()],
+            data=[openai_model(m) for m in ctx.coverage()],
         )
+
+    @app.get("/v1/models/<path:model_id>")
+    async def openai_model_by_id(model_id: str):  # type: ignore[no-untyped-def]
+        """One model of the ``/v1/models`` list (OpenAI's ``models.retrieve``).
+
+        ``path:`` because an id is matched whole: ``smollm2:135m`` has a colon, and an id a
+        peer announces is not held to the catalog's pattern, so it may hold a ``/`` (the SDK
+        sends it as ``%2F``, which arrives decoded)."""
+        if model_id not in ctx.coverage():
+            raise NotFound(f"no node serves model {model_id!r}")
+        return jsonify(openai_model(model_id))
 
     @app.get("/api/models")
     async def live_models():  # type: ignore[no-untyped-def]

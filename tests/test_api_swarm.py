@@ -51,6 +51,16 @@ def test_models_list(swarm) -> None:
     for peer in swarm[1]:
         models = client(peer).models.list()
         assert [(m.id, m.owned_by) for m in models.data] == [(MODEL, "dppan")]
+        assert client(peer).models.retrieve(MODEL).model_dump() == models.data[0].model_dump()
+
+
+def test_an_unknown_model_is_a_404_in_the_error_shape(swarm) -> None:
+    peer = swarm[1][0]
+    with pytest.raises(openai.NotFoundError):
+        client(peer).models.retrieve("smollm2:999m")
+    for unknown in ["smollm2:999m", "org/smollm2:135m", "smollm2"]:
+        status, body = request_json("GET", f"{peer.url}/v1/models/{unknown}")
+        assert status == 404 and isinstance(body["error"], str), unknown
 
 
 def test_every_peer_answers_like_the_whole_model(swarm, expected: str) -> None:
@@ -224,8 +234,8 @@ async def test_ws_chat_streams_the_same_answer(swarm, expected: str) -> None:
 def test_openapi_lists_exactly_what_is_served(swarm) -> None:
     doc = swarm[1][0].get("/openapi.json")
     assert doc["openapi"].startswith("3.")
-    for path, method in [("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/api/models", "get"),
-                         ("/nodes", "get"), ("/sessions/{session_id}", "delete"), ("/health", "get")]:  # fmt: skip
+    for path, method in [("/v1/chat/completions", "post"), ("/v1/models", "get"), ("/v1/models/{model_id}", "get"),
+                         ("/api/models", "get"), ("/nodes", "get"), ("/sessions/{session_id}", "delete"), ("/health", "get")]:  # fmt: skip
         assert method in doc["paths"][path], path
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["required"] == ["model", "messages"]
 
