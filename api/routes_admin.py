@@ -6,6 +6,8 @@ by another peer travels to it over libp2p signed by this peer (``p2p.admin``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from quart import jsonify
 from quart_trio import QuartTrio
 
@@ -13,6 +15,20 @@ from api.auth import require_admin
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import BadRequest
+
+
+def _layer_range(ctx: PeerContext, node_id: str, body: dict[str, Any]) -> tuple[int, int]:
+    """The ``start_layer``/``end_layer`` of a reassign, checked against the node's model
+    here, where the request is read: a range the model does not have is a bad request (400).
+    Left to the node's peer it came back as that peer's refusal, a conflict (409), which stays
+    the answer for what only that peer can know. An unknown node is the command's 404."""
+    start, end = body.get("start_layer"), body.get("end_layer")
+    if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or not 0 <= start < end:
+        raise BadRequest("start_layer and end_layer must be integers with 0 <= start_layer < end_layer")
+    n_layers = next((v.record.n_layers for v in ctx.views() if v.record.node_id == node_id), None)
+    if n_layers is not None and end > n_layers:
+        raise BadRequest(f"end_layer {end} is past the model's {n_layers} layers (end_layer <= {n_layers})")
+    return start, end
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
@@ -26,10 +42,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def admin_reassign(node_id: str):  # type: ignore[no-untyped-def]
         """Move a node to another layer range (it reloads: Joining, then Ready)."""
         require_admin(ctx.admin_token)
-        body = await json_object()
-        start, end = body.get("start_layer"), body.get("end_layer")
-        if not (isinstance(start, int) and isinstance(end, int)) or isinstance(start, bool) or not 0 <= start < end:
-            raise BadRequest("start_layer and end_layer must be integers with 0 <= start_layer < end_layer")
+        start, end = _layer_range(ctx, node_id, await json_object())
         result = await ctx.admin_command("reassign", node_id, start_layer=start, end_layer=end)
         return jsonify(ok=True, node_id=node_id, start_layer=result.get("start_layer", start), end_layer=result.get("end_layer", end))
 

@@ -104,6 +104,9 @@ def test_bad_admin_requests(swarm) -> None:
     b_id = peers["b"].get("/health")["peer_id"]
     assert admin(peers["a"], "PATCH", f"/admin/nodes/{b_id}/state", {"state": "sleepy"})[0] == 400
     assert admin(peers["a"], "POST", f"/admin/nodes/{b_id}/reassign", {"start_layer": 5, "end_layer": 2})[0] == 400
+    status, body = admin(peers["a"], "POST", f"/admin/nodes/{b_id}/reassign", {"start_layer": 0, "end_layer": 999})
+    assert status == 400 and "30 layers" in body["error"], body  # the request's fault, not a conflict
+    assert (node(peers["a"], b_id)["start_layer"], node(peers["a"], b_id)["end_layer"]) == (10, 20)
     assert admin(peers["a"], "PATCH", "/admin/nodes/nobody/state", {"state": "idle"})[0] == 404
 
 
