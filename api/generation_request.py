@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from api.errors import BadRequest
+from api.query_params import list_page
 from inclavate.generation_settings import MAX_DEADLINE_S
 from inclavate.generations import LIST_MAX_LIMIT
 from inclavate.jobs import NewJob
@@ -24,9 +25,6 @@ MAX_MODEL_CHARS = 200
 MAX_PARAMS_BYTES = 64 * 1024
 """``params`` is stored with the job and returned by every read and listing: kept small."""
 LIST_DEFAULT_LIMIT = 100
-LIST_MAX_OFFSET = 10**15
-"""Like ``/v1/artifacts``' (15 digits): past any job table, far inside SQLite's 64-bit
-integers, which a larger offset overflowed (a 500)."""
 
 
 def parse_generation(body: object, default_deadline_s: float) -> NewJob:
@@ -89,13 +87,7 @@ def _deadline(value: Any, default: float) -> float:
 
 
 def parse_page(args: Any) -> tuple[int, int]:
-    """``?limit=`` (default 100, max 1000) and ``?offset=`` (default 0, max 10**15; a
-    swarm-wide listing bounds offset + limit too: ``GenerationService.list``)."""
-    try:
-        limit = int(args.get("limit", LIST_DEFAULT_LIMIT))
-        offset = int(args.get("offset", 0))
-    except (TypeError, ValueError) as exc:
-        raise BadRequest("limit and offset must be integers") from exc
-    if not 1 <= limit <= LIST_MAX_LIMIT or not 0 <= offset <= LIST_MAX_OFFSET:
-        raise BadRequest(f"limit must be 1-{LIST_MAX_LIMIT} and offset 0-{LIST_MAX_OFFSET}")
-    return limit, offset
+    """``?limit=`` (default 100, max 1000) and ``?offset=`` (default 0), read like every list
+    route's (:mod:`api.query_params`); a swarm-wide listing bounds offset + limit too
+    (``GenerationService.list``)."""
+    return list_page(args, default_limit=LIST_DEFAULT_LIMIT, max_limit=LIST_MAX_LIMIT)

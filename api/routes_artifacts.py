@@ -13,7 +13,7 @@ from quart_trio import QuartTrio
 
 from api.context import PeerContext
 from api.downloads import serve_artifact
-from api.errors import BadRequest
+from api.query_params import list_page
 from api.uploads import RequestChunks, set_body_limit
 from api.request_guard import takes_any_body
 from api.responses import no_content
@@ -25,16 +25,6 @@ from inclavate.artifact_types import (
     ListQuery,
     media_type_of,
 )
-
-
-def whole_number(name: str, raw: str | None, default: int, low: int, high: int) -> int:
-    """A query parameter that must be a whole number >= ``low`` (400 otherwise); values
-    past ``high`` are served as ``high``, the documented maximum."""
-    if raw is None:
-        return default
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 15 or int(raw) < low:
-        raise BadRequest(f"{name} must be a whole number of at least {low} (at most {high} is served), not {raw[:40]!r}")
-    return min(int(raw), high)
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
@@ -55,8 +45,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/v1/artifacts")
     async def list_artifacts():  # type: ignore[no-untyped-def]
         """List artifacts, newest first (limit, offset, kind = generated | uploaded)."""
-        limit = whole_number("limit", request.args.get("limit"), LIST_DEFAULT_LIMIT, 1, LIST_MAX_LIMIT)
-        offset = whole_number("offset", request.args.get("offset"), 0, 0, 10**15)
+        limit, offset = list_page(request.args, default_limit=LIST_DEFAULT_LIMIT, max_limit=LIST_MAX_LIMIT)
         raw_kind = request.args.get("kind")
         # The spec: an unrecognised kind lists both rather than erroring.
         kind: ArtifactKind | None = raw_kind if raw_kind in KINDS else None  # type: ignore[assignment]

@@ -22,7 +22,7 @@ from api.context import PeerContext
 from api.downloads import serve_artifact
 from api.errors import BadRequest, PayloadTooLarge
 from api.multipart import MultipartError, MultipartReader
-from api.routes_artifacts import whole_number
+from api.query_params import whole_number
 from api.uploads import RequestChunks, set_body_limit
 from api.request_guard import takes_any_body
 from inclavate.artifact_types import MAX_PURPOSE_CHARS, MIB, ArtifactMeta, ListQuery, media_type_of, safe_filename

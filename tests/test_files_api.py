@@ -186,6 +186,8 @@ async def test_unknown_and_malformed_file_ids(tmp_path: Path) -> None:
             await in_thread(lambda: sdk.files.retrieve("file-abc123"))
         with pytest.raises(openai.BadRequestError):
             await in_thread(lambda: sdk.files.list(after="not-an-id"))
+        with pytest.raises(openai.BadRequestError):  # OpenAI's range is 1-10000
+            await in_thread(lambda: sdk.files.list(limit=10_001))
         async with store.begin(kind="generated", pending=True) as writer:
             response = await in_thread(lambda: httpx.get(f"{base}/v1/files/{writer.id}/content"))
             assert response.status_code == 409

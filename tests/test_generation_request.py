@@ -48,7 +48,9 @@ def test_page_bounds() -> None:
     assert parse_page({"offset": str(10**15)}) == (100, 10**15)
     # Past SQLite's 64-bit integers the job table raised OverflowError: a 500.
     for args in ({"limit": "0"}, {"limit": "1001"}, {"offset": "-1"}, {"limit": "x"}, {"offset": str(10**15 + 1)},
-                 {"offset": "9223372036854775808"}, {"offset": "99999999999999999999999"}):  # fmt: skip
+                 {"offset": "9223372036854775808"}, {"offset": "99999999999999999999999"},
+                 # read like /v1/artifacts' numbers: ASCII digits, nothing else
+                 {"limit": "+5"}, {"limit": " 5"}, {"limit": "１"}, {"offset": "1_0"}):  # fmt: skip
         with pytest.raises(BadRequest):
             parse_page(args)
 
