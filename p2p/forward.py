@@ -30,7 +30,7 @@ from inclavate import tensors
 from inclavate.turns import send_or_wait
 from inclavate.types import NodeId, PeerId, SessionId
 from inclavate.untrusted import DropCounter
-from node.engine import BatchItem, EngineInfo
+from node.engine import BatchItem
 from node.errors import ContextFull, InvalidBatch, SessionEvicted, SessionLimitReached
 from node.slot_share import relayed
 from node.stage import Job, Stage, StageResult
@@ -87,9 +87,10 @@ async def _ignore(_: StageResult) -> None:
     return None
 
 
-def _feeds(record: NodeRecord, stage: EngineInfo) -> bool:
-    """Whether ``record``'s node is a live previous hop of ``stage`` on some route."""
-    return record.model_id == stage.model_id and record.end_layer == stage.layers.start and record.state != "Dead"
+def _feeds(record: NodeRecord, model_id: str | None, start: int) -> bool:
+    """Whether ``record``'s node is a live previous hop, on some route, of a range of
+    ``model_id`` (None: of any model) that starts at layer ``start``."""
+    return record.end_layer == start and record.state != "Dead" and model_id in (None, record.model_id)
 
 
 def _speaks_for(remote: PeerId, origin: PeerId) -> bool:
@@ -403,11 +404,30 @@ class ForwardService:
         stage (and feed any session whose id it learnt)."""
         if msg.tokens is not None or self.records_signed_by is None or remote == self.me:
             return self._is_known(remote)
-        info = stage.engine.info
+        return self._feeds_range(remote, stage.engine.info.model_id, stage.engine.info.layers.start)
+
+    def _feeds_range(self, remote: PeerId, model_id: str | None, start: int) -> bool:
+        """Whether ``remote`` signs a live record of a previous hop of a range of ``model_id``
+        starting at ``start`` (its own node, or a legacy node it relays)."""
         own = self.record_of(NodeId(remote)) if self.record_of is not None else None
-        if own is not None and _feeds(own, info):  # the usual case: one lookup
+        if own is not None and _feeds(own, model_id, start):  # the usual case: one lookup
             return True
-        return any(_feeds(record, info) for record in self.records_signed_by(remote))  # its legacy nodes
+        signed = self.records_signed_by(remote) if self.records_signed_by is not None else ()
+        return any(_feeds(record, model_id, start) for record in signed)
+
+    def _refusal_goes_to(self, msg: wire.Forward, remote: PeerId) -> PeerId:
+        """Where a refusal of ``msg``, received from ``remote``, is sent: to the session's
+        entry (``reply_to``) if ``remote`` acts for the session (the entry itself, or a live
+        previous hop of the route's first range), else back to ``remote``.
+
+        Anyone may name any entry: a refusal sent there arrives in this peer's name, and the
+        entry fails the request (an ``invalid_batch``) or fails over and avoids this peer (a
+        ``wrong_route``): a stranger who learnt a session id could end it, or steer its
+        traffic, through honest hops (an audit, 2026-12-05)."""
+        if remote in (msg.reply_to, self.me) or self.record_of is None:
+            return msg.reply_to
+        model_id = self.stage.engine.info.model_id if self.stage is not None else None
+        return msg.reply_to if self._feeds_range(remote, model_id, msg.route[0].layers.start) else remote
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -603,10 +623,11 @@ class ForwardService:
         hop = msg.route[0]
         stage = self._serves(hop)
         if stage is None and not (hop.forward_url and self.relay is not None):
+            to = self._refusal_goes_to(msg, remote)
             if self.leaving and hop.node_id == self.node_id:
-                await self._fail(msg, "shutting_down", f"{self.me} has left the swarm")
+                await self._fail(msg, "shutting_down", f"{self.me} has left the swarm", to=to)
                 return
-            await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}")
+            await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to)
             return
         nbytes = msg.nbytes
         try:
@@ -622,7 +643,7 @@ class ForwardService:
             await self.admission.reserve(remote, nbytes)
         except FrameRejected as exc:
             self.drops.count(exc.reason)
-            await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc))
+            await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc), to=self._refusal_goes_to(msg, remote))
             return
         if stage is None or item is None:
             try:
@@ -778,12 +799,14 @@ class ForwardService:
         else:
             await self.send(msg.reply_to, wire.Closed(msg.req_id, msg.session_id), wait_for_room=wait_for_room)
 
-    async def _fail(self, msg: wire.Forward, code: wire.ErrorCode, message: str, *, wait_for_room: bool = True) -> None:
-        """Answer ``msg``'s entry with an error. Where a frame's own reader answers, it waits
-        for room: a sender that floods refused frames and reads no answer is then no longer
-        read either (see :meth:`send` for a stage's answers, which never wait)."""
+    async def _fail(self, msg: wire.Forward, code: wire.ErrorCode, message: str, *, to: PeerId | None = None,
+                    wait_for_room: bool = True) -> None:  # fmt: skip
+        """Answer ``msg``'s entry (or ``to``) with an error. Where a frame's own reader
+        answers, it waits for room: a sender that floods refused frames and reads no answer is
+        then no longer read either (see :meth:`send` for a stage's answers, which never wait)."""
         log.info("session %s failed at %s: %s", msg.session_id, self.me, message)
-        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me), wait_for_room=wait_for_room)
+        await self.send(to or msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me),
+                        wait_for_room=wait_for_room)  # fmt: skip
 
     # -------------------------------------------------------------- entry side
 

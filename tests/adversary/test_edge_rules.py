@@ -373,3 +373,42 @@ def test_nesting_from_another_peer_is_a_refusal_not_a_recursion_error() -> None:
     with pytest.raises(RelayedError) as refused:
         _raise_for_error(500, deep)
     assert refused.value.body == {"error": "the owning peer answered 500"}
+
+
+async def test_a_stranger_cannot_have_an_honest_hop_refuse_a_frame_to_an_entry_it_names() -> None:
+    """A refusal goes to the frame's ``reply_to`` in this peer's name: the entry fails the
+    request (``invalid_batch``) or avoids this peer (``wrong_route``). Any stranger who
+    learnt a session id could end it, or steer its traffic, through honest hops. Now only
+    the entry itself or a live previous hop has a refusal sent to the entry; anyone else
+    gets it back."""
+    prev, stranger, entry = (Identity.generate() for _ in range(3))
+    table = Table()
+    for record in (signed(prev, 0, 10), signed(entry, 20, 30)):
+        table, _ = apply(table, record, 1_000_000, Liveness())
+    service = ForwardService(SimpleNamespace(peer_id=PeerId("me")), node_id=NodeId("me"), stage=None, direct_port=None)  # type: ignore[arg-type]
+    service.record_of = lambda node_id: held.record if (held := table.get(node_id)) else None
+    service.records_signed_by = table.records_signed_by
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
+        sent.append((peer, msg))
+
+    service.send = send  # type: ignore[method-assign]
+    hidden = tensors.encode(np.zeros((1, 4), np.float32))
+    not_mine = (Hop(NodeId("gone"), PeerId("me"), LayerRange(10, 20)), Hop(NodeId("w"), PeerId("w"), LayerRange(20, 30)))
+    gap = (Hop(NodeId("me"), PeerId("me"), LayerRange(10, 20)), Hop(NodeId("w"), PeerId("w"), LayerRange(25, 30)))
+    stage = SimpleNamespace(engine=SimpleNamespace(info=SimpleNamespace(model_id=MODEL, layers=LayerRange(10, 20), n_layers=30)))
+
+    async def refused_to(route: tuple[Hop, ...], sender: Identity) -> PeerId:
+        sent.clear()
+        frame = wire.Forward(7, SessionId("victim"), 0, route, entry.peer_id, None, hidden=hidden)
+        await service._on_forward(frame, sender.peer_id)
+        [(peer, error)] = sent
+        assert isinstance(error, wire.Error) and error.origin == "me"
+        return peer
+
+    for route in (not_mine, gap):  # wrong_route before the stage, and a refusal by the route checks
+        service.stage = stage if route is gap else None  # type: ignore[assignment]
+        assert await refused_to(route, stranger) == stranger.peer_id
+        assert await refused_to(route, prev) == entry.peer_id  # a previous hop acts for the entry
+        assert await refused_to(route, entry) == entry.peer_id
