@@ -7,7 +7,11 @@ anything a frame claims:
   ``bytes_per_peer`` bytes queued at the stage. A peer over budget waits, and since each
   inbound stream is read by one task, only that peer's stream stops being read (libp2p flow
   control then pushes back on it): a flood from one peer cannot fill the stage queue that
-  every other peer shares.
+  every other peer shares. All peers together may hold at most ``bytes_total``: identities
+  cost nothing, and the stage keeps every queued job (a new session waits up to a minute
+  for a slot), so per-peer budgets alone let memory grow with the number of senders. A
+  frame over the total is refused, not held: a waiting frame is already in memory. Bytes
+  are what the frame holds here (:func:`held_bytes`), not what it took on the wire.
 * **Sessions opened by strangers.** A *known* peer is one the registry lists (it holds layers,
   so it is a chain member or an entry peer); for a frame of hidden states, only one that signs
   a live record of the model ending where the stage starts (its previous hop on any honest
@@ -35,6 +39,18 @@ from inclavate.types import PeerId, SessionId
 from p2p.forward_checks import FrameReason, FrameRejected
 
 MIB = 1024 * 1024
+FRAME_OVERHEAD_BYTES = 4096
+"""Charged per frame on top of its arrays: the decoded message, its route, the stage's job
+and batch item (measured ~1.5 KiB for a one-hop route, ~4.3 KiB for eight hops). It also
+bounds how many frames the total budget lets all peers queue."""
+
+
+def held_bytes(body: int, decoded: int = 0) -> int:
+    """What a queued frame holds at this peer: its ``body`` as received (the job's delivery
+    keeps the frame, to pass it on), the ``decoded`` float32 copy the stage computes on (for
+    hidden states: twice the body's size for f16, as much again for f32), and
+    :data:`FRAME_OVERHEAD_BYTES`. Counting the body alone understated an f16 frame by 3x."""
+    return body + decoded + FRAME_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -43,7 +59,14 @@ class AdmissionLimits:
     """Frames one peer may have queued at the stage (a chain neighbour carries every
     session's decode step plus prefill chunks)."""
     bytes_per_peer: int = 256 * MIB
-    """Frame bytes one peer may have queued at the stage."""
+    """Memory one peer's queued frames may hold at the stage (:func:`held_bytes`)."""
+    bytes_total: int = 1024 * MIB
+    """Memory all peers' queued frames together may hold at the stage. Four peers' full
+    budgets: far more than honest traffic queues (a stage's hidden states come from its
+    previous hops, a decode step is a few KiB, a 256-position prefill chunk of f16 states
+    holds 6 x 256 x ``d_model`` bytes: 0.9 MiB at 576, 12 MiB at 8192), and small beside the
+    weights and KV cache of any model worth serving. Without it, each free identity pinned
+    another 256 MiB (2026-12, from an audit)."""
     stranger_sessions_per_peer: int = 1
     stranger_session_share: float = 0.5
     """Of the stage's slots, the most that all strangers together may hold."""
@@ -74,6 +97,10 @@ class Admission:
         self._strangers: dict[SessionId, tuple[PeerId, float]] = {}
         """Sessions opened here by strangers: opener, last used."""
         self._in_flight: dict[PeerId, _InFlight] = {}
+        self._total = _InFlight()
+        """All peers' work in flight together (its ``changed`` and ``waiters`` unused)."""
+        self._generation = 0
+        """Bumped by :meth:`reset_in_flight`: releases of reservations made before are no-ops."""
 
     # ------------------------------------------------------------ sessions
 
@@ -125,9 +152,12 @@ class Admission:
 
     # -------------------------------------------------------- work in flight
 
-    async def reserve(self, remote: PeerId, nbytes: int) -> None:
-        """Wait until ``remote`` has room for one more frame of ``nbytes``; pair with
-        :meth:`release`. A frame larger than the whole budget is refused at once."""
+    async def reserve(self, remote: PeerId, nbytes: int) -> Callable[[], None]:
+        """Wait until ``remote`` has room for one more frame holding ``nbytes``; returns its
+        release, to call once the frame's work is done (again, or after
+        :meth:`reset_in_flight`, it does nothing). A frame larger than the peer's whole
+        budget, or one that would take all peers' work past ``bytes_total``, is refused at
+        once (:class:`FrameRejected`)."""
         if nbytes > self.limits.bytes_per_peer:
             raise FrameRejected(FrameReason.TOO_LARGE, f"a frame of {nbytes} bytes exceeds the per-peer budget")
         row = self._in_flight.get(remote)
@@ -139,31 +169,63 @@ class Admission:
                 if row.changed is None:
                     row.changed = trio.Event()
                 await row.changed.wait()
-        finally:
+            if self._total.bytes + nbytes > self.limits.bytes_total:
+                raise FrameRejected(FrameReason.QUEUE_FULL, f"a frame of {nbytes} bytes exceeds what this stage may queue "
+                                    f"for all peers ({self._total.bytes} of {self.limits.bytes_total} held)")  # fmt: skip
+        except BaseException:
             row.waiters -= 1
+            self._forget_if_idle(remote, row)
+            raise
+        row.waiters -= 1
         row.jobs += 1
         row.bytes += nbytes
+        self._total.jobs += 1
+        self._total.bytes += nbytes
+        generation, released = self._generation, False
+
+        def release() -> None:
+            nonlocal released
+            if not released and generation == self._generation:
+                self._give_back(remote, row, nbytes)
+            released = True
+
+        return release
 
     def release(self, remote: PeerId, nbytes: int) -> None:
+        """Give back one frame of ``remote``'s (prefer the release :meth:`reserve` returned:
+        it gives back only once, and only what is still counted)."""
         row = self._in_flight.get(remote)
-        if row is None:
-            return
+        if row is not None:
+            self._give_back(remote, row, nbytes)
+
+    def _give_back(self, remote: PeerId, row: _InFlight, nbytes: int) -> None:
+        self._total.jobs = max(0, self._total.jobs - 1)
+        self._total.bytes = max(0, self._total.bytes - nbytes)
         row.jobs = max(0, row.jobs - 1)
         row.bytes = max(0, row.bytes - nbytes)
         if row.changed is not None:
             row.changed.set()
             row.changed = None
-        if row.jobs == 0 and row.waiters == 0:
+        self._forget_if_idle(remote, row)
+
+    def _forget_if_idle(self, remote: PeerId, row: _InFlight) -> None:
+        if row.jobs == 0 and row.waiters == 0 and self._in_flight.get(remote) is row:
             del self._in_flight[remote]
 
     def in_flight(self, remote: PeerId) -> tuple[int, int]:
         row = self._in_flight.get(remote)
         return (row.jobs, row.bytes) if row else (0, 0)
 
+    def in_flight_total(self) -> tuple[int, int]:
+        """Frames and bytes (:func:`held_bytes`) queued here by all peers together."""
+        return self._total.jobs, self._total.bytes
+
     def reset_in_flight(self) -> None:
         """The stage was replaced: jobs of the old one will never be delivered."""
         rows, self._in_flight = self._in_flight, {}
+        self._total = _InFlight()
+        self._generation += 1
         for row in rows.values():
-            row.jobs = row.bytes = 0  # waiters on these rows proceed; their releases are no-ops
+            row.jobs = row.bytes = 0  # waiters on these rows proceed, counted afresh
             if row.changed is not None:
                 row.changed.set()

@@ -35,7 +35,7 @@ from node.errors import ContextFull, InvalidBatch, SessionEvicted, SessionLimitR
 from node.slot_share import relayed
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
-from p2p.admission import Admission, AdmissionLimits
+from p2p.admission import Admission, AdmissionLimits, held_bytes
 from p2p.direct import DirectLinks
 from p2p.errors import LinkFull, P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
@@ -80,6 +80,8 @@ _REJECTION_CODES: dict[FrameReason, wire.ErrorCode] = {
     FrameReason.TOKEN_OUT_OF_RANGE: "invalid_batch",
     FrameReason.SESSION_QUOTA: "session_limit",
     FrameReason.REPLAY_REFUSED: "protocol",
+    FrameReason.TOO_LARGE: "protocol",
+    FrameReason.QUEUE_FULL: "protocol",  # as a frame over its sender's budget is answered
 }
 
 
@@ -629,7 +631,6 @@ class ForwardService:
                 return
             await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to)
             return
-        nbytes = msg.nbytes
         try:
             n_layers = self._n_layers(hop, stage)
             complete_at = None if msg.discard else n_layers or msg.route[-1].layers.end
@@ -640,7 +641,8 @@ class ForwardService:
                 self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions,
                                      known=self._may_feed(remote, msg, stage))  # fmt: skip
                 self._check_replay(msg, stage)
-            await self.admission.reserve(remote, nbytes)
+            decoded = item.hidden.nbytes if item is not None and item.hidden is not None else 0
+            release = await self.admission.reserve(remote, held_bytes(msg.nbytes, decoded))
         except FrameRejected as exc:
             self.drops.count(exc.reason)
             await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc), to=self._refusal_goes_to(msg, remote))
@@ -649,14 +651,18 @@ class ForwardService:
             try:
                 await self.relay(msg)  # type: ignore[misc]
             finally:
-                self.admission.release(remote, nbytes)
+                release()
             return
 
         async def deliver(result: StageResult) -> None:
-            self.admission.release(remote, nbytes)
+            release()
             await self._after_stage(msg, result)
 
-        await stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane, source=_source(msg, remote)))
+        try:
+            await stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane, source=_source(msg, remote)))
+        except BaseException:
+            release()  # never queued, or run in place and cut short: nothing holds the frame
+            raise
 
     @staticmethod
     def _check_replay(msg: wire.Forward, stage: Stage) -> None:
@@ -672,6 +678,7 @@ class ForwardService:
     @staticmethod
     def _item(msg: wire.Forward, stage: Stage) -> BatchItem:
         info = stage.engine.info
+        forward_checks.check_positions(msg.n_tokens, stage.engine.config.context_length)  # before decoding anything
         if msg.tokens is not None:
             forward_checks.check_tokens(msg.tokens, info)
             return BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens)

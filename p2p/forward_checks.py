@@ -10,7 +10,8 @@ Every hop checks the *remaining* route again, because the hop before it may be t
     no repeats      no node twice (a loop would make a peer compute a frame many times),
                     and a libp2p hop is its own node (node id == peer id)
     input           token ids on the first range (inside the vocabulary), finite hidden
-                    states of the model's width after it
+                    states of the model's width after it, at most a context of positions
+                    (checked before the hidden states are decoded)
     discard         a failover's rebuild frame may end before the last layer (its last hop
                     drops the output), and never samples
     replay          names boundaries of the route; the hop ending at ``at`` re-sends only
@@ -50,6 +51,9 @@ class FrameReason(enum.Enum):
     SESSION_QUOTA = "session_quota"
     SESSION_NOT_YOURS = "session_not_yours"
     TOO_LARGE = "too_large"
+    """More positions than the stage's context, or more bytes than the sender's budget."""
+    QUEUE_FULL = "queue_full"
+    """The work all peers queued here holds the stage's whole budget (``p2p.admission``)."""
     MALFORMED = "malformed"
     FOREIGN_REPLY = "foreign_reply"
     FOREIGN_ORIGIN = "foreign_origin"
@@ -96,6 +100,15 @@ def _registered(hop: Hop, record: NodeRecord | None) -> bool:
     if record is None or record.peer_id != hop.peer_id or record.layers != hop.layers:
         return False
     return (record.forward_url if record.relayed else "") == hop.forward_url
+
+
+def check_positions(positions: int, context_length: int) -> None:
+    """A frame carries at most one context of positions. The framing cap is one context of
+    float32 hidden states, so a frame of token ids could carry ``d_model`` contexts (1.18M
+    positions for SmolLM2 at 2048) and one of f16 states two: work the stage would decode
+    and queue (a minute, waiting for a slot) only to fail it. Checked before decoding."""
+    if positions > context_length:
+        raise FrameRejected(FrameReason.TOO_LARGE, f"a frame of {positions} positions exceeds the context of {context_length}")
 
 
 def check_tokens(tokens: np.ndarray | None, info: EngineInfo) -> None:

@@ -203,7 +203,8 @@ class Forward:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the body (what a receiver holds while the frame waits for its stage)."""
+        """Bytes of the body as received (a stage also holds the float32 decode of hidden
+        states: ``p2p.admission.held_bytes``)."""
         return int(self.tokens.nbytes) if self.tokens is not None else self.hidden.nbytes if self.hidden else 0
 
 

@@ -24,9 +24,11 @@ from inclavate.peer_http import _raise_for_error
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from inclavate.untrusted import Malformed
 from node.engine import EngineInfo
+from node.errors import SessionLimitReached
 from node.sampling import SamplingParams, UnusableLogits, sample
+from node.stage import StageResult
 from p2p import wire
-from p2p.admission import Admission, AdmissionLimits
+from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
 from p2p.errors import ProtocolError
 from p2p.forward import ForwardService
@@ -145,6 +147,116 @@ async def test_work_in_flight_is_bounded_per_peer(autojump_clock: trio.abc.Clock
     assert admission.in_flight(flood) == (2, 20)
     admission.reset_in_flight()
     assert admission.in_flight(flood) == (0, 0)
+
+
+class _HoldingStage:
+    """A stage whose slots are all busy: it holds every job it is given (a real one keeps a
+    new session's jobs for its 60 s admission wait, whatever its queue size)."""
+
+    def __init__(self, layers: LayerRange, *, context_length: int, d_model: int) -> None:
+        info = EngineInfo(MODEL, layers, 30, d_model, 100, "llama")
+        config = SimpleNamespace(context_length=context_length, max_sessions=4)
+        self.engine = SimpleNamespace(info=info, config=config, session_length=lambda _: 0)
+        self.kept = None
+        self.jobs: list = []
+
+    async def submit(self, job) -> None:  # type: ignore[no-untyped-def]
+        self.jobs.append(job)
+
+
+def _serving(stage: _HoldingStage, limits: AdmissionLimits = AdmissionLimits()) -> tuple[ForwardService, list[str]]:
+    """A forward service for ``stage`` whose answers are recorded (their error codes)."""
+    service = ForwardService(SimpleNamespace(peer_id=PeerId("me")), node_id=NodeId("me"), stage=stage,  # type: ignore[arg-type]
+                             admission=limits, direct_port=None)  # fmt: skip
+    codes: list[str] = []
+
+    async def send(peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
+        codes.append(msg.code if isinstance(msg, wire.Error) else msg.TYPE)
+
+    service.send = send  # type: ignore[method-assign]
+    return service, codes
+
+
+def _frame(sender: PeerId, session: str, stage: _HoldingStage, rows: int) -> wire.Forward:
+    info = stage.engine.info
+    route = (Hop(NodeId("me"), PeerId("me"), info.layers),) + ((_hop("next", info.layers.end, 30),) if not info.is_last else ())
+    if info.is_first:
+        return wire.Forward(1, SessionId(session), 0, route, sender, None, tokens=np.ones(rows, np.int32))
+    hidden = tensors.encode(np.ones((rows, info.d_model), np.float32), "f16")
+    return wire.Forward(1, SessionId(session), 0, route, sender, None, hidden=hidden)
+
+
+async def test_work_in_flight_is_bounded_for_all_peers_together() -> None:
+    """Identities cost nothing: 64 frames of ~4.7 MB each (256 MiB) from every one of them,
+    held by a stage whose slots were busy, grew a peer's memory ~240 MB per identity until
+    it died (2026-12, from an audit). Every peer here stays within its own budget; the
+    newcomer that would take the total past ``bytes_total`` is refused, as a frame over its
+    sender's budget is, and what the frames held is counted (an f16 frame: its bytes and
+    their float32 decode) and given back when their jobs end, however they end."""
+    ctx, d_model = 64, 16
+    stage = _HoldingStage(LayerRange(10, 20), context_length=ctx, d_model=d_model)
+    held = ctx * d_model * (2 + 4) + FRAME_OVERHEAD_BYTES  # what one full f16 frame holds here
+    limits = AdmissionLimits(jobs_per_peer=64, bytes_per_peer=4 * held, bytes_total=12 * held)
+    service, codes = _serving(stage, limits)
+    senders = [PeerId(f"free-identity-{i}") for i in range(4)]
+    with trio.fail_after(5):  # nobody waits: each is within its own budget
+        for i, sender in enumerate(senders[:3]):
+            for k in range(4):
+                await service._on_forward(_frame(sender, f"s{i}-{k}", stage, ctx), sender)
+        assert codes == [] and len(stage.jobs) == 12
+        await service._on_forward(_frame(senders[3], "newcomer", stage, ctx), senders[3])
+    assert codes == ["protocol"] and service.drops[FrameReason.QUEUE_FULL] == 1
+    assert len(stage.jobs) == 12
+    assert service.admission.in_flight(senders[0]) == (4, 4 * held)
+    assert service.admission.in_flight_total() == (12, 12 * held)
+
+    for job in stage.jobs:  # their sessions never got a slot (the stage's 60 s wait)
+        await job.deliver(StageResult(error=SessionLimitReached("all slots stayed busy")))
+    assert codes[1:] == ["session_limit"] * 12
+    assert service.admission.in_flight_total() == (0, 0)
+    assert all(service.admission.in_flight(sender) == (0, 0) for sender in senders)
+    await stage.jobs[0].deliver(StageResult(error=SessionLimitReached("again")))  # gives back nothing twice
+    assert service.admission.in_flight_total() == (0, 0)
+    await service._on_forward(_frame(senders[3], "newcomer", stage, ctx), senders[3])
+    assert len(stage.jobs) == 13 and service.admission.in_flight_total() == (1, held)
+
+    async def closed(_job: object) -> None:  # the stage went away under the frame
+        raise trio.ClosedResourceError
+
+    stage.submit = closed  # type: ignore[method-assign]
+    with pytest.raises(trio.ClosedResourceError):
+        await service._on_forward(_frame(senders[2], "late", stage, ctx), senders[2])
+    assert service.admission.in_flight_total() == (1, held)
+    service.stage = stage  # type: ignore[assignment]  # replaced: nothing of the old one is delivered
+    assert service.admission.in_flight_total() == (0, 0)
+    await stage.jobs[-1].deliver(StageResult(error=SessionLimitReached("late")))  # counted before the reset
+    assert service.admission.in_flight_total() == (0, 0)
+
+
+async def test_a_frame_longer_than_the_context_is_refused_before_it_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The framing cap is one context of float32 states, so one frame of token ids carried
+    1.18M positions at SmolLM2's 2048 (4.7 MB), and one of f16 states two contexts: work no
+    stage can run, decoded and queued for a minute before it failed."""
+    ctx = 64
+    decoded: list[tensors.EncodedTensor] = []
+    real_decode = tensors.decode
+
+    def decode(t: tensors.EncodedTensor) -> np.ndarray:
+        decoded.append(t)
+        return real_decode(t)
+
+    monkeypatch.setattr(tensors, "decode", decode)
+    for layers in (LayerRange(0, 10), LayerRange(10, 20)):  # token ids, then hidden states
+        stage = _HoldingStage(layers, context_length=ctx, d_model=16)
+        service, codes = _serving(stage)
+        entry = PeerId("entry")
+        await service._on_forward(_frame(entry, "long", stage, ctx + 1), entry)
+        assert codes == ["protocol"] and service.drops[FrameReason.TOO_LARGE] == 1, layers
+        assert stage.jobs == [] and decoded == [] and service.admission.in_flight_total() == (0, 0)
+        await service._on_forward(_frame(entry, "whole", stage, ctx), entry)  # one whole context is fine
+        assert codes == ["protocol"] and len(stage.jobs) == 1
+        assert len(decoded) == (0 if layers.start == 0 else 1)
+        decoded.clear()
 
 
 def test_node_urls_are_http_with_a_host() -> None:
