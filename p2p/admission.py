@@ -191,13 +191,6 @@ class Admission:
 
         return release
 
-    def release(self, remote: PeerId, nbytes: int) -> None:
-        """Give back one frame of ``remote``'s (prefer the release :meth:`reserve` returned:
-        it gives back only once, and only what is still counted)."""
-        row = self._in_flight.get(remote)
-        if row is not None:
-            self._give_back(remote, row, nbytes)
-
     def _give_back(self, remote: PeerId, row: _InFlight, nbytes: int) -> None:
         self._total.jobs = max(0, self._total.jobs - 1)
         self._total.bytes = max(0, self._total.bytes - nbytes)
