@@ -48,6 +48,7 @@ from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, 
 from p2p.latency import usable_link_ms
 from p2p.legs import Leg, LegWatch, blame
 from p2p.forward import ForwardService
+from p2p.forward_checks import FrameReason
 from p2p.registry import NodeView
 from p2p.routing import CostModel, Hop, NoRoute, choose_route
 
@@ -552,8 +553,15 @@ class SwarmPipeline:
         with trio.move_on_after(self.policy.adopt_timeout_s):
             while pending:
                 reply = await new.inbox.receive()
-                if isinstance(reply, wire.Adopted) and reply.req_id in pending:
-                    held[pending.pop(reply.req_id)] = reply.length
+                if not isinstance(reply, wire.Adopted) or reply.req_id not in pending:
+                    continue
+                if reply.sender != pending[reply.req_id]:
+                    # Another hop of the new route answering for a kept one (request ids are a
+                    # counter): a false length would have the kept hop asked to replay what it
+                    # does not keep, and blamed when it refuses.
+                    self.service.drops.count(FrameReason.FOREIGN_ADOPTED)
+                    continue
+                held[pending.pop(reply.req_id)] = reply.length
         return {} if pending else held
 
     async def _replay_span(self, session: _Session, span: _Span, rebuild: list[tuple[int, int]],

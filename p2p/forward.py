@@ -596,6 +596,8 @@ class ForwardService:
                 # entry would avoid that hop).
                 self.drops.count(FrameReason.FOREIGN_ORIGIN)
                 msg = dataclasses.replace(msg, origin=remote)
+            elif isinstance(msg, wire.Adopted):  # the entry takes it only from the hop it asked
+                msg = dataclasses.replace(msg, sender=remote)
             if inbox is not None:
                 try:
                     inbox.send_nowait(msg)

@@ -58,6 +58,8 @@ class FrameReason(enum.Enum):
     FOREIGN_REPLY = "foreign_reply"
     FOREIGN_ORIGIN = "foreign_origin"
     """An error naming another peer as its origin (counted, then attributed to its sender)."""
+    FOREIGN_ADOPTED = "foreign_adopted"
+    """An ``adopted`` from a peer other than the hop the entry asked (ignored by the entry)."""
     REPLAY_REFUSED = "replay_refused"
     TOKENS_NOT_FROM_ENTRY = "tokens_not_from_entry"
     """Token ids whose ``reply_to`` is not their sender: dropped unanswered."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -269,6 +269,9 @@ class Adopted:
     req_id: int
     session_id: SessionId
     length: int
+    sender: PeerId | None = field(default=None, compare=False)
+    """The peer it came from: never on the wire, set by the receiving forward service from the
+    authenticated connection (the entry takes an answer only from the hop it asked)."""
 
 
 Message = Forward | Result | Close | Closed | Error | Adopt | Adopted

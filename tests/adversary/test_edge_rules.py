@@ -26,10 +26,11 @@ from inclavate.untrusted import Malformed
 from node.engine import EngineInfo
 from node.errors import SessionLimitReached
 from node.sampling import SamplingParams, UnusableLogits, sample
-from node.stage import StageResult
+from node.stage import Stage, StageResult
 from p2p import wire
 from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
+from p2p.chain import SwarmPipeline
 from p2p.errors import ProtocolError
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
@@ -524,3 +525,58 @@ async def test_a_stranger_cannot_have_an_honest_hop_refuse_a_frame_to_an_entry_i
         assert await refused_to(route, stranger) == stranger.peer_id
         assert await refused_to(route, prev) == entry.peer_id  # a previous hop acts for the entry
         assert await refused_to(route, entry) == entry.peer_id
+
+
+# ------------------------------------------------ who may claim, close and adopt a session
+
+
+class _Wired(ForwardService):
+    """A forward service driven frame by frame (``_dispatch`` with the sender's PeerID, as
+    the stream reader passes it): what it sends to other peers is recorded, not sent."""
+
+    def __init__(self, me: Hop, stage: Stage | None, *registered: Hop) -> None:
+        super().__init__(SimpleNamespace(peer_id=me.peer_id), node_id=me.node_id, stage=stage, direct_port=None)  # type: ignore[arg-type]
+        self.record_of = _registry(me, *registered).get
+        self.sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(self, peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
+        if peer == self.me:
+            await self._dispatch(msg, self.me)
+        else:
+            self.sent.append((peer, msg))
+
+
+async def _until(condition, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+async def test_only_the_hop_asked_to_adopt_may_answer_for_it() -> None:
+    """The entry matched ``adopted`` answers by request id only (a process-wide counter):
+    another hop of the new route (one placed in the replacement span) answering first for a
+    kept hop with a false length made the entry ask that hop to replay what it does not
+    keep; it refused in its own name, was blamed, and the session failed over again."""
+    entry, kept, middle, last = _hop("entry", 0, 10), _hop("kept", 0, 10), _hop("middle", 10, 20), _hop("last", 20, 30)
+    service = _Wired(entry, None, kept, middle, last)
+    pipeline = SwarmPipeline(service, MODEL, list, 128, lambda _: None)
+    old = Leg(SessionId("s"), (kept, _hop("dead", 10, 20), last), trio.open_memory_channel[wire.Message](1)[1])
+    new_route = (kept, middle, last)
+    new = Leg(SessionId("s.1"), new_route, service.open_inbox(SessionId("s.1"), (h.peer_id for h in new_route)))
+    held: dict[PeerId, int] = {}
+
+    async def adopt() -> None:
+        held.update(await pipeline._adopt(old, new, (kept, last)))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(adopt)
+            await _until(lambda: len(service.sent) == 2, "both adopts sent")
+            asked = {peer: msg.req_id for peer, msg in service.sent if isinstance(msg, wire.Adopt)}
+            for req in asked.values():  # the middle hop answers first, for both kept hops
+                await service._dispatch(wire.Adopted(req, SessionId("s.1"), 4000), middle.peer_id)
+            await service._dispatch(wire.Adopted(asked[last.peer_id], SessionId("s.1"), 12), kept.peer_id)  # the wrong hop
+            for hop in (kept, last):
+                await service._dispatch(wire.Adopted(asked[hop.peer_id], SessionId("s.1"), 12), hop.peer_id)
+    assert held == {kept.peer_id: 12, last.peer_id: 12}
+    assert service.drops[FrameReason.FOREIGN_ADOPTED] == 3
