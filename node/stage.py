@@ -107,6 +107,8 @@ class Job:
     """Positions of ``item`` already computed (a job computed in slices)."""
     hidden_parts: list[np.ndarray] = field(default_factory=list)
     """Hidden states of the slices computed so far (a range that is not the last)."""
+    pending_in: dict[SessionId, int] | None = field(default=None, repr=False)
+    """The table of the stage that holds this job undelivered (see :meth:`Stage.holds`)."""
 
     @property
     def remaining(self) -> int:
@@ -271,6 +273,8 @@ class Stage:
         self.stats = StageStats(step_rounds_by_lane=[0] * self.decode_lanes)
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
         self._deferred: list[Job] = []
+        self._pending: dict[SessionId, int] = {}
+        """Jobs submitted and not yet delivered, by session (an adopt's under its new id too)."""
         self._last_used: dict[SessionId, float] = {}
         self._source_of: dict[SessionId, str] = {}
         """Each held session's source (one entry per slot)."""
@@ -295,11 +299,22 @@ class Stage:
 
         A lone session's decode step on an idle stage runs here instead, in the caller's task,
         and this returns once it is delivered (see :meth:`_runs_now`)."""
-        if self._runs_now(job):
-            await self._run_now(job)
-            return
-        self._parked = False
-        await send_or_wait(self._send, job)
+        _track(job, self._pending)
+        try:
+            if self._runs_now(job):
+                await self._run_now(job)
+                return
+            self._parked = False
+            await send_or_wait(self._send, job)
+        except BaseException:
+            _settle(job)  # never queued (or abandoned half run): no longer this stage's
+            raise
+
+    def holds(self, session_id: SessionId) -> bool:
+        """Whether ``session_id`` is someone's here: the engine holds it, or a job of it is
+        submitted and not yet delivered (a first job queued or waiting for a slot, an adopt
+        onto it). The wire layer lets no stranger claim such a session as its own."""
+        return session_id in self._pending or self.engine.session_length(session_id) > 0
 
     def _runs_now(self, job: Job) -> bool:
         """Whether ``job`` can skip the queue: a decode step of a session this stage already
@@ -808,8 +823,32 @@ def _is_step(job: Job) -> bool:
     return job.item is not None and job.item.n_tokens == 1
 
 
+def _track(job: Job, pending: dict[SessionId, int]) -> None:
+    job.pending_in = pending
+    for session_id in _ids(job):
+        pending[session_id] = pending.get(session_id, 0) + 1
+
+
+def _settle(job: Job) -> None:
+    """The job is no longer the stage's (delivered, or never queued); once per job."""
+    pending, job.pending_in = job.pending_in, None
+    if pending is None:
+        return
+    for session_id in _ids(job):
+        left = pending.get(session_id, 1) - 1
+        if left > 0:
+            pending[session_id] = left
+        else:
+            pending.pop(session_id, None)
+
+
+def _ids(job: Job) -> tuple[SessionId, ...]:
+    return (job.session_id,) if job.rename_to is None else (job.session_id, job.rename_to)
+
+
 async def _deliver(job: Job, result: StageResult) -> None:
     """Hand a result on; a failing callback (the network side) is this job's problem alone."""
+    _settle(job)
     try:
         await job.deliver(result)
     except Exception:  # noqa: BLE001 - one job's delivery must not end the stage worker

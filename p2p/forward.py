@@ -639,7 +639,7 @@ class ForwardService:
             forward_checks.check_route(msg.route, complete_at, self.record_of)
             item = self._item(msg, stage) if stage is not None else None
             if stage is not None:
-                held = stage.engine.session_length(msg.session_id) > 0
+                held = stage.holds(msg.session_id)  # its first job may still wait here: someone's
                 self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions,
                                      known=self._may_feed(remote, msg, stage))  # fmt: skip
                 self._check_replay(msg, stage)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import trio
+from conftest import smollm2_engine
 from registry_helpers import MODEL, signed
 
 from api.chat_template import ChatTemplate, TemplateError
@@ -550,6 +551,44 @@ async def _until(condition, what: str, timeout: float = 20.0) -> None:  # type: 
     with trio.fail_after(timeout):
         while not condition():
             await trio.sleep(0.01)
+
+
+def _tokens(session: str, route: tuple[Hop, ...], entry: PeerId, tokens: tuple[int, ...] = (1, 2, 3)) -> wire.Forward:
+    return wire.Forward(1, SessionId(session), 0, route, entry, None, tokens=np.array(tokens, np.int32))
+
+
+async def test_a_stranger_cannot_claim_a_session_whose_first_job_waits_at_the_stage(smollm2, slice_cache) -> None:
+    """Admission took the sender of a frame for a session the engine did not hold as its
+    owner: a stranger who knew the id of an honest session whose first job was still queued
+    (here: waiting for a slot) became its owner, so it could feed it, close it or adopt it,
+    and the idle sweep freed it 30 s on. Also for the new id of an adopt still queued."""
+    me, y, z, k = _hop("me", 0, 10), _hop("y", 10, 20), _hop("z", 20, 30), _hop("k", 0, 30)
+    route, known, evil, evil2 = (me, y, z), k.peer_id, PeerId("evil"), PeerId("evil2")
+    s, moved = SessionId("s"), SessionId("s.1")
+    with smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=4) as engine:
+        stage = Stage(engine)
+        service = _Wired(me, stage, y, z, k)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            for i in range(4):  # every slot taken by the known entry's sessions
+                await service._dispatch(_tokens(f"busy{i}", route, known), known)
+            await _until(lambda: engine.memory().sessions == 4, "the busy sessions to open")
+            await service._dispatch(_tokens("s", route, known), known)  # waits for a slot
+            await service._dispatch(wire.Adopt(2, s, moved, (me,), known), known)  # queued behind it
+            await trio.sleep(0.1)
+            assert engine.session_length(s) == 0
+            await service._dispatch(_tokens("s", route, evil, (7,)), evil)
+            await service._dispatch(wire.Close(3, s, route, evil), evil)
+            await service._dispatch(_tokens("s.1", route, evil2, (7,)), evil2)
+            assert service.drops[FrameReason.SESSION_NOT_YOURS] == 3
+            assert not service.admission.may_close(evil, s) and not service.admission.may_close(evil2, moved)
+            await service._dispatch(wire.Close(4, SessionId("busy0"), route, known), known)  # a slot frees
+            await _until(lambda: engine.session_length(moved) == 3, "the honest session to open and move")
+            await trio.sleep(0.3)  # what the strangers sent would have run by now
+            assert engine.session_length(moved) == 3
+            fed = [(m.session_id, m.reply_to) for _, m in service.sent if isinstance(m, wire.Forward) and m.session_id in (s, moved)]
+            assert fed == [(s, known)]
+            nursery.cancel_scope.cancel()
 
 
 async def test_only_the_hop_asked_to_adopt_may_answer_for_it() -> None:
