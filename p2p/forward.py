@@ -778,15 +778,26 @@ class ForwardService:
             if hop.forward_url and self.relay is not None:
                 await self.relay(msg)  # type: ignore[func-returns-value]
                 return
-            await self._pass_close(msg)
+            self._close_off_route(msg, remote, "its first hop is not this node's stage")
             return
 
         async def deliver(_: StageResult) -> None:
             self.admission.closed(msg.session_id)
-            self._onward.pop(msg.session_id, None)
+            onward = self._onward.pop(msg.session_id, None)
+            if len(msg.route) > 1 and (onward is None or onward[0] != msg.route[1:]) and not self._is_known(remote):
+                # Passed on, it is this peer's word, which the next hops honour: a stranger's
+                # goes only where this stage sent its session. A known peer's goes on as before
+                # (it may close a session at any hop itself), so an entry whose session failed
+                # here still hears ``closed`` from the last hop at once.
+                self._close_off_route(msg, remote, "this stage did not send the session on to those hops")
+                return
             await self._pass_close(msg, wait_for_room=False)
 
         await self.stage.submit(Job(None, msg.session_id, deliver))
+
+    def _close_off_route(self, msg: wire.Close, remote: PeerId, why: str) -> None:
+        self.drops.count(FrameReason.CLOSE_OFF_ROUTE)
+        log.info("not passing on a close of session %s from %s: %s", msg.session_id, remote, why)
 
     async def _free_idle_stranger_sessions(self) -> None:
         period = max(0.5, self.admission.limits.stranger_idle_s / 4)

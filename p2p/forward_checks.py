@@ -50,6 +50,9 @@ class FrameReason(enum.Enum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"
     SESSION_QUOTA = "session_quota"
     SESSION_NOT_YOURS = "session_not_yours"
+    CLOSE_OFF_ROUTE = "close_off_route"
+    """A close to pass on that is not this stage's to pass: its first hop is not this node, or
+    its onward hops are not where this stage sent the session (freed here at most)."""
     TOO_LARGE = "too_large"
     """More positions than the stage's context, or more bytes than the sender's budget."""
     QUEUE_FULL = "queue_full"

@@ -591,6 +591,35 @@ async def test_a_stranger_cannot_claim_a_session_whose_first_job_waits_at_the_st
             nursery.cancel_scope.cancel()
 
 
+async def test_a_close_goes_on_only_along_the_route_the_stage_sent_the_session(smollm2, slice_cache) -> None:
+    """A close was passed on under this peer's identity, checked only by who may close the
+    session here: a stranger that owned id S here (its own session) had an honest peer send
+    ``close S`` to any registered peer it named, which honours a known peer's close and
+    freed someone else's S there. A close goes on only from this node's own hop, to the hops
+    the session's frames went to from here."""
+    me, y, other, z, k = _hop("me", 0, 10), _hop("y", 10, 20), _hop("y2", 10, 20), _hop("z", 20, 30), _hop("k", 0, 30)
+    route, known, evil = (me, y, z), k.peer_id, PeerId("evil")
+    mine, honest = SessionId("mine"), SessionId("honest")
+    with smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=2) as engine:
+        stage = Stage(engine)
+        service = _Wired(me, stage, y, other, z, k)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await service._dispatch(_tokens("mine", route, evil), evil)  # its own session, on to y
+            await service._dispatch(_tokens("honest", route, known), known)
+            await _until(lambda: engine.memory().sessions == 2, "both sessions to open")
+            await service._dispatch(wire.Close(5, mine, (other, z), evil), evil)  # a first hop not ours
+            await service._dispatch(wire.Close(6, mine, (me, other, z), evil), evil)  # ours, then elsewhere
+            await _until(lambda: engine.session_length(mine) == 0, "the stranger's own session to close here")
+            await service._dispatch(wire.Close(7, honest, route, known), known)  # the route it took
+            await _until(lambda: engine.session_length(honest) == 0, "the honest session to close")
+            await trio.sleep(0.1)
+            closes = [(peer, m.session_id, m.route) for peer, m in service.sent if isinstance(m, wire.Close)]
+            assert closes == [(y.peer_id, honest, (y, z))]
+            assert service.drops[FrameReason.CLOSE_OFF_ROUTE] == 2
+            nursery.cancel_scope.cancel()
+
+
 async def test_only_the_hop_asked_to_adopt_may_answer_for_it() -> None:
     """The entry matched ``adopted`` answers by request id only (a process-wide counter):
     another hop of the new route (one placed in the replacement span) answering first for a
