@@ -165,6 +165,9 @@ class _HoldingStage:
     async def submit(self, job) -> None:  # type: ignore[no-untyped-def]
         self.jobs.append(job)
 
+    def holds(self, session_id: SessionId) -> bool:
+        return any(job.session_id == session_id for job in self.jobs)
+
 
 def _serving(stage: _HoldingStage, limits: AdmissionLimits = AdmissionLimits()) -> tuple[ForwardService, list[str]]:
     """A forward service for ``stage`` whose answers are recorded (their error codes)."""
