@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help/--version (0) or usage errors (2)
         return exc.code if isinstance(exc.code, int) else 2
-    _configure_logging(args.verbose)
+    _configure_logging(args.verbose, timestamps=getattr(args, "log_timestamps", False))
     try:
         status: int = args.handler(args)
         return status
@@ -198,7 +199,18 @@ _OWN_PACKAGES = frozenset({"inclavate", "p2p", "node", "api"})
 
 
 class _CliFormatter(logging.Formatter):
+    def __init__(self, *, timestamps: bool = False) -> None:
+        super().__init__()
+        self._timestamps = timestamps
+
     def format(self, record: logging.LogRecord) -> str:
+        line = self._line(record)
+        if not self._timestamps:
+            return line
+        clock = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+        return f"{clock}.{int(record.msecs):03d} {line}"
+
+    def _line(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             if record.name.split(".")[0] in _OWN_PACKAGES:  # our bug: its traceback is what a report needs
@@ -208,11 +220,13 @@ class _CliFormatter(logging.Formatter):
         return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 
-def _configure_logging(verbosity: int) -> None:
-    """One stderr handler on the root logger, added once even if main() runs repeatedly."""
+def _configure_logging(verbosity: int, *, timestamps: bool = False) -> None:
+    """One stderr handler on the root logger, added once even if main() runs repeatedly.
+    ``timestamps``: for a long-running command's log (a peer's), where when something
+    happened is half of what a line says; a one-shot command's messages go without."""
     root = logging.getLogger()
     root.setLevel([logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)])
     if not any(isinstance(handler, _StderrHandler) for handler in root.handlers):
         handler = _StderrHandler()
-        handler.setFormatter(_CliFormatter())
+        handler.setFormatter(_CliFormatter(timestamps=timestamps))
         root.addHandler(handler)

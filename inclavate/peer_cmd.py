@@ -94,7 +94,7 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--orchestrator", metavar="URL", help="with --legacy: the peer to register with")
     p.add_argument("--advertise-url", metavar="URL",
                    help="with --legacy: the URL the orchestrator reaches this node at (default http://API_HOST:API_PORT)")  # fmt: skip
-    p.set_defaults(handler=run_peer_command)
+    p.set_defaults(handler=run_peer_command, log_timestamps=True)
 
 
 def _layers(text: str) -> LayerRange:

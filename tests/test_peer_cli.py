@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -58,5 +59,7 @@ def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line(
         return _CliFormatter().format(record)
 
     ours = formatted("p2p.forward")
+    stamped = _CliFormatter(timestamps=True).format(logging.getLogger("p2p").makeRecord("p2p", logging.WARNING, __file__, 1, "late", (), None))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} warning: late", stamped), stamped
     assert ours.startswith("error: handling failed\nTraceback") and "KeyError: 'lost'" in ours
     assert formatted("hypercorn.error") == "error: handling failed: KeyError('lost')"
