@@ -511,7 +511,9 @@ class ForwardService:
             link.retire()
 
     async def undeliverable(self, msg: wire.Message, peer: PeerId, exc: BaseException, link: _Link | None = None) -> None:
-        log.warning("cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)
+        # A close that cannot reach a dead hop is routine after a failover (and retried).
+        level = logging.INFO if isinstance(msg, wire.Close) else logging.WARNING
+        log.log(level, "cannot deliver %s for session %s to %s: %s", msg.TYPE, msg.session_id, peer, exc)
         if link is not None:
             # The peer is gone or unreachable: retire its link. Its task answers what is still
             # queued (each with an error to the entry) and ends, instead of waiting forever.
