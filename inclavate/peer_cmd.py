@@ -84,7 +84,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-failovers", type=int, default=FailoverPolicy.max_failovers,
                    help="times a request may move to a new route when a peer fails (default 3)")  # fmt: skip
     p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
-                   help="floor of the adaptive deadline after which a silent chain is failed over (default 5)")  # fmt: skip
+                   help="floor of the adaptive deadline after which a silent chain is failed over (default 5; "
+                        "a hung peer then stalls its streams ~7.5 s: the deadline, a ping, the replay)")  # fmt: skip
     p.add_argument("--failover-replay", choices=("span", "whole"), default="span",
                    help="after a failover, rebuild only the replaced span (default) or replay the whole new route")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
