@@ -46,7 +46,7 @@ from p2p import wire
 from p2p.errors import P2PError
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.latency import usable_link_ms
-from p2p.legs import Leg, LegWatch, blame
+from p2p.legs import Leg, LegWatch, blame, seen_gone
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason
 from p2p.registry import NodeView
@@ -110,6 +110,10 @@ class Broken:
     certain: bool = True
     """False when the blame is a guess (hops that did not answer a ping after a deadline):
     they are then used again if no route exists without them."""
+    gone: frozenset[PeerId] = frozenset()
+    """Those of ``peers`` seen gone for certain (our link or connection to them ended, a
+    stream to them could not be opened): no route goes through them for ``gone_s``, not
+    even a last-resort one (``PeerHealth.gone``)."""
 
 
 @dataclass(frozen=True)
@@ -276,9 +280,9 @@ class SwarmPipeline:
             return None
         session.checked = now
         assert session.leg is not None
-        failed, leaving = self._watch.trouble(session.leg)
+        failed, leaving, gone = self._watch.trouble(session.leg)
         if failed:
-            return await self._fail_over(session, _departed(failed), sampling)
+            return await self._fail_over(session, _departed(failed, gone), sampling)
         if leaving:
             return await self._migrate(session, leaving, sampling)
         return None
@@ -320,9 +324,9 @@ class SwarmPipeline:
                 if outcome is not None:
                     return outcome
                 continue
-            failed, _ = self._watch.trouble(leg)
+            failed, _, gone = self._watch.trouble(leg)
             if failed:
-                return _departed(failed)
+                return _departed(failed, gone)
             if trio.current_time() >= deadline_at:
                 stalled = await self._watch.stalled(leg)
                 cause = ChainTimeout(f"no answer from the chain of {self.model_id} within {limit:.1f} s")
@@ -335,7 +339,8 @@ class SwarmPipeline:
                 raise failure
             if reply.code == "session_evicted":  # a fair share, not a fault: replay, blaming nobody
                 return Broken(frozenset(), failure)
-            return Broken(blame(leg, reply, self.service.me), failure)
+            blamed = blame(leg, reply, self.service.me)
+            return Broken(blamed, failure, gone=seen_gone(blamed, reply))
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:
                 last = leg.route[-1].peer_id
@@ -362,7 +367,7 @@ class SwarmPipeline:
         """Blame, re-route, replay. Returns the request that will carry the step's token."""
         now = trio.current_time()
         for peer in broken.peers:
-            self.health.failed(peer, now)
+            self.health.failed(peer, now, gone=peer in broken.gone)
         if session.failovers >= self.policy.max_failovers:
             await self._retire(session, broken.peers)
             raise FailoverExhausted(session.failovers, broken.cause) from broken.cause
@@ -466,18 +471,23 @@ class SwarmPipeline:
         """A new route without ``failed``: the old hops before the first failed one, then the
         cheapest way on from that boundary (a replacement may be split differently); failing
         that, the cheapest route from layer 0. Peers this entry avoids are left out when a
-        route exists without them, and so are ``failed`` ones blamed without ``certain``ty.
-        A ``voluntary`` move (off a hop that still serves) never goes through avoided peers:
-        one killed a moment ago may still be Ready in the registry."""
+        route exists without them, and so are ``failed`` ones blamed without ``certain``ty;
+        peers it saw gone for certain a moment ago (``PeerHealth.gone``) always are: they
+        may still be Ready in the registry, and a failover that went back to them bounced
+        between dead holders until its failovers were spent. A ``voluntary`` move (off a hop
+        that still serves) never goes through avoided peers either."""
         index = next((i for i, h in enumerate(old) if h.peer_id in failed), None)
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
         costs = self._costs(exclude_load)
         views = list(self.views() if views is None else views)
-        avoided = self.health.avoided(trio.current_time()) | failed
+        now = trio.current_time()
+        gone = self.health.gone(now)
+        avoided = self.health.avoided(now) | failed
         last: NoRoute | None = None
         passes = (avoided,) if voluntary else (avoided, failed) if certain else (avoided, failed, frozenset())
         for exclude in passes:
+            exclude |= gone
             attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
             for prefix, boundary in attempts:
                 try:
@@ -493,8 +503,8 @@ class SwarmPipeline:
         """A route that replaces only the hops from the first to the last failed one, ending
         where they ended, so that the hops around them keep their caches; None when the
         policy says no, nothing around would be kept, a kept hop is itself in trouble, or no
-        replacement ends at that boundary (through no avoided peer, for a ``voluntary`` move:
-        see :meth:`_reroute`)."""
+        replacement ends at that boundary (through no avoided peer, for a ``voluntary`` move,
+        and never through one seen gone: see :meth:`_reroute`)."""
         index = [i for i, hop in enumerate(old) if hop.peer_id in failed]
         if not self.policy.span_replay or not index:
             return None
@@ -508,8 +518,10 @@ class SwarmPipeline:
         costs = self._costs(session)
         kept = frozenset(hop.peer_id for hop in prefix + suffix)
         start, end = old[index[0]].layers.start, old[index[-1]].layers.end
-        strict = self.health.avoided(trio.current_time()) | failed | kept
-        for exclude in (strict,) if voluntary else (strict, failed | kept):
+        now = trio.current_time()
+        gone = self.health.gone(now)
+        strict = self.health.avoided(now) | failed | kept | gone
+        for exclude in (strict,) if voluntary else (strict, failed | kept | gone):
             try:
                 middle = choose_route(views, self.model_id, self.service.me, costs, self.rng,
                                       start=start, end=end, exclude=exclude)  # fmt: skip
@@ -684,9 +696,11 @@ def _serving(views: Iterable[NodeView], which: Callable[[NodeView], bool]) -> li
     return [NodeView(v.record.replace(draining=False, idle=False), v.state) if which(v) else v for v in views]
 
 
-def _departed(failed: frozenset[PeerId]) -> Broken:
-    """Hops the registry or our connections say are gone (or moved to other layers)."""
-    return Broken(failed, StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed))))
+def _departed(failed: frozenset[PeerId], gone: frozenset[PeerId] = frozenset()) -> Broken:
+    """Hops the registry or our connections say are gone (or moved to other layers);
+    ``gone``: those whose connection we lost (certain, unlike the registry's word)."""
+    cause = StageFailed("unreachable", "a hop of the route left the swarm", ",".join(sorted(failed)))
+    return Broken(failed, cause, gone=gone & failed)
 
 
 def _describe(route: Sequence[Hop]) -> str:

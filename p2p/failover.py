@@ -8,7 +8,8 @@
   of this entry's own answers. Before anything is measured the ceiling applies.
 - :class:`PeerHealth`: peers that failed this entry's sessions are avoided for a while
   (capped exponential backoff, like Petals' ``on_request_failure``) and their measured
-  reliability divides their routing weight.
+  reliability divides their routing weight; peers seen gone for certain are left out of
+  every route for a short while.
 - :func:`hop_trouble`: what the registry says about one hop of a live route.
 
 Everything here takes the time as an argument, so the rules are unit-tested without sleeping.
@@ -50,6 +51,11 @@ class FailoverPolicy:
     """A failed peer is avoided for new routes this long, doubling per further failure..."""
     avoid_max_s: float = 300.0
     """...up to this."""
+    gone_s: float = 10.0
+    """A peer seen gone for certain (our link or connection to it ended, a stream to it could
+    not be opened) is left out of every route this long, even where no route exists without
+    it (an avoided peer is only a last choice): the registry calls a killed peer Degraded only
+    ~6 s after its last heartbeat, and until then it still looks Ready."""
     span_replay: bool = True
     """Rebuild only the replaced span from the outputs kept by the hop before it, keeping the
     cache of every other hop; False replays every processed token through the whole new route."""
@@ -108,6 +114,7 @@ class _Record:
     reliability: float = 1.0
     strikes: int = 0
     avoid_until: float = 0.0
+    gone_until: float = 0.0
 
 
 class PeerHealth:
@@ -117,12 +124,15 @@ class PeerHealth:
         self.policy = policy
         self._peers: dict[PeerId, _Record] = {}
 
-    def failed(self, peer: PeerId, now: float) -> None:
+    def failed(self, peer: PeerId, now: float, *, gone: bool = False) -> None:
+        """``peer`` failed a session; ``gone``: it was seen gone for certain (see :meth:`gone`)."""
         rec = self._peers.setdefault(peer, _Record())
         rec.strikes += 1
         rec.reliability *= 1 - _ALPHA
         backoff = self.policy.avoid_s * 2 ** min(rec.strikes - 1, 16)
         rec.avoid_until = now + min(self.policy.avoid_max_s, backoff)
+        if gone:
+            rec.gone_until = now + self.policy.gone_s
         self._bound(now)
 
     def served(self, peers: Iterable[PeerId]) -> None:
@@ -131,10 +141,17 @@ class PeerHealth:
             rec = self._peers.get(peer)
             if rec is not None:
                 rec.strikes = 0
+                rec.gone_until = 0.0
                 rec.reliability += _ALPHA * (1 - rec.reliability)
 
     def avoided(self, now: float) -> frozenset[PeerId]:
+        """Peers to route around while a route exists without them."""
         return frozenset(p for p, r in self._peers.items() if r.avoid_until > now)
+
+    def gone(self, now: float) -> frozenset[PeerId]:
+        """Peers seen gone for certain less than ``gone_s`` ago: never routed through, not even
+        when no route exists without them (then the answer is the 503 naming the layers)."""
+        return frozenset(p for p, r in self._peers.items() if r.gone_until > now)
 
     def reliability(self) -> dict[PeerId, float]:
         return {p: r.reliability for p, r in self._peers.items() if r.reliability < 1.0}
@@ -142,7 +159,8 @@ class PeerHealth:
     def _bound(self, now: float) -> None:
         if len(self._peers) <= _MAX_TRACKED:
             return
-        by_trust = sorted(self._peers.items(), key=lambda item: (item[1].avoid_until > now, -item[1].reliability))
+        by_trust = sorted(self._peers.items(), key=lambda item: (max(item[1].avoid_until, item[1].gone_until) > now,
+                                                                 -item[1].reliability))  # fmt: skip
         for peer, _ in by_trust[: len(self._peers) - _MAX_TRACKED]:
             del self._peers[peer]
 

@@ -38,6 +38,15 @@ class Leg:
         return frozenset(h.peer_id for h in self.route)
 
 
+def seen_gone(blamed: frozenset[PeerId], error: wire.Error) -> frozenset[PeerId]:
+    """The blamed hop an ``unreachable`` error names as the peer it could not reach (its link
+    ended, a stream to it could not be opened): gone for certain, unlike the other blames (a
+    stage's own error: it still answers; a missed deadline: a guess)."""
+    if error.code != "unreachable" or error.failed_peer is None:
+        return frozenset()
+    return blamed & {error.failed_peer}
+
+
 def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     """The hop an error points at: for ``unreachable``, the hop it names or else the one
     after its reporter; for anything else, the reporter. ``origin`` is the peer the frame
@@ -69,11 +78,14 @@ class LegWatch:
     probe: Callable[[PeerId], Awaitable[bool]] | None
     policy: FailoverPolicy
 
-    def trouble(self, leg: Leg) -> tuple[frozenset[PeerId], frozenset[PeerId]]:
-        """(failed, leaving) hops of a leg, from the registry and our connections."""
+    def trouble(self, leg: Leg) -> tuple[frozenset[PeerId], frozenset[PeerId], frozenset[PeerId]]:
+        """(failed, leaving, gone) hops of a leg, from the registry and our connections.
+        ``gone``: the failed ones whose connection we lost, gone for certain (the registry's
+        word may lag, or name a hop that merely moved to other layers)."""
         now = trio.current_time()
         failed: set[PeerId] = set()
         leaving: set[PeerId] = set()
+        gone: set[PeerId] = set()
         for hop in leg.route:
             trouble = hop_trouble(hop, self.view_of(hop.node_id))
             if trouble == "failed":
@@ -88,7 +100,8 @@ class LegWatch:
                 leg.lost.pop(peer, None)
             elif peer in leg.seen and now - leg.lost.setdefault(peer, now) >= self.policy.disconnect_grace_s:
                 failed.add(peer)
-        return frozenset(failed), frozenset(leaving - failed)
+                gone.add(peer)
+        return frozenset(failed), frozenset(leaving - failed), frozenset(gone)
 
     async def stalled(self, leg: Leg) -> frozenset[PeerId]:
         """After a missed deadline: the hops that do not answer a ping (none if unknown)."""

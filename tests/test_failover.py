@@ -394,3 +394,42 @@ def test_a_draining_holder_takes_the_streams_when_the_other_holder_dies(tmp_path
         assert [(chat.error, chat.text) for chat in chats] == [(None, expected)] * 2
         assert c.process.wait(30) == 0, "C should leave on its own once its streams are done"
         wait_no_sessions(s, [a, d])
+
+
+# ------------------------------------------------- both holders of a span killed at once
+
+
+def test_both_holders_of_a_span_killed_at_once_is_a_503_naming_the_layers(tmp_path: Path) -> None:
+    """A 0-10, B/C 10-20, D 20-30; B and C killed within a millisecond while a stream runs
+    through one of them. Each is tried once at most: the stream ends, after the wait for a
+    route, with the 503 naming 10-20, and so does a new request at once (both are still Ready
+    in the registry for seconds). It used to bounce between the two dead peers and end 0.2 s
+    after the kill with "failed again after 3 failover(s): ... negative cache"."""
+    with Swarm(tmp_path, extra_args=["--wire-dtype", "f32", *SHARED]) as s:
+        a = s.start("a", "--layers", "0-10")
+        b, c, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
+        for peer in (a, b, c, d):
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the whole swarm")
+        warm_up(s, a, 3)
+        killed_at: list[float] = []
+
+        def kill_both_middle_holders(chats: list[StreamedChat]) -> None:
+            s.wait(lambda: len(chats[0].times) >= 10 or chats[0].finish_reason is not None, 60, "ten tokens")
+            for peer in (b, c):
+                peer.process.send_signal(signal.SIGKILL)
+            killed_at.append(time.monotonic())
+            for peer in (b, c):
+                peer.process.wait(10)
+
+        body = ask("Write the numbers from 1 to 3000 separated by commas.", 300)  # no early end of stream
+        (chat,) = run_streams(a, [body], kill_both_middle_holders)
+        ended = time.monotonic() - killed_at[0]
+        assert chat.error is not None and chat.error["status"] == 503, chat.error
+        assert "layers 10-20 have no Ready node" in chat.error["error"], (chat.error, a.log_tail())
+        assert ended < 60, ended
+        began = time.monotonic()
+        status, reply = request_json("POST", a.url + "/v1/chat/completions", ask(QUESTION, 8), timeout=60)
+        assert status == 503 and "layers 10-20 have no Ready node" in reply["error"], reply
+        print(f"the stream's 503 came {ended:.2f} s after the kill; a new request's {time.monotonic() - began:.2f} s")
+        wait_no_sessions(s, [a, d])

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import trio
+from trio.testing import MockClock
 from registry_helpers import MODEL, view
 
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
@@ -129,11 +130,32 @@ def test_a_legs_health_asks_the_registry_only_about_its_own_hops() -> None:
              Hop(NodeId("d"), PeerId("d"), LayerRange(20, 30)))  # fmt: skip
     leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
 
-    async def check() -> tuple[frozenset[PeerId], frozenset[PeerId]]:
+    async def check() -> tuple[frozenset[PeerId], frozenset[PeerId], frozenset[PeerId]]:
         return watch.trouble(leg)
 
-    assert trio.run(check) == (frozenset({PeerId("b2")}), frozenset())
+    assert trio.run(check) == (frozenset({PeerId("b2")}), frozenset(), frozenset())  # Dead: failed, not seen gone
     assert sorted(asked) == ["a", "b2", "d"]
+
+
+def test_a_hop_whose_connection_is_lost_is_seen_gone_and_one_that_moved_is_not() -> None:
+    """Only our own connection's end is certain: the registry may lag, and a hop serving
+    other layers now (it moved to heal a gap) is alive and may be routed through there."""
+    registry = {v.record.node_id: v for v in [view("a", 0, 10), view("b", 0, 10), view("d", 20, 30)]}
+    connected = {PeerId("b"), PeerId("d")}
+    policy = FailoverPolicy()
+    watch = LegWatch(PeerId("a"), registry.get, lambda peer: peer in connected, None, policy)
+    route = (Hop(NodeId("a"), PeerId("a"), LayerRange(0, 10)), Hop(NodeId("b"), PeerId("b"), LayerRange(10, 20)),
+             Hop(NodeId("d"), PeerId("d"), LayerRange(20, 30)))  # fmt: skip
+    leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
+
+    async def main() -> None:
+        assert watch.trouble(leg) == ({PeerId("b")}, set(), set())  # b moved to 0-10
+        connected.discard(PeerId("d"))
+        assert watch.trouble(leg) == ({PeerId("b")}, set(), set())  # within the grace
+        await trio.sleep(policy.disconnect_grace_s)
+        assert watch.trouble(leg) == ({PeerId("b"), PeerId("d")}, set(), {PeerId("d")})
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
 def test_the_draining_flag_parses_tolerantly() -> None:
@@ -261,3 +283,85 @@ def test_a_hop_s_session_evicted_is_a_replay_that_blames_nobody() -> None:
     assert broken.peers == frozenset() and "gave its slot" in str(broken.cause)
     other = pipeline._on_reply(leg, wire.Error(1, SessionId("s"), "engine_error", "boom", PeerId("b")), 1)
     assert other is not None and not isinstance(other, int) and other.peers == frozenset({PeerId("b")})
+
+
+class _Service:
+    """The entry's forward service, as far as a failover uses it: frames sent are recorded,
+    and every hop asked to adopt a session says it holds ``held`` positions."""
+
+    def __init__(self, me: str, held: int) -> None:
+        self.me = PeerId(me)
+        self.held = held
+        self.sent: list[tuple[PeerId, object]] = []
+        self._inboxes: dict[str, trio.MemorySendChannel[object]] = {}
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        from p2p import wire
+
+        self.sent.append((peer, msg))
+        if isinstance(msg, wire.Adopt):
+            self._inboxes[msg.new_id].send_nowait(wire.Adopted(msg.req_id, msg.new_id, self.held, sender=peer))
+
+    def open_inbox(self, session_id: SessionId, route_peers=None):
+        send, receive = trio.open_memory_channel[object](256)
+        self._inboxes[session_id] = send
+        return receive
+
+    def close_inbox(self, session_id: SessionId) -> None:
+        self._inboxes.pop(session_id, None)
+
+
+def test_holders_seen_gone_for_certain_are_not_tried_again() -> None:
+    """Both holders of 10-20 killed within a millisecond while a stream runs through b (the
+    audit's case): b's link closes, the failover goes to c, c cannot be reached either. Both
+    are still Ready in the registry for seconds, but neither may be tried again: the failover
+    waits for a route as documented, then fails with the 503 naming the layers (it used to
+    bounce b, c, b, ... and report libp2p's negative cache); new requests from this entry get
+    that answer at once for a short while, and route through them again after it."""
+    from p2p import wire
+    from p2p.chain import SwarmPipeline, _Session
+
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30)]
+    by_node = {v.record.node_id: v for v in views}
+    service = _Service("a", held=5)
+    policy = FailoverPolicy()
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, by_node.get, policy=policy,  # type: ignore[arg-type]
+                             health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+    a, b, c = PeerId("a"), PeerId("b"), PeerId("c")
+
+    async def main() -> None:
+        session = _Session(SessionId("s"))
+        for start, tokens in ((0, [1, 2, 3]), (3, [4]), (4, [5])):
+            session.record(start, tokens)
+        pipeline._sessions[session.session_id] = session
+        pipeline._open_leg(session, [h for h in choose_route(views, MODEL, a, exclude={c})])
+        assert session.leg is not None and [h.node_id for h in session.leg.route] == ["a", "b", "d"]
+        # b's link ends: the entry's own forward service tells the session (p2p.forward.link_lost).
+        lost = wire.Error(0, session.leg.wire_id, "unreachable", "peer b closed its link", a, b)
+        broken = pipeline._on_reply(session.leg, lost, 1)
+        assert broken is not None and not isinstance(broken, int)
+        await pipeline._fail_over(session, broken, None)
+        assert [h.node_id for h in session.leg.route] == ["a", "c", "d"]
+        # The replay into c cannot open a stream to it.
+        refused = wire.Error(0, session.leg.wire_id, "unreachable",
+                             "peer c is unreachable: cannot open /inclavate/forward/2 to c: Peer c recently failed "
+                             "all addresses (negative cache)", a, c)  # fmt: skip
+        broken = pipeline._on_reply(session.leg, refused, 1)
+        assert broken is not None and not isinstance(broken, int)
+        sent_before = len(service.sent)
+        began = trio.current_time()
+        with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
+            await pipeline._fail_over(session, broken, None)
+        assert trio.current_time() - began >= policy.no_route_wait_s  # the documented wait for a route
+        # No new leg was tried: only the closes of the one that failed went out.
+        after = [msg for _, msg in service.sent[sent_before:]]
+        assert after and all(isinstance(msg, wire.Close) and msg.session_id == "s.1" for msg in after), after
+        # A new request from this entry, a moment later: the same answer, at once.
+        with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
+            pipeline.check_route()
+        # Seconds later (the registry would call them Degraded by now; here they are still
+        # Ready, as if back): routable again.
+        await trio.sleep(policy.gone_s)
+        assert ranges(pipeline.check_route())[1][0] in ("b", "c")
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
