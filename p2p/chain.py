@@ -340,7 +340,7 @@ class SwarmPipeline:
             if reply.code == "session_evicted":  # a fair share, not a fault: replay, blaming nobody
                 return Broken(frozenset(), failure)
             blamed = blame(leg, reply, self.service.me)
-            return Broken(blamed, failure, gone=seen_gone(blamed, reply))
+            return Broken(blamed, failure, gone=seen_gone(blamed, reply, self.service.me))
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:
                 last = leg.route[-1].peer_id

@@ -38,11 +38,13 @@ class Leg:
         return frozenset(h.peer_id for h in self.route)
 
 
-def seen_gone(blamed: frozenset[PeerId], error: wire.Error) -> frozenset[PeerId]:
-    """The blamed hop an ``unreachable`` error names as the peer it could not reach (its link
-    ended, a stream to it could not be opened): gone for certain, unlike the other blames (a
-    stage's own error: it still answers; a missed deadline: a guess)."""
-    if error.code != "unreachable" or error.failed_peer is None:
+def seen_gone(blamed: frozenset[PeerId], error: wire.Error, me: PeerId) -> frozenset[PeerId]:
+    """The blamed hop an ``unreachable`` error of our own names as the peer we could not
+    reach (our link to it ended, a stream to it could not be opened): gone for certain,
+    unlike the other blames (a stage's own error: it still answers; a missed deadline: a
+    guess). Only our own: a hop's report is its word, and a lying hop would keep its
+    successor out of every route of ours for ``gone_s`` per lie."""
+    if error.code != "unreachable" or error.failed_peer is None or error.origin != me:
         return frozenset()
     return blamed & {error.failed_peer}
 

@@ -12,10 +12,11 @@ from trio.testing import MockClock
 from registry_helpers import MODEL, view
 
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
+from p2p import wire
 from p2p.chain import least_used_lane
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
-from p2p.legs import Leg, LegWatch
+from p2p.legs import Leg, LegWatch, seen_gone
 from p2p.latency import UNREACHABLE_MS, usable_link_ms
 from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
 
@@ -365,3 +366,16 @@ def test_holders_seen_gone_for_certain_are_not_tried_again() -> None:
         assert ranges(pipeline.check_route())[1][0] in ("b", "c")
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_only_our_own_unreachable_marks_a_peer_gone_for_certain() -> None:
+    """Gone for certain keeps a peer out of every route for ``gone_s``: a hop's report that
+    its successor is unreachable is its word (a liar would keep an honest hop out per lie),
+    so only our own link's end or failed dial marks it."""
+    me, hop, nxt = PeerId("me"), PeerId("hop"), PeerId("next")
+    ours = wire.Error(1, SessionId("s"), "unreachable", "link ended", me, nxt)
+    theirs = wire.Error(1, SessionId("s"), "unreachable", "cannot reach", hop, nxt)
+    blamed = frozenset({nxt})
+    assert seen_gone(blamed, ours, me) == {nxt}
+    assert seen_gone(blamed, theirs, me) == frozenset()
+    assert seen_gone(blamed, wire.Error(1, SessionId("s"), "engine_error", "boom", me), me) == frozenset()
