@@ -74,3 +74,10 @@ def hop_of(source: str) -> str:
     record of the range before a stage (any state but Dead) was a fresh source per session,
     evicting others' sessions until each held one slot, and then never displaced."""
     return source.split(">", 1)[0]
+
+
+def parties(source: str) -> tuple[str, ...]:
+    """The peers ``source`` names: the previous hop and the entry it names (:func:`relayed`),
+    or the entry alone (a first stage's source). Both fed the session: its frames came from
+    the one, in the other's name (where its answers go)."""
+    return tuple(source.split(">", 1))

@@ -65,7 +65,7 @@ from node.engine_thread import EngineThread
 from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionEvicted, SessionLimitReached
 from node.kept_outputs import KeptOutputs
 from node.sampling import SamplingParams, sample
-from node.slot_share import fair_victim, hop_of
+from node.slot_share import fair_victim, hop_of, parties
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +315,15 @@ class Stage:
         submitted and not yet delivered (a first job queued or waiting for a slot, an adopt
         onto it). The wire layer lets no stranger claim such a session as its own."""
         return session_id in self._pending or self.engine.session_length(session_id) > 0
+
+    def fed_by(self, session_id: SessionId) -> tuple[str, ...]:
+        """The peers that opened ``session_id`` here, as its source names them
+        (``slot_share.parties``: its previous hop and entry, or its entry), while the engine
+        holds it; () otherwise. What the stage saw, whatever the registry says now."""
+        source = self._source_of.get(session_id)
+        if not source or self.engine.session_length(session_id) == 0:
+            return ()
+        return parties(source)
 
     def _runs_now(self, job: Job) -> bool:
         """Whether ``job`` can skip the queue: a decode step of a session this stage already

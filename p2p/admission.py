@@ -20,7 +20,9 @@ anything a frame claims:
   ``stranger_session_share`` of the slots, and a stranger's session idle for
   ``stranger_idle_s`` is freed (a known peer's idles out after the stage's own, longer,
   timeout). A stranger cannot touch a session it did not open. Without this, eight
-  one-token frames would hold every KV slot for the stage's ten-minute idle timeout.
+  one-token frames would hold every KV slot for the stage's ten-minute idle timeout. The
+  peers that fed a session here (its previous hop, its entry) may close it even once the
+  registry has dropped them (:meth:`Admission.may_close`).
 
 Only strangers' sessions are tracked, so the tables are bounded by the quota; the in-flight
 table holds a row per peer with work queued.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -89,10 +91,14 @@ class Admission:
         limits: AdmissionLimits,
         *,
         is_known: Callable[[PeerId], bool],
+        fed_by: Callable[[SessionId], Iterable[str]] = lambda _: (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
         self.is_known = is_known
+        self.fed_by = fed_by
+        """The peers that opened a session here (its previous hop and its entry, as the stage
+        saw them), whatever the registry says of them now."""
         self.clock = clock
         self._strangers: dict[SessionId, tuple[PeerId, float]] = {}
         """Sessions opened here by strangers: opener, last used."""
@@ -129,9 +135,16 @@ class Admission:
         self._strangers[session_id] = (remote, self.clock())
 
     def may_close(self, remote: PeerId, session_id: SessionId) -> bool:
-        """A close is honoured from the session's opener or any known peer."""
+        """A close (or adopt) is honoured from any known peer, from the stranger that opened
+        the session, and from the peers that fed it here: its previous hop and its entry
+        (:attr:`fed_by`), even once the registry has let them lapse. A peer that was stopped
+        (SIGSTOP, a frozen VM) for over a minute wakes with every other record dropped and
+        reads the closes queued meanwhile before any heartbeat: refused, they left the
+        session's slot taken for its ten-minute idle timeout (2026-12, a chaos audit)."""
         owner = self._strangers.get(session_id)
-        return self.is_known(remote) or (owner is not None and owner[0] == remote)
+        if self.is_known(remote) or (owner is not None and owner[0] == remote):
+            return True
+        return remote in self.fed_by(session_id)
 
     def renamed(self, old: SessionId, new: SessionId) -> None:
         """A failover adopted the session under a new id: its opener keeps it."""

@@ -339,7 +339,7 @@ class ForwardService:
         """Every record a peer signs, its node's and its legacy nodes' (set by the peer): a
         frame of hidden states gets a known peer's quota only from a peer that signs a live
         record of this model ending where this stage starts (:meth:`_may_feed`)."""
-        self.admission = Admission(admission, is_known=self._is_known)
+        self.admission = Admission(admission, is_known=self._is_known, fed_by=self._fed_by)
         self.drops = DropCounter()
         """Frames refused, by :class:`~p2p.forward_checks.FrameReason`."""
         self.leaving = False
@@ -395,6 +395,13 @@ class ForwardService:
             return True
         record = self.record_of(NodeId(peer))
         return record is not None and record.state != "Dead"
+
+    def _fed_by(self, session_id: SessionId) -> tuple[str, ...]:
+        """The peers that opened ``session_id`` at this stage: the sender of its frames and
+        the entry they named (``reply_to``), as the stage recorded them. They may close it
+        whatever the registry says of them now (:meth:`Admission.may_close`)."""
+        stage = self._stage
+        return stage.fed_by(session_id) if stage is not None else ()
 
     def _may_feed(self, remote: PeerId, msg: wire.Forward, stage: Stage) -> bool:
         """Whether ``remote`` gets a known peer's session quota for ``msg`` at ``stage``.

@@ -623,6 +623,42 @@ async def test_a_close_goes_on_only_along_the_route_the_stage_sent_the_session(s
             nursery.cancel_scope.cancel()
 
 
+async def test_the_peers_that_fed_a_session_may_close_it_once_the_registry_lets_them_lapse(smollm2, slice_cache) -> None:
+    """A hop stopped for over a minute (SIGSTOP) wakes with every other record dropped from its
+    registry and reads the closes queued meanwhile before any heartbeat: a close was honoured
+    only from a registered peer (or a stranger's own session), so its entry's and its previous
+    hop's closes were refused and the dead session kept its slot for the ten-minute idle
+    timeout (2026-12, a chaos audit). The peers that fed the session here (the sender of its
+    frames, and the entry they named) may close it whatever the registry says now; a stranger,
+    or a peer that fed another session, still may not."""
+    me, prev, entry = _hop("me", 20, 30), _hop("prev", 10, 20), _hop("entry", 0, 10)
+    other_prev, other_entry, evil = _hop("prev2", 10, 20), _hop("entry2", 0, 10), PeerId("evil")
+    first, second, theirs = SessionId("first"), SessionId("second"), SessionId("theirs")
+    with smollm2_engine(smollm2, slice_cache, (20, 30), max_sessions=4) as engine:
+        stage = Stage(engine)
+        service = _Wired(me, stage, prev, entry, other_prev, other_entry)
+        hidden = tensors.encode(np.ones((3, engine.info.d_model), np.float32), "f32")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            for session, sender, named in ((first, prev, entry), (second, prev, entry), (theirs, other_prev, other_entry)):
+                frame = wire.Forward(1, session, 0, (me,), named.peer_id, None, hidden=hidden)
+                await service._dispatch(frame, sender.peer_id)
+            await _until(lambda: all(engine.session_length(s) == 3 for s in (first, second, theirs)), "the sessions to open")
+            service.record_of = _registry(me).get  # everyone else lapsed while this peer was stopped
+            await service._dispatch(wire.Close(2, first, (me,), evil), evil)
+            await service._dispatch(wire.Close(3, first, (me,), other_entry.peer_id), other_entry.peer_id)
+            await service._dispatch(wire.Close(4, theirs, (me,), entry.peer_id), prev.peer_id)
+            assert service.drops[FrameReason.SESSION_NOT_YOURS] == 3
+            await service._dispatch(wire.Close(5, first, (me,), entry.peer_id), entry.peer_id)  # the entry's own
+            await service._dispatch(wire.Close(6, second, (me,), entry.peer_id), prev.peer_id)  # along the route
+            await _until(lambda: engine.memory().sessions == 1, "the fed sessions to close")
+            assert engine.session_length(theirs) == 3
+            closed = [(peer, m.session_id) for peer, m in service.sent if isinstance(m, wire.Closed)]
+            assert sorted(closed) == [(entry.peer_id, first), (entry.peer_id, second)]
+            assert service.drops[FrameReason.SESSION_NOT_YOURS] == 3
+            nursery.cancel_scope.cancel()
+
+
 async def test_only_the_hop_asked_to_adopt_may_answer_for_it() -> None:
     """The entry matched ``adopted`` answers by request id only (a process-wide counter):
     another hop of the new route (one placed in the replacement span) answering first for a
