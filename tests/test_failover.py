@@ -363,6 +363,17 @@ def test_eight_sessions_failing_over_at_once_spread_over_the_survivors(tmp_path:
 # ------------------------------------------------- a draining holder as the last resort
 
 
+def _middle_held_twice(s: Swarm) -> tuple[PeerProcess, PeerProcess, PeerProcess, PeerProcess]:
+    """A 0-10, B and C 10-20, D 20-30, all Ready, the entry A warmed up."""
+    a = s.start("a", "--layers", "0-10")
+    b, c, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
+    for peer in (a, b, c, d):
+        s.wait_ready(peer, timeout=120)
+    s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the whole swarm")
+    warm_up(s, a, 3)
+    return a, b, c, d
+
+
 def test_a_draining_holder_takes_the_streams_when_the_other_holder_dies(tmp_path: Path) -> None:
     """A 0-10, B/C 10-20, D 20-30. C is stopped politely (SIGTERM: draining) while two streams
     run, one entered at A and one at C itself (which keeps C's drain waiting); the streams
@@ -370,12 +381,7 @@ def test_a_draining_holder_takes_the_streams_when_the_other_holder_dies(tmp_path
     way through 10-20: both streams fail over onto it and finish with the undisturbed text
     (before, a 503 "layers 10-20 have no Ready node"), and C leaves once they are done."""
     with Swarm(tmp_path, extra_args=["--wire-dtype", "f32", *SHARED, "--drain-timeout", "120"]) as s:
-        a = s.start("a", "--layers", "0-10")
-        b, c, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
-        for peer in (a, b, c, d):
-            s.wait_ready(peer, timeout=120)
-        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the whole swarm")
-        warm_up(s, a, 3)
+        a, b, c, d = _middle_held_twice(s)
         body = ask("Write the numbers from 1 to 3000 separated by commas.", 300)  # no early end of stream
         status, reply = request_json("POST", a.url + "/v1/chat/completions", body, timeout=120)
         assert status == 200, reply
@@ -406,12 +412,7 @@ def test_both_holders_of_a_span_killed_at_once_is_a_503_naming_the_layers(tmp_pa
     in the registry for seconds). It used to bounce between the two dead peers and end 0.2 s
     after the kill with "failed again after 3 failover(s): ... negative cache"."""
     with Swarm(tmp_path, extra_args=["--wire-dtype", "f32", *SHARED]) as s:
-        a = s.start("a", "--layers", "0-10")
-        b, c, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in (("b", "10-20"), ("c", "10-20"), ("d", "20-30")))
-        for peer in (a, b, c, d):
-            s.wait_ready(peer, timeout=120)
-        s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 4, 30, "the whole swarm")
-        warm_up(s, a, 3)
+        a, b, c, d = _middle_held_twice(s)
         killed_at: list[float] = []
 
         def kill_both_middle_holders(chats: list[StreamedChat]) -> None:
