@@ -21,10 +21,11 @@ readers take ``service.table`` and never see a half-applied update.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import trio
@@ -319,34 +320,35 @@ class RegistryService:
                 stream = await self.host.new_stream(peer, SYNC_PROTOCOL, timeout=5.0, max_frame_size=MAX_PAGE_BYTES)
                 async with stream:
                     await stream.send(b"{}", timeout=5.0)
-                    read, more = 0, True
-                    while more:
-                        page = await stream.receive(timeout=_SYNC_TIMEOUT_S)
-                        read += len(page)
-                        if read > MAX_ANSWER_BYTES:
-                            answer.stopped = SyncDrop.ANSWER_TOO_LARGE
-                            self._stopped_reading(answer, peer)
-                            break
-                        more = await self._take_page(page, peer, answer)
+                    await self._take_pages(_pages_of(stream), peer, answer)
         except P2PError as exc:
             log.debug("registry sync with %s failed: %s", peer, exc)
-        finally:
-            if answer.accepted:
-                self._notify()
         return answer.accepted
 
     async def take_answer(self, pages: Iterable[bytes], peer: PeerId) -> int:
         """Apply ``peer``'s sync answer, already received, as :meth:`_pull_one` applies one
         as it arrives; returns how many records changed our table."""
         answer = self._new_answer()
+        await self._take_pages(_iterate(pages), peer, answer)
+        return answer.accepted
+
+    async def _take_pages(self, pages: AsyncIterator[bytes], peer: PeerId, answer: SyncAnswer) -> None:
+        """Apply an answer's pages in turn until one says it is the last, up to
+        :data:`MAX_ANSWER_BYTES` in all; readers of the table are told once, at the end."""
+        read = 0
         try:
-            for page in pages:
-                if not await self._take_page(page, peer, answer):
-                    break
+            async with contextlib.aclosing(pages):  # stopped early, it is closed here, not by the GC
+                async for page in pages:
+                    read += len(page)
+                    if read > MAX_ANSWER_BYTES:
+                        answer.stopped = SyncDrop.ANSWER_TOO_LARGE
+                        self._stopped_reading(answer, peer)
+                        return
+                    if not await self._take_page(page, peer, answer):
+                        return
         finally:
             if answer.accepted:
                 self._notify()
-        return answer.accepted
 
     def _new_answer(self) -> SyncAnswer:
         return SyncAnswer({signed.encode() for signed in self.table.signed_records()}, self.sync_budget)
@@ -366,8 +368,7 @@ class RegistryService:
             log.info("registry sync with %s: malformed answer (%s)", peer, exc)
             return False
         # A checkpoint between records: an answer of thousands of records must not hold the
-        # event loop (forward frames, heartbeats) for the seconds its decoding takes; readers
-        # of the table are told once, at the end of the answer.
+        # event loop (forward frames, heartbeats) for the seconds its decoding takes.
         for envelope in envelopes:
             await trio.lowlevel.checkpoint()
             answer.accepted += self._take_synced(envelope, answer) is Verdict.ACCEPTED
@@ -566,3 +567,14 @@ class RegistryService:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+
+async def _pages_of(stream: FramedStream) -> AsyncIterator[bytes]:
+    """A sync answer's pages as they arrive (the reader stops at the last one)."""
+    while True:
+        yield await stream.receive(timeout=_SYNC_TIMEOUT_S)
+
+
+async def _iterate(pages: Iterable[bytes]) -> AsyncIterator[bytes]:
+    for page in pages:
+        yield page
