@@ -44,6 +44,7 @@ from p2p.sync_answer import (
     DECODE_COST,
     MAX_ANSWER_BYTES,
     MAX_PAGE_BYTES,
+    MAX_PAGES,
     PEEK_COST,
     SERVES_AT_ONCE,
     SyncAnswer,
@@ -334,13 +335,14 @@ class RegistryService:
 
     async def _take_pages(self, pages: AsyncIterator[bytes], peer: PeerId, answer: SyncAnswer) -> None:
         """Apply an answer's pages in turn until one says it is the last, up to
-        :data:`MAX_ANSWER_BYTES` in all; readers of the table are told once, at the end."""
-        read = 0
+        :data:`MAX_ANSWER_BYTES` and :data:`MAX_PAGES` in all; readers of the table are told
+        once, at the end."""
+        read = count = 0
         try:
             async with contextlib.aclosing(pages):  # stopped early, it is closed here, not by the GC
                 async for page in pages:
-                    read += len(page)
-                    if read > MAX_ANSWER_BYTES:
+                    read, count = read + len(page), count + 1
+                    if read > MAX_ANSWER_BYTES or count > MAX_PAGES:
                         answer.stopped = SyncDrop.ANSWER_TOO_LARGE
                         self._stopped_reading(answer, peer)
                         return

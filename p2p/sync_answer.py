@@ -36,6 +36,9 @@ PAGE_BYTES = 512 * 1024
 MAX_PAGE_BYTES = 2 * 1024 * 1024
 """A page's frame limit: one record at its largest (a 256 KiB envelope whose every byte JSON
 escapes as ``\\u00XX``: 1.5 MiB) fits in one page."""
+MAX_PAGES = 2 * MAX_ANSWER_BYTES // PAGE_BYTES
+"""Pages of one answer read at most (an honest one of 64 MiB has ~128): an answer of empty
+pages costs its sender a few bytes each, and us a unit of the budget each."""
 SERVES_AT_ONCE = 4
 """Sync answers this peer sends at once, to all askers together; one more is refused."""
 ANSWER_BYTES_PER_UNIT = 32 * 1024
@@ -62,7 +65,8 @@ class SyncDrop(enum.Enum):
     BUDGET_SPENT = "sync_budget_spent"
     """The sync budget was spent: the rest of the answer was not read, or none was asked for."""
     ANSWER_TOO_LARGE = "sync_answer_too_large"
-    """The answer went on past :data:`MAX_ANSWER_BYTES`: the rest was not read."""
+    """The answer went on past :data:`MAX_ANSWER_BYTES` or :data:`MAX_PAGES`: the rest was
+    not read."""
     SERVES_BUSY = "sync_serves_busy"
     """An asker was refused an answer: :data:`SERVES_AT_ONCE` were being sent."""
 

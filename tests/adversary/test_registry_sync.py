@@ -33,7 +33,7 @@ from p2p.gossip import SYNC_PROTOCOL, RegistryService
 from p2p.identity import Identity
 from p2p.records import SignedRecord, legacy_node_id, slim_record
 from p2p.registry import Liveness, RegistryLimits, Verdict
-from p2p.sync_answer import MAX_PAGE_BYTES, SERVES_AT_ONCE, SyncDrop, answer_pages
+from p2p.sync_answer import MAX_PAGE_BYTES, MAX_PAGES, SERVES_AT_ONCE, SyncDrop, answer_pages
 
 NOW = 1_000_000
 ME, MALLORY = Identity.generate(), Identity.generate()
@@ -399,3 +399,28 @@ async def test_a_peer_sends_only_a_few_sync_answers_at_once() -> None:
         first = await askers[0].receive(timeout=5.0)  # the ones served are answered all the same
         assert json.loads(first)["records"]
         nursery.cancel_scope.cancel()
+
+
+class _EndlessEmptyPages(_Answer):
+    """An answer that never says it is done, one empty page after another."""
+
+    async def receive(self, timeout: float) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return b'{"records":[],"more":true}'
+
+
+async def test_an_answer_of_endless_empty_pages_costs_a_bounded_share_of_the_budget() -> None:
+    """Each page costs its sender a few bytes and us a unit of the budget: read without a
+    bound on pages, one answer could spend the whole budget (and every sync after it for ten
+    minutes) for a couple of megabytes."""
+    host = _Neighbour([])
+    host.new_stream = lambda *a, **k: _as_awaitable(_EndlessEmptyPages([]))  # type: ignore[method-assign]
+    service = _service(host)
+    with trio.fail_after(30):
+        assert await service.sync_with(MALLORY.peer_id) == 0
+    assert service.sync_budget.spent <= MAX_PAGES
+    assert service.drops[SyncDrop.ANSWER_TOO_LARGE] == 1
+
+
+async def _as_awaitable(value: Any) -> Any:
+    return value
