@@ -366,8 +366,9 @@ class SwarmPipeline:
     async def _fail_over(self, session: _Session, broken: Broken, sampling: SamplingParams | None) -> int | None:
         """Blame, re-route, replay. Returns the request that will carry the step's token."""
         now = trio.current_time()
+        started = _started_ms(self.views()) if broken.gone else {}
         for peer in broken.peers:
-            self.health.failed(peer, now, gone=peer in broken.gone)
+            self.health.failed(peer, now, gone=peer in broken.gone, started_ms=started.get(peer))
         if session.failovers >= self.policy.max_failovers:
             await self._retire(session, broken.peers)
             raise FailoverExhausted(session.failovers, broken.cause) from broken.cause
@@ -482,7 +483,7 @@ class SwarmPipeline:
         costs = self._costs(exclude_load)
         views = list(self.views() if views is None else views)
         now = trio.current_time()
-        gone = self.health.gone(now)
+        gone = self.health.gone(now, _started_ms(views))
         avoided = self.health.avoided(now) | failed
         last: NoRoute | None = None
         passes = (avoided,) if voluntary else (avoided, failed) if certain else (avoided, failed, frozenset())
@@ -519,7 +520,7 @@ class SwarmPipeline:
         kept = frozenset(hop.peer_id for hop in prefix + suffix)
         start, end = old[index[0]].layers.start, old[index[-1]].layers.end
         now = trio.current_time()
-        gone = self.health.gone(now)
+        gone = self.health.gone(now, _started_ms(views))
         strict = self.health.avoided(now) | failed | kept | gone
         for exclude in (strict,) if voluntary else (strict, failed | kept | gone):
             try:
@@ -694,6 +695,13 @@ class SwarmPipeline:
 def _serving(views: Iterable[NodeView], which: Callable[[NodeView], bool]) -> list[NodeView]:
     """``views`` with the draining and idle flags of ``which`` ones cleared: routable again."""
     return [NodeView(v.record.replace(draining=False, idle=False), v.state) if which(v) else v for v in views]
+
+
+def _started_ms(views: Iterable[NodeView]) -> dict[PeerId, int]:
+    """When each peer says it started, from the record of its own node (a relayed legacy
+    node's start is its relay's business, not a sign of the peer's restart)."""
+    return {v.record.peer_id: v.record.started_ms for v in views
+            if v.record.node_id == v.record.peer_id and v.record.started_ms}  # fmt: skip
 
 
 def _departed(failed: frozenset[PeerId], gone: frozenset[PeerId] = frozenset()) -> Broken:

@@ -17,7 +17,7 @@ Everything here takes the time as an argument, so the rules are unit-tested with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,6 +115,9 @@ class _Record:
     strikes: int = 0
     avoid_until: float = 0.0
     gone_until: float = 0.0
+    gone_started_ms: int | None = None
+    """The ``started_ms`` of the peer's record when it was seen gone: a record that names
+    another start is the peer restarted, back before ``gone_s`` is over."""
 
 
 class PeerHealth:
@@ -124,8 +127,9 @@ class PeerHealth:
         self.policy = policy
         self._peers: dict[PeerId, _Record] = {}
 
-    def failed(self, peer: PeerId, now: float, *, gone: bool = False) -> None:
-        """``peer`` failed a session; ``gone``: it was seen gone for certain (see :meth:`gone`)."""
+    def failed(self, peer: PeerId, now: float, *, gone: bool = False, started_ms: int | None = None) -> None:
+        """``peer`` failed a session; ``gone``: it was seen gone for certain (see :meth:`gone`),
+        while its record said it had started at ``started_ms``."""
         rec = self._peers.setdefault(peer, _Record())
         rec.strikes += 1
         rec.reliability *= 1 - _ALPHA
@@ -133,6 +137,7 @@ class PeerHealth:
         rec.avoid_until = now + min(self.policy.avoid_max_s, backoff)
         if gone:
             rec.gone_until = now + self.policy.gone_s
+            rec.gone_started_ms = started_ms
         self._bound(now)
 
     def served(self, peers: Iterable[PeerId]) -> None:
@@ -148,10 +153,21 @@ class PeerHealth:
         """Peers to route around while a route exists without them."""
         return frozenset(p for p, r in self._peers.items() if r.avoid_until > now)
 
-    def gone(self, now: float) -> frozenset[PeerId]:
+    def gone(self, now: float, started_ms: Mapping[PeerId, int] | None = None) -> frozenset[PeerId]:
         """Peers seen gone for certain less than ``gone_s`` ago: never routed through, not even
-        when no route exists without them (then the answer is the 503 naming the layers)."""
-        return frozenset(p for p, r in self._peers.items() if r.gone_until > now)
+        when no route exists without them (then the answer is the 503 naming the layers).
+
+        ``started_ms`` (each peer's start as its current record says) lets a peer restarted
+        since back in at once: a volunteer who restarts the only holder of a range should not
+        find every request refused for seconds after it says Ready. Only the peer itself
+        signs its start, so a false one brings back no one but its signer."""
+        started_ms = started_ms or {}
+
+        def restarted(peer: PeerId, rec: _Record) -> bool:
+            now_started = started_ms.get(peer)
+            return None not in (rec.gone_started_ms, now_started) and now_started != rec.gone_started_ms
+
+        return frozenset(p for p, r in self._peers.items() if r.gone_until > now and not restarted(p, r))
 
     def reliability(self) -> dict[PeerId, float]:
         return {p: r.reliability for p, r in self._peers.items() if r.reliability < 1.0}

@@ -368,6 +368,39 @@ def test_holders_seen_gone_for_certain_are_not_tried_again() -> None:
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
+def test_a_sole_holder_restarted_is_routed_through_again_at_once() -> None:
+    """The only holder of 10-20 is killed (our link to it ends: gone for certain) and its
+    volunteer restarts it at once. Its new record names a new start: requests route through
+    it again as soon as that record arrives, not ``gone_s`` later (they were refused with a
+    503 for the rest of the 10 s). The same record, unchanged, keeps it out."""
+    from p2p import wire
+    from p2p.chain import SwarmPipeline, _Session
+
+    views = [view("a", 0, 10, started_ms=1000), view("b", 10, 20, started_ms=2000), view("d", 20, 30, started_ms=3000)]
+    service = _Service("a", held=5)
+    policy = FailoverPolicy(max_failovers=1, no_route_wait_s=0.5)
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        session = _Session(SessionId("s"))
+        session.record(0, [1, 2, 3])
+        pipeline._sessions[session.session_id] = session
+        pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a")))
+        assert session.leg is not None
+        lost = wire.Error(0, session.leg.wire_id, "unreachable", "peer b closed its link", PeerId("a"), PeerId("b"))
+        broken = pipeline._on_reply(session.leg, lost, 1)
+        assert broken is not None and not isinstance(broken, int)
+        with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
+            await pipeline._fail_over(session, broken, None)
+        with pytest.raises(NoRoute):  # b's old record, still Ready for seconds: still gone
+            pipeline.check_route()
+        views[1] = view("b", 10, 20, started_ms=9000)  # b restarted, and said so
+        assert ranges(pipeline.check_route())[1][0] == "b"
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
 def test_only_our_own_unreachable_marks_a_peer_gone_for_certain() -> None:
     """Gone for certain keeps a peer out of every route for ``gone_s``: a hop's report that
     its successor is unreachable is its word (a liar would keep an honest hop out per lie),
