@@ -11,7 +11,10 @@ anything a frame claims:
   cost nothing, and the stage keeps every queued job (a new session waits up to a minute
   for a slot), so per-peer budgets alone let memory grow with the number of senders. A
   frame over the total is refused, not held: a waiting frame is already in memory. Bytes
-  are what the frame holds here (:func:`held_bytes`), not what it took on the wire.
+  are what the frame holds here (:func:`held_bytes`), not what it took on the wire. Small
+  frames (decode steps) count against a total of their own (``small_bytes_total``), so a
+  flood of large frames from a few free identities, which fills ``bytes_total``, does not
+  stop the sessions already decoding here.
 * **Sessions opened by strangers.** A *known* peer is one the registry lists (it holds layers,
   so it is a chain member or an entry peer); for a frame of hidden states, only one that signs
   a live record of the model ending where the stage starts (its previous hop on any honest
@@ -69,6 +72,14 @@ class AdmissionLimits:
     holds 6 x 256 x ``d_model`` bytes: 0.9 MiB at 576, 12 MiB at 8192), and small beside the
     weights and KV cache of any model worth serving. Without it, each free identity pinned
     another 256 MiB (2026-12, from an audit)."""
+    small_frame_bytes: int = 512 * 1024
+    """Frames holding at most this are counted apart (``small_bytes_total``): a decode step
+    of up to 8 tokens in f16 at ``d_model`` 8192 holds ~400 KiB here."""
+    small_bytes_total: int = 64 * MIB
+    """Memory all peers' small frames together may hold. Four free identities' large
+    frames fill ``bytes_total``, after which every frame was refused (service denied, memory
+    safe); filling this too takes 16,000 frames of a one-token step (four KiB each), 256
+    identities at ``jobs_per_peer``, while honest traffic queues a step or two per session."""
     stranger_sessions_per_peer: int = 1
     stranger_session_share: float = 0.5
     """Of the stage's slots, the most that all strangers together may hold."""
@@ -104,7 +115,9 @@ class Admission:
         """Sessions opened here by strangers: opener, last used."""
         self._in_flight: dict[PeerId, _InFlight] = {}
         self._total = _InFlight()
-        """All peers' work in flight together (its ``changed`` and ``waiters`` unused)."""
+        """All peers' large frames in flight together (its ``changed`` and ``waiters`` unused)."""
+        self._small_total = _InFlight()
+        """All peers' small frames in flight together (:attr:`AdmissionLimits.small_frame_bytes`)."""
         self._generation = 0
         """Bumped by :meth:`reset_in_flight`: releases of reservations made before are no-ops."""
 
@@ -169,8 +182,8 @@ class Admission:
         """Wait until ``remote`` has room for one more frame holding ``nbytes``; returns its
         release, to call once the frame's work is done (again, or after
         :meth:`reset_in_flight`, it does nothing). A frame larger than the peer's whole
-        budget, or one that would take all peers' work past ``bytes_total``, is refused at
-        once (:class:`FrameRejected`)."""
+        budget, or one that would take all peers' frames of its size past their total
+        (``bytes_total``, ``small_bytes_total``), is refused at once (:class:`FrameRejected`)."""
         if nbytes > self.limits.bytes_per_peer:
             raise FrameRejected(FrameReason.TOO_LARGE, f"a frame of {nbytes} bytes exceeds the per-peer budget")
         row = self._in_flight.get(remote)
@@ -182,9 +195,10 @@ class Admission:
                 if row.changed is None:
                     row.changed = trio.Event()
                 await row.changed.wait()
-            if self._total.bytes + nbytes > self.limits.bytes_total:
+            total, cap = self._pool(nbytes)
+            if total.bytes + nbytes > cap:
                 raise FrameRejected(FrameReason.QUEUE_FULL, f"a frame of {nbytes} bytes exceeds what this stage may queue "
-                                    f"for all peers ({self._total.bytes} of {self.limits.bytes_total} held)")  # fmt: skip
+                                    f"for all peers ({total.bytes} of {cap} held)")  # fmt: skip
         except BaseException:
             row.waiters -= 1
             self._forget_if_idle(remote, row)
@@ -192,8 +206,8 @@ class Admission:
         row.waiters -= 1
         row.jobs += 1
         row.bytes += nbytes
-        self._total.jobs += 1
-        self._total.bytes += nbytes
+        total.jobs += 1
+        total.bytes += nbytes
         generation, released = self._generation, False
 
         def release() -> None:
@@ -204,9 +218,16 @@ class Admission:
 
         return release
 
+    def _pool(self, nbytes: int) -> tuple[_InFlight, int]:
+        """The total a frame holding ``nbytes`` counts against, and its cap."""
+        if nbytes <= self.limits.small_frame_bytes:
+            return self._small_total, self.limits.small_bytes_total
+        return self._total, self.limits.bytes_total
+
     def _give_back(self, remote: PeerId, row: _InFlight, nbytes: int) -> None:
-        self._total.jobs = max(0, self._total.jobs - 1)
-        self._total.bytes = max(0, self._total.bytes - nbytes)
+        total, _ = self._pool(nbytes)
+        total.jobs = max(0, total.jobs - 1)
+        total.bytes = max(0, total.bytes - nbytes)
         row.jobs = max(0, row.jobs - 1)
         row.bytes = max(0, row.bytes - nbytes)
         if row.changed is not None:
@@ -224,12 +245,12 @@ class Admission:
 
     def in_flight_total(self) -> tuple[int, int]:
         """Frames and bytes (:func:`held_bytes`) queued here by all peers together."""
-        return self._total.jobs, self._total.bytes
+        return self._total.jobs + self._small_total.jobs, self._total.bytes + self._small_total.bytes
 
     def reset_in_flight(self) -> None:
         """The stage was replaced: jobs of the old one will never be delivered."""
         rows, self._in_flight = self._in_flight, {}
-        self._total = _InFlight()
+        self._total, self._small_total = _InFlight(), _InFlight()
         self._generation += 1
         for row in rows.values():
             row.jobs = row.bytes = 0  # waiters on these rows proceed, counted afresh

@@ -201,7 +201,7 @@ async def test_work_in_flight_is_bounded_for_all_peers_together() -> None:
     ctx, d_model = 64, 16
     stage = _HoldingStage(LayerRange(10, 20), context_length=ctx, d_model=d_model)
     held = ctx * d_model * (2 + 4) + FRAME_OVERHEAD_BYTES  # what one full f16 frame holds here
-    limits = AdmissionLimits(jobs_per_peer=64, bytes_per_peer=4 * held, bytes_total=12 * held)
+    limits = AdmissionLimits(jobs_per_peer=64, bytes_per_peer=4 * held, bytes_total=12 * held, small_frame_bytes=held // 2)
     service, codes = _serving(stage, limits)
     senders = [PeerId(f"free-identity-{i}") for i in range(4)]
     with trio.fail_after(5):  # nobody waits: each is within its own budget
@@ -236,6 +236,36 @@ async def test_work_in_flight_is_bounded_for_all_peers_together() -> None:
     assert service.admission.in_flight_total() == (0, 0)
     await stage.jobs[-1].deliver(StageResult(error=SessionLimitReached("late")))  # counted before the reset
     assert service.admission.in_flight_total() == (0, 0)
+
+
+async def test_a_flood_of_large_frames_does_not_stop_the_decode_steps() -> None:
+    """Four free identities' large frames fill what all peers may queue (``bytes_total``):
+    every frame after them was refused, so the sessions decoding here failed for as long as
+    the flood lasted. Small frames (decode steps) count against a total of their own, which
+    is refused in its turn only when small frames fill it."""
+    ctx, d_model = 64, 16
+    stage = _HoldingStage(LayerRange(10, 20), context_length=ctx, d_model=d_model)
+    large = ctx * d_model * (2 + 4) + FRAME_OVERHEAD_BYTES
+    small = d_model * (2 + 4) + FRAME_OVERHEAD_BYTES  # one position
+    limits = AdmissionLimits(jobs_per_peer=64, bytes_per_peer=4 * large, bytes_total=12 * large,
+                             small_frame_bytes=large // 2, small_bytes_total=3 * small)  # fmt: skip
+    service, codes = _serving(stage, limits)
+    flood = [PeerId(f"free-identity-{i}") for i in range(3)]
+    with trio.fail_after(5):
+        for i, sender in enumerate(flood):
+            for k in range(4):
+                await service._on_forward(_frame(sender, f"s{i}-{k}", stage, ctx), sender)
+        assert codes == [] and service.admission.in_flight_total() == (12, 12 * large)
+        feeder = PeerId("previous-hop")
+        for k in range(3):  # three sessions' decode steps
+            await service._on_forward(_frame(feeder, f"decoding-{k}", stage, 1), feeder)
+        assert codes == [] and len(stage.jobs) == 15
+        await service._on_forward(_frame(feeder, "decoding-3", stage, 1), feeder)  # small frames' own total
+    assert codes == ["protocol"] and service.drops[FrameReason.QUEUE_FULL] == 1
+    assert service.admission.in_flight_total() == (15, 12 * large + 3 * small)
+    await stage.jobs[-1].deliver(StageResult(error=SessionLimitReached("done")))  # a small one given back to its own total
+    await service._on_forward(_frame(feeder, "decoding-4", stage, 1), feeder)
+    assert codes[1:] == ["session_limit"] and len(stage.jobs) == 16
 
 
 async def test_a_frame_longer_than_the_context_is_refused_before_it_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
