@@ -12,7 +12,8 @@
   ``sync_interval`` with a random neighbour, a peer asks for the neighbour's whole table, so
   a joining or reconnecting peer does not wait for heartbeats to learn the swarm. The answer
   comes in pages, smallest records first; it costs what it brings, per answer and over time
-  (:mod:`p2p.sync_answer`), and a peer sends at most a few answers at once.
+  (:mod:`p2p.sync_answer`), and a peer sends at most a few answers at once, in turns
+  (:mod:`p2p.sync_serve`).
 * The table is aged every second (Degraded, Dead, then dropped).
 
 The table itself is an immutable :class:`~p2p.registry.Table` swapped on every change;
@@ -46,20 +47,22 @@ from p2p.sync_answer import (
     MAX_PAGE_BYTES,
     MAX_PAGES,
     PEEK_COST,
-    SERVES_AT_ONCE,
     SyncAnswer,
     SyncBudget,
     SyncDrop,
     answer_cost,
     answer_pages,
 )
+from p2p.sync_serve import SERVE_WAIT_S, ServeDrop, ServeRefused, ServeTurns
 
 log = logging.getLogger(__name__)
 
 TOPIC = "inclavate/registry/1"
 SYNC_PROTOCOL = "/inclavate/registry-sync/2"
 _SYNC_TIMEOUT_S = 10.0
-"""For the request, and for each page of the answer."""
+"""For the request, and for each page of the answer after the first."""
+_SYNC_FIRST_PAGE_S = SERVE_WAIT_S + _SYNC_TIMEOUT_S
+"""For the first page: the neighbour may have us wait for one of its few serves."""
 _SYNC_ANSWER_S = 120.0
 """For a whole answer (44 MiB at 3 MB/s), so that no neighbour holds our syncs up longer."""
 _VALIDATED_KEPT = 64
@@ -103,8 +106,8 @@ class RegistryService:
         self._synced_on_connect: dict[PeerId, float] = {}
         """When we last synced with a neighbour because it connected (bounded by the table)."""
         self._syncing = trio.Lock()
-        self._serving = trio.CapacityLimiter(SERVES_AT_ONCE)
-        """One sync at a time: each may hold a 64 MiB answer and a second of decoding."""
+        self._serving = ServeTurns()
+        """Who gets one of the few answers we send at once, and for how long."""
         self.sync_budget = sync_budget or SyncBudget.for_limits(limits)
         """The decode work all syncs together may make us do (:mod:`p2p.sync_answer`)."""
         self._nursery: trio.Nursery | None = None
@@ -430,16 +433,25 @@ class RegistryService:
 
     async def _serve_sync(self, stream: FramedStream, remote: PeerId) -> None:
         """Send our table in pages (:func:`p2p.sync_answer.answer_pages`), smallest records
-        first; :data:`SERVES_AT_ONCE` answers at a time in all, since any number of
-        identities may ask. Honest records are 1-8 KB, and whoever bloats the table does it
-        with large ones, which then come last, where the asker's byte cap stops reading."""
+        first, when :class:`p2p.sync_serve.ServeTurns` gives ``remote`` a turn: a few
+        answers at a time in all, since any number of identities may ask. Honest records
+        are 1-8 KB, and whoever bloats the table does it with large ones, which then come
+        last, where the asker's byte cap (or the end of a turn) stops the answer."""
         await stream.receive(timeout=5.0)  # before a slot is taken: a silent asker holds none
         try:
-            self._serving.acquire_nowait()
-        except trio.WouldBlock:
-            self.drops.count(SyncDrop.SERVES_BUSY)
+            async with self._serving.turn(remote) as turn:
+                with turn:
+                    await self._send_answer(stream)
+                if turn.cancelled_caught:
+                    self.drops.count(ServeDrop.TURN_OVER)
+                    await stream.reset()
+        except ServeRefused as refused:
+            self.drops.count(refused.reason)
             await stream.reset()
-            return
+
+    async def _send_answer(self, stream: FramedStream) -> None:
+        """The pages of our table, each within the per-page timeout (the least rate an asker
+        must read at) and all within the asker's own limit (it stops reading then)."""
         try:
             with trio.fail_after(_SYNC_ANSWER_S):
                 envelopes = sorted((signed.encode() for signed in self.table.signed_records()), key=len)
@@ -447,8 +459,6 @@ class RegistryService:
                     await stream.send(page, timeout=_SYNC_TIMEOUT_S)
         except trio.TooSlowError:
             await stream.reset()
-        finally:
-            self._serving.release()
 
     # -------------------------------------------------------------- internals
 
@@ -572,7 +582,9 @@ class RegistryService:
 
 
 async def _pages_of(stream: FramedStream) -> AsyncIterator[bytes]:
-    """A sync answer's pages as they arrive (the reader stops at the last one)."""
+    """A sync answer's pages as they arrive (the reader stops at the last one); the first
+    may wait for a turn at the neighbour (:data:`_SYNC_FIRST_PAGE_S`)."""
+    yield await stream.receive(timeout=_SYNC_FIRST_PAGE_S)
     while True:
         yield await stream.receive(timeout=_SYNC_TIMEOUT_S)
 

@@ -39,8 +39,6 @@ escapes as ``\\u00XX``: 1.5 MiB) fits in one page."""
 MAX_PAGES = 2 * MAX_ANSWER_BYTES // PAGE_BYTES
 """Pages of one answer read at most (an honest one of 64 MiB has ~128): an answer of empty
 pages costs its sender a few bytes each, and us a unit of the budget each."""
-SERVES_AT_ONCE = 4
-"""Sync answers this peer sends at once, to all askers together; one more is refused."""
 ANSWER_BYTES_PER_UNIT = 32 * 1024
 """Parsing an answer costs ~6 ms per MiB on the 2-core VM: one unit per 32 KiB is ~1.3x that."""
 PEEK_COST = 1
@@ -67,8 +65,6 @@ class SyncDrop(enum.Enum):
     ANSWER_TOO_LARGE = "sync_answer_too_large"
     """The answer went on past :data:`MAX_ANSWER_BYTES` or :data:`MAX_PAGES`: the rest was
     not read."""
-    SERVES_BUSY = "sync_serves_busy"
-    """An asker was refused an answer: :data:`SERVES_AT_ONCE` were being sent."""
 
 
 class SyncBudget:

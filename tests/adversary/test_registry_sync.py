@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -29,11 +30,12 @@ from p2p import gossip, record_schema
 from p2p import records as records_module
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
-from p2p.gossip import SYNC_PROTOCOL, RegistryService
+from p2p.gossip import RegistryService
 from p2p.identity import Identity
 from p2p.records import SignedRecord, legacy_node_id, slim_record
 from p2p.registry import Liveness, RegistryLimits, Verdict
-from p2p.sync_answer import MAX_PAGE_BYTES, MAX_PAGES, SERVES_AT_ONCE, SyncDrop, answer_pages
+from p2p.sync_answer import MAX_PAGE_BYTES, MAX_PAGES, SyncDrop, answer_pages
+from p2p.sync_serve import SERVE_WAIT_S, SERVES_AT_ONCE, WAITING_AT_ONCE, ServeDrop, ServeRefused, ServeTurns
 
 NOW = 1_000_000
 ME, MALLORY = Identity.generate(), Identity.generate()
@@ -337,20 +339,29 @@ async def test_syncs_strangers_prompt_leave_half_the_budget_for_the_ones_we_choo
 
 class _Linked:
     """A host whose sync streams reach ``server``'s handler through the real framing, with
-    the frame limit the asker opens its stream with at both ends."""
+    the frame limit the asker opens its stream with at both ends, as ``asker``. ``pair``
+    makes the link: a memory pair buffers whatever is sent, a windowed pair holds the
+    sender while the asker has not read it (a slow reader holds its answer)."""
 
-    def __init__(self, server: RegistryService, nursery: trio.Nursery) -> None:
-        self.server, self.nursery = server, nursery
+    def __init__(self, server: RegistryService, nursery: trio.Nursery, *, asker: PeerId = ME.peer_id,
+                 pair: Callable[[], tuple[trio.abc.Stream, trio.abc.Stream]] = trio.testing.memory_stream_pair) -> None:  # fmt: skip
+        self.server, self.nursery, self.asker, self.pair = server, nursery, asker, pair
 
     async def new_stream(self, peer: PeerId, protocol: str, *, timeout: float, max_frame_size: int) -> FramedStream:
-        ours, theirs = trio.testing.memory_stream_pair()
-        served = FramedStream.over_trio(theirs, max_frame_size=max_frame_size)
-        self.nursery.start_soon(self._serve, served)
-        return FramedStream.over_trio(ours, max_frame_size=max_frame_size)
+        return self.open(self.asker, max_frame_size)[0]
 
-    async def _serve(self, stream: FramedStream) -> None:
+    def open(self, asker: PeerId, max_frame_size: int = MAX_PAGE_BYTES) -> tuple[FramedStream, trio.abc.Stream]:
+        """A sync stream from ``asker``, framed and raw (to read its answer byte by byte)."""
+        ours, theirs = self.pair()
+        served = FramedStream.over_trio(theirs, max_frame_size=max_frame_size)
+        self.nursery.start_soon(self._serve, served, asker)
+        return FramedStream.over_trio(ours, max_frame_size=max_frame_size), ours
+
+    async def _serve(self, stream: FramedStream, asker: PeerId) -> None:
+        """As the host runs a handler: the stream closed when it returns, reset if it raises."""
         with contextlib.suppress(P2PError):  # the asker may stop reading; the host confines this
-            await self.server._serve_sync(stream, ME.peer_id)
+            async with stream:
+                await self.server._serve_sync(stream, asker)
 
     def is_connected(self, peer: PeerId) -> bool:
         return False
@@ -383,19 +394,26 @@ async def test_a_table_bloated_past_the_answer_limit_still_syncs_its_honest_reco
 
 async def test_a_peer_sends_only_a_few_sync_answers_at_once() -> None:
     """Any number of identities may ask for our table, each for as long as it reads slowly;
-    every answer in flight held the whole table encoded. Beyond a few at once, an asker is
-    refused at once (and counted)."""
+    every answer in flight held the whole table encoded. Beyond a few at once, an asker
+    waits, and beyond a few waiting, it is refused at once (and counted); so is a peer
+    asking again while its answer is on its way."""
     server = _service(_Neighbour([]))
     _holding(server, [_padded(Identity.generate(), "pad") for _ in range(12)])
     askers: list[FramedStream] = []
     async with trio.open_nursery() as nursery:
-        host = _Linked(server, nursery)
-        for _ in range(SERVES_AT_ONCE + 2):  # none of them reads its answer
-            stream = await host.new_stream(MALLORY.peer_id, SYNC_PROTOCOL, timeout=5.0, max_frame_size=MAX_PAGE_BYTES)
+        host = _Linked(server, nursery, pair=_windowed_pair)
+        others = [Identity.generate().peer_id for _ in range(SERVES_AT_ONCE + WAITING_AT_ONCE + 1)]
+        for asker in [ME.peer_id, *others]:  # none of them reads its answer
+            stream, _ = host.open(asker)
             await stream.send(b"{}", timeout=5.0)
             askers.append(stream)
+            await trio.testing.wait_all_tasks_blocked()
+        assert server.drops[ServeDrop.SERVES_BUSY] == 2
+        assert server.drops[ServeDrop.PEER_BUSY] == 0
+        twice, _ = host.open(ME.peer_id)
+        await twice.send(b"{}", timeout=5.0)
         await trio.testing.wait_all_tasks_blocked()
-        assert server.drops[SyncDrop.SERVES_BUSY] == 2
+        assert server.drops[ServeDrop.PEER_BUSY] == 1
         first = await askers[0].receive(timeout=5.0)  # the ones served are answered all the same
         assert json.loads(first)["records"]
         nursery.cancel_scope.cancel()
@@ -424,3 +442,138 @@ async def test_an_answer_of_endless_empty_pages_costs_a_bounded_share_of_the_bud
 
 async def _as_awaitable(value: Any) -> Any:
     return value
+
+
+_HONEST_WAIT_S = 20.0
+"""The longest an honest asker may wait for its whole answer while slow askers hold every
+serve (with a fast link, reading takes no time on the test's clock)."""
+
+
+class _Window:
+    """One direction of a link as yamux makes it: a sender is held while more than
+    ``window`` bytes wait unread, and one that resets the link with bytes unread has its
+    reader told at once (a lockstep pair would let it drain them, a byte at a time)."""
+
+    def __init__(self, window: int = 256 * 1024) -> None:
+        self.unread, self.window = bytearray(), window
+        self.closed = self.reset = self.reader_gone = False
+        self.moved = trio.lowlevel.ParkingLot()
+
+    def wake(self) -> None:
+        self.moved.unpark_all()
+
+
+class _WindowSend(trio.abc.SendStream):
+    def __init__(self, window: _Window) -> None:
+        self.w = window
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.w.unread += data
+        self.w.wake()
+        while len(self.w.unread) > self.w.window and not self.w.reader_gone:
+            await self.w.moved.park()
+        if self.w.reader_gone:
+            raise trio.BrokenResourceError
+        await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        """A graceful close: what was sent is still read."""
+        self.w.closed = True
+        self.w.wake()
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        """A reset (what ``FramedStream.reset`` does): what was not read is lost."""
+        self.w.closed, self.w.reset = True, bool(self.w.unread)
+        self.w.wake()
+        await trio.lowlevel.checkpoint()
+
+
+class _WindowReceive(trio.abc.ReceiveStream):
+    def __init__(self, window: _Window) -> None:
+        self.w = window
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        while not self.w.unread and not self.w.closed:
+            await self.w.moved.park()
+        if self.w.reset:
+            raise trio.BrokenResourceError
+        taken = bytes(self.w.unread[:max_bytes or len(self.w.unread)])
+        del self.w.unread[:len(taken)]
+        self.w.wake()
+        await trio.lowlevel.checkpoint()
+        return taken
+
+    async def aclose(self) -> None:
+        self.w.reader_gone = True
+        self.w.wake()
+        await trio.lowlevel.checkpoint()
+
+
+def _windowed_pair() -> tuple[trio.abc.Stream, trio.abc.Stream]:
+    """A two-way link with a window each way (see :class:`_Window`)."""
+    there, back = _Window(), _Window()
+    return (trio.StapledStream(_WindowSend(there), _WindowReceive(back)),
+            trio.StapledStream(_WindowSend(back), _WindowReceive(there)))  # fmt: skip
+
+
+async def _ask_slowly_for_ever(link: _Linked, chunk: int) -> None:
+    """A hostile asker (a fresh identity each): it reads ``chunk`` bytes of its answer a
+    second, and asks again the moment its answer ends."""
+    asker = Identity.generate().peer_id
+    while True:
+        stream, raw = link.open(asker)
+        await stream.send(b"{}", timeout=5.0)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while await raw.receive_some(chunk):
+                await trio.sleep(1.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 64 * 1024], ids=["a_byte_a_second", "a_page_in_each_page_timeout"])
+async def test_slow_askers_holding_every_serve_leave_an_honest_asker_its_answer(autojump_clock: trio.abc.Clock,
+                                                                                chunk: int) -> None:  # fmt: skip
+    """Four askers that read their answers slowly, each asking again as soon as it is cut
+    off, held every serve for good: an honest newcomer was refused at once, every time.
+    Now it waits its turn, ahead of whoever asks after it, and a serve that has had its
+    turn gives way to it, so it gets the whole table within one turn."""
+    server = _service(_Neighbour([]))
+    records = [_padded(Identity.generate(), "pad") for _ in range(40)]  # ~3 MB: six pages
+    _holding(server, records)
+    async with trio.open_nursery() as nursery:
+        link = _Linked(server, nursery, pair=_windowed_pair)
+        for _ in range(SERVES_AT_ONCE):
+            nursery.start_soon(_ask_slowly_for_ever, link, chunk)
+        await trio.sleep(65.0)  # they hold every serve, and have been cut off or done (and back) already
+        honest = _service(_Linked(server, nursery, asker=Identity.generate().peer_id,
+                                  pair=_windowed_pair))  # fmt: skip
+        asked = trio.current_time()
+        accepted = await honest.sync_with(MALLORY.peer_id)
+        waited = trio.current_time() - asked
+        nursery.cancel_scope.cancel()
+    assert accepted == len(records)
+    assert waited <= _HONEST_WAIT_S
+    assert SERVE_WAIT_S <= _HONEST_WAIT_S
+
+
+async def test_serve_turns_are_never_lost_however_askers_give_up(autojump_clock: trio.abc.Clock) -> None:
+    """A slot handed to a waiter just as it gives up (its wait over, or cancelled from
+    outside) is passed on, not lost: after a storm of askers that give up at every moment,
+    every slot is free again, and nobody is left waiting."""
+    turns = ServeTurns(slots=2, waiting=3, turn_s=3.0, wait_s=4.0)
+    chance = random.Random(7)
+
+    async def ask(peer: PeerId, patience: float, reading: float) -> None:
+        with trio.move_on_after(patience), contextlib.suppress(ServeRefused):
+            async with turns.turn(peer) as turn:
+                with turn:
+                    await trio.sleep(reading)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(200):
+            peer = PeerId(f"asker{n % 12}")
+            nursery.start_soon(ask, peer, chance.choice([0.5, 1.0, 2.0, 9.0]), chance.choice([0.5, 2.0, 5.0]))
+            await trio.sleep(chance.choice([0.0, 0.25, 0.5, 1.0]))
+    assert (turns.free, turns._serving, turns._waiting) == (2, {}, {})
