@@ -9,8 +9,11 @@ Leniency, on purpose, because OpenAI SDKs and clients send it: unknown fields ar
 OpenAI's newer spelling of ``max_tokens``; roles ``tool`` and ``developer`` are accepted
 beside the spec's three, and ``developer`` (OpenAI's new name for the system prompt, which
 chat templates do not know) becomes ``system``. What is not accepted: ``n`` other than 1,
-more than 4 stop sequences, and a ``reasoning_effort`` that is not a string (its value is
-checked later against the model's levels, which this module does not know).
+more than 4 stop sequences, a ``reasoning_effort`` that is not a string (its value is
+checked later against the model's levels, which this module does not know), and OpenAI
+fields that would change the reply but cannot be honoured here, in any but their neutral
+form (``_refuse_what_cannot_be_honoured``): ``response_format``, ``logprobs``, penalties,
+``logit_bias``, the deprecated ``functions``, audio output and web search.
 """
 
 from __future__ import annotations
@@ -177,6 +180,24 @@ def _refuse_what_cannot_be_honoured(body: Mapping[str, Any]) -> None:
                          "here; ask for JSON in the messages and parse the reply")  # fmt: skip
     if _opt(body, "logprobs", _boolean, False) or body.get("top_logprobs") is not None:
         raise BadRequest("logprobs are not supported: leave logprobs and top_logprobs out (or false)")
+    # Sampling here is temperature, top_p and seed (node/sampling.py, on the last stage):
+    # penalties and biases would change which tokens are drawn, so a reply without them is
+    # not the reply asked for. Their neutral values (0, {}) change nothing and pass.
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = body.get(key)
+        if value is not None and (_is_bool(value) or value != 0):
+            raise BadRequest(f"{key} is not supported: sampling here has no repetition penalties; leave it out (or 0)")
+    if body.get("logit_bias") not in (None, {}):
+        raise BadRequest("logit_bias is not supported: sampling here cannot bias tokens; leave it out (or {})")
+    if body.get("functions") not in (None, []) or body.get("function_call") not in (None, "none", "auto"):
+        raise BadRequest("functions and function_call (OpenAI's deprecated form) are not supported: "
+                         "send tools and tool_choice instead")  # fmt: skip
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]) or body.get("audio") is not None:
+        raise BadRequest("only text output is supported: leave modalities out (or [\"text\"]) and audio out; "
+                         "POST /v1/audio/speech speaks text")  # fmt: skip
+    if body.get("web_search_options") is not None:
+        raise BadRequest("web_search_options is not supported: nothing here searches the web")
 
 
 # --- scalar fields --------------------------------------------------------------------

@@ -105,6 +105,17 @@ def test_openai_sdk_leniency() -> None:
         stream_options=None,
         response_format={"type": "text"},
         top_logprobs=None,
+        presence_penalty=0.0,
+        logit_bias={},
+        functions=None,
+        function_call="auto",
+        modalities=["text"],
+        audio=None,
+        parallel_tool_calls=True,
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        prediction={"type": "content", "content": "4"},  # a latency hint: the reply is the same
     )
     assert (request.max_tokens, request.temperature, request.stop) == (64, 0.8, ("###",))
     assert parse(max_tokens=7, max_completion_tokens=7).max_tokens == 7
@@ -232,6 +243,16 @@ def test_tools_and_tool_choice() -> None:
         ({"response_format": "json"}, "response_format must be an object"),
         ({"logprobs": True}, "logprobs are not supported"),
         ({"top_logprobs": 3}, "logprobs are not supported"),
+        # Sampling has temperature, top_p and seed only: these would change the reply.
+        ({"presence_penalty": 1.5}, "presence_penalty is not supported"),
+        ({"frequency_penalty": -0.5}, "frequency_penalty is not supported"),
+        ({"frequency_penalty": "high"}, "frequency_penalty is not supported"),
+        ({"logit_bias": {"42": -100}}, "logit_bias is not supported"),
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "send tools and tool_choice"),
+        ({"function_call": {"name": "f"}}, "send tools and tool_choice"),
+        ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "only text output"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "only text output"),
+        ({"web_search_options": {}}, "web_search_options is not supported"),
     ],
 )
 def test_malformed_field_names_the_field(fields: dict[str, Any], fragment: str) -> None:
