@@ -83,7 +83,10 @@ def install(app: QuartTrio, hosts: HostPolicy = HostPolicy(None)) -> None:
         if request.method not in _STATE_CHANGING:
             return
         _check_origin(request.headers.get("Origin"), request.host)
-        if _has_body() and not _body_type_accepted(app):
+        # A path or method no route serves is answered by routing (404, 405): a 415 saying
+        # that it "takes a JSON body" sent an SDK's multipart call to an absent route
+        # (``/v1/audio/translations``) looking for a content-type mistake.
+        if _has_body() and request.url_rule is not None and not _body_type_accepted(app):
             raise UnsupportedMediaType(
                 f"{request.method} {request.path} takes a JSON body: send Content-Type: application/json"
             )
@@ -98,7 +101,7 @@ def _body_type_accepted(app: QuartTrio) -> bool:
     mimetype = request.mimetype
     if mimetype == "application/json" or mimetype.endswith("+json"):
         return True
-    view = app.view_functions.get(request.endpoint or "") if request.url_rule is not None else None
+    view = app.view_functions.get(request.endpoint or "")
     return bool(getattr(view, _ANY_BODY, False))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import httpx
@@ -82,6 +83,33 @@ async def test_uploads_take_any_type_but_never_from_another_origin(tmp_path: Pat
             assert refused.status_code == 403, path
         assert (await upload(base, b"x", "text/plain"))["media_type"] == "text/plain"
         assert store.usage().uploaded.objects == 1
+
+
+async def test_a_write_to_a_route_that_does_not_exist_is_404_not_415(tmp_path: Path) -> None:
+    """The SDK's ``audio.translations.create`` posts multipart to a route no peer serves: it
+    was told 415 "takes a JSON body", as if the fix were a content type. Routing answers now
+    (404, or 405 for a method the path does not take); a route that exists still refuses a
+    body that is not JSON."""
+    import openai
+
+    async with serve_store(tmp_path) as (base, _):
+        for path, headers in [("/v1/audio/translations", {"Content-Type": "multipart/form-data; boundary=b"}),
+                              ("/v1/embeddings", {"Content-Type": "text/plain"})]:  # fmt: skip
+            missing = await call(httpx.post, base + path, content=b"x", headers=headers)
+            assert missing.status_code == 404 and "error" in missing.json(), (path, missing.text)
+        wrong_method = await call(httpx.put, f"{base}/v1/artifacts", content=b"x", headers={"Content-Type": "text/plain"})
+        assert wrong_method.status_code == 405, wrong_method.text
+        not_json = await call(httpx.post, f"{base}/nodes", content=b"x", headers={"Content-Type": "text/plain"})
+        assert not_json.status_code == 415
+        sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+        def translate() -> object:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # the SDK marks translations deprecated
+                return sdk.audio.translations.create(model="whisper:tiny.en", file=("a.wav", b"RIFF", "audio/wav"))
+
+        with pytest.raises(openai.NotFoundError):
+            await trio.to_thread.run_sync(translate)
 
 
 async def test_a_cross_origin_upload_is_refused_before_its_body_arrives(tmp_path: Path) -> None:
