@@ -224,6 +224,10 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
                              "language, duration or segment timestamps; use json or text")  # fmt: skip
         if fmt not in ("json", "text"):
             raise BadRequest(f"response_format must be json or text, not {fmt!r}")
+        if form.get("stream", "false").strip().lower() not in ("false", "0", ""):
+            # Ignored, the SDK read the JSON answer as an event stream and handed back no
+            # events at all: the transcript was lost without an error.
+            raise BadRequest("stream is not supported: the transcript comes back whole; leave stream out (or false)")
         upload = files.get("file")
         if upload is None:
             raise BadRequest("file is required: the clip to transcribe")

@@ -188,6 +188,13 @@ async def test_transcription_errors(served: Served, speech_generators: dict) -> 
     for fmt in ("verbose_json", "srt", "vtt", "xml"):
         refused = await post(ok_file, {"model": "whisper:tiny.en", "response_format": fmt})
         assert refused.status_code == 400 and fmt in refused.json()["error"]
+    # Streamed transcription events do not exist here: ignored, the SDK's stream=True read the
+    # JSON answer as an event stream and returned no events, losing the transcript silently.
+    streamed = await post(ok_file, {"model": "whisper:tiny.en", "stream": "true"})
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]
+    with pytest.raises(openai.BadRequestError):
+        await trio.to_thread.run_sync(lambda: list(sdk(served).audio.transcriptions.create(
+            model="whisper:tiny.en", file=("a.wav", wav, "audio/wav"), stream=True)))  # fmt: skip
     junk = await post({"file": ("a.wav", b"not a wav at all" * 10, "audio/wav")}, {"model": "whisper:tiny.en"})
     assert junk.status_code == 400 and "cannot be decoded" in junk.json()["error"]
     assert (await post(ok_file, {"model": "piper:joe"})).status_code == 422
