@@ -159,10 +159,14 @@ class Collected:
 
 def finish_and_calls(job: ChatJob, result: GenerationResult, content: str) -> tuple[str, str, list[ParsedToolCall]]:
     """Final content, finish_reason and tool calls. ``length`` outranks ``tool_calls``: a
-    reply cut at the cap may have been cut mid-call."""
+    reply cut at the cap may have been cut mid-call. With ``parallel_tool_calls`` false only
+    the first call is handed back, as OpenAI's model makes at most one: a caller that said
+    so may run only one, and would leave the others unanswered in its next request."""
     if not job.buffers_content:
         return content, result.finish_reason, []
     remaining, calls = extract_tool_calls(content)
+    if not job.request.parallel_tool_calls:
+        calls = calls[:1]
     if calls and result.finish_reason != "length":
         return remaining, "tool_calls", calls
     return content, result.finish_reason, []

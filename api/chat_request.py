@@ -127,6 +127,8 @@ class ChatRequest:
     seed: int | None = None
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    """False: a reply hands back at most one tool call (its first)."""
     generation_model: str | None = None
     generation_voice: str | None = None
     generation_max_duration_seconds: float | None = None
@@ -158,6 +160,7 @@ def parse_chat_request(body: object, limits: RequestLimits) -> ChatRequest:
         seed=_opt(body, "seed", _integer(None), None),
         tools=_opt(body, "tools", _tools, ()),
         tool_choice=_opt(body, "tool_choice", _tool_choice, None),
+        parallel_tool_calls=_opt(body, "parallel_tool_calls", _boolean, True),
         generation_model=_opt(body, "generation_model", _string, None),
         generation_voice=_opt(body, "generation_voice", _string, None),
         generation_max_duration_seconds=_opt(

@@ -253,6 +253,7 @@ def test_tools_and_tool_choice() -> None:
         ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "only text output"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "only text output"),
         ({"web_search_options": {}}, "web_search_options is not supported"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ],
 )
 def test_malformed_field_names_the_field(fields: dict[str, Any], fragment: str) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 from api.chat_job import finish_and_calls
+from api.chat_request import parse_chat_request
 from api.generation import GenerationResult
+from api.limits import RequestLimits
 from api.tool_calls import extract_tool_calls
 
 
@@ -28,8 +30,10 @@ def test_ordinary_text_and_broken_calls_stay_content() -> None:
 
 
 class _Job:
-    def __init__(self, tools: bool) -> None:
+    def __init__(self, tools: bool, **fields: object) -> None:
         self.buffers_content = tools
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        self.request = parse_chat_request(body, RequestLimits())
 
 
 def test_length_outranks_tool_calls() -> None:
@@ -38,6 +42,18 @@ def test_length_outranks_tool_calls() -> None:
     content, finish, calls = finish_and_calls(_Job(True), GenerationResult("length", 5, 9), call)
     assert finish == "length" and calls == [] and content == call
     assert finish_and_calls(_Job(False), GenerationResult("stop", 5, 9), call) == (call, "stop", [])
+
+
+def test_parallel_tool_calls_false_hands_back_only_the_first_call() -> None:
+    """OpenAI's model makes at most one call when told ``parallel_tool_calls: false``; the
+    caller runs one. Handing back two left the second unanswered in its next request."""
+    two = ('<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+           '<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>')  # fmt: skip
+    result = GenerationResult("stop", 5, 30)
+    assert len(finish_and_calls(_Job(True), result, two)[2]) == 2
+    assert len(finish_and_calls(_Job(True, parallel_tool_calls=True), result, two)[2]) == 2
+    content, finish, calls = finish_and_calls(_Job(True, parallel_tool_calls=False), result, two)
+    assert finish == "tool_calls" and content == "" and [json.loads(c.arguments) for c in calls] == [{"city": "Oslo"}]
 
 
 def test_what_a_stage_can_make_the_model_write_stays_content() -> None:
