@@ -154,6 +154,10 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         model = _string(body, "model", required=True, max_length=200)
         text = _string(body, "input", required=True)
         _wav_only(body)
+        if body.get("stream_format") not in (None, "audio"):
+            # Ignored, a client that asked for speech.audio.delta events got WAV bytes to parse as them.
+            raise BadRequest(f"stream_format {body['stream_format']!r} is not available: the answer is the audio "
+                             "itself; leave stream_format out (or 'audio')")  # fmt: skip
         assert model is not None
         entry = _capability(generations, model, "speech")
         params: dict[str, Any] = {"text": text}

@@ -136,6 +136,7 @@ async def test_speech_max_duration_truncates(served: Served) -> None:
         ({"model": "piper:joe", "input": "hi", "speaker_artifact": UNKNOWN_ID}, 400, "speaker_unsupported"),
         ({"model": "piper:joe", "input": "hi", "reference_text": "hi"}, 400, "reference_text"),
         ({"model": "piper:joe", "input": "hi", "language": "fr"}, 400, "speaks en"),
+        ({"model": "piper:joe", "input": "hi", "stream_format": "sse"}, 400, "stream_format 'sse' is not available"),
         ({"model": "nobody:tts", "input": "hi"}, 422, "no speech generator"),
         ({"model": "whisper:tiny.en", "input": "hi"}, 422, "no speech generator"),
     ],
