@@ -60,6 +60,7 @@ CHAT_REQUEST = {
         "reasoning_effort": {"type": "string"},
         "tools": {"type": "array", "items": {"type": "object"}},
         "tool_choice": {},
+        "parallel_tool_calls": {"type": "boolean", "default": True},
     },
     "required": ["model", "messages"],
 }
@@ -85,6 +86,7 @@ SPEECH_REQUEST = {
         "input": {"type": "string"},
         "voice": {"type": "string"},
         "response_format": {"enum": ["wav"]},
+        "stream_format": {"enum": ["audio"]},
         "speed": {"type": "number"},
         "language": {"type": "string"},
         "instruct": {"type": "string"},
