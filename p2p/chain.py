@@ -300,7 +300,7 @@ class SwarmPipeline:
         if session.flight_since is None:
             session.flight_since = trio.current_time()
         session.flight_tokens += len(tokens)
-        await self.service.send(hops[0].peer_id, msg)
+        await self.service.ask(hops[0].peer_id, msg)
         return req
 
     async def _await_token(self, session: _Session, req: int) -> int | Broken:
@@ -561,7 +561,7 @@ class SwarmPipeline:
         for hop in hops:
             req = next(_request_ids)
             pending[req] = hop.peer_id
-            await self.service.send(hop.peer_id, wire.Adopt(req, old.wire_id, new.wire_id, (hop,), self.service.me))
+            await self.service.ask(hop.peer_id, wire.Adopt(req, old.wire_id, new.wire_id, (hop,), self.service.me))
         held: dict[PeerId, int] = {}
         with trio.move_on_after(self.policy.adopt_timeout_s):
             while pending:
@@ -643,9 +643,9 @@ class SwarmPipeline:
         self.service.close_inbox(leg.wire_id)
         live = [h for h in leg.route if h.peer_id not in broken or self.is_connected(h.peer_id)]
         if live and live[0] == leg.route[0]:
-            await self.service.send(leg.route[0].peer_id, wire.Close(next(_request_ids), leg.wire_id, leg.route, self.service.me))
+            await self.service.ask(leg.route[0].peer_id, wire.Close(next(_request_ids), leg.wire_id, leg.route, self.service.me))
         for hop in live:
-            await self.service.send(hop.peer_id, wire.Close(next(_request_ids), leg.wire_id, (hop,), self.service.me))
+            await self.service.ask(hop.peer_id, wire.Close(next(_request_ids), leg.wire_id, (hop,), self.service.me))
 
     # -------------------------------------------------------------- closing
 
@@ -664,7 +664,7 @@ class SwarmPipeline:
         leg = session.leg
         try:
             req = next(_request_ids)
-            await self.service.send(leg.route[0].peer_id, wire.Close(req, leg.wire_id, leg.route, self.service.me))
+            await self.service.ask(leg.route[0].peer_id, wire.Close(req, leg.wire_id, leg.route, self.service.me))
             if await self._await_closed(leg.inbox, {req}):
                 self.health.served(leg.peers)
                 return
@@ -672,7 +672,7 @@ class SwarmPipeline:
             for hop in leg.route:
                 direct[next(_request_ids)] = hop
             for hop_req, hop in direct.items():
-                await self.service.send(hop.peer_id, wire.Close(hop_req, leg.wire_id, (hop,), self.service.me))
+                await self.service.ask(hop.peer_id, wire.Close(hop_req, leg.wire_id, (hop,), self.service.me))
             await self._await_closed(leg.inbox, set(direct))
         finally:
             self.service.close_inbox(leg.wire_id)

@@ -36,6 +36,7 @@ from node.slot_share import relayed
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import Admission, AdmissionLimits, held_bytes
+from p2p.asked import AskedRequests
 from p2p.direct import DirectLinks
 from p2p.errors import LinkFull, P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
@@ -329,6 +330,8 @@ class ForwardService:
         frame (infinity while it handles one): one row per live stream."""
         self._inboxes: dict[SessionId, trio.MemorySendChannel[wire.Message]] = {}
         self._inbox_peers: dict[SessionId, frozenset[PeerId]] = {}
+        self._asked = AskedRequests(self.me)
+        """The requests sent for sessions this peer drives (:meth:`ask`), and who may answer each."""
         self._nursery: trio.Nursery | None = None
         self.relay: Callable[[wire.Forward | wire.Close], object] | None = None
         """Handles hops that are relayed legacy nodes (set by the legacy-node service)."""
@@ -483,6 +486,12 @@ class ForwardService:
             except trio.ClosedResourceError:
                 continue  # the link failed while we waited for room in it: use a fresh one
 
+    async def ask(self, peer: PeerId, msg: wire.Forward | wire.Close | wire.Adopt) -> None:
+        """Send a request of a session this peer drives (:meth:`open_inbox`): its answers are
+        then taken only from the hops it reaches (:mod:`p2p.asked`)."""
+        self._asked.asked(msg)
+        await self.send(peer, msg)
+
     async def open_stream(self, peer: PeerId) -> FramedStream | SealedStream:
         """The outbound stream of a link: a direct connection where one can be made (a
         decode step costs a fraction of what it costs through libp2p), else libp2p."""
@@ -599,6 +608,10 @@ class ForwardService:
                 # Only a peer on the session's route may answer for it: anyone else who learnt
                 # the id could otherwise hand the entry tokens, errors or a false "closed".
                 self.drops.count(FrameReason.FOREIGN_REPLY)
+                return
+            refusal = self._asked.refusal(msg, remote) if inbox is not None else None
+            if refusal is not None:  # a hop of the route answering a request that never reached it
+                self.drops.count(refusal)
                 return
             if isinstance(msg, wire.Error) and not _speaks_for(remote, msg.origin):
                 # An error is the sender's word: it may not put it in another hop's mouth (the
@@ -841,15 +854,18 @@ class ForwardService:
 
     def open_inbox(self, session_id: SessionId, route_peers: Iterable[PeerId] | None = None) -> trio.MemoryReceiveChannel[wire.Message]:
         """Results, errors and close acknowledgements for a session this peer drives, taken
-        only from ``route_peers`` and this peer itself (None: from anyone)."""
+        only from ``route_peers`` and this peer itself, each for a request sent with
+        :meth:`ask` and only from a hop that request reached (None: from anyone)."""
         send, receive = trio.open_memory_channel[wire.Message](256)
         self._inboxes[session_id] = send
         if route_peers is not None:
             self._inbox_peers[session_id] = frozenset((*route_peers, self.me))
+            self._asked.track(session_id)
         return receive
 
     def close_inbox(self, session_id: SessionId) -> None:
         self._inbox_peers.pop(session_id, None)
+        self._asked.forget(session_id)
         inbox = self._inboxes.pop(session_id, None)
         if inbox is not None:
             inbox.close()

@@ -63,6 +63,9 @@ class FrameReason(enum.Enum):
     """An error naming another peer as its origin (counted, then attributed to its sender)."""
     FOREIGN_ADOPTED = "foreign_adopted"
     """An ``adopted`` from a peer other than the hop the entry asked (ignored by the entry)."""
+    FOREIGN_REQUEST = "foreign_request"
+    """An answer at the entry for a request its sender never received, or that only another
+    hop gives (a token, ``closed``): :mod:`p2p.asked`."""
     REPLAY_REFUSED = "replay_refused"
     TOKENS_NOT_FROM_ENTRY = "tokens_not_from_entry"
     """Token ids whose ``reply_to`` is not their sender: dropped unanswered."""

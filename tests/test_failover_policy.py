@@ -303,6 +303,8 @@ class _Service:
         if isinstance(msg, wire.Adopt):
             self._inboxes[msg.new_id].send_nowait(wire.Adopted(msg.req_id, msg.new_id, self.held, sender=peer))
 
+    ask = send
+
     def open_inbox(self, session_id: SessionId, route_peers=None):
         send, receive = trio.open_memory_channel[object](256)
         self._inboxes[session_id] = send

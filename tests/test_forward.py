@@ -255,8 +255,8 @@ async def test_the_end_of_a_link_tells_the_sessions_through_that_peer_at_once() 
 
 
 async def test_only_peers_on_a_session_route_may_answer_for_it() -> None:
-    """A stranger who learnt a session id cannot hand the entry tokens (or a false error):
-    replies are taken from the peers of the session's route only."""
+    """A stranger who learnt a session id cannot hand the entry tokens (or a false error or
+    ``closed``): replies are taken from the peers of the session's route only."""
     with trio.fail_after(30):
         async with (open_host(Identity.generate()) as entry, open_host(Identity.generate()) as hop,
                     open_host(Identity.generate()) as stranger, trio.open_nursery() as n):  # fmt: skip
@@ -267,10 +267,14 @@ async def test_only_peers_on_a_session_route_may_answer_for_it() -> None:
             await stranger.connect(entry.multiaddrs()[0])
             session = SessionId("s")
             inbox = services[0].open_inbox(session, [hop.peer_id])
+            # A close the hop (holding no stage) drops: it answers below, as a last hop would.
+            await services[0].ask(hop.peer_id, wire.Close(7, session, (Hop(NodeId(hop.peer_id), hop.peer_id, LayerRange(0, 30)),),
+                                                          entry.peer_id))  # fmt: skip
             await services[2].send(entry.peer_id, wire.Result(7, session, 999))
-            await services[1].send(entry.peer_id, wire.Result(7, session, 42))
+            await services[2].send(entry.peer_id, wire.Closed(7, session))
+            await services[1].send(entry.peer_id, wire.Closed(7, session))
             got = await inbox.receive()
-            assert isinstance(got, wire.Result) and got.token == 42
+            assert isinstance(got, wire.Closed) and got.req_id == 7
             with trio.move_on_after(0.3):
                 extra = await inbox.receive()
                 raise AssertionError(f"a second reply arrived: {extra}")

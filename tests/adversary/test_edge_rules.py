@@ -31,8 +31,9 @@ from node.stage import Stage, StageResult
 from p2p import wire
 from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
-from p2p.chain import SwarmPipeline
+from p2p.chain import SwarmPipeline, _request_ids, _Session
 from p2p.errors import ProtocolError
+from p2p.failover import FailoverPolicy
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason, FrameRejected, check_hidden, check_route, check_tokens, relay_answer_matches
 from p2p.legacy import LegacyNodes, _Node
@@ -432,13 +433,15 @@ async def test_a_hop_cannot_make_the_entry_blame_another_hop() -> None:
     class Entry:
         peer_id = PeerId("entry")
 
-    service = ForwardService(Entry(), node_id=NodeId("entry"), stage=None, direct_port=None)  # type: ignore[arg-type]
     liar, honest, last = PeerId("liar"), PeerId("honest"), PeerId("last")
     route = tuple(Hop(NodeId(p), p, LayerRange(i * 10, i * 10 + 10)) for i, p in enumerate((honest, liar, last)))
+    service = _Wired(_hop(Entry.peer_id, 0, 10), None, *route)
     session = SessionId("s")
     leg = Leg(session, route, service.open_inbox(session, (h.peer_id for h in route)))
 
     async def blamed(error: wire.Error, sender: PeerId) -> set[PeerId]:
+        # Each error answers a frame the entry sent along the route.
+        await service.ask(honest, wire.Forward(error.req_id, session, 0, route, Entry.peer_id, None, tokens=np.ones(1, np.int32)))
         await service._dispatch(error, sender)
         return set(blame(leg, leg.inbox.receive_nowait(), Entry.peer_id))
 
@@ -717,3 +720,67 @@ async def test_only_the_hop_asked_to_adopt_may_answer_for_it() -> None:
                 await service._dispatch(wire.Adopted(asked[hop.peer_id], SessionId("s.1"), 12), hop.peer_id)
     assert held == {kept.peer_id: 12, last.peer_id: 12}
     assert service.drops[FrameReason.FOREIGN_ADOPTED] == 3
+
+
+async def test_the_entry_takes_an_answer_only_from_the_hops_its_request_reached() -> None:
+    """The entry took a session's answers from any hop of its route whatever request they
+    named (request ids are a process-wide counter, so a hop sees other requests' ids): a
+    middle hop could hand it the step's token ahead of the last stage, end a prefill with an
+    error for a request it never received, or acknowledge a close that had not reached the
+    last hop. Now an error comes only from a hop its request's frame reaches, a token only
+    from the last hop of a frame that samples, ``closed`` only from a close's last hop; the
+    rest is counted (``FOREIGN_REQUEST``) and dropped before the session sees it."""
+    entry, first, middle, last = _hop("entry", 0, 10), _hop("first", 0, 10), _hop("middle", 10, 20), _hop("last", 20, 30)
+    route, s = (first, middle, last), SessionId("s")
+    service = _Wired(entry, None, first, middle, last)
+    pipeline = SwarmPipeline(service, MODEL, list, 128, lambda _: None, policy=FailoverPolicy(poll_s=60.0))
+    session = _Session(s)
+    pipeline._sessions[s] = session
+    pipeline._open_leg(session, list(route))
+    assert session.leg is not None
+    inbox = session.leg.inbox
+    tokens: list[int | None] = []
+
+    async def step() -> None:
+        tokens.append(await pipeline.step(s, 0, [1, 2, 3], SamplingParams(seed=1)))
+
+    def asked(kind: type) -> int:
+        return [m for _, m in service.sent if isinstance(m, kind)][-1].req_id
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            await _until(lambda: service.sent, "the step to go out")
+            req = asked(wire.Forward)
+            await service._dispatch(wire.Result(req, s, 666), middle.peer_id)  # a middle hop's token
+            await service._dispatch(wire.Error(req + 10_000, s, "engine_error", "boom", middle.peer_id), middle.peer_id)
+            await service._dispatch(wire.Result(req, s, 7), last.peer_id)
+    assert tokens == [7]
+    assert service.drops[FrameReason.FOREIGN_REQUEST] == 2
+
+    # A rebuild frame into the middle hop only, and a close along the route.
+    await service.ask(middle.peer_id, wire.Forward(next(_request_ids), s, 0, (middle,), entry.peer_id, None,
+                                                   tokens=np.array([1], np.int32), discard=True))  # fmt: skip
+    rebuild = asked(wire.Forward)
+    await service.ask(first.peer_id, wire.Close(next(_request_ids), s, route, entry.peer_id))
+    close = asked(wire.Close)
+    refused = (
+        (wire.Error(rebuild, s, "engine_error", "boom", first.peer_id), first),  # the frame never reached it
+        (wire.Result(rebuild, s, 3), middle),  # a rebuild frame never samples
+        (wire.Closed(close, s), first),  # only the close's last hop acknowledges it
+        (wire.Error(req, s, "engine_error", "late", middle.peer_id), middle),  # answered: done
+    )
+    for msg, sender in refused:
+        await service._dispatch(msg, sender.peer_id)
+    assert service.drops[FrameReason.FOREIGN_REQUEST] == 2 + len(refused)
+    with pytest.raises(trio.WouldBlock):
+        inbox.receive_nowait()
+    taken = (
+        (wire.Error(rebuild, s, "engine_error", "boom", middle.peer_id), middle),
+        (wire.Error(close, s, "unreachable", "gone", first.peer_id, middle.peer_id), first),
+        (wire.Closed(close, s), last),
+        (wire.Error(rebuild, s, "unreachable", "link lost", entry.peer_id, middle.peer_id), entry),  # our own word
+    )
+    for msg, sender in taken:
+        await service._dispatch(msg, sender.peer_id)
+        assert inbox.receive_nowait() == msg
