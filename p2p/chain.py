@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -609,7 +610,7 @@ class SwarmPipeline:
         )
 
     def _open_leg(self, session: _Session, route: list[Hop]) -> None:
-        wire_id = SessionId(session.session_id if session.legs == 0 else f"{session.session_id}.{session.legs}")
+        wire_id = session.session_id if session.legs == 0 else leg_id(session.session_id, session.legs)
         session.legs += 1
         session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id, (h.peer_id for h in route)))
         session.flight_since, session.flight_tokens = None, 0
@@ -690,6 +691,17 @@ class SwarmPipeline:
                     if not pending:
                         return True
         return False
+
+
+def leg_id(session_id: SessionId, leg: int) -> SessionId:
+    """The wire id of a session's ``leg``-th new route: ``<id>.<leg>.<16 random hex digits>``.
+
+    Every hop of the session's route learns its id, the hop being failed over too. Were the
+    next leg's id derived from it alone (``<id>.1``), such a peer could open that id first at
+    a hop the failover keeps: the adopt (never onto an id already held) would keep nothing
+    there, and the new leg would go on under an id the claimer holds and, as a registered
+    peer, may feed. Only the hops of the new route learn its id, from the frames sent them."""
+    return SessionId(f"{session_id}.{leg}.{secrets.token_hex(8)}")
 
 
 def _serving(views: Iterable[NodeView], which: Callable[[NodeView], bool]) -> list[NodeView]:

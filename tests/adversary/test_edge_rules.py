@@ -575,12 +575,16 @@ class _Wired(ForwardService):
         super().__init__(SimpleNamespace(peer_id=me.peer_id), node_id=me.node_id, stage=stage, direct_port=None)  # type: ignore[arg-type]
         self.record_of = _registry(me, *registered).get
         self.sent: list[tuple[PeerId, wire.Message]] = []
+        self.peers: dict[PeerId, ForwardService] = {}
+        """Services wired to this one: what is sent to them is also delivered."""
 
     async def send(self, peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
         if peer == self.me:
             await self._dispatch(msg, self.me)
-        else:
-            self.sent.append((peer, msg))
+            return
+        self.sent.append((peer, msg))
+        if peer in self.peers:
+            await self.peers[peer]._dispatch(msg, self.me)
 
 
 async def _until(condition, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
@@ -784,3 +788,39 @@ async def test_the_entry_takes_an_answer_only_from_the_hops_its_request_reached(
     for msg, sender in taken:
         await service._dispatch(msg, sender.peer_id)
         assert inbox.receive_nowait() == msg
+
+
+async def test_a_peer_that_learnt_a_session_id_cannot_claim_its_next_leg_first(smollm2, slice_cache) -> None:
+    """Failover's new leg ids were ``<id>.1``, ``<id>.2``, ...: a peer that learnt a session's
+    id (any hop of its route, the one about to be failed over too) could open the next leg's
+    id first at a hop the failover keeps. The adopt, never onto an id already held, then kept
+    nothing there (the span replay fell back to the whole route) and the new leg went on
+    under an id the claimer held, which as a registered peer it could feed. A new leg's id
+    now has a random part: the claim lands on an id nobody uses, and the adopt keeps the cache."""
+    me, y, z = _hop("me", 0, 10), _hop("y", 10, 20), _hop("z", 20, 30)
+    entry, claimer = _hop("entry", 0, 30), _hop("claimer", 0, 30)
+    route, s = (me, y, z), SessionId("s")
+    with smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=4) as engine:
+        stage = Stage(engine, keep_outputs="f32")  # a stage before the last keeps what it sent on
+        hop = _Wired(me, stage, y, z, entry, claimer)
+        entry_side = _Wired(entry, None, me, y, z)
+        entry_side.peers, hop.peers = {me.peer_id: hop}, {entry.peer_id: entry_side}
+        pipeline = SwarmPipeline(entry_side, MODEL, list, 128, lambda _: None)
+        session = _Session(s)
+        pipeline._open_leg(session, list(route))
+        old = session.leg
+        assert old is not None and old.wire_id == s
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await entry_side.ask(me.peer_id, _tokens("s", route, entry.peer_id))
+            for guess in ("s.1", "s.2"):  # the claimer opens the ids it expects the next legs to take
+                await hop._dispatch(_tokens(guess, route, claimer.peer_id, (7,)), claimer.peer_id)
+            await _until(lambda: engine.memory().sessions == 3, "the session and the claims to open")
+            with trio.fail_after(10):
+                pipeline._open_leg(session, list(route))  # a failover keeping this hop
+                assert session.leg is not None
+                held = await pipeline._adopt(old, session.leg, (me,))
+            assert held == {me.peer_id: 3}
+            assert engine.session_length(session.leg.wire_id) == 3 and engine.session_length(s) == 0
+            assert [engine.session_length(SessionId(guess)) for guess in ("s.1", "s.2")] == [1, 1]
+            nursery.cancel_scope.cancel()
