@@ -168,11 +168,14 @@ class LegacyNodes:
             if key in body and body[key] != expected:
                 raise NodeMismatch(f"{key} {body[key]} does not match {model_id} ({expected})")
         previous = self._nodes.get(node_id)
-        restarting = previous is not None and previous.owns(body.get("relay_token") if isinstance(body.get("relay_token"), str) else None)
-        if restarting:
-            self._drop(node_id)  # the same node (it holds the token), restarted: it registers again
-        self._check_unique(node_id, restarting)
-        if len(self._nodes) >= MAX_LEGACY_NODES:
+        if previous is not None and not previous.owns(body.get("relay_token") if isinstance(body.get("relay_token"), str) else None):
+            raise DuplicateNode(f"node {local_id} is already registered")
+        # ``previous``: the same node (it holds the token), restarted. It stays registered
+        # until its new registration is published: one refused half-way (a bad range, a URL
+        # that does not answer yet) used to leave its old record vouched for by nobody's
+        # entry, republished for ever, and its id refused to the node itself (409).
+        self._check_unique(node_id, previous)
+        if len(self._nodes) - (previous is not None) >= MAX_LEGACY_NODES:
             raise NoRangeAvailable(f"this peer already vouches for {MAX_LEGACY_NODES} legacy nodes; register with another peer")
         layers = self._requested_layers(body, n_layers) or (self._assign(ModelId(model_id), n_layers, body) if assign else None)
         if layers is None:
@@ -184,7 +187,7 @@ class LegacyNodes:
         vram_mb = read_int(body, "vram_mb", lo=0, hi=1 << 40, default=0)
         hardware = _hardware(body.get("hardware"))
         await self._probe(http_url)
-        self._check_unique(node_id, restarting)  # again: another registration may have won while we probed
+        self._check_unique(node_id, previous)  # again: another registration may have won while we probed
         record = NodeRecord(
             node_id=node_id, peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
             start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
@@ -192,17 +195,35 @@ class LegacyNodes:
             api_url=http_url, relayed=True, forward_url=http_url, started_ms=int(time.time() * 1000),
         )  # fmt: skip
         node = _Node(record, http_url + "/forward", token)
+        replaced = previous is not None and self._nodes.get(node_id) is previous
         self._nodes[node_id] = node
         self._start_worker(node)
         try:
             node.record = await self.registry.publish(record)
-        except InvalidRecord as exc:  # e.g. a hardware profile nested too deep to gossip
-            self.forget(node_id)
-            raise BadRegistration(f"the node's record would be refused by the swarm: {exc}") from exc
+        except BaseException as exc:
+            self._undo(node, previous if replaced else None)
+            if isinstance(exc, InvalidRecord):  # e.g. a hardware profile nested too deep to gossip
+                raise BadRegistration(f"the node's record would be refused by the swarm: {exc}") from exc
+            raise
+        if previous is not None and previous.queue is not None:
+            previous.queue.close()  # its worker ends; the new one relays from now on
         log.info("vouching for legacy node %s (%s layers %s at %s)", node_id, model_id, layers, http_url)
         # The node keeps using the id it chose with this peer; the swarm knows it namespaced.
         return {"node_id": local_id, "registry_id": node_id, "start_layer": layers.start, "end_layer": layers.end,
                 "warnings": []}  # fmt: skip
+
+    def _undo(self, node: _Node, previous: _Node | None) -> None:
+        """A registration that could not be published: ``previous`` (the node's registration
+        it was to replace) goes on as before, or nothing is left of the id."""
+        node_id = node.record.node_id
+        if self._nodes.get(node_id) is node:
+            del self._nodes[node_id]
+        if node.queue is not None:
+            node.queue.close()
+        if previous is not None:
+            self._nodes.setdefault(node_id, previous)
+        elif node_id not in self._nodes:
+            self.registry.stop_vouching(node_id)  # publishing may have got as far as our table
 
     async def _probe(self, http_url: str) -> None:
         """A node is announced only once its URL answers: a made-up URL never enters routing."""
@@ -219,17 +240,18 @@ class LegacyNodes:
             return NodeId(node_id)
         return legacy_node_id(self.registry.identity.peer_id, node_id)
 
-    def _check_unique(self, node_id: NodeId, restarting: bool = False) -> None:
+    def _check_unique(self, node_id: NodeId, previous: _Node | None = None) -> None:
         """409 for an id live anywhere in the swarm, under any vouching peer (namespacing
         makes a takeover impossible; this keeps the spec's "already registered" answer).
-        ``restarting``: the caller proved it is this id's node, so our own record of it
-        is no conflict."""
+        ``previous``: the caller proved it is this id's node (it holds the token of this
+        registration of it), so that registration and our own record of it are no conflict."""
         local = legacy_local_id(node_id)
-        if node_id in self._nodes:
+        current = self._nodes.get(node_id)
+        if current is not None and current is not previous:
             raise DuplicateNode(f"node {local} is already registered")
         for view in self.registry.views():
             record = view.record
-            if restarting and record.node_id == node_id:
+            if previous is not None and record.node_id == node_id:
                 continue
             if view.state != "Dead" and record.relayed and legacy_local_id(record.node_id) == local:
                 raise DuplicateNode(f"node {local} is already registered")

@@ -1,0 +1,125 @@
+"""Legacy-node registration and relay as a hostile node or HTTP client would use them,
+in process and fast: a real registry service (its host keeps what it publishes), a real
+:class:`p2p.legacy.LegacyNodes`, and scripted HTTP nodes on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+from inclavate.types import NodeId
+from p2p import wire
+from p2p.gossip import RegistryService
+from p2p.identity import Identity
+from p2p.legacy import DuplicateNode, LegacyNodes, UnknownLegacyNode, UnreachableNode
+from p2p.records import SignedRecord
+from p2p.registry import Liveness
+
+MODEL = "smollm2:135m"
+N_LAYERS, D_MODEL = 30, 576
+TOKEN = "t" * 16
+
+
+class _Host:
+    """What the registry service needs of a libp2p host to publish."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        self.sent.append(SignedRecord.decode(data).record)
+
+
+class _Node(http.server.BaseHTTPRequestHandler):
+    """A legacy node: ``/health`` answers (after ``server.health_delay_s``), ``/forward``
+    answers what ``server.answer`` makes of the frame it was sent."""
+
+    server: Any
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        time.sleep(self.server.health_delay_s)
+        self._answer(200, b'{"ok": true}')
+
+    def do_POST(self) -> None:  # noqa: N802
+        msg = wire.decode(self.rfile.read(int(self.headers.get("content-length") or 0)))
+        self._answer(200, self.server.answer(msg))
+
+    def _answer(self, status: int, body: bytes) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass  # the peer gave up on us
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def node_server() -> Iterator[Any]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Node)
+    server.daemon_threads = True
+    server.health_delay_s = 0.0  # type: ignore[attr-defined]
+    server.answer = lambda msg: b""  # type: ignore[attr-defined]
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _legacy(send: Any = None) -> tuple[RegistryService, LegacyNodes]:
+    registry = RegistryService(_Host(), Identity.generate(), Liveness())  # type: ignore[arg-type]
+    facts = {MODEL: (N_LAYERS, D_MODEL)}
+    return registry, LegacyNodes(registry, facts.get, send=send)
+
+
+def _body(node_id: str, url: str, token: str = TOKEN, **extra: Any) -> dict[str, Any]:
+    return {"node_id": node_id, "model_id": MODEL, "http_url": url, "start_layer": 0, "end_layer": 10,
+            "relay_token": token, **extra}  # fmt: skip
+
+
+async def test_a_restart_refused_half_way_leaves_the_node_as_it_was(node_server: Any) -> None:
+    """A node re-registering its live id (it holds the token) used to be dropped before its
+    new registration was checked: one refused half-way (here its URL does not answer yet)
+    left its old record vouched for, republished on every heartbeat, with nobody to
+    heartbeat or leave it (404) and its id refused to the node itself (409)."""
+    registry, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        first = await nodes.register(_body("n1", node_server.url), assign=False)
+        registry_id = NodeId(first["registry_id"])
+        for bad in (_body("n1", "http://127.0.0.1:1"), _body("n1", node_server.url, start_layer=5, end_layer=99)):
+            with pytest.raises(Exception) as refused:
+                await nodes.register(bad, assign=False)
+            assert not isinstance(refused.value, DuplicateNode)
+            # still the node's: it heartbeats, and the registry holds its one record
+            await nodes.heartbeat("n1", {"ready": True}, TOKEN)
+            assert nodes.serves(registry_id) and registry.own(registry_id) is not None
+        assert (await nodes.register(_body("n1", node_server.url), assign=False))["registry_id"] == registry_id
+        await nodes.leave("n1", TOKEN)
+        assert not nodes.serves(registry_id) and registry.own(registry_id) is None
+        with pytest.raises(UnknownLegacyNode):
+            await nodes.heartbeat("n1", {}, TOKEN)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_live_id_is_refused_to_a_stranger_and_kept_through_a_bad_restart(node_server: Any) -> None:
+    registry, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        await nodes.register(_body("n1", node_server.url), assign=False)
+        with pytest.raises(DuplicateNode):
+            await nodes.register(_body("n1", node_server.url, token="s" * 16), assign=False)
+        with pytest.raises(UnreachableNode):  # the token holder, with a URL that does not answer
+            await nodes.register(_body("n1", "http://127.0.0.1:1"), assign=False)
+        await nodes.heartbeat("n1", {"ready": True}, TOKEN)
+        nursery.cancel_scope.cancel()
