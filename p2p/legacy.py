@@ -134,6 +134,8 @@ class LegacyNodes:
         """When set, registration must present it (``X-Inclavate-Join-Token``)."""
         self.http = http or LegacyHttp()
         self._nodes: dict[NodeId, _Node] = {}
+        self._registering: set[NodeId] = set()
+        """Ids whose registration is under way (probing the node's URL, publishing)."""
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -175,7 +177,11 @@ class LegacyNodes:
         # that does not answer yet) used to leave its old record vouched for by nobody's
         # entry, republished for ever, and its id refused to the node itself (409).
         self._check_unique(node_id, previous)
-        if len(self._nodes) - (previous is not None) >= MAX_LEGACY_NODES:
+        if node_id in self._registering:
+            raise DuplicateNode(f"node {local_id} is being registered right now")
+        # Registrations still probing count: checking the table alone, any number of
+        # concurrent ones passed while each waited for its URL (50 at once made 50 nodes).
+        if len(self._nodes.keys() | self._registering) - (previous is not None) >= MAX_LEGACY_NODES:
             raise NoRangeAvailable(f"this peer already vouches for {MAX_LEGACY_NODES} legacy nodes; register with another peer")
         layers = self._requested_layers(body, n_layers) or (self._assign(ModelId(model_id), n_layers, body) if assign else None)
         if layers is None:
@@ -186,25 +192,29 @@ class LegacyNodes:
             raise BadRegistration(f"relay_token is required: a secret of at least {MIN_TOKEN_CHARS} characters")
         vram_mb = read_int(body, "vram_mb", lo=0, hi=1 << 40, default=0)
         hardware = _hardware(body.get("hardware"))
-        await self._probe(http_url)
-        self._check_unique(node_id, previous)  # again: another registration may have won while we probed
-        record = NodeRecord(
-            node_id=node_id, peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
-            start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
-            seq=0, ts_ms=0, vram_mb=vram_mb, hardware=hardware,
-            api_url=http_url, relayed=True, forward_url=http_url, started_ms=int(time.time() * 1000),
-        )  # fmt: skip
-        node = _Node(record, http_url + "/forward", token)
-        replaced = previous is not None and self._nodes.get(node_id) is previous
-        self._nodes[node_id] = node
-        self._start_worker(node)
+        self._registering.add(node_id)  # no await since the checks above
         try:
-            node.record = await self.registry.publish(record)
-        except BaseException as exc:
-            self._undo(node, previous if replaced else None)
-            if isinstance(exc, InvalidRecord):  # e.g. a hardware profile nested too deep to gossip
-                raise BadRegistration(f"the node's record would be refused by the swarm: {exc}") from exc
-            raise
+            await self._probe(http_url)
+            self._check_unique(node_id, previous)  # again: another registration may have won while we probed
+            record = NodeRecord(
+                node_id=node_id, peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
+                start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
+                seq=0, ts_ms=0, vram_mb=vram_mb, hardware=hardware,
+                api_url=http_url, relayed=True, forward_url=http_url, started_ms=int(time.time() * 1000),
+            )  # fmt: skip
+            node = _Node(record, http_url + "/forward", token)
+            replaced = previous is not None and self._nodes.get(node_id) is previous
+            self._nodes[node_id] = node
+            self._start_worker(node)
+            try:
+                node.record = await self.registry.publish(record)
+            except BaseException as exc:
+                self._undo(node, previous if replaced else None)
+                if isinstance(exc, InvalidRecord):  # e.g. a hardware profile nested too deep to gossip
+                    raise BadRegistration(f"the node's record would be refused by the swarm: {exc}") from exc
+                raise
+        finally:
+            self._registering.discard(node_id)
         if previous is not None and previous.queue is not None:
             previous.queue.close()  # its worker ends; the new one relays from now on
         log.info("vouching for legacy node %s (%s layers %s at %s)", node_id, model_id, layers, http_url)

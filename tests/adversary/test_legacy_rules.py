@@ -17,7 +17,7 @@ from inclavate.types import NodeId
 from p2p import wire
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
-from p2p.legacy import DuplicateNode, LegacyNodes, UnknownLegacyNode, UnreachableNode
+from p2p.legacy import MAX_LEGACY_NODES, DuplicateNode, LegacyError, LegacyNodes, UnknownLegacyNode, UnreachableNode
 from p2p.records import SignedRecord
 from p2p.registry import Liveness
 
@@ -122,4 +122,28 @@ async def test_a_live_id_is_refused_to_a_stranger_and_kept_through_a_bad_restart
         with pytest.raises(UnreachableNode):  # the token holder, with a URL that does not answer
             await nodes.register(_body("n1", "http://127.0.0.1:1"), assign=False)
         await nodes.heartbeat("n1", {"ready": True}, TOKEN)
+        nursery.cancel_scope.cancel()
+
+
+async def test_registrations_waiting_for_their_probe_count_against_the_bound(node_server: Any) -> None:
+    """The bound on legacy nodes was checked before each registration probed its URL: any
+    number of concurrent registrations passed it while they waited (50 made 50 nodes)."""
+    _, nodes = _legacy()
+    node_server.health_delay_s = 0.2
+    outcomes: list[str] = []
+
+    async def register(i: int) -> None:
+        try:
+            await nodes.register(_body(f"n{i}", node_server.url, token=f"{i:016d}"), assign=False)
+            outcomes.append("ok")
+        except LegacyError as exc:
+            outcomes.append(type(exc).__name__)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        async with trio.open_nursery() as burst:
+            for i in range(MAX_LEGACY_NODES + 8):
+                burst.start_soon(register, i)
+        assert outcomes.count("ok") == MAX_LEGACY_NODES == len(nodes._nodes)
+        assert set(outcomes) == {"ok", "NoRangeAvailable"} and not nodes._registering
         nursery.cancel_scope.cancel()
