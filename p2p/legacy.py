@@ -38,8 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import trio
 
+from inclavate import tensors
 from inclavate.untrusted import Malformed, as_dict, as_float, as_str, read_bool, read_float, read_int, read_str
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from p2p import wire
@@ -413,6 +415,13 @@ class LegacyNodes:
             # under this peer's (trusted) identity.
             await self._node_failed(node, msg, "answered with a frame that does not continue the one it was sent")
             return
+        fault = _hidden_fault(msg, out, node.record.d_model)
+        if fault is not None:
+            # Checked here, not only by the next hop: that hop would refuse them in its own
+            # name (``invalid_batch``, which fails the request and blames it), while the node
+            # that made them stayed in routing, failing every request sent through it.
+            await self._node_failed(node, msg, f"answered {fault}")
+            return
         node.failures = 0
         if isinstance(out, wire.Error):  # in the node's name as the swarm knows it (under ours)
             out = dataclasses.replace(out, origin=PeerId(node.record.node_id))
@@ -433,6 +442,19 @@ class LegacyNodes:
         log.info("%s", message)
         await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, "unreachable", message,
                                                  PeerId(self.registry.identity.peer_id)))  # fmt: skip
+
+
+def _hidden_fault(sent: wire.Forward | wire.Close, answer: wire.Message, d_model: int) -> str | None:
+    """What is wrong with the hidden states a node answered for ``sent``, or None: one row
+    per position it was sent, the model's width, finite values."""
+    if not isinstance(sent, wire.Forward) or not isinstance(answer, wire.Forward) or answer.hidden is None:
+        return None
+    expected = (sent.n_tokens, d_model)
+    if tuple(answer.hidden.shape) != expected:
+        return f"hidden states of shape {list(answer.hidden.shape)}, not {list(expected)}"
+    if not np.isfinite(tensors.decode(answer.hidden)).all():
+        return "hidden states that are not finite"
+    return None
 
 
 def _text(body: dict[str, Any], key: str) -> str:

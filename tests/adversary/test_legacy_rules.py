@@ -10,16 +10,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 
-from inclavate.types import NodeId
+from inclavate import tensors
+from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
 from p2p.legacy import MAX_LEGACY_NODES, DuplicateNode, LegacyError, LegacyNodes, UnknownLegacyNode, UnreachableNode
 from p2p.records import SignedRecord
 from p2p.registry import Liveness
+from p2p.routing import Hop
 
 MODEL = "smollm2:135m"
 N_LAYERS, D_MODEL = 30, 576
@@ -146,4 +149,55 @@ async def test_registrations_waiting_for_their_probe_count_against_the_bound(nod
                 burst.start_soon(register, i)
         assert outcomes.count("ok") == MAX_LEGACY_NODES == len(nodes._nodes)
         assert set(outcomes) == {"ok", "NoRangeAvailable"} and not nodes._registering
+        nursery.cancel_scope.cancel()
+
+
+def _hidden_answer(rows: int, cols: int, value: float = 0.0, dtype: str = "f32") -> Any:
+    def answer(msg: wire.Forward) -> bytes:
+        data = np.full((rows, cols), value, np.float32 if dtype == "f32" else np.float16).tobytes()
+        hidden = tensors.EncodedTensor(dtype, (rows, cols), data)  # type: ignore[arg-type]
+        return wire.encode(wire.Forward(msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to,
+                                        msg.sampling, hidden=hidden))  # fmt: skip
+    return answer
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+async def test_hidden_states_a_node_answers_are_checked_before_they_are_sent_on(node_server: Any) -> None:
+    """The relaying peer sent a node's hidden states on, under its own identity, whatever
+    they held: the next hop refused NaN or a wrong shape in its own name (``invalid_batch``:
+    the request failed and that honest hop was blamed), and the node stayed in routing."""
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message) -> None:
+        sent.append((peer, msg))
+
+    registry, nodes = _legacy(send)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        registry_id = NodeId((await nodes.register(_body("n1", node_server.url), assign=False))["registry_id"])
+        await nodes.heartbeat("n1", {"ready": True}, TOKEN)
+        me = PeerId(registry.identity.peer_id)
+        route = (Hop(registry_id, me, LayerRange(0, 10), node_server.url + "/forward"),
+                 Hop(NodeId("next"), PeerId("next"), LayerRange(10, 30), ""))  # fmt: skip
+        cases = [("honest", _hidden_answer(3, D_MODEL), "next"),
+                 ("nan", _hidden_answer(3, D_MODEL, float("nan")), "entry"),
+                 ("f16 overflow", _hidden_answer(3, D_MODEL, 1e6, "f16"), "entry"),
+                 ("narrow", _hidden_answer(3, 8), "entry"),
+                 ("extra rows", _hidden_answer(40, D_MODEL), "entry")]  # fmt: skip
+        for i, (case, answer, goes_to) in enumerate(cases):
+            node_server.answer = answer
+            node = nodes._nodes[registry_id]
+            node.held_out_until, node.failures = 0.0, 0
+            sent.clear()
+            frame = wire.Forward(i, SessionId(f"s{i}"), 0, route, PeerId("entry"), None, tokens=np.array([1, 2, 3], np.int32))
+            await nodes.relay(frame)
+            with trio.fail_after(10):
+                while not sent:
+                    await trio.sleep(0.02)
+            (peer, out), = sent
+            assert peer == goes_to, case
+            if goes_to == "entry":
+                assert isinstance(out, wire.Error) and out.code == "unreachable" and node.held_out, (case, out)
+            else:
+                assert isinstance(out, wire.Forward) and not node.held_out
         nursery.cancel_scope.cancel()
