@@ -274,7 +274,8 @@ class LegacyNodes:
             if isinstance(body.get("layers"), str):
                 layers = LayerRange.parse(body["layers"])
             elif "start_layer" in body and "end_layer" in body:
-                layers = LayerRange(int(body["start_layer"]), int(body["end_layer"]))
+                # integers only: int() made 0.5 layer 0, true layer 1 and "7" layer 7
+                layers = LayerRange(read_int(body, "start_layer"), read_int(body, "end_layer"))
             else:
                 return None
         except (TypeError, ValueError) as exc:

@@ -19,7 +19,7 @@ from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
-from p2p.legacy import MAX_LEGACY_NODES, DuplicateNode, LegacyError, LegacyNodes, UnknownLegacyNode, UnreachableNode
+from p2p.legacy import MAX_LEGACY_NODES, BadRegistration, DuplicateNode, LegacyError, LegacyNodes, UnknownLegacyNode, UnreachableNode
 from p2p.records import SignedRecord
 from p2p.registry import Liveness
 from p2p.routing import Hop
@@ -200,4 +200,17 @@ async def test_hidden_states_a_node_answers_are_checked_before_they_are_sent_on(
                 assert isinstance(out, wire.Error) and out.code == "unreachable" and node.held_out, (case, out)
             else:
                 assert isinstance(out, wire.Forward) and not node.held_out
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("field, value", [("start_layer", 0.5), ("end_layer", True), ("start_layer", "0"), ("end_layer", 10.0),
+                                          ("start_layer", [0]), ("start_layer", None)])  # fmt: skip
+async def test_a_layer_range_is_made_of_integers(node_server: Any, field: str, value: Any) -> None:
+    """``int()`` took 0.5 as layer 0, ``true`` as layer 1 and ``"0"`` as layer 0 (200)."""
+    _, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        with pytest.raises(BadRegistration, match=field):
+            await nodes.register(_body("n1", node_server.url, **{field: value}), assign=False)
+        assert not nodes._nodes
         nursery.cancel_scope.cancel()
