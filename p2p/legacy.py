@@ -238,13 +238,19 @@ class LegacyNodes:
             self.registry.stop_vouching(node_id)  # publishing may have got as far as our table
 
     async def _probe(self, http_url: str) -> None:
-        """A node is announced only once its URL answers: a made-up URL never enters routing."""
+        """A node is announced only once its URL answers: a made-up URL never enters routing.
+
+        Every failure gets the same answer. Naming it ("connection refused", "name not
+        known", "answered 404") let any HTTP client map what listens on this peer's loopback
+        and LAN through registrations; the detail goes to this peer's log only."""
         try:
             status, _ = await self.http.request("GET", http_url + "/health", timeout_s=PROBE_TIMEOUT_S)
+            detail = f"answered {status}"
         except NodeUnreachable as exc:
-            raise UnreachableNode(f"http_url does not answer GET /health: {exc}") from None
+            status, detail = None, str(exc)
         if status != 200:
-            raise UnreachableNode(f"http_url answered GET /health with {status}")
+            log.info("legacy registration refused: %s did not answer GET /health with 200 (%s)", http_url, detail)
+            raise UnreachableNode(f"http_url did not answer GET /health with 200 within {PROBE_TIMEOUT_S:g} s")
 
     def _registry_id(self, node_id: str) -> NodeId:
         """The registry id of one of our legacy nodes, given its own id or the namespaced one."""

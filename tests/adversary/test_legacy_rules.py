@@ -39,6 +39,18 @@ class _Host:
         self.sent.append(SignedRecord.decode(data).record)
 
 
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    """Any HTTP service that is not a node: 404 to everything."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.send_response(404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 class _Node(http.server.BaseHTTPRequestHandler):
     """A legacy node: ``/health`` answers (after ``server.health_delay_s``), ``/forward``
     answers what ``server.answer`` makes of the frame it was sent."""
@@ -214,3 +226,25 @@ async def test_a_layer_range_is_made_of_integers(node_server: Any, field: str, v
             await nodes.register(_body("n1", node_server.url, **{field: value}), assign=False)
         assert not nodes._nodes
         nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_probe_says_nothing_of_what_answered() -> None:
+    """A registration probes the URL it names: its refusal named what it found ("connection
+    refused", "answered 404"), so any HTTP client could map the services on the peer's
+    loopback and LAN through it. Whatever listens there, the refusal now reads the same."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _, nodes = _legacy()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(nodes.run)
+            answers = []
+            for url in (f"http://127.0.0.1:{server.server_address[1]}", "http://127.0.0.1:1", "http://no-such-host.invalid"):
+                with pytest.raises(UnreachableNode) as refused:
+                    await nodes.register(_body("n1", url), assign=False)
+                answers.append(str(refused.value))
+            assert len(set(answers)) == 1, answers
+            nursery.cancel_scope.cancel()
+    finally:
+        server.shutdown()
+        server.server_close()
