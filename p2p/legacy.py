@@ -401,8 +401,12 @@ class LegacyNodes:
         path = "/forward" if isinstance(msg, wire.Forward) else "/close"
         url = node.forward_url.removesuffix("/forward") + path
         headers = {TOKEN_HEADER: node.token, "content-type": "application/octet-stream"}
+        # What a frame's answer can hold: its positions' hidden states (a close's: a header).
+        # The generic 64 MiB cap let a node have us read 64 MiB for any one-token step.
+        n_tokens = msg.n_tokens if isinstance(msg, wire.Forward) else 0
+        most = wire.max_frame_bytes(n_tokens, node.record.d_model)
         try:
-            status, body = await self.http.request("POST", url, wire.encode(msg), headers)
+            status, body = await self.http.request("POST", url, wire.encode(msg), headers, max_bytes=most)
         except NodeUnreachable as exc:
             await self._node_failed(node, msg, f"is unreachable: {exc}")
             return

@@ -12,7 +12,8 @@ exchange is bounded here:
 * **Time**: one deadline for the whole exchange, checked between reads, so a node that drips
   one byte per second cannot hold a thread for longer than the deadline plus one socket
   timeout.
-* **Size**: at most ``max_response_bytes`` are read.
+* **Size**: at most ``max_response_bytes`` are read, and no more than the caller says the
+  answer can hold (a relayed frame's: its positions' hidden states).
 * **Threads**: blocking calls run on this module's own :class:`trio.CapacityLimiter`, never
   on trio's default one that the engine and the tokenizer share, so slow nodes cannot stall
   the peer's other work.
@@ -86,12 +87,13 @@ class LegacyHttp:
 
     async def request(
         self, method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-        *, timeout_s: float | None = None,
+        *, timeout_s: float | None = None, max_bytes: int | None = None,
     ) -> tuple[int, bytes]:  # fmt: skip
-        """(status, body) for any HTTP status; :class:`NodeUnreachable` for anything else."""
+        """(status, body) for any HTTP status; :class:`NodeUnreachable` for anything else,
+        an answer longer than ``max_bytes`` (at most ``max_response_bytes``) included."""
         timeout = self.limits.timeout_s if timeout_s is None else timeout_s
-        call = functools.partial(_exchange, method, url, body, headers or {}, time.monotonic() + timeout,
-                                 self.limits.max_response_bytes)  # fmt: skip
+        cap = self.limits.max_response_bytes if max_bytes is None else min(max_bytes, self.limits.max_response_bytes)
+        call = functools.partial(_exchange, method, url, body, headers or {}, time.monotonic() + timeout, cap)
         with trio.move_on_after(timeout + 1.0):
             return await trio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=True)
         raise NodeUnreachable(f"no answer from {url} within {timeout:g} s")

@@ -192,6 +192,7 @@ async def test_hidden_states_a_node_answers_are_checked_before_they_are_sent_on(
         route = (Hop(registry_id, me, LayerRange(0, 10), node_server.url + "/forward"),
                  Hop(NodeId("next"), PeerId("next"), LayerRange(10, 30), ""))  # fmt: skip
         cases = [("honest", _hidden_answer(3, D_MODEL), "next"),
+                 ("longer than 3 positions can be", lambda msg: b"x" * (4 << 20), "entry"),
                  ("nan", _hidden_answer(3, D_MODEL, float("nan")), "entry"),
                  ("f16 overflow", _hidden_answer(3, D_MODEL, 1e6, "f16"), "entry"),
                  ("narrow", _hidden_answer(3, 8), "entry"),
@@ -210,6 +211,8 @@ async def test_hidden_states_a_node_answers_are_checked_before_they_are_sent_on(
             assert peer == goes_to, case
             if goes_to == "entry":
                 assert isinstance(out, wire.Error) and out.code == "unreachable" and node.held_out, (case, out)
+                if case.startswith("longer"):  # not read past what the frame's answer can hold
+                    assert f"exceeds {wire.max_frame_bytes(3, D_MODEL)} bytes" in out.message, out
             else:
                 assert isinstance(out, wire.Forward) and not node.held_out
         nursery.cancel_scope.cancel()
