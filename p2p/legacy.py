@@ -48,7 +48,7 @@ from p2p import wire
 from p2p.coverage import uncovered
 from p2p.errors import P2PError
 from p2p.forward_checks import relay_answer_matches
-from p2p.legacy_http import LegacyHttp, NodeUnreachable, check_node_url
+from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
 from p2p.gossip import RegistryService
 from p2p.records import Counters, InvalidRecord, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
 
@@ -58,6 +58,9 @@ TOKEN_HEADER = "X-Inclavate-Relay-Token"
 JOIN_TOKEN_HEADER = "X-Inclavate-Join-Token"
 MIN_TOKEN_CHARS = 16
 PROBE_TIMEOUT_S = 5.0
+PROBE_LIMITS = HttpLimits(timeout_s=PROBE_TIMEOUT_S, max_response_bytes=64 * 1024, threads=4)
+"""A probe reads a small ``/health`` answer, four at a time: a burst of registrations naming
+slow URLs may have an honest one refused (it registers again), never a relay delayed."""
 HOLD_OUT_S = (5.0, 600.0)
 """First and longest hold-out of a node whose forward failed (doubling in between)."""
 MAX_LEGACY_NODES = 32
@@ -135,6 +138,9 @@ class LegacyNodes:
         self.join_token = join_token
         """When set, registration must present it (``X-Inclavate-Join-Token``)."""
         self.http = http or LegacyHttp()
+        self.probes = LegacyHttp(PROBE_LIMITS)
+        """For registration probes: threads of their own, so that a burst of registrations
+        naming slow URLs holds no thread the relays to registered nodes need."""
         self._nodes: dict[NodeId, _Node] = {}
         self._registering: set[NodeId] = set()
         """Ids whose registration is under way (probing the node's URL, publishing)."""
@@ -244,7 +250,7 @@ class LegacyNodes:
         known", "answered 404") let any HTTP client map what listens on this peer's loopback
         and LAN through registrations; the detail goes to this peer's log only."""
         try:
-            status, _ = await self.http.request("GET", http_url + "/health", timeout_s=PROBE_TIMEOUT_S)
+            status, _ = await self.probes.request("GET", http_url + "/health")
             detail = f"answered {status}"
         except NodeUnreachable as exc:
             status, detail = None, str(exc)

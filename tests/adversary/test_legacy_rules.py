@@ -164,6 +164,44 @@ async def test_registrations_waiting_for_their_probe_count_against_the_bound(nod
         nursery.cancel_scope.cancel()
 
 
+async def test_registrations_probing_slow_urls_do_not_delay_the_relays(node_server: Any) -> None:
+    """Probes and relays shared the same 8 threads: a burst of registrations naming a URL
+    that answers slowly held them all, and every relay to a registered node waited ~5 s
+    behind them. Probes have threads of their own."""
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message) -> None:
+        sent.append((peer, msg))
+
+    registry, nodes = _legacy(send)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        registry_id = NodeId((await nodes.register(_body("n0", node_server.url), assign=False))["registry_id"])
+        await nodes.heartbeat("n0", {"ready": True}, TOKEN)
+        node_server.health_delay_s = 3.0
+        node_server.answer = _hidden_answer(1, D_MODEL)
+        async with trio.open_nursery() as burst:
+            for i in range(1, 13):
+                burst.start_soon(_quietly, nodes.register(_body(f"n{i}", node_server.url, token=f"{i:016d}"), assign=False))
+            await trio.sleep(0.5)  # every probe under way
+            me = PeerId(registry.identity.peer_id)
+            route = (Hop(registry_id, me, LayerRange(0, 10), node_server.url + "/forward"),
+                     Hop(NodeId("next"), PeerId("next"), LayerRange(10, 30), ""))  # fmt: skip
+            await nodes.relay(wire.Forward(1, SessionId("s"), 0, route, PeerId("entry"), None, tokens=np.array([1], np.int32)))
+            with trio.fail_after(1.5):  # ~3 s behind the probes before
+                while not sent:
+                    await trio.sleep(0.02)
+            assert sent[0][0] == "next", sent
+        nursery.cancel_scope.cancel()
+
+
+async def _quietly(call: Any) -> None:
+    try:
+        await call
+    except LegacyError:
+        pass
+
+
 def _hidden_answer(rows: int, cols: int, value: float = 0.0, dtype: str = "f32") -> Any:
     def answer(msg: wire.Forward) -> bytes:
         data = np.full((rows, cols), value, np.float32 if dtype == "f32" else np.float16).tobytes()
