@@ -14,7 +14,9 @@ anything a frame claims:
   are what the frame holds here (:func:`held_bytes`), not what it took on the wire. Small
   frames (decode steps) count against a total of their own (``small_bytes_total``), so a
   flood of large frames from a few free identities, which fills ``bytes_total``, does not
-  stop the sessions already decoding here.
+  stop the sessions already decoding here; and each peer's small frames may hold at most
+  ``small_bytes_per_peer`` of it (more waits, as over its own budget), so that filling it
+  takes many identities whatever size of small frame they send.
 * **Sessions opened by strangers.** A *known* peer is one the registry lists (it holds layers,
   so it is a chain member or an entry peer); for a frame of hidden states, only one that signs
   a live record of the model ending where the stage starts (its previous hop on any honest
@@ -79,7 +81,15 @@ class AdmissionLimits:
     """Memory all peers' small frames together may hold. Four free identities' large
     frames fill ``bytes_total``, after which every frame was refused (service denied, memory
     safe); filling this too takes 16,000 frames of a one-token step (four KiB each), 256
-    identities at ``jobs_per_peer``, while honest traffic queues a step or two per session."""
+    identities at ``jobs_per_peer``, while honest traffic queues a step or two per session.
+    A flooder picks the size, though: frames just under ``small_frame_bytes`` filled it with
+    129 frames from three identities (2026-12-06, a review), hence ``small_bytes_per_peer``."""
+    small_bytes_per_peer: int = 4 * MIB
+    """Memory one peer's small frames may hold (more waits, like a frame over
+    ``bytes_per_peer``): filling ``small_bytes_total`` then takes 16 identities whatever the
+    frames' size. A chain neighbour's one-token decode steps at ``d_model`` 8192 hold ~52 KiB
+    each, so ``jobs_per_peer`` of them fit; only a neighbour queueing many multi-token steps
+    of a large model waits for the stage to take some first."""
     stranger_sessions_per_peer: int = 1
     stranger_session_share: float = 0.5
     """Of the stage's slots, the most that all strangers together may hold."""
@@ -90,6 +100,8 @@ class AdmissionLimits:
 class _InFlight:
     jobs: int = 0
     bytes: int = 0
+    small: int = 0
+    """Of ``bytes``, what its small frames hold (:attr:`AdmissionLimits.small_frame_bytes`)."""
     waiters: int = 0
     changed: trio.Event | None = None
     """Set at the next release; made only when a frame waits (most never do: a frame at
@@ -191,7 +203,7 @@ class Admission:
             row = self._in_flight[remote] = _InFlight()
         row.waiters += 1
         try:
-            while row.jobs >= self.limits.jobs_per_peer or row.bytes + nbytes > self.limits.bytes_per_peer:
+            while self._over_budget(row, nbytes):
                 if row.changed is None:
                     row.changed = trio.Event()
                 await row.changed.wait()
@@ -206,6 +218,8 @@ class Admission:
         row.waiters -= 1
         row.jobs += 1
         row.bytes += nbytes
+        if total is self._small_total:
+            row.small += nbytes
         total.jobs += 1
         total.bytes += nbytes
         generation, released = self._generation, False
@@ -217,6 +231,13 @@ class Admission:
             released = True
 
         return release
+
+    def _over_budget(self, row: _InFlight, nbytes: int) -> bool:
+        """Whether one more frame holding ``nbytes`` takes ``row``'s peer past its budgets."""
+        if row.jobs >= self.limits.jobs_per_peer or row.bytes + nbytes > self.limits.bytes_per_peer:
+            return True
+        small = nbytes <= self.limits.small_frame_bytes
+        return small and row.small > 0 and row.small + nbytes > self.limits.small_bytes_per_peer  # one always fits
 
     def _pool(self, nbytes: int) -> tuple[_InFlight, int]:
         """The total a frame holding ``nbytes`` counts against, and its cap."""
@@ -230,6 +251,8 @@ class Admission:
         total.bytes = max(0, total.bytes - nbytes)
         row.jobs = max(0, row.jobs - 1)
         row.bytes = max(0, row.bytes - nbytes)
+        if total is self._small_total:
+            row.small = max(0, row.small - nbytes)
         if row.changed is not None:
             row.changed.set()
             row.changed = None
@@ -253,6 +276,6 @@ class Admission:
         self._total, self._small_total = _InFlight(), _InFlight()
         self._generation += 1
         for row in rows.values():
-            row.jobs = row.bytes = 0  # waiters on these rows proceed, counted afresh
+            row.jobs = row.bytes = row.small = 0  # waiters on these rows proceed, counted afresh
             if row.changed is not None:
                 row.changed.set()

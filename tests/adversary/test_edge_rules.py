@@ -269,6 +269,30 @@ async def test_a_flood_of_large_frames_does_not_stop_the_decode_steps() -> None:
     assert codes[1:] == ["session_limit"] and len(stage.jobs) == 16
 
 
+async def test_small_frames_of_the_largest_size_do_not_fill_their_total_from_a_few_identities(
+        autojump_clock: trio.abc.Clock) -> None:  # fmt: skip
+    """The flooder picks its frames' size: frames just under ``small_frame_bytes`` (42
+    positions of f16 states at ``d_model`` 2048) filled the small frames' 64 MiB with 129
+    frames from three identities, and every decode step after them was refused (2026-12-06,
+    a review). Each peer's small frames now hold at most ``small_bytes_per_peer`` (more wait,
+    as over its own budget), so fifteen identities leave room for the sessions decoding."""
+    ctx, d_model = 4096, 2048
+    stage = _HoldingStage(LayerRange(10, 20), context_length=ctx, d_model=d_model)
+    limits = AdmissionLimits()
+    rows = (limits.small_frame_bytes - FRAME_OVERHEAD_BYTES) // (d_model * (2 + 4))
+    service, codes = _serving(stage, limits)
+    for i in range(15):
+        sender = PeerId(f"free-identity-{i}")
+        with trio.move_on_after(10):  # as many as it may queue; the next one waits
+            for k in range(limits.jobs_per_peer):
+                await service._on_forward(_frame(sender, f"s{i}-{k}", stage, rows), sender)
+    assert codes == []
+    feeder = PeerId("previous-hop")
+    with trio.fail_after(1):
+        await service._on_forward(_frame(feeder, "decoding", stage, 1), feeder)
+    assert codes == [] and service.drops[FrameReason.QUEUE_FULL] == 0
+
+
 async def test_a_frame_longer_than_the_context_is_refused_before_it_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The framing cap is one context of float32 states, so one frame of token ids carried
     1.18M positions at SmolLM2's 2048 (4.7 MB), and one of f16 states two contexts: work no
