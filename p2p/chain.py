@@ -30,7 +30,6 @@ neither rewind nor corrupt the new leg; the old leg is closed on every hop that 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import secrets
@@ -55,7 +54,13 @@ from p2p.routing import CostModel, Hop, NoRoute, choose_route
 
 log = logging.getLogger(__name__)
 
-_request_ids = itertools.count(1)
+def new_request_id() -> int:
+    """A request id no other peer can guess: 53 random bits (an integer any JSON reader holds
+    exactly, where a frame goes as JSON; never 0, the id of the entry's own "link ended").
+    Counted from 1, the ids of the requests a hop saw told it those of the requests it did
+    not: a peer that feeds a hop's range could aim a refusal through that honest hop at the
+    entry for the next one."""
+    return secrets.randbits(53) or 1
 
 CLIENT_ERRORS = frozenset({"context_full", "invalid_batch"})
 """Error codes caused by the request itself: another route would fail the same way."""
@@ -293,7 +298,7 @@ class SwarmPipeline:
         """Send a frame along the leg, or (``route``) a rebuild-only frame into part of it."""
         leg = session.leg
         assert leg is not None
-        req = next(_request_ids)
+        req = new_request_id()
         hops = leg.route if route is None else tuple(route)
         msg = wire.Forward(req, leg.wire_id, start_pos, hops, self.service.me, sampling,
                            tokens=np.asarray(tokens, dtype=np.int32), discard=route is not None, replay=replay,
@@ -560,7 +565,7 @@ class SwarmPipeline:
         that adopts late rewinds to position 0 like any other)."""
         pending: dict[int, PeerId] = {}
         for hop in hops:
-            req = next(_request_ids)
+            req = new_request_id()
             pending[req] = hop.peer_id
             await self.service.ask(hop.peer_id, wire.Adopt(req, old.wire_id, new.wire_id, (hop,), self.service.me))
         held: dict[PeerId, int] = {}
@@ -644,9 +649,9 @@ class SwarmPipeline:
         self.service.close_inbox(leg.wire_id)
         live = [h for h in leg.route if h.peer_id not in broken or self.is_connected(h.peer_id)]
         if live and live[0] == leg.route[0]:
-            await self.service.ask(leg.route[0].peer_id, wire.Close(next(_request_ids), leg.wire_id, leg.route, self.service.me))
+            await self.service.ask(leg.route[0].peer_id, wire.Close(new_request_id(), leg.wire_id, leg.route, self.service.me))
         for hop in live:
-            await self.service.ask(hop.peer_id, wire.Close(next(_request_ids), leg.wire_id, (hop,), self.service.me))
+            await self.service.ask(hop.peer_id, wire.Close(new_request_id(), leg.wire_id, (hop,), self.service.me))
 
     # -------------------------------------------------------------- closing
 
@@ -664,14 +669,14 @@ class SwarmPipeline:
             return
         leg = session.leg
         try:
-            req = next(_request_ids)
+            req = new_request_id()
             await self.service.ask(leg.route[0].peer_id, wire.Close(req, leg.wire_id, leg.route, self.service.me))
             if await self._await_closed(leg.inbox, {req}):
                 self.health.served(leg.peers)
                 return
             direct = {}
             for hop in leg.route:
-                direct[next(_request_ids)] = hop
+                direct[new_request_id()] = hop
             for hop_req, hop in direct.items():
                 await self.service.ask(hop.peer_id, wire.Close(hop_req, leg.wire_id, (hop,), self.service.me))
             await self._await_closed(leg.inbox, set(direct))

@@ -31,7 +31,7 @@ from node.stage import Stage, StageResult
 from p2p import wire
 from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
-from p2p.chain import SwarmPipeline, _request_ids, _Session
+from p2p.chain import SwarmPipeline, _Session, new_request_id
 from p2p.errors import ProtocolError
 from p2p.failover import FailoverPolicy
 from p2p.forward import ForwardService
@@ -237,6 +237,14 @@ async def test_work_in_flight_is_bounded_for_all_peers_together() -> None:
     assert service.admission.in_flight_total() == (0, 0)
     await stage.jobs[-1].deliver(StageResult(error=SessionLimitReached("late")))  # counted before the reset
     assert service.admission.in_flight_total() == (0, 0)
+
+
+def test_the_entry_request_ids_cannot_be_guessed_from_those_a_hop_sees() -> None:
+    """Request ids counted from 1: a hop that saw one knew the next, and a peer feeding that
+    hop's range could aim a refusal through it at the entry for a request it never saw."""
+    ids = [new_request_id() for _ in range(1000)]
+    assert all(0 < i < 2**53 for i in ids) and len(set(ids)) == len(ids)
+    assert sum(1 for a, b in zip(ids, ids[1:]) if b - a == 1) == 0
 
 
 async def test_a_flood_of_large_frames_does_not_stop_the_decode_steps() -> None:
@@ -787,10 +795,10 @@ async def test_the_entry_takes_an_answer_only_from_the_hops_its_request_reached(
     assert service.drops[FrameReason.FOREIGN_REQUEST] == 2
 
     # A rebuild frame into the middle hop only, and a close along the route.
-    await service.ask(middle.peer_id, wire.Forward(next(_request_ids), s, 0, (middle,), entry.peer_id, None,
+    await service.ask(middle.peer_id, wire.Forward(new_request_id(), s, 0, (middle,), entry.peer_id, None,
                                                    tokens=np.array([1], np.int32), discard=True))  # fmt: skip
     rebuild = asked(wire.Forward)
-    await service.ask(first.peer_id, wire.Close(next(_request_ids), s, route, entry.peer_id))
+    await service.ask(first.peer_id, wire.Close(new_request_id(), s, route, entry.peer_id))
     close = asked(wire.Close)
     refused = (
         (wire.Error(rebuild, s, "engine_error", "boom", first.peer_id), first),  # the frame never reached it
