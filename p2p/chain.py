@@ -62,6 +62,10 @@ def new_request_id() -> int:
     entry for the next one."""
     return secrets.randbits(53) or 1
 
+_CLOSE_OLD_LEG_S = 1.0
+"""How long a cancelled failover may spend sending the old leg's closes (they are queued,
+not awaited)."""
+
 CLIENT_ERRORS = frozenset({"context_full", "invalid_batch"})
 """Error codes caused by the request itself: another route would fail the same way."""
 
@@ -547,7 +551,15 @@ class SwarmPipeline:
         self._open_leg(session, span.route)
         leg = session.leg
         assert leg is not None
-        held = await self._adopt(old, leg, span.kept)
+        try:
+            held = await self._adopt(old, leg, span.kept)
+        except BaseException:
+            # Cancelled (the client left) while the kept hops adopt: the session's own close
+            # frees the new leg, and nobody else would free the old one (its inbox stayed
+            # open for good, and its hops held it until their idle timeout).
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_OLD_LEG_S):
+                await self._close_leg(old, broken)
+            raise
         if session.failing_since is not None:
             log.info("session %s: failover: adopts answered %.3f s after the failure was seen (%s)", session.session_id,
                      trio.current_time() - session.failing_since, held or "not all: whole route")  # fmt: skip

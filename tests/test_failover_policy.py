@@ -290,7 +290,7 @@ class _Service:
     """The entry's forward service, as far as a failover uses it: frames sent are recorded,
     and every hop asked to adopt a session says it holds ``held`` positions."""
 
-    def __init__(self, me: str, held: int) -> None:
+    def __init__(self, me: str, held: int | None) -> None:
         self.me = PeerId(me)
         self.held = held
         self.sent: list[tuple[PeerId, object]] = []
@@ -300,7 +300,7 @@ class _Service:
         from p2p import wire
 
         self.sent.append((peer, msg))
-        if isinstance(msg, wire.Adopt):
+        if isinstance(msg, wire.Adopt) and self.held is not None:  # None: the hops never answer
             self._inboxes[msg.new_id].send_nowait(wire.Adopted(msg.req_id, msg.new_id, self.held, sender=peer))
 
     ask = send
@@ -312,6 +312,39 @@ class _Service:
 
     def close_inbox(self, session_id: SessionId) -> None:
         self._inboxes.pop(session_id, None)
+
+
+def test_a_failover_cancelled_while_the_kept_hops_adopt_closes_the_old_leg() -> None:
+    """The client leaves while a failover waits for the kept hops' ``adopted``: the old leg's
+    inbox stayed open for good (one per cancelled failover) and its hops were never told
+    to close it. Both happen now, the cancellation going on as before."""
+    from p2p import wire
+    from p2p.chain import SwarmPipeline, _Session
+
+    views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30)]
+    service = _Service("a", held=None)
+    policy = FailoverPolicy()
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        session = _Session(SessionId("s"))
+        for start, tokens in ((0, [1, 2, 3]), (3, [4])):
+            session.record(start, tokens)
+        pipeline._sessions[session.session_id] = session
+        pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a"), exclude={PeerId("c")}))
+        old = session.leg
+        assert old is not None and [h.node_id for h in old.route] == ["a", "b", "d"]
+        lost = wire.Error(0, old.wire_id, "unreachable", "peer b closed its link", PeerId("a"), PeerId("b"))
+        broken = pipeline._on_reply(old, lost, 1)
+        assert broken is not None and not isinstance(broken, int)
+        with trio.move_on_after(1.0):  # adopts wait up to adopt_timeout_s (5 s)
+            await pipeline._fail_over(session, broken, None)
+        assert old.wire_id not in service._inboxes
+        closes = [(peer, msg) for peer, msg in service.sent if isinstance(msg, wire.Close) and msg.session_id == old.wire_id]
+        assert {peer for peer, _ in closes} >= {PeerId("a"), PeerId("d")}, closes
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
 def test_holders_seen_gone_for_certain_are_not_tried_again() -> None:
