@@ -47,6 +47,8 @@ from node.gguf_slice import cached_slice
 log = logging.getLogger(__name__)
 
 _MAX_LOGIT_VIEWS = 64
+SPLIT_KV_FROM = 256
+"""Positions from which a one-token ubatch runs on one thread (see ``_set_threads``)."""
 """Cached views of llama.cpp's logits buffer (one per address and row count in use)."""
 
 
@@ -108,7 +110,7 @@ class LlamaCppEngine(LayerEngine):
             )
             self._capture = EvalCapture(f"l_out-{self._slice_layers - 1}", d_model, config.n_batch)
             self._ctx = self._new_context()
-            self._threads = config.threads_shared
+            self._threads = (config.threads_shared, config.threads_shared)
             self._memory = llama_cpp.llama_get_memory(self._ctx)
             embd = 0 if self.info.is_first else d_model
             self._batch = llama_cpp.llama_batch_init(config.n_batch, embd, 1)
@@ -196,21 +198,35 @@ class LlamaCppEngine(LayerEngine):
             self._check_open()
             self._validate(items)
             saved = self._admit(items)
-            self._set_threads()
+            self._set_threads(items)
             try:
                 return self._run(items)
             except BaseException:
                 self._restore(saved)
                 raise
 
-    def _set_threads(self) -> None:
+    def _set_threads(self, items: list[BatchItem]) -> None:
         """Every thread while this engine holds one session (the batch's, once admitted),
-        the shared count otherwise (``EngineConfig.n_threads_shared``). Results do not depend
-        on the count: ggml gives each output row to one thread, whichever."""
+        the shared count otherwise (``EngineConfig.n_threads_shared``), except for calls of
+        one token past ``SPLIT_KV_FROM``: those run on one thread, whatever the count.
+
+        Results must not depend on the count. ggml gives each output row to one thread,
+        whichever, with one exception: a ubatch of one token attending to 512 or more KV
+        cells (llama.cpp pads a stream's cells to 256, so from position 256 on) takes
+        flash attention's split-KV path, which cuts the keys into one chunk per thread and
+        merges the partial sums, in float, in another order. At several threads such a step
+        then differed from the same step at another count, batched with another session's
+        (several streams in a ubatch never split) and replayed in a multi-token frame after
+        a failover: greedy text changed with who else was served, and a stream failed over
+        past position 256 went on with another text (an outside audit, 2026-12-06). At one
+        thread the split path has one chunk and computes what the others do, bit for bit
+        (``tests/test_engine.py -k split_kv``). Multi-token ubatches (prefills, replays,
+        several sessions' steps) keep the count: their paths split by query rows."""
         n = self.config.n_threads if len(self._slots) == 1 else self.config.threads_shared
-        if n != self._threads:
-            llama_cpp.llama_set_n_threads(self._ctx, n, n)
-            self._threads = n
+        single = n if all(item.start_pos + item.n_tokens <= SPLIT_KV_FROM for item in items) else 1
+        if (single, n) != self._threads:
+            llama_cpp.llama_set_n_threads(self._ctx, single, n)
+            self._threads = (single, n)
 
     def _validate(self, items: list[BatchItem]) -> None:
         check_batch(

@@ -315,6 +315,52 @@ def test_an_engine_holding_one_session_takes_every_thread_and_the_shared_count_w
     assert np.array_equal(lone.logits, reference.logits) and np.array_equal(shared.logits, reference.logits)
 
 
+def test_steps_past_the_split_kv_threshold_compute_alike_at_any_thread_count_batched_or_replayed(
+        whole, smollm2, slice_cache, prompts) -> None:  # fmt: skip
+    """From position 256 a one-token step takes flash attention's split-KV path, one chunk of
+    keys per thread: at 2 threads it differed from the same step at 1 thread, from the step
+    batched with another session's, and from a failover's replay in 32-token frames (an
+    outside audit: a 3-peer ``inclavate swarm`` changed greedy text with concurrency). Such
+    steps run on one thread now (``LlamaCppEngine._set_threads``); the rest keep theirs."""
+    import llama_cpp
+
+    config = EngineConfig(n_threads=2, n_threads_shared=1, context_length=512, max_sessions=4)
+    prompt = np.array(prompts[0], np.int32)
+    rest = np.random.default_rng(0).integers(100, 20000, 320).astype(np.int32)
+    tokens = np.concatenate([prompt, rest])
+    n = 256 + 40  # llama.cpp pads a stream's KV cells to 256: 512 keys from position 256
+    a, b = SessionId("a"), SessionId("b")
+
+    def build(engine: LayerEngine, sid: SessionId, frame: int) -> None:
+        """Positions [0, n): the prompt, then frames of ``frame`` tokens."""
+        engine.forward([BatchItem(sid, 0, tokens=prompt)])
+        for p in range(len(prompt), n, frame):
+            engine.forward([BatchItem(sid, p, tokens=tokens[p:min(p + frame, n)])])
+
+    step = lambda sid: BatchItem(sid, n, tokens=tokens[n:n + 1])  # noqa: E731
+    with _engine(smollm2, LayerRange(0, 30), slice_cache, config) as engine:
+        threads = lambda: llama_cpp.llama_n_threads(engine._ctx)  # noqa: E731 - for one-token ubatches
+        engine.forward([BatchItem(a, 0, tokens=prompt)])
+        engine.forward([BatchItem(a, len(prompt), tokens=tokens[len(prompt):len(prompt) + 1])])
+        assert threads() == 2  # a lone session's short steps keep every thread
+        engine.close_session(a)
+        build(engine, a, 1)
+        (lone,) = engine.forward([step(a)])  # alone: every thread, before
+        engine.close_session(a)
+        build(engine, a, 32)  # what a failover's replay sends
+        (replayed,) = engine.forward([step(a)])
+        engine.forward([BatchItem(b, 0, tokens=prompt)])
+        together, _ = engine.forward([step(a), BatchItem(b, len(prompt), tokens=tokens[len(prompt):len(prompt) + 1])])
+    try:
+        build(whole, a, 1)  # one thread
+        (reference,) = whole.forward([step(a)])
+    finally:
+        whole.close_session(a)
+    assert np.array_equal(lone.logits, reference.logits)
+    assert np.array_equal(replayed.logits, reference.logits)
+    assert np.array_equal(together.logits, reference.logits)
+
+
 @pytest.mark.parametrize("shared", [0, 3])
 def test_the_shared_thread_count_is_between_one_and_all(shared: int) -> None:
     with pytest.raises(ValueError, match="n_threads_shared"):
