@@ -70,6 +70,11 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                    help="llama.cpp threads while this peer holds more than one session (default: "
                    "--threads). For peers sharing one machine's cores: their share here, all cores in "
                    "--threads, since a lone stream computes at one stage at a time (inclavate swarm does this)")  # fmt: skip
+    p.add_argument("--exact-steps", action="store_true",
+                   help="run one-token steps past position 256 on one thread, so that greedy (or seeded) text "
+                        "does not change with --threads, with who else is served or after a failover. At more "
+                        "threads llama.cpp's split-KV attention sums those steps in another order; one thread "
+                        "costs a lone stream ~1.5x a step there at 2 threads (scripts/bench_exact_steps.py)")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
@@ -126,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
     try:
         engine = EngineConfig(n_threads=args.threads, n_threads_shared=args.shared_threads, context_length=args.context,
-                              max_sessions=args.max_sessions)  # fmt: skip
+                              max_sessions=args.max_sessions, exact_steps=args.exact_steps)  # fmt: skip
         failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline,
                                   span_replay=args.failover_replay == "span")  # fmt: skip
     except ValueError as exc:

@@ -52,6 +52,9 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                    help="hidden-state precision between the local peers (default f32: loopback has "
                         "bandwidth to spare, and f32 reproduces the whole model exactly)")  # fmt: skip
     p.add_argument("--admin-token", help="enable admin routes on every peer with this token")
+    p.add_argument("--exact-steps", action="store_true",
+                   help="every peer runs one-token steps past position 256 on one thread, so that greedy "
+                        "text does not change with concurrency or after a failover (slower: see `peer --help`)")  # fmt: skip
     p.set_defaults(handler=_swarm)
 
 
@@ -65,7 +68,7 @@ def _swarm(args: argparse.Namespace) -> int:
     workdir = home / "swarm"
     count = args.peers * args.replicas
     print(f"starting {count} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
-    with open_swarm(workdir, count, args.wire_dtype, env) as swarm:
+    with open_swarm(workdir, count, args.wire_dtype, env, exact_steps=args.exact_steps) as swarm:
         try:
             peers = start_peers(swarm, spec.model_id, spec.n_layers, args.peers, args.api_port,
                                 report=lambda line: print(line, file=sys.stderr), replicas=args.replicas)  # fmt: skip
@@ -75,12 +78,15 @@ def _swarm(args: argparse.Namespace) -> int:
         return _serve_until_interrupted(swarm, stop_on_exit=args.replicas == 1)
 
 
-def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None) -> LocalSwarm:
+def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None,
+               *, exact_steps: bool = False) -> LocalSwarm:  # fmt: skip
     """The local swarm as this command runs it: a lone stream on every core, several on the
     cores split evenly between ``peers`` (``cores``: this machine's; see
     :func:`~inclavate.local_swarm.split_cores`), threads spinning a while at a barrier."""
     split = split_cores(peers, cores)
     args = [*local_peer_args(split.threads, wire_dtype), "--shared-threads", str(split.shared)]
+    if exact_steps:
+        args.append("--exact-steps")
     return LocalSwarm(workdir, args, env, colocated=False)
 
 

@@ -46,6 +46,13 @@ class EngineConfig:
     every core, while the steps of several sessions run at every stage at once, where more
     threads than cores would wait at each barrier for partners without one
     (docs/ARCHITECTURE.md, "Thread wait policy")."""
+    exact_steps: bool = False
+    """Run one-token steps past position 256 on one thread, so that greedy (or seeded) text
+    does not depend on the thread count, on who else is served, or on a failover's replay.
+    At several threads llama.cpp's split-KV attention sums such a step in another order;
+    one thread costs a lone stream ~1.5x a step past 256 at two threads
+    (``scripts/bench_exact_steps.py``). Batches of several tokens or sessions are exact
+    either way."""
     context_length: int = 2048
     """Most positions one session may hold."""
     max_sessions: int = 8

@@ -47,9 +47,10 @@ from node.gguf_slice import cached_slice
 log = logging.getLogger(__name__)
 
 _MAX_LOGIT_VIEWS = 64
-SPLIT_KV_FROM = 256
-"""Positions from which a one-token ubatch runs on one thread (see ``_set_threads``)."""
 """Cached views of llama.cpp's logits buffer (one per address and row count in use)."""
+SPLIT_KV_FROM = 256
+"""Positions from which a one-token ubatch runs on one thread with ``exact_steps`` (see
+``_set_threads``)."""
 
 
 @dataclass
@@ -207,23 +208,24 @@ class LlamaCppEngine(LayerEngine):
 
     def _set_threads(self, items: list[BatchItem]) -> None:
         """Every thread while this engine holds one session (the batch's, once admitted),
-        the shared count otherwise (``EngineConfig.n_threads_shared``), except for calls of
-        one token past ``SPLIT_KV_FROM``: those run on one thread, whatever the count.
+        the shared count otherwise (``EngineConfig.n_threads_shared``); with
+        ``EngineConfig.exact_steps``, one thread for calls of one token past
+        ``SPLIT_KV_FROM``.
 
-        Results must not depend on the count. ggml gives each output row to one thread,
-        whichever, with one exception: a ubatch of one token attending to 512 or more KV
-        cells (llama.cpp pads a stream's cells to 256, so from position 256 on) takes
-        flash attention's split-KV path, which cuts the keys into one chunk per thread and
-        merges the partial sums, in float, in another order. At several threads such a step
-        then differed from the same step at another count, batched with another session's
-        (several streams in a ubatch never split) and replayed in a multi-token frame after
-        a failover: greedy text changed with who else was served, and a stream failed over
-        past position 256 went on with another text (an outside audit, 2026-12-06). At one
-        thread the split path has one chunk and computes what the others do, bit for bit
-        (``tests/test_engine.py -k split_kv``). Multi-token ubatches (prefills, replays,
-        several sessions' steps) keep the count: their paths split by query rows."""
+        ggml gives each output row to one thread, whichever, with one exception: a ubatch of
+        one token attending to 512 or more KV cells (llama.cpp pads a stream's cells to 256,
+        so from position 256 on) takes flash attention's split-KV path, which cuts the keys
+        into one chunk per thread and merges the partial sums, in float, in another order.
+        At several threads such a step differs from the same step at another count, batched
+        with another session's (several streams in a ubatch never split) and replayed in a
+        multi-token frame after a failover: greedy text changes with who else is served, and
+        a stream failed over past position 256 goes on with another text (an outside audit,
+        2026-12-06). At one thread the split path has one chunk and computes what the others
+        do, bit for bit (``tests/test_engine.py -k split_kv``), at ~1.5x the time of two
+        (``scripts/bench_exact_steps.py``): hence a choice, off by default."""
         n = self.config.n_threads if len(self._slots) == 1 else self.config.threads_shared
-        single = n if all(item.start_pos + item.n_tokens <= SPLIT_KV_FROM for item in items) else 1
+        exact = self.config.exact_steps and any(item.start_pos + item.n_tokens > SPLIT_KV_FROM for item in items)
+        single = 1 if exact else n
         if (single, n) != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, single, n)
             self._threads = (single, n)

@@ -3,6 +3,8 @@ what the whole model computes in one context."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import resource
 from pathlib import Path
 
@@ -320,11 +322,12 @@ def test_steps_past_the_split_kv_threshold_compute_alike_at_any_thread_count_bat
     """From position 256 a one-token step takes flash attention's split-KV path, one chunk of
     keys per thread: at 2 threads it differed from the same step at 1 thread, from the step
     batched with another session's, and from a failover's replay in 32-token frames (an
-    outside audit: a 3-peer ``inclavate swarm`` changed greedy text with concurrency). Such
-    steps run on one thread now (``LlamaCppEngine._set_threads``); the rest keep theirs."""
+    outside audit: a 3-peer ``inclavate swarm`` changed greedy text with concurrency). With
+    ``exact_steps`` such steps run on one thread (``LlamaCppEngine._set_threads``); the rest
+    keep theirs, and without it they keep every thread (the default: speed)."""
     import llama_cpp
 
-    config = EngineConfig(n_threads=2, n_threads_shared=1, context_length=512, max_sessions=4)
+    config = EngineConfig(n_threads=2, n_threads_shared=1, context_length=512, max_sessions=4, exact_steps=True)
     prompt = np.array(prompts[0], np.int32)
     rest = np.random.default_rng(0).integers(100, 20000, 320).astype(np.int32)
     tokens = np.concatenate([prompt, rest])
@@ -359,6 +362,11 @@ def test_steps_past_the_split_kv_threshold_compute_alike_at_any_thread_count_bat
     assert np.array_equal(lone.logits, reference.logits)
     assert np.array_equal(replayed.logits, reference.logits)
     assert np.array_equal(together.logits, reference.logits)
+    fast = dataclasses.replace(config, exact_steps=False)
+    with _engine(smollm2, LayerRange(0, 30), slice_cache, fast) as engine:
+        build(engine, a, 32)
+        engine.forward([step(a)])
+        assert llama_cpp.llama_n_threads(engine._ctx) == 2  # by default a lone step keeps every thread
 
 
 @pytest.mark.parametrize("shared", [0, 3])
