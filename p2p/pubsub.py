@@ -200,6 +200,27 @@ class SwarmGossipSub(GossipSub):
     async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Iterable[str]) -> None:
         return None
 
+    def _get_peers_to_send(self, topic_ids: Iterable[str], msg_forwarder: ID, origin: ID,
+                           msg_id: bytes | None = None) -> Iterable[ID]:  # fmt: skip
+        """Our own messages go to every neighbour subscribed to the topic, not only to the
+        mesh (go-libp2p's ``floodPublish``, its default; py-libp2p 0.8.1 has none).
+
+        A peer's heartbeats are how the swarm knows it is alive. Sent to the mesh alone they
+        reached nobody while the mesh was empty: after kills and restarts, GRAFT backoffs
+        kept live peers out of each other's meshes for minutes (an outside audit,
+        2026-12-06), their records went stale, entries dropped them from routes and healers
+        moved healthy peers. A neighbour now hears each of our messages from us, whatever
+        the mesh; what others publish still travels the mesh. Costs one more copy per
+        neighbour outside our mesh, a few in a swarm's worth of records."""
+        peers = set(super()._get_peers_to_send(topic_ids, msg_forwarder, origin, msg_id))
+        pubsub = self.pubsub
+        if pubsub is None or not origin == msg_forwarder == pubsub.my_id:
+            return peers
+        for topic in topic_ids:
+            peers.update(p for p in pubsub.peer_topics.get(topic, ()) if p in self.peer_protocol)
+        peers.discard(origin)
+        return peers
+
 
 # Every pubsub RPC carries the sender's signed peer record ("senderRecord"), and py-libp2p
 # rebuilds it (re-reading every listen address as text) for every RPC sent, then parses and

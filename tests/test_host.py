@@ -192,6 +192,33 @@ async def test_gossip_reaches_every_subscriber() -> None:
                 assert message.from_peer == hosts[0].peer_id
 
 
+async def test_a_peer_out_of_every_mesh_still_reaches_its_neighbours() -> None:
+    """GRAFT backoffs can keep a live peer out of its neighbours' meshes for minutes (seen
+    after kills and restarts, 2026-12-06): its heartbeats, sent to its empty mesh alone,
+    reached nobody, its record went stale and healers moved healthy peers. What a peer
+    publishes itself now goes to every subscribed neighbour, mesh or not."""
+    with trio.fail_after(30):
+        async with running_hosts(3) as hosts:
+            a, b, c = hosts
+            subscriptions = await _gossip_mesh(hosts)
+            await a.connect(c.multiaddrs()[0])
+            await wait_until(lambda: a.is_connected(c.peer_id), what="a to c")
+            routers = [h._pubsub.router for h in hosts]  # type: ignore[attr-defined]
+            ids = [h.libp2p_host.get_id() for h in hosts]
+            await wait_until(lambda: all(ids[0] in r.pubsub.peer_topics.get(TOPIC, ()) for r in routers[1:])
+                             and {ids[1], ids[2]} <= set(routers[0].pubsub.peer_topics.get(TOPIC, ())), what="subscriptions")
+            for router, me in zip(routers, ids):  # a locked out: in nobody's mesh, its own empty
+                others = [i for i in ids if i != me]
+                for peer in others if me == ids[0] else [ids[0]]:
+                    router.mesh[TOPIC].discard(peer)
+                    router._add_back_off(peer, TOPIC, False)
+            assert not routers[0].mesh[TOPIC]
+            await a.publish(TOPIC, b"a is alive")
+            for sub in subscriptions[1:]:
+                with trio.fail_after(5):
+                    assert (await sub.receive()).data == b"a is alive"
+
+
 async def test_validator_rejected_message_is_delivered_to_nobody() -> None:
     with trio.fail_after(30):
         async with running_hosts(4) as hosts:
