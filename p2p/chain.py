@@ -54,6 +54,7 @@ from p2p.routing import CostModel, Hop, NoRoute, choose_route
 
 log = logging.getLogger(__name__)
 
+
 def new_request_id() -> int:
     """A request id no other peer can guess: 53 random bits (an integer any JSON reader holds
     exactly, where a frame goes as JSON; never 0, the id of the entry's own "link ended").
@@ -61,6 +62,7 @@ def new_request_id() -> int:
     not: a peer that feeds a hop's range could aim a refusal through that honest hop at the
     entry for the next one."""
     return secrets.randbits(53) or 1
+
 
 _CLOSE_OLD_LEG_S = 1.0
 """How long a cancelled failover may spend sending the old leg's closes (they are queued,
@@ -587,9 +589,9 @@ class SwarmPipeline:
                 if not isinstance(reply, wire.Adopted) or reply.req_id not in pending:
                     continue
                 if reply.sender != pending[reply.req_id]:
-                    # Another hop of the new route answering for a kept one (request ids are a
-                    # counter): a false length would have the kept hop asked to replay what it
-                    # does not keep, and blamed when it refuses.
+                    # Another hop answering for a kept one (the forward service drops such
+                    # answers first, p2p/asked.py; kept as a second guard): a false length would
+                    # have the kept hop asked to replay what it does not keep, and blamed.
                     self.service.drops.count(FrameReason.FOREIGN_ADOPTED)
                     continue
                 held[pending.pop(reply.req_id)] = reply.length

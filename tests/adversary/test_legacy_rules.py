@@ -97,6 +97,31 @@ def _legacy(send: Any = None) -> tuple[RegistryService, LegacyNodes]:
     return registry, LegacyNodes(registry, facts.get, send=send)
 
 
+def _relaying() -> tuple[RegistryService, LegacyNodes, list[tuple[PeerId, wire.Message]]]:
+    """A legacy-node service whose relayed outputs are recorded (peer, message) in the list."""
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message) -> None:
+        sent.append((peer, msg))
+
+    registry, nodes = _legacy(send)
+    return registry, nodes, sent
+
+
+async def _ready(nodes: LegacyNodes, node_id: str, url: str) -> NodeId:
+    """Register ``node_id`` at ``url`` and have it say it is ready; its registry id."""
+    registry_id = NodeId((await nodes.register(_body(node_id, url), assign=False))["registry_id"])
+    await nodes.heartbeat(node_id, {"ready": True}, TOKEN)
+    return registry_id
+
+
+def _route_through(registry: RegistryService, registry_id: NodeId, url: str) -> tuple[Hop, ...]:
+    """The node (layers 0-10, relayed by the registry's peer), then a next hop for 10-30."""
+    me = PeerId(registry.identity.peer_id)
+    return (Hop(registry_id, me, LayerRange(0, 10), url + "/forward"),
+            Hop(NodeId("next"), PeerId("next"), LayerRange(10, 30), ""))  # fmt: skip
+
+
 def _body(node_id: str, url: str, token: str = TOKEN, **extra: Any) -> dict[str, Any]:
     return {"node_id": node_id, "model_id": MODEL, "http_url": url, "start_layer": 0, "end_layer": 10,
             "relay_token": token, **extra}  # fmt: skip
@@ -168,25 +193,17 @@ async def test_registrations_probing_slow_urls_do_not_delay_the_relays(node_serv
     """Probes and relays shared the same 8 threads: a burst of registrations naming a URL
     that answers slowly held them all, and every relay to a registered node waited ~5 s
     behind them. Probes have threads of their own."""
-    sent: list[tuple[PeerId, wire.Message]] = []
-
-    async def send(peer: PeerId, msg: wire.Message) -> None:
-        sent.append((peer, msg))
-
-    registry, nodes = _legacy(send)
+    registry, nodes, sent = _relaying()
     async with trio.open_nursery() as nursery:
         await nursery.start(nodes.run)
-        registry_id = NodeId((await nodes.register(_body("n0", node_server.url), assign=False))["registry_id"])
-        await nodes.heartbeat("n0", {"ready": True}, TOKEN)
+        registry_id = await _ready(nodes, "n0", node_server.url)
         node_server.health_delay_s = 3.0
         node_server.answer = _hidden_answer(1, D_MODEL)
         async with trio.open_nursery() as burst:
             for i in range(1, 13):
                 burst.start_soon(_quietly, nodes.register(_body(f"n{i}", node_server.url, token=f"{i:016d}"), assign=False))
             await trio.sleep(0.5)  # every probe under way
-            me = PeerId(registry.identity.peer_id)
-            route = (Hop(registry_id, me, LayerRange(0, 10), node_server.url + "/forward"),
-                     Hop(NodeId("next"), PeerId("next"), LayerRange(10, 30), ""))  # fmt: skip
+            route = _route_through(registry, registry_id, node_server.url)
             await nodes.relay(wire.Forward(1, SessionId("s"), 0, route, PeerId("entry"), None, tokens=np.array([1], np.int32)))
             with trio.fail_after(1.5):  # ~3 s behind the probes before
                 while not sent:
@@ -216,19 +233,11 @@ async def test_hidden_states_a_node_answers_are_checked_before_they_are_sent_on(
     """The relaying peer sent a node's hidden states on, under its own identity, whatever
     they held: the next hop refused NaN or a wrong shape in its own name (``invalid_batch``:
     the request failed and that honest hop was blamed), and the node stayed in routing."""
-    sent: list[tuple[PeerId, wire.Message]] = []
-
-    async def send(peer: PeerId, msg: wire.Message) -> None:
-        sent.append((peer, msg))
-
-    registry, nodes = _legacy(send)
+    registry, nodes, sent = _relaying()
     async with trio.open_nursery() as nursery:
         await nursery.start(nodes.run)
-        registry_id = NodeId((await nodes.register(_body("n1", node_server.url), assign=False))["registry_id"])
-        await nodes.heartbeat("n1", {"ready": True}, TOKEN)
-        me = PeerId(registry.identity.peer_id)
-        route = (Hop(registry_id, me, LayerRange(0, 10), node_server.url + "/forward"),
-                 Hop(NodeId("next"), PeerId("next"), LayerRange(10, 30), ""))  # fmt: skip
+        registry_id = await _ready(nodes, "n1", node_server.url)
+        route = _route_through(registry, registry_id, node_server.url)
         cases = [("honest", _hidden_answer(3, D_MODEL), "next"),
                  ("longer than 3 positions can be", lambda msg: b"x" * (4 << 20), "entry"),
                  ("nan", _hidden_answer(3, D_MODEL, float("nan")), "entry"),
