@@ -303,7 +303,8 @@ class LegacyNodes:
         if not gaps:
             raise NoRangeAvailable(f"every layer of {model_id} is already covered")
         gap = max(gaps, key=lambda g: (len(g), -g.start))
-        width = read_int(body, "max_layers", lo=1, hi=len(gap), default=len(gap))
+        # A node that could hold more than the gap gets the gap (it was a 400 above its width).
+        width = read_int(body, "max_layers", lo=1, hi=1 << 20, default=len(gap))
         return LayerRange(gap.start, gap.start + min(width, len(gap)))
 
     async def heartbeat(self, node_id: str, body: dict[str, Any], token: str | None = None) -> None:

@@ -298,3 +298,21 @@ async def test_a_refused_probe_says_nothing_of_what_answered() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def test_a_joining_node_that_could_hold_more_than_the_gap_gets_the_gap(node_server: Any) -> None:
+    """``max_layers`` is what a joining node can hold at most: above the widest gap (here
+    10 layers left of 30) it was refused with a 400; the gap is assigned."""
+    _, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        await _ready(nodes, "n1", node_server.url)  # layers 0-10
+        wide = await nodes.register(_body("n2", node_server.url, token="u" * 16, start_layer=10, end_layer=30), assign=False)
+        assert (wide["start_layer"], wide["end_layer"]) == (10, 30)
+        await nodes.leave("n2", "u" * 16)
+        body = {k: v for k, v in _body("n3", node_server.url, token="v" * 16).items() if not k.endswith("_layer")}
+        with pytest.raises(BadRegistration, match="max_layers"):
+            await nodes.register({**body, "max_layers": 0}, assign=True)
+        joined = await nodes.register({**body, "max_layers": 25}, assign=True)
+        assert (joined["start_layer"], joined["end_layer"]) == (10, 30)
+        nursery.cancel_scope.cancel()
