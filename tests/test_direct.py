@@ -188,7 +188,7 @@ async def test_a_forward_for_a_stage_not_loaded_is_answered_wrong_route() -> Non
         async with two_services(ForwardService) as (entry, idle):
             inbox = entry.open_inbox(SessionId("s"), [idle.me])
             hop = Hop(NodeId(idle.me), idle.me, LayerRange(0, 30))
-            await entry.send(idle.me, wire.Forward(1, SessionId("s"), 0, (hop,), entry.me, None, tokens=np.array([1, 2], np.int32)))
+            await entry.ask(idle.me, wire.Forward(1, SessionId("s"), 0, (hop,), entry.me, None, tokens=np.array([1, 2], np.int32)))
             error = await inbox.receive()
             assert isinstance(error, wire.Error) and error.code == "wrong_route" and error.origin == idle.me
 
