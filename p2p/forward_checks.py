@@ -130,8 +130,16 @@ def check_tokens(tokens: np.ndarray | None, info: EngineInfo) -> None:
 def check_hidden(hidden: np.ndarray, info: EngineInfo) -> None:
     """Later ranges take finite hidden states of the model's width: one NaN would poison
     every later layer and make the last stage's sampler fail."""
-    if info.is_first or hidden.ndim != 2 or hidden.shape[1] != info.d_model:
-        raise FrameRejected(FrameReason.WRONG_INPUT, f"layers {info.layers} take hidden states (n, {info.d_model})")
+    if info.is_first:
+        raise FrameRejected(FrameReason.WRONG_INPUT, f"layers {info.layers} take tokens")
+    check_states(hidden, info.d_model)
+
+
+def check_states(hidden: np.ndarray, d_model: int, rows: int | None = None) -> None:
+    """Hidden states of the model's width (``rows`` of them, when that is known), all finite."""
+    if hidden.ndim != 2 or hidden.shape[1] != d_model or (rows is not None and hidden.shape[0] != rows):
+        raise FrameRejected(FrameReason.WRONG_INPUT, f"hidden states must be ({rows if rows is not None else 'n'}, {d_model}), "
+                            f"not {list(hidden.shape)}")  # fmt: skip
     if not np.isfinite(hidden).all():
         raise FrameRejected(FrameReason.NOT_FINITE, "hidden states must be finite")
 

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import trio
 
 from inclavate import tensors
@@ -47,7 +46,7 @@ from inclavate.types import LayerRange, ModelId, NodeId, PeerId
 from p2p import wire
 from p2p.coverage import uncovered
 from p2p.errors import P2PError
-from p2p.forward_checks import relay_answer_matches
+from p2p.forward_checks import FrameRejected, check_states, relay_answer_matches
 from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
 from p2p.gossip import RegistryService
 from p2p.records import Counters, InvalidRecord, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
@@ -438,7 +437,7 @@ class LegacyNodes:
             # Checked here, not only by the next hop: that hop would refuse them in its own
             # name (``invalid_batch``, which fails the request and blames it), while the node
             # that made them stayed in routing, failing every request sent through it.
-            await self._node_failed(node, msg, f"answered {fault}")
+            await self._node_failed(node, msg, f"answered bad hidden states: {fault}")
             return
         node.failures = 0
         if isinstance(out, wire.Error):  # in the node's name as the swarm knows it (under ours)
@@ -467,11 +466,10 @@ def _hidden_fault(sent: wire.Forward | wire.Close, answer: wire.Message, d_model
     per position it was sent, the model's width, finite values."""
     if not isinstance(sent, wire.Forward) or not isinstance(answer, wire.Forward) or answer.hidden is None:
         return None
-    expected = (sent.n_tokens, d_model)
-    if tuple(answer.hidden.shape) != expected:
-        return f"hidden states of shape {list(answer.hidden.shape)}, not {list(expected)}"
-    if not np.isfinite(tensors.decode(answer.hidden)).all():
-        return "hidden states that are not finite"
+    try:
+        check_states(tensors.decode(answer.hidden), d_model, rows=sent.n_tokens)
+    except FrameRejected as exc:
+        return str(exc)
     return None
 
 
