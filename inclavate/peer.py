@@ -50,6 +50,7 @@ from inclavate.jobs import JobStore
 from inclavate.healer import Healer
 from inclavate.metrics import MetricsRecorder
 from inclavate.metrics_store import MetricsStore, run_metrics
+from inclavate.peer_book import PeerBook
 from inclavate.peer_http import PeerHttp
 from inclavate.peer_config import PeerConfig, capacity
 from inclavate.pipeline import Pipeline
@@ -129,6 +130,7 @@ class Peer:
         self.metrics = MetricsRecorder()
         self._catalog_cache: tuple[int, Catalog] | None = None
         self.artifact_store: ArtifactStore | None = None
+        self.peer_book: PeerBook | None = None
         self._artifacts: SwarmArtifacts | None = None
         self.generations: GenerationService | None = None
         self._model_sha256 = ""
@@ -163,11 +165,14 @@ class Peer:
         self.artifact_store = ArtifactStore(cfg.data_dir, self.peer_id, artifact_config)
         jobs = JobStore.in_dir(cfg.data_dir)
         try:
+            self.peer_book = PeerBook.in_dir(cfg.data_dir)
             await self._serve(meta, jobs, task_status)
         finally:
             self.metrics_store.close()  # after run_metrics' last save: its task has ended
             jobs.close()
             self.artifact_store.close()
+            if self.peer_book is not None:
+                self.peer_book.close()
 
     def _generation_service(self, jobs: JobStore, settings: GenerationSettings) -> GenerationService:
         """This peer's job runner over its installed generators, and the swarm-wide service."""
@@ -198,7 +203,7 @@ class Peer:
                     self.registry.refresh = self._refresh_record
                     await nursery.start(self.registry.run)
                     await nursery.start(run_metrics, self.metrics, self.metrics_store, self.views)
-                    await nursery.start(run_discovery, host, list(cfg.bootstrap))
+                    await nursery.start(partial(run_discovery, host, list(cfg.bootstrap), book=self.peer_book))
                     self.forward = ForwardService(host, node_id=NodeId(self.peer_id), stage=None, wire_dtype=cfg.wire_dtype,
                                                   direct_port=cfg.direct_port,
                                                   max_frame_bytes=max_frame_bytes(cfg.engine.context_length, meta.d_model))

@@ -16,6 +16,9 @@ of them. :func:`run_discovery` combines:
   ephemeral port, so without it a peer that dialed in could never be recommended.
   While below target we also re-ask a random neighbour now and then, since what it
   knew when we met grows as peers join after us.
+* **What outlives a restart** (an :class:`AddressBook`, :mod:`inclavate.peer_book` in a
+  peer): each neighbour's own addresses, dialed after the bootstrap addresses on the next
+  start, so a peer whose bootstrap moved or left still finds the swarm.
 
 :func:`run_mdns` (started by ``open_host(enable_mdns=True)``) connects peers announced on
 the local network; without multicast it logs and the peer relies on bootstrap addresses.
@@ -29,7 +32,7 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
@@ -106,6 +109,18 @@ class Backoff:
     def succeeded(self) -> None:
         self.failures = 0
         self.next_attempt = 0.0
+
+
+class AddressBook(Protocol):
+    """What discovery keeps between runs: peers' own addresses (:mod:`inclavate.peer_book`)."""
+
+    def recall(self) -> list[PeerAddrs]:
+        """Peers met in earlier runs, to dial after the bootstrap addresses."""
+        ...
+
+    def met(self, entry: PeerAddrs) -> None:
+        """``entry`` is a peer's own word about its addresses, over a connection to it."""
+        ...
 
 
 # -- the peer-exchange message ------------------------------------------------------
@@ -187,17 +202,21 @@ def _remember(host: P2PHost, peers: Sequence[PeerAddrs]) -> list[PeerAddrs]:
 
 
 async def _serve_peers(host: P2PHost, config: DiscoveryConfig, stream: FramedStream,
-                       remote: PeerId) -> None:
+                       remote: PeerId, book: AddressBook | None = None) -> None:
     asked = decode_peers(await stream.receive(config.exchange_timeout), max_peers=4)
     # Only the asker's own addresses are taken: it has no say about anyone else's.
-    _remember(host, [p for p in asked if p.peer_id == remote])
+    own = [p for p in asked if p.peer_id == remote]
+    _remember(host, own)
+    if book is not None and own:
+        book.met(own[0])
     await stream.send(encode_peers(_shared_peers(host, config.max_shared_peers, remote)),
                       config.exchange_timeout)
 
 
-async def exchange_peers(host: P2PHost, peer: PeerId,
-                         config: DiscoveryConfig = DiscoveryConfig()) -> list[PeerAddrs]:
-    """Ask ``peer`` for the peers it knows (telling it our addresses); remember them all.
+async def exchange_peers(host: P2PHost, peer: PeerId, config: DiscoveryConfig = DiscoveryConfig(),
+                         book: AddressBook | None = None) -> list[PeerAddrs]:  # fmt: skip
+    """Ask ``peer`` for the peers it knows (telling it our addresses); remember them all,
+    and ``peer``'s own entry in ``book``.
 
     Returns the ones we are not connected to. Raises :class:`P2PError` on failure.
     """
@@ -206,6 +225,11 @@ async def exchange_peers(host: P2PHost, peer: PeerId,
     async with stream:
         await stream.send(encode_peers([_self_entry(host)]), config.exchange_timeout)
         answer = decode_peers(await stream.receive(config.exchange_timeout), config.max_shared_peers)
+    if book is not None:
+        for entry in answer:
+            if entry.peer_id == peer:  # its own word about itself; the rest is hearsay
+                book.met(entry)
+                break
     return _remember(host, answer)
 
 
@@ -219,6 +243,7 @@ class _Connector:
                  rng: random.Random) -> None:
         self._host = host
         self._bootstrap = list(bootstrap)
+        """Bootstrap addresses, then those of the peers met in earlier runs."""
         self._config = config
         self._rng = rng
         self._backoff: dict[str, Backoff] = {}  # by multiaddr
@@ -282,18 +307,21 @@ async def run_discovery(
     config: DiscoveryConfig = DiscoveryConfig(),
     *,
     rng: random.Random | None = None,
+    book: AddressBook | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Keep ``host`` connected until cancelled; start it with ``nursery.start``."""
+    """Keep ``host`` connected until cancelled; start it with ``nursery.start``. ``book``
+    keeps peers' own addresses between runs: those it recalls are dialed after ``bootstrap``."""
     rng = rng or random.Random()
-    connector = _Connector(host, bootstrap, config, rng)
+    remembered = [addr for entry in book.recall() for addr in entry.addrs] if book is not None else []
+    connector = _Connector(host, [*bootstrap, *remembered], config, rng)
 
     async def serve(stream: FramedStream, remote: PeerId) -> None:
-        await _serve_peers(host, config, stream, remote)
+        await _serve_peers(host, config, stream, remote, book)
 
     async def exchange_with(nursery: trio.Nursery, peer: PeerId) -> None:
         try:
-            fresh = await exchange_peers(host, peer, config)
+            fresh = await exchange_peers(host, peer, config, book)
         except P2PError as exc:
             logger.debug("peer exchange with %s failed: %s", peer, exc)
             return
