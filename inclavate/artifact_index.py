@@ -15,25 +15,20 @@ ready is on disk before the upload's 201 goes out. Every sqlite3 error becomes
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from sqlite_utils import Database
 
 from inclavate.artifact_types import ArtifactMeta, ArtifactPage, ArtifactUnavailable, ListQuery, Totals
+from inclavate.sqlite_errors import sqlite_errors_as
 
 SCHEMA_VERSION = 1
 _LIVE = "(expires_at_ms IS NULL OR expires_at_ms > :now)"
 
 
-@contextmanager
-def _mapped() -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as exc:
-        raise ArtifactUnavailable(f"artifact index: {exc}") from exc
+def _mapped() -> AbstractContextManager[None]:
+    return sqlite_errors_as(ArtifactUnavailable, "artifact index")
 
 
 class ArtifactIndex:

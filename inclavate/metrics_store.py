@@ -20,14 +20,14 @@ nothing at that size and sqlite3 connections are bound to their thread.
 from __future__ import annotations
 
 import logging
-import sqlite3
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import trio
 from sqlite_utils import Database
 
+from inclavate.sqlite_errors import sqlite_errors_as
 from inclavate.errors import InclavateError
 from inclavate.metrics import (
     HISTORY_MAX_MINUTES,
@@ -55,13 +55,8 @@ class MetricsStoreError(InclavateError):
     """The metrics database cannot be opened, read or written."""
 
 
-@contextmanager
-def _mapped() -> Iterator[None]:
-    # The one place sqlite3's errors become ours (a corrupt file, a full disk, a lock).
-    try:
-        yield
-    except sqlite3.Error as exc:
-        raise MetricsStoreError(f"metrics database: {exc}") from exc
+def _mapped() -> AbstractContextManager[None]:
+    return sqlite_errors_as(MetricsStoreError, "metrics database")
 
 
 class MetricsStore:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from sqlite_utils import Database
 
+from inclavate.sqlite_errors import sqlite_errors_as
 from inclavate.errors import InclavateError
 from p2p.discovery import PeerAddrs
 from p2p.records import now_ms
@@ -55,12 +55,8 @@ class PeerBookError(InclavateError):
     """The peer book cannot be opened or read (written: logged, see :meth:`PeerBook.met`)."""
 
 
-@contextmanager
-def _mapped() -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.Error as exc:
-        raise PeerBookError(f"peer book: {exc}") from exc
+def _mapped() -> AbstractContextManager[None]:
+    return sqlite_errors_as(PeerBookError, "peer book")
 
 
 class PeerBook:
