@@ -195,8 +195,12 @@ class Peer:
         cfg = self.config
         assert self.identity is not None and self._spec is not None
         spec = self._spec
-        async with open_host(self.identity, listen_port=cfg.p2p_port, listen_host=cfg.p2p_host, enable_mdns=cfg.mdns) as host:
+        async with open_host(self.identity, listen_port=cfg.p2p_port or self._port_of_last_run(), listen_host=cfg.p2p_host,
+                             enable_mdns=cfg.mdns) as host:  # fmt: skip
             self.host = host
+            port = host.listen_port()
+            if self.peer_book is not None and port is not None:
+                self.peer_book.listened_on(port)
             with trio.CancelScope() as self._cancel:
                 async with trio.open_nursery() as nursery:
                     self.registry = RegistryService(host, self.identity, cfg.liveness)
@@ -241,6 +245,13 @@ class Peer:
                     if cfg.heal.enabled:
                         nursery.start_soon(self._run_healer)
                     task_status.started(self)
+
+    def _port_of_last_run(self) -> int:
+        """The p2p port this peer listened on last time, where it is free, else 0 (any): the
+        addresses other peers keep of it (their books, their ``--bootstrap``) then stay right
+        across its restarts (:mod:`inclavate.peer_book`)."""
+        port = self.peer_book.own_port() if self.peer_book is not None else None
+        return port if port is not None and port_in_use(self.config.p2p_host, port) is None else 0
 
     async def shutdown(self) -> None:
         """Leave the swarm politely; returns once everything has stopped.

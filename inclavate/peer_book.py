@@ -21,9 +21,15 @@ book is opened. An entry is written when its addresses change or when it was las
 :data:`REFRESH_MS` ago, not at every exchange (every 10 s per neighbour while below the
 target degree).
 
-Table (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
+It also keeps the p2p port this peer last listened on (:meth:`PeerBook.own_port`): a peer
+started without ``--p2p-port`` takes it again when it is free, so the addresses the others
+keep of it, in their books and in their ``--bootstrap``, stay right across its restarts, and
+a swarm restarted whole finds itself again.
+
+Tables (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
 
     peers   peer_id (pk), addrs (JSON list), last_met_ms
+    own     id = 1 (one row): p2p_port
 """
 
 from __future__ import annotations
@@ -88,11 +94,26 @@ class PeerBook:
         with self._db.atomic():
             self._db.table("peers").create({"peer_id": str, "addrs": str, "last_met_ms": int}, pk="peer_id",
                                            if_not_exists=True)  # fmt: skip
+            self._db.table("own").create({"id": int, "p2p_port": int}, pk="id", if_not_exists=True)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self._db.execute("DELETE FROM peers WHERE last_met_ms < ?", [self._clock() - FORGET_MS])
 
     def close(self) -> None:
         self._db.close()
+
+    def own_port(self) -> int | None:
+        """The p2p port this peer last listened on, if it ever did."""
+        with _mapped():
+            row = self._db.execute("SELECT p2p_port FROM own WHERE id = 1").fetchone()
+        return int(row[0]) if row is not None and 0 < row[0] < 65536 else None
+
+    def listened_on(self, port: int) -> None:
+        """This peer listens on ``port`` (logged, never raised, on a failed write: see :meth:`met`)."""
+        try:
+            with _mapped(), self._db.atomic():
+                self._db.execute("INSERT OR REPLACE INTO own (id, p2p_port) VALUES (1, ?)", [port])
+        except PeerBookError as exc:
+            log.warning("could not remember this peer's p2p port: %s", exc)
 
     def recall(self) -> list[PeerAddrs]:
         """The peers met, the one met last first."""

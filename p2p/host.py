@@ -252,6 +252,15 @@ class P2PHost:
         """Our dialable addresses, ``/ip4/<ip>/tcp/<port>/p2p/<peer id>``."""
         return [str(addr) for addr in self._host.get_addrs()]
 
+    def listen_port(self) -> int | None:
+        """The TCP port we listen on (None when not listening)."""
+        for addr in self._host.get_addrs():
+            try:
+                return int(addr.value_for_protocol("tcp"))
+            except (ValueError, multiaddr.exceptions.ProtocolLookupError):
+                continue
+        return None
+
     def connected_peers(self) -> list[PeerId]:
         return [_peer_id(peer) for peer, conns in self._network.connections.items() if conns]
 

@@ -4,6 +4,7 @@ again when its bootstrap moved or left."""
 from __future__ import annotations
 
 import signal
+import socket
 import sqlite3
 from contextlib import AsyncExitStack
 from functools import partial
@@ -17,7 +18,7 @@ from inclavate.peer_book import PeerBook
 from p2p.discovery import DiscoveryConfig, PeerAddrs, exchange_peers, run_discovery
 from p2p.host import open_host
 from p2p.identity import Identity
-from swarm import Swarm
+from swarm import PeerProcess, Swarm
 
 FAST = DiscoveryConfig(target_degree=4, min_delay=0.05, max_delay=0.5, check_interval=0.1, exchange_interval=0.3)
 DAY_MS = 24 * 3600 * 1000
@@ -36,10 +37,12 @@ def entry(n: int, port: int = 4001) -> PeerAddrs:
     return PeerAddrs(peer, (f"/ip4/10.0.0.{n % 250}/tcp/{port}/p2p/{peer}",))
 
 
-def test_what_a_peer_said_of_itself_outlives_the_process(tmp_path: Path) -> None:
+def test_what_a_peer_said_of_itself_and_our_port_outlive_the_process(tmp_path: Path) -> None:
     clock = Clock()
     with_other = PeerAddrs("12D3KooWme", ("/ip4/10.0.0.1/tcp/1/p2p/12D3KooWme", "/ip4/10.0.0.9/tcp/9/p2p/12D3KooWsomeoneelse"))
     book = PeerBook(tmp_path / "peers.db", clock=clock)
+    assert book.own_port() is None
+    book.listened_on(40123)
     book.met(entry(1))
     clock.ms += 1000
     book.met(with_other)  # an address naming another peer is not this peer's to give
@@ -47,6 +50,7 @@ def test_what_a_peer_said_of_itself_outlives_the_process(tmp_path: Path) -> None
     book.close()
     again = PeerBook(tmp_path / "peers.db", clock=clock)
     assert again.recall() == [PeerAddrs("12D3KooWme", ("/ip4/10.0.0.1/tcp/1/p2p/12D3KooWme",)), entry(1)]  # last met first
+    assert again.own_port() == 40123
     again.close()
 
 
@@ -142,9 +146,11 @@ async def test_a_peer_with_no_bootstrap_finds_the_peers_it_met_before() -> None:
 
 @pytest.mark.swarm
 @pytest.mark.slow
-def test_a_first_peer_killed_and_restarted_on_a_new_port_rejoins_its_swarm(tmp_path: Path) -> None:
-    """The others' ``--bootstrap`` names the old port and the restarted peer has none: before
-    the peer book it stayed alone, the others dialing an address nobody listens on."""
+def test_a_first_peer_killed_and_restarted_finds_its_swarm_again(tmp_path: Path) -> None:
+    """Restarted, the first peer takes its old p2p port, so b's ``--bootstrap`` is right again;
+    where that port is taken, it comes back on another with no ``--bootstrap`` and dials b,
+    which it met before. Before the peer book it came back on a random port and stayed alone:
+    b kept dialing an address nobody listened on."""
     with Swarm(tmp_path) as swarm:
         a = swarm.start("a")
         b = swarm.start("b", bootstrap=a)
@@ -155,10 +161,24 @@ def test_a_first_peer_killed_and_restarted_on_a_new_port_rejoins_its_swarm(tmp_p
             with sqlite3.connect(a.data_dir / peer_book.FILENAME) as db:
                 return db.execute("SELECT 1 FROM peers WHERE peer_id = ?", [b_id]).fetchone() is not None
 
+        def restart(a: PeerProcess, squatter: socket.socket | None = None) -> PeerProcess:
+            swarm.signal(a, signal.SIGKILL)
+            a.process.wait(10)
+            if squatter is not None:  # someone else listens on a's port meanwhile
+                squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past a's closed connections
+                squatter.bind(("127.0.0.1", int(first_addr.split("/tcp/")[1].split("/")[0])))
+                squatter.listen()
+            return swarm.start("a")  # the same data directory, no --bootstrap
+
+        def sees_b(a: PeerProcess) -> bool:
+            return any(n["peer_id"] == b_id for n in a.get("/nodes"))
+
         swarm.wait(a_knows_b, 30, "a to meet b", a)
-        old_addr = swarm.multiaddr(a)
-        swarm.signal(a, signal.SIGKILL)
-        a.process.wait(10)
-        a = swarm.start("a")  # the same data directory, a new p2p port, no --bootstrap
-        assert swarm.multiaddr(a) != old_addr
-        swarm.wait(lambda: any(n["peer_id"] == b_id for n in a.get("/nodes")), 30, "a to see b again", a)
+        first_addr = swarm.multiaddr(a)
+        a = restart(a)
+        assert swarm.multiaddr(a) == first_addr
+        swarm.wait(lambda: sees_b(a), 30, "a to see b again on its old port", a)
+        with socket.socket() as squatter:
+            a = restart(a, squatter)
+            assert swarm.multiaddr(a) != first_addr
+            swarm.wait(lambda: sees_b(a), 30, "a to see b again from a new port", a)
