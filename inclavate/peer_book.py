@@ -17,9 +17,9 @@ Bounds, since identities cost nothing: at most :data:`MAX_PEERS` entries. When t
 full, a newcomer takes the place of the entry met longest ago only if that entry has not been
 met for :data:`STALE_MS`; otherwise the newcomer is not remembered, so Sybils met now cannot
 push out the peers met lately. Entries not met for :data:`FORGET_MS` are dropped when the
-book is opened. An entry is written when its addresses change or when it was last written
-:data:`REFRESH_MS` ago, not at every exchange (every 10 s per neighbour while below the
-target degree).
+book is opened. An entry is written again when it was last written :data:`REFRESH_MS` ago,
+or :data:`MOVED_MS` ago where its addresses changed; not at every exchange (every 10 s per
+neighbour while below the target degree, and as often as a hostile neighbour opens one).
 
 It also keeps the p2p port this peer last listened on (:meth:`PeerBook.own_port`): a peer
 started without ``--p2p-port`` takes it again when it is free, so the addresses the others
@@ -55,6 +55,7 @@ MAX_PEERS = 64
 STALE_MS = 24 * 3600 * 1000
 FORGET_MS = 7 * 24 * 3600 * 1000
 REFRESH_MS = 10 * 60 * 1000
+MOVED_MS = 60 * 1000
 
 
 class PeerBookError(InclavateError):
@@ -130,7 +131,7 @@ class PeerBook:
             return
         now = self._clock()
         known = self._entries.get(entry.peer_id)
-        if known is not None and known[0] == addrs and now - known[1] < REFRESH_MS:
+        if known is not None and now - known[1] < (REFRESH_MS if known[0] == addrs else MOVED_MS):
             return
         evict = None
         if known is None and len(self._entries) >= MAX_PEERS:
