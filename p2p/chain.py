@@ -11,7 +11,8 @@ some layers (``NoRoute``, naming them).
 A hop has failed when a stage reports an error (its own, or that the next hop is
 unreachable), when the registry stops calling it Ready with the same layers (Dead, Degraded,
 gone, moved), when our connection to it drops, or when the step misses its adaptive deadline
-(``p2p.failover.StepDeadline``; then the hops that do not answer a ping are blamed). A hop
+(``p2p.failover.StepDeadline``; then the hops that do not answer a ping are blamed, or all of
+them when each answers). A hop
 that is draining or idle is still serving: its sessions move at the next step boundary, if
 another route exists.
 

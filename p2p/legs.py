@@ -106,9 +106,17 @@ class LegWatch:
         return frozenset(failed), frozenset(leaving - failed), frozenset(gone)
 
     async def stalled(self, leg: Leg) -> frozenset[PeerId]:
-        """After a missed deadline: the hops that do not answer a ping (none if unknown)."""
+        """After a missed deadline: the hops that do not answer a ping; when every hop answers
+        (or none can be asked), every hop but this peer. A hop that takes frames and says
+        nothing answers pings like any other, and blaming nobody let it keep every session:
+        each failover chose the same cheapest route through it again, and so did every new
+        request, each failing after ``max_failovers`` deadlines. The blame is a guess (the
+        caller marks it so): honest hops of the route are avoided only while a route
+        exists without them, and recover with the next session they serve, while the hop
+        that never answers keeps losing reliability and is routed around."""
+        others = leg.peers - {self.me}
         if self.probe is None:
-            return frozenset()
+            return others
         probe = self.probe
         silent: set[PeerId] = set()
 
@@ -119,6 +127,6 @@ class LegWatch:
             silent.add(peer)
 
         async with trio.open_nursery() as nursery:
-            for peer in leg.peers - {self.me}:
+            for peer in others:
                 nursery.start_soon(check, peer)
-        return frozenset(silent)
+        return frozenset(silent) or others

@@ -448,3 +448,57 @@ def test_only_our_own_unreachable_marks_a_peer_gone_for_certain() -> None:
     assert seen_gone(blamed, ours, me) == {nxt}
     assert seen_gone(blamed, theirs, me) == frozenset()
     assert seen_gone(blamed, wire.Error(1, SessionId("s"), "engine_error", "boom", me), me) == frozenset()
+
+
+class _QuietHop(_Service):
+    """The entry's forward service on a swarm where peer ``quiet`` takes frames and never
+    answers (it still answers pings); every other last hop answers each step with a token."""
+
+    def __init__(self, me: str, quiet: str) -> None:
+        super().__init__(me, held=None)
+        self.quiet = PeerId(quiet)
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        from p2p import wire
+
+        self.sent.append((peer, msg))
+        if isinstance(msg, wire.Forward) and msg.sampling is not None and self.quiet not in {h.peer_id for h in msg.route}:
+            self._inboxes[msg.session_id].send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
+
+    ask = send
+
+
+def test_a_hop_that_swallows_frames_but_answers_pings_is_blamed_and_routed_around() -> None:
+    """A peer holding the whole model (the cheapest route: one hop) takes every frame and
+    says nothing, while answering pings. After a missed deadline the hops that miss a ping
+    are blamed, and there were none: every failover took the same route through it again
+    and the request failed after ``max_failovers`` deadlines, as did every new request (a
+    live swarm: 503 after 20 s, every time). Now every hop is blamed without certainty: the
+    failover goes round it, and so do new sessions."""
+    from node.sampling import SamplingParams
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("e", 0, 30), view("b", 10, 30)]
+    assert ranges(choose_route(views, MODEL, PeerId("a")))[0][0] == "e"  # one hop is cheapest
+    service = _QuietHop("a", quiet="e")
+    policy = FailoverPolicy()
+
+    async def answers(_peer: PeerId) -> bool:
+        return True
+
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             probe=answers, policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+    greedy = SamplingParams(temperature=0.0)
+
+    async def main() -> None:
+        began = trio.current_time()
+        assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], greedy) == 7
+        assert trio.current_time() - began <= policy.max_step_s + policy.probe_timeout_s + 1  # one deadline
+        assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "b"]
+        assert PeerId("e") in pipeline.health.avoided(trio.current_time())
+        # A new session, once the avoidance is over: its lowered reliability keeps it out.
+        await trio.sleep(policy.avoid_s + 1)
+        assert await pipeline.step(SessionId("s2"), 0, [1, 2, 3], greedy) == 7
+        assert [h.node_id for h in pipeline.route_of(SessionId("s2")) or ()] == ["a", "b"]
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))

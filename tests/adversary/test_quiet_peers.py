@@ -1,0 +1,71 @@
+"""A peer that holds layers and plays by the wire format, but misbehaves quietly: it takes
+frames and drops them, delays them, or refuses them. It is the real peer with one method
+replaced (``quiet_peer/sitecustomize.py``), so its record, pings and links are honest.
+
+The swarm: ``a`` (the entry, 0-10) and ``b`` (10-30), honest; the quiet peer joins holding
+the whole model, which makes it the cheapest route from ``a`` (one hop). Every test checks
+that the entry's users get their answer and that new requests go round the quiet peer."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_swarm import MAX_TOKENS, QUESTION, chat
+from reference import whole_model_text
+from swarm import PeerProcess, Swarm
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+QUIET_PEER = Path(__file__).parent / "quiet_peer"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, PeerProcess]]:
+    with Swarm(tmp_path_factory.mktemp("quiet-peers"), extra_args=["--wire-dtype", "f32"]) as s:
+        a = s.start("a", "--layers", "0-10")
+        b = s.start("b", "--layers", "10-30", bootstrap=a)
+        for peer in (a, b):
+            s.wait_ready(peer, timeout=120)
+        s.wait(lambda: a.get("/api/models")[0]["chain_complete"], 30, "a complete chain", a)
+        assert chat(a)[0] == 200  # the entry has measured its steps: deadlines are at their floor
+        yield s, a
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, slice_cache) -> str:
+    return whole_model_text(smollm2, slice_cache, QUESTION, MAX_TOKENS)
+
+
+def quiet_peer(s: Swarm, entry: PeerProcess, name: str, mode: str) -> PeerProcess:
+    path = os.pathsep.join(p for p in (str(QUIET_PEER), os.environ.get("PYTHONPATH", "")) if p)
+    quiet = s.start(name, "--layers", "0-30", bootstrap=entry, env={"PYTHONPATH": path, "QUIET_PEER_MODE": mode})
+    s.wait_ready(quiet, timeout=120)
+    quiet_id = quiet.get("/health")["peer_id"]
+    s.wait(lambda: any(n["node_id"] == quiet_id and n["state"] == "Ready" for n in entry.get("/nodes")), 30,
+           "the quiet peer Ready at the entry", entry)  # fmt: skip
+    time.sleep(2)  # its link latency measured: routing now prefers it
+    return quiet
+
+
+def test_a_peer_that_swallows_every_frame_is_routed_around(live: tuple[Swarm, PeerProcess], expected: str) -> None:
+    """It takes every frame and never answers, but answers pings. The entry blamed nobody
+    after a missed deadline (no hop missed a ping), so every failover and every new request
+    chose the route through it again: each chat was a 503 after 4 deadlines (20 s)."""
+    s, a = live
+    quiet = quiet_peer(s, a, "swallower", "drop")
+    try:
+        began = time.monotonic()
+        status, body = chat(a)
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == expected
+        assert time.monotonic() - began < 15, "more than one deadline"  # one deadline (5 s), then round it
+        for _ in range(3):
+            began = time.monotonic()
+            status, body = chat(a)
+            assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
+            assert time.monotonic() - began < 4, "a new request went through the quiet peer again"
+    finally:
+        s.stop(quiet)
