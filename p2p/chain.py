@@ -127,6 +127,9 @@ class Broken:
     """Those of ``peers`` seen gone for certain (our link or connection to them ended, a
     stream to them could not be opened): no route goes through them for ``gone_s``, not
     even a last-resort one (``PeerHealth.gone``)."""
+    reporter: PeerId | None = None
+    """Set when ``peers`` are blamed on another hop's word: it reported them unreachable
+    (:meth:`SwarmPipeline._check_report` asks them before they are blamed)."""
 
 
 @dataclass(frozen=True)
@@ -352,8 +355,10 @@ class SwarmPipeline:
                 raise failure
             if reply.code == "session_evicted":  # a fair share, not a fault: replay, blaming nobody
                 return Broken(frozenset(), failure)
-            blamed = blame(leg, reply, self.service.me)
-            return Broken(blamed, failure, gone=seen_gone(blamed, reply, self.service.me))
+            me = self.service.me
+            blamed = blame(leg, reply, me)
+            reported = reply.code == "unreachable" and reply.origin != me and reply.origin not in blamed
+            return Broken(blamed, failure, gone=seen_gone(blamed, reply, me), reporter=reply.origin if reported else None)
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:
                 last = leg.route[-1].peer_id
@@ -378,6 +383,7 @@ class SwarmPipeline:
 
     async def _fail_over(self, session: _Session, broken: Broken, sampling: SamplingParams | None) -> int | None:
         """Blame, re-route, replay. Returns the request that will carry the step's token."""
+        broken = await self._check_report(broken)
         now = trio.current_time()
         started = _started_ms(self.views()) if broken.gone else {}
         for peer in broken.peers:
@@ -414,6 +420,27 @@ class SwarmPipeline:
         log.info("session %s: now through %s", session.session_id, _describe(route))
         await self._switch(session, route, broken.peers)
         return await self._replay(session, sampling)
+
+    async def _check_report(self, broken: Broken) -> Broken:
+        """A hop reported the hop after it unreachable: its word against that hop's. When
+        the accused answers our ping, the reporter is blamed instead, as a guess (it stays a
+        last choice: it may really be cut off from its successor while we are not). Taken
+        on its word, a hop on the cheapest route that answered every frame so got its
+        honest successor avoided and kept every session: the sole holder of the next range
+        was left out of the failover's route, and every request through the liar was a
+        503 naming layers a live peer held."""
+        probe = self.probe
+        if broken.reporter is None or probe is None or not broken.peers:
+            return broken
+        answered: list[bool] = []
+        with trio.move_on_after(self.policy.probe_timeout_s):
+            for peer in broken.peers:
+                answered.append(await probe(peer))
+        if len(answered) < len(broken.peers) or not all(answered):
+            return broken
+        log.warning("peer %s reported %s unreachable, which answers us: blaming the reporter", broken.reporter[-6:],
+                    ", ".join(sorted(p[-6:] for p in broken.peers)))  # fmt: skip
+        return Broken(frozenset({broken.reporter}), broken.cause, certain=False)
 
     async def _migrate(self, session: _Session, leaving: frozenset[PeerId], sampling: SamplingParams | None) -> int | None:
         """Move off hops that are leaving, when another route exists (not a failure: not

@@ -63,7 +63,7 @@ def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
     successor = frozenset(peers[nxt : nxt + 1])
     if error.failed_peer is None:
-        return successor
+        return successor or reporter  # the last hop has no one after it: its own failure
     if error.origin == me or error.failed_peer in successor:
         return frozenset({error.failed_peer}) & leg.peers
     return reporter

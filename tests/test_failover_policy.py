@@ -502,3 +502,69 @@ def test_a_hop_that_swallows_frames_but_answers_pings_is_blamed_and_routed_aroun
         assert [h.node_id for h in pipeline.route_of(SessionId("s2")) or ()] == ["a", "b"]
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+class _BlamingHop(_Service):
+    """The entry's forward service on a swarm where peer ``liar`` answers every frame it
+    gets with "the hop after me is unreachable" (it still answers pings, and so does that
+    hop); every other route answers each step with a token."""
+
+    def __init__(self, me: str, liar: str) -> None:
+        super().__init__(me, held=None)
+        self.liar = PeerId(liar)
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        from p2p import wire
+
+        self.sent.append((peer, msg))
+        if not isinstance(msg, wire.Forward) or msg.sampling is None:
+            return
+        peers = [h.peer_id for h in msg.route]
+        inbox = self._inboxes[msg.session_id]
+        if self.liar in peers:
+            nxt = peers[peers.index(self.liar) + 1]
+            inbox.send_nowait(wire.Error(msg.req_id, msg.session_id, "unreachable", f"peer {nxt} is unreachable", self.liar, nxt))
+        else:
+            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
+
+    ask = send
+
+
+def test_a_hop_that_blames_the_hop_after_it_is_blamed_when_that_hop_answers_us() -> None:
+    """``e`` (10-20, on the cheapest route) answers every frame with ``unreachable`` naming
+    ``b``, the only holder of 20-30, which is alive and answers pings. Taken at its word,
+    ``b`` was blamed for certain, left out of the failover's routes, and the request was a
+    503 naming 20-30 (every request through ``e``, in a live swarm); ``e`` was never
+    blamed. Now ``b`` is asked: it answers, so the reporter is blamed and the step goes
+    round it."""
+    from node.sampling import SamplingParams
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("e", 10, 20), view("c", 10, 15), view("f", 15, 20), view("b", 20, 30)]
+    assert [h.node_id for h in choose_route(views, MODEL, PeerId("a"))] == ["a", "e", "b"]  # one hop fewer
+    service = _BlamingHop("a", liar="e")
+    policy = FailoverPolicy()
+
+    async def answers(_peer: PeerId) -> bool:
+        return True
+
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             probe=answers, policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], SamplingParams(temperature=0.0)) == 7
+        assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "c", "f", "b"]
+        assert pipeline.health.avoided(trio.current_time()) == {PeerId("e")}
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_the_last_hop_reporting_unreachable_with_nobody_after_it_blames_itself() -> None:
+    """Its report points at the hop after it, and there is none: it blamed nobody, so the
+    failover took the same route again."""
+    from p2p.legs import blame
+
+    route = (Hop(NodeId("a"), PeerId("a"), LayerRange(0, 10)), Hop(NodeId("b"), PeerId("b"), LayerRange(10, 30)))
+    leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
+    report = wire.Error(1, SessionId("s"), "unreachable", "someone is unreachable", PeerId("b"))
+    assert blame(leg, report, PeerId("a")) == {PeerId("b")}

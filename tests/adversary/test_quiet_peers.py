@@ -2,9 +2,10 @@
 frames and drops them, delays them, or refuses them. It is the real peer with one method
 replaced (``quiet_peer/sitecustomize.py``), so its record, pings and links are honest.
 
-The swarm: ``a`` (the entry, 0-10) and ``b`` (10-30), honest; the quiet peer joins holding
-the whole model, which makes it the cheapest route from ``a`` (one hop). Every test checks
-that the entry's users get their answer and that new requests go round the quiet peer."""
+The swarm: ``a`` (the entry, 0-10), ``c`` (10-15), ``f`` (15-20) and ``b`` (20-30), honest;
+the quiet peer joins holding a range that makes it the cheapest route from ``a`` (fewer
+hops). Every test checks that the entry's users get their answer and that new requests go
+round the quiet peer."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ QUIET_PEER = Path(__file__).parent / "quiet_peer"
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, PeerProcess]]:
     with Swarm(tmp_path_factory.mktemp("quiet-peers"), extra_args=["--wire-dtype", "f32"]) as s:
         a = s.start("a", "--layers", "0-10")
-        b = s.start("b", "--layers", "10-30", bootstrap=a)
-        for peer in (a, b):
+        others = [s.start(name, "--layers", layers, bootstrap=a) for name, layers in (("c", "10-15"), ("f", "15-20"), ("b", "20-30"))]
+        for peer in (a, *others):
             s.wait_ready(peer, timeout=120)
         s.wait(lambda: a.get("/api/models")[0]["chain_complete"], 30, "a complete chain", a)
         assert chat(a)[0] == 200  # the entry has measured its steps: deadlines are at their floor
@@ -39,9 +40,9 @@ def expected(smollm2, slice_cache) -> str:
     return whole_model_text(smollm2, slice_cache, QUESTION, MAX_TOKENS)
 
 
-def quiet_peer(s: Swarm, entry: PeerProcess, name: str, mode: str) -> PeerProcess:
+def quiet_peer(s: Swarm, entry: PeerProcess, name: str, mode: str, layers: str = "0-30") -> PeerProcess:
     path = os.pathsep.join(p for p in (str(QUIET_PEER), os.environ.get("PYTHONPATH", "")) if p)
-    quiet = s.start(name, "--layers", "0-30", bootstrap=entry, env={"PYTHONPATH": path, "QUIET_PEER_MODE": mode})
+    quiet = s.start(name, "--layers", layers, bootstrap=entry, env={"PYTHONPATH": path, "QUIET_PEER_MODE": mode})
     s.wait_ready(quiet, timeout=120)
     quiet_id = quiet.get("/health")["peer_id"]
     s.wait(lambda: any(n["node_id"] == quiet_id and n["state"] == "Ready" for n in entry.get("/nodes")), 30,
@@ -69,3 +70,21 @@ def test_a_peer_that_swallows_every_frame_is_routed_around(live: tuple[Swarm, Pe
             assert time.monotonic() - began < 4, "a new request went through the quiet peer again"
     finally:
         s.stop(quiet)
+
+
+def test_a_peer_that_blames_the_hop_after_it_is_routed_around(live: tuple[Swarm, PeerProcess], expected: str) -> None:
+    """It holds 10-20 (a route through it has one hop fewer) and answers every frame with
+    "the next hop is unreachable", naming ``b``, the only holder of 20-30, alive and well.
+    The entry took its word: ``b`` was left out of the failover's routes, and every chat
+    was a 503 naming layers 20-30, while a route round the liar existed."""
+    s, a = live
+    liar = quiet_peer(s, a, "blamer", "blame_next", layers="10-20")
+    try:
+        for _ in range(4):
+            began = time.monotonic()
+            status, body = chat(a)
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] == expected
+            assert time.monotonic() - began < 10
+    finally:
+        s.stop(liar)
