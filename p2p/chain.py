@@ -130,6 +130,9 @@ class Broken:
     reporter: PeerId | None = None
     """Set when ``peers`` are blamed on another hop's word: it reported them unreachable
     (:meth:`SwarmPipeline._check_report` asks them before they are blamed)."""
+    excused: PeerId | None = None
+    """The hop that sent an error blaming nobody (``session_evicted``, or one of
+    :data:`CLIENT_ERRORS`): believed once per session (:meth:`SwarmPipeline._excuse`)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,10 @@ class _Session:
     flight_since: float | None = None
     """When the oldest unanswered frame was sent."""
     flight_tokens: int = 0
+    client_errors: int = 0
+    """Errors saying the request is at fault (:data:`CLIENT_ERRORS`) it has met: the second is the client's."""
+    evicted_by: set[PeerId] = field(default_factory=set)
+    """Hops that evicted it once (``session_evicted``): another eviction blames them."""
     failing_since: float | None = None
     """When the failover in progress began (the failure was seen): its timeline is logged
     from there to the step's token."""
@@ -351,10 +358,9 @@ class SwarmPipeline:
     def _on_reply(self, leg: Leg, reply: wire.Message, req: int) -> int | Broken | None:
         if isinstance(reply, wire.Error):
             failure = stage_failure(reply.code, reply.message, reply.origin)
-            if reply.code in CLIENT_ERRORS:
-                raise failure
-            if reply.code == "session_evicted":  # a fair share, not a fault: replay, blaming nobody
-                return Broken(frozenset(), failure)
+            if reply.code in CLIENT_ERRORS or reply.code == "session_evicted":
+                # The request's fault, or a fair share: no hop's, if the hop says true (_excuse).
+                return Broken(frozenset(), failure, excused=reply.origin)
             me = self.service.me
             blamed = blame(leg, reply, me)
             reported = reply.code == "unreachable" and reply.origin != me and reply.origin not in blamed
@@ -384,6 +390,7 @@ class SwarmPipeline:
     async def _fail_over(self, session: _Session, broken: Broken, sampling: SamplingParams | None) -> int | None:
         """Blame, re-route, replay. Returns the request that will carry the step's token."""
         broken = await self._check_report(broken)
+        broken = self._excuse(session, broken)
         now = trio.current_time()
         started = _started_ms(self.views()) if broken.gone else {}
         for peer in broken.peers:
@@ -420,6 +427,29 @@ class SwarmPipeline:
         log.info("session %s: now through %s", session.session_id, _describe(route))
         await self._switch(session, route, broken.peers)
         return await self._replay(session, sampling)
+
+    def _excuse(self, session: _Session, broken: Broken) -> Broken:
+        """Errors that blame nobody are their sender's word, believed once per session.
+
+        ``context_full`` and ``invalid_batch`` say the request is at fault, so another route
+        would fail the same way: the session goes round the hop that said so (blamed, as a
+        guess) and the error is the client's only when it comes again. ``session_evicted``
+        (an honest stage's fair share) is replayed blaming nobody, and blames its sender
+        when it evicts the session again. Believed every time, any of them let a hop on
+        the cheapest route fail every request sent through it (a 400, or a 503 after its
+        failovers) and never be avoided, since nobody was blamed."""
+        reporter = broken.excused
+        if reporter is None:
+            return broken
+        if isinstance(broken.cause, StageFailed) and broken.cause.code in CLIENT_ERRORS:
+            if session.client_errors or session.failovers >= self.policy.max_failovers:
+                raise broken.cause
+            session.client_errors += 1
+            return Broken(frozenset({reporter}), broken.cause, certain=False)
+        if reporter in session.evicted_by:
+            return Broken(frozenset({reporter}), broken.cause, certain=False)
+        session.evicted_by.add(reporter)
+        return broken
 
     async def _check_report(self, broken: Broken) -> Broken:
         """A hop reported the hop after it unreachable: its word against that hop's. When

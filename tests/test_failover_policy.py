@@ -267,8 +267,9 @@ def test_a_draining_holder_is_the_last_resort_and_a_move_off_it_avoids_failed_pe
 
 def test_a_hop_s_session_evicted_is_a_replay_that_blames_nobody() -> None:
     """Any hop may answer ``session_evicted``: the entry replays without blaming (an honest
-    stage's fair share is no fault), so a hostile hop gains nothing over dropping frames, and
-    each one spends a failover (bounded by ``--max-failovers``)."""
+    stage's fair share is no fault) the first time that hop evicts the session; each one
+    spends a failover (bounded by ``--max-failovers``), and a second eviction by the same
+    hop blames it (``-k blaming_nobody``)."""
     from types import SimpleNamespace
 
     from p2p import wire
@@ -568,3 +569,80 @@ def test_the_last_hop_reporting_unreachable_with_nobody_after_it_blames_itself()
     leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
     report = wire.Error(1, SessionId("s"), "unreachable", "someone is unreachable", PeerId("b"))
     assert blame(leg, report, PeerId("a")) == {PeerId("b")}
+
+
+class _ExcusingHop(_Service):
+    """Peer ``liar`` answers every frame through it with an error that blames nobody (the
+    ``code`` given); every other route answers each step with a token."""
+
+    def __init__(self, me: str, liar: str, code: str) -> None:
+        super().__init__(me, held=None)
+        self.liar, self.code = PeerId(liar), code
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        from p2p import wire
+
+        self.sent.append((peer, msg))
+        if not isinstance(msg, wire.Forward) or msg.sampling is None:
+            return
+        inbox = self._inboxes[msg.session_id]
+        if self.liar in {h.peer_id for h in msg.route}:
+            inbox.send_nowait(wire.Error(msg.req_id, msg.session_id, self.code, "not me", self.liar))  # type: ignore[arg-type]
+        else:
+            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
+
+    ask = send
+
+
+@pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch"])
+def test_a_hop_that_answers_every_frame_with_an_error_blaming_nobody_is_routed_around(code: str) -> None:
+    """``e`` holds the whole model (the cheapest route) and answers every frame with an
+    error that blames nobody: an eviction (replayed on the same route until the failovers
+    were spent: a 503) or the request's fault (the client's error at once: a 400 or 503).
+    Nobody was blamed, so every new request went through it again. Now such an error is
+    believed once per session: the session goes round ``e``, which is avoided."""
+    from node.sampling import SamplingParams
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("e", 0, 30), view("b", 10, 30)]
+    service = _ExcusingHop("a", liar="e", code=code)
+    policy = FailoverPolicy()
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], SamplingParams(temperature=0.0)) == 7
+        assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "b"]
+        assert pipeline.health.avoided(trio.current_time()) == {PeerId("e")}
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("code", ["context_full", "invalid_batch"])
+def test_the_request_s_own_fault_is_the_client_s_error_when_another_route_says_so_too(code: str) -> None:
+    """Every hop says the request is at fault (it is): after one route round the first
+    sender, the client gets the error, as before."""
+    from node.sampling import SamplingParams
+    from p2p.chain import StageFailed, SwarmPipeline
+
+    views = [view("e", 0, 30), view("b", 0, 30)]
+
+    class Everyone(_ExcusingHop):
+        async def send(self, peer: PeerId, msg: object) -> None:
+            self.liar = msg.route[0].peer_id if isinstance(msg, wire.Forward) else self.liar  # type: ignore[attr-defined]
+            await super().send(peer, msg)
+
+        ask = send
+
+    service = Everyone("a", liar="e", code=code)
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        with pytest.raises(StageFailed) as raised:
+            await pipeline.step(SessionId("s1"), 0, [1, 2, 3], SamplingParams(temperature=0.0))
+        assert raised.value.code == code
+        forwards = [peer for peer, msg in service.sent if isinstance(msg, wire.Forward)]
+        assert len(set(forwards)) == 2  # one route each
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))

@@ -88,3 +88,21 @@ def test_a_peer_that_blames_the_hop_after_it_is_routed_around(live: tuple[Swarm,
             assert time.monotonic() - began < 10
     finally:
         s.stop(liar)
+
+
+@pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch"])
+def test_a_peer_that_refuses_every_frame_blaming_nobody_is_routed_around(live: tuple[Swarm, PeerProcess], expected: str,
+                                                                        code: str) -> None:  # fmt: skip
+    """It answers every frame with an error that blames nobody: an eviction (a fair share)
+    or the request's own fault. Believed every time, each chat was a 503 (the eviction
+    replayed on the same route until the failovers were spent) or the client's error (400,
+    503), and every new chat went through it again."""
+    s, a = live
+    quiet = quiet_peer(s, a, f"refuser-{code}", f"error:{code}")
+    try:
+        for _ in range(3):
+            status, body = chat(a)
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] == expected
+    finally:
+        s.stop(quiet)
