@@ -46,7 +46,7 @@ from inclavate.artifact_types import (
 )
 from inclavate.byte_ranges import MAX_HEADER_CHARS, ByteRange, RangeMalformed, RangeNotSatisfiable
 from inclavate.errors import InclavateError
-from inclavate.owner_ids import MalformedId, parse_id
+from inclavate.owner_ids import MalformedId, owner_tag, parse_id, tag_of
 from inclavate.untrusted import Malformed, parse_json
 
 PROTOCOL = "/inclavate/artifacts/1"
@@ -163,13 +163,21 @@ def decode_answer(raw: bytes, peer: str) -> dict[str, Any]:
     raise cls(message)
 
 
-def decode_meta(record: object, peer: str) -> ArtifactMeta:
+def decode_meta(record: object, peer: str, id_: str | None = None) -> ArtifactMeta:
+    """An artifact's metadata from ``peer``: of ``id_`` when given (the one asked about),
+    else of an id carrying ``peer``'s owner tag (a listing row). A peer speaks only for its
+    own artifacts: a listing's rows used to be taken whatever their ids, so a peer could
+    list another owner's artifact under a forged filename, size and digest beside the real
+    one in every swarm-wide listing."""
     try:
         if not isinstance(record, dict):
             raise ValueError("not an object")
-        return ArtifactMeta.from_record(record)
+        meta = ArtifactMeta.from_record(record)
     except ValueError as exc:
         raise ArtifactUnavailable(f"peer {peer} sent malformed artifact metadata: {exc}") from exc
+    if (meta.id != id_) if id_ is not None else (tag_of(meta.id) != owner_tag(peer)):
+        raise ArtifactUnavailable(f"peer {peer} described an artifact it was not asked about or does not own")
+    return meta
 
 
 def decode_page(answer: dict[str, Any], peer: str, limit: int) -> ArtifactPage:

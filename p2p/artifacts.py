@@ -229,7 +229,7 @@ class RemoteArtifacts:
 
     async def meta(self, peer: str, id_: str) -> ArtifactMeta:
         answer = await self._call(peer, {"op": "meta", "id": id_})
-        return decode_meta(answer.get("artifact"), peer)
+        return decode_meta(answer.get("artifact"), peer, id_)
 
     async def delete(self, peer: str, id_: str) -> None:
         await self._call(peer, {"op": "delete", "id": id_})
@@ -246,7 +246,7 @@ class RemoteArtifacts:
         try:
             await stream.send(encode({"op": "read", "id": id_, "range": range_header}), timeout=_REQUEST_TIMEOUT)
             answer = decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer)
-            meta = decode_meta(answer.get("artifact"), peer)
+            meta = decode_meta(answer.get("artifact"), peer, id_)
             byte_range = decode_range(answer.get("range"), meta, peer)
         except P2PError as exc:
             await stream.reset()

@@ -297,3 +297,31 @@ async def test_a_reader_that_trickles_is_cut_off(tmp_path: Path, monkeypatch: py
                 await slow.chunks.aclose()
             # the cut-off read gave its slot back: the same peer reads again
             assert await read(b.swarm, big.id) == data
+
+
+async def test_a_peer_cannot_list_or_describe_another_owner_s_artifacts(tmp_path: Path) -> None:
+    """A listing is a k-way merge of every peer's own rows, and a peer's answer could carry
+    rows for ids it does not own: another owner's artifact, under a forged filename, size
+    and digest, shown beside the real one in every swarm-wide listing. A peer now speaks
+    only for ids that carry its own tag, in listings and in a meta or read answer."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            real = await a.store.create(chunks(b"12345"), filename="report.txt", purpose="assistants")
+            forged = {**real.to_record(), "filename": "invoice.pdf", "size_bytes": 999, "digest": "0" * 64}
+            theirs = await b.store.create(chunks(b"abc"))
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                if request["op"] == "list":
+                    answer = {"ok": True, "artifacts": [forged, theirs.to_record()], "truncated": False}
+                else:  # asked about its own artifact, it describes another owner's
+                    answer = {"ok": True, "artifact": forged, "range": None}
+                await stream.send(json.dumps(answer).encode(), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, liar)
+            rows = (await a.swarm.list(ListQuery())).artifacts
+            assert [m.id for m in rows if m.id == real.id] == [real.id], "a forged row of a's own artifact"
+            assert all(m.filename != "invoice.pdf" for m in rows)
+            with pytest.raises(ArtifactUnavailable):
+                await a.swarm.meta(theirs.id)
