@@ -17,11 +17,15 @@ that, three guards absorb the moments when peers' tables disagree:
 * *one mover at a time*: while a spare peer is draining (a mover on its way, or a volunteer
   leaving a replicated span) nobody else moves;
 * *cooldown*: a peer that moved does not move again for a while (the healer's loop).
+
+A record costs nothing, so a peer elected to move, or draining a replicated span, may never
+move: the healer's loop passes such a peer over (``passed_over``: left out of the table
+here, its layers, its replicas and its election) once it has stood in the way too long.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from inclavate.types import LayerRange, NodeId
@@ -53,23 +57,37 @@ def _spare(view: NodeView, count: Sequence[int]) -> bool:
     return min(count[view.record.start_layer : view.record.end_layer]) >= 2
 
 
-def _in_motion(views: Sequence[NodeView], n_layers: int) -> bool:
-    """A Ready peer drains a span that others also hold: a mover on its way (or a volunteer
-    leaving a replicated span). Its target is not announced yet, so wait for it."""
+def in_motion(views: Sequence[NodeView], n_layers: int) -> list[NodeId]:
+    """Ready peers draining a span that others also hold: movers on their way (or volunteers
+    leaving a replicated span). Their targets are not announced yet, so wait for them."""
     count = replicas(views, n_layers)
-    return any(
-        v.state == "Ready" and v.record.draining and not v.record.idle and v.record.n_layers == n_layers
+    return [
+        v.record.node_id for v in views
+        if v.state == "Ready" and v.record.draining and not v.record.idle and v.record.n_layers == n_layers
         and min(count[v.record.start_layer : v.record.end_layer]) >= 1
-        for v in views
-    )  # fmt: skip
+    ]  # fmt: skip
 
 
-def plan_heal(views: Sequence[NodeView], n_layers: int) -> HealPlan | None:
+def waited_on(views: Sequence[NodeView], n_layers: int, passed_over: Collection[NodeId] = frozenset()) -> list[NodeId]:
+    """While a gap is open: the peers every other peer waits for (those :func:`in_motion`, or
+    else the elected mover)."""
+    views = [v for v in views if v.record.node_id not in passed_over]
+    if not uncovered((v.record.layers for v in holders(views, n_layers)), n_layers):
+        return []
+    moving = in_motion(views, n_layers)
+    if moving:
+        return moving
+    plan = plan_heal(views, n_layers)
+    return [plan.mover] if plan is not None else []
+
+
+def plan_heal(views: Sequence[NodeView], n_layers: int, passed_over: Collection[NodeId] = frozenset()) -> HealPlan | None:
     """The gap to heal and the peer that should move there, or None (no gap, nobody spare,
-    or a move already under way)."""
+    or a move already under way). Peers ``passed_over`` count for nothing."""
+    views = [v for v in views if v.record.node_id not in passed_over]
     serving = holders(views, n_layers)
     gaps = uncovered((v.record.layers for v in serving), n_layers)
-    if not gaps or _in_motion(views, n_layers):
+    if not gaps or in_motion(views, n_layers):
         return None
     count = replicas(views, n_layers)
     spare = [v for v in serving if v.state == "Ready" and not v.record.relayed and _spare(v, count)]

@@ -194,3 +194,34 @@ async def test_a_mover_whose_gap_was_taken_meanwhile_stays(autojump_clock: trio.
 
 async def _never_moves(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
     raise AssertionError("unexpected move")
+
+
+@pytest.mark.parametrize("liar", [view("A", 10, 20), view("z", 10, 20, draining=True)],
+                         ids=["elected_and_never_moves", "says_it_drains"])  # fmt: skip
+async def test_a_record_that_never_moves_holds_no_gap_open(autojump_clock: trio.abc.Clock, liar: NodeView) -> None:
+    """A stranger publishes a record holding a replicated span (10-20, beside b and c) and
+    then does nothing: with the lowest id it is elected to every gap and never moves, or,
+    saying it drains, it is "a mover on its way" everyone waits for. Either way, no gap of
+    the model healed for as long as the record was published (a free record: nothing
+    proves a peer holds or moves anything). Now a peer waited on ``stuck_s`` is passed
+    over, and the next elected heals the gap."""
+    table = [*_swarm(), liar]
+    moves: dict[str, list[tuple[float, LayerRange]]] = {"b": [], "c": []}
+
+    def healer(me: str) -> Healer:
+        async def move(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
+            assert still_elected()
+            moves[me].append((trio.current_time(), target))
+            table[:] = [view(me, target.start, target.end) if v.record.node_id == me else v for v in table]
+            return True
+
+        return Healer(NodeId(me), 30, 10, lambda: table, lambda: True, move, HealConfig(settle_s=4.0))  # stuck_s: 60 s
+
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for me in ("b", "c"):
+            nursery.start_soon(healer(me).run)
+        await trio.sleep(300)
+        nursery.cancel_scope.cancel()
+    assert [t for _, t in moves["b"]] == [LayerRange(20, 30)] and moves["c"] == [], moves
+    assert moves["b"][0][0] - start <= 60.0 + 4.0 + 2.0
