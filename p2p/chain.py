@@ -462,6 +462,8 @@ class SwarmPipeline:
         probe = self.probe
         if broken.reporter is None or probe is None or not broken.peers:
             return broken
+        if not all(self.is_connected(peer) for peer in broken.peers):
+            return broken  # our own connection to the accused ended too: no ping to wait for
         answered: list[bool] = []
         with trio.move_on_after(self.policy.probe_timeout_s):
             for peer in broken.peers:

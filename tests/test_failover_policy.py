@@ -560,6 +560,63 @@ def test_a_hop_that_blames_the_hop_after_it_is_blamed_when_that_hop_answers_us()
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
+class _DeadHop(_Service):
+    """Peer ``dead`` was killed: the hop before it on any route reports it unreachable; every
+    other route answers each step with a token."""
+
+    def __init__(self, me: str, dead: str) -> None:
+        super().__init__(me, held=None)
+        self.dead = PeerId(dead)
+        self.reported = False
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        from p2p import wire
+
+        self.sent.append((peer, msg))
+        if not isinstance(msg, wire.Forward) or msg.sampling is None:
+            return
+        peers = [h.peer_id for h in msg.route]
+        inbox = self._inboxes[msg.session_id]
+        if self.dead in peers:
+            self.reported = True
+            before = peers[peers.index(self.dead) - 1]
+            inbox.send_nowait(wire.Error(msg.req_id, msg.session_id, "unreachable", f"peer {self.dead} is unreachable",
+                                         before, self.dead))  # fmt: skip
+        else:
+            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
+
+    ask = send
+
+
+def test_a_report_our_own_connection_agrees_with_is_taken_without_a_ping() -> None:
+    """A killed hop is reported unreachable by the hop before it, and our connection to it
+    ended too: pinging it first would add up to ``probe_timeout_s`` to the failover's stall
+    where a dead host sends no reset."""
+    from node.sampling import SamplingParams
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("e", 10, 20), view("b", 20, 30), view("g", 20, 30)]
+    dead = [h.node_id for h in choose_route(views, MODEL, PeerId("a"))][2]
+    service = _DeadHop("a", dead=dead)
+    pinged: list[PeerId] = []
+
+    async def never_answers(peer: PeerId) -> bool:
+        pinged.append(peer)
+        await trio.sleep(FailoverPolicy().probe_timeout_s)
+        return False
+
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             is_connected=lambda peer: peer != dead or not service.reported, probe=never_answers, rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        began = trio.current_time()
+        assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], SamplingParams(temperature=0.0)) == 7
+        assert pinged == [] and trio.current_time() - began < 0.5
+        assert dead not in [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()]
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
 def test_the_last_hop_reporting_unreachable_with_nobody_after_it_blames_itself() -> None:
     """Its report points at the hop after it, and there is none: it blamed nobody, so the
     failover took the same route again."""
