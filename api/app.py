@@ -63,7 +63,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
     app = QuartTrio("inclavate")
     app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
     app.config["JSON_SORT_KEYS"] = False
-    app.extensions["inclavate.sessions"] = sessions or ActiveSessions()
+    app.extensions["inclavate.sessions"] = sessions or ActiveSessions.for_limits(ctx.limits)
     install_request_class(app)  # upload routes raise their own body ceilings
     request_guard.install(app, hosts)
     responses.install(app)  # a 204 carries no Content-Type

@@ -42,6 +42,14 @@ class RequestLimits:
     """One ``POST /v1/artifacts`` body (the spec's per-upload cap)."""
     max_file_bytes: int = 64 * MIB
     """The file part of one ``POST /v1/files`` upload."""
+    max_generations: int = 8
+    """Chat generations this peer drives as entry at once (a peer sets its ``--max-sessions``,
+    the session slots of each stage of a chain). Driving more made them queue for slots at
+    the stages past the entry's step deadline, which then blamed healthy peers."""
+    max_waiting_generations: int = 32
+    """Chat requests waiting for one of those turns; past them a request is a 429 before any work."""
+    generation_wait_s: float = 120.0
+    """How long a request waits for its turn before a 429."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

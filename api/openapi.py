@@ -135,7 +135,7 @@ _BODIES: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 _STATUS = {
-    ("post", "/v1/chat/completions"): ["200", "400", "413", "422", "503"],
+    ("post", "/v1/chat/completions"): ["200", "400", "413", "422", "429", "503"],
     ("get", "/v1/models/{model_id}"): ["200", "404"],
     ("post", "/v1/artifacts"): ["201", "400", "408", "413", "503", "507"],
     ("get", "/v1/artifacts"): ["200", "400", "503"],

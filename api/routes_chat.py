@@ -64,7 +64,7 @@ async def _run(job: ChatJob, tracking: _Tracking, emit: Any) -> GenerationResult
         await emit(delta)
 
     tracking.routes.note(sid, model, None)
-    with tracking.sessions.track(sid):
+    async with tracking.sessions.track(sid):
         try:
             return await job.generation.run(noting_route)
         finally:
@@ -111,7 +111,8 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             ctx.limits.check_body_size(length)
         raw = await request.get_data(cache=False)
         ctx.limits.check_body_size(len(raw))
-        job = await prepare_chat(ctx, raw)
+        with sessions.admitting():  # after the body: a client that never sends it holds no place
+            job = await prepare_chat(ctx, raw)
         headers = {SESSION_HEADER: job.session_id}
         if job.request.stream:
 
@@ -141,7 +142,8 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             try:
                 size = len(raw.encode() if isinstance(raw, str) else raw)
                 ctx.limits.check_body_size(size)
-                job = await prepare_chat(ctx, raw)
+                with sessions.admitting():
+                    job = await prepare_chat(ctx, raw)
             except Exception as exc:  # noqa: BLE001 - every failure becomes an error frame
                 status, body = error_response_parts(exc)
                 await websocket.send(json.dumps({**body, "status": status}))

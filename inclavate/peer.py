@@ -101,7 +101,8 @@ class Peer:
 
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
-        self.limits = RequestLimits()
+        sessions = config.engine.max_sessions  # an entry drives no more than a stage holds
+        self.limits = RequestLimits(max_generations=sessions, max_waiting_generations=4 * sessions)
         self.admin_token = config.admin_token
         self.identity: Identity | None = None
         self.host: P2PHost | None = None

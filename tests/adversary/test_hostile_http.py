@@ -8,6 +8,7 @@ at the chat edge alone run against the app over the real model in this process i
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import secrets
@@ -28,6 +29,7 @@ from local_context import LocalContext, serve
 from reference import whole_model_text
 from swarm import PeerProcess, Swarm, request_json
 
+from api.limits import RequestLimits
 from inclavate.local_swarm import free_port
 from inclavate.types import LayerRange, NodeId
 from p2p import wire
@@ -312,6 +314,58 @@ async def test_a_prompt_too_long_in_any_role_is_refused_before_any_tokenizing(lo
     fits = await ask({"role": "system", "content": (" " + "=" * 65) * 200})  # 200 tokens of 66 bytes
     assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] < 256, fits.text
     assert calls == ["tokenize"]
+
+
+async def test_a_flood_of_chats_past_the_entrys_turns_is_a_429_before_any_work(smollm2, slice_cache) -> None:
+    """100 concurrent streams from one client through one entry of a 3-peer swarm were all
+    taken (200): the entry drove every one of them at once, they queued for the stages' 8
+    session slots past its step deadline, it blamed healthy peers and failed over, and 43-57
+    of them ended in an in-band 503 ("no Ready chain covers ...: layers 0-10 have no Ready
+    node", the entry's own layers), with another client's 5-token chat waiting 37-186 s. An
+    entry now drives at most ``max_generations`` at once, lets ``max_waiting_generations``
+    wait their turn, and refuses the rest with a 429 before any work, on every chat path;
+    a generation that ends, however it ends, gives its turn to the next."""
+    ctx = LocalContext(MODEL, smollm2.path, slice_cache, context_length=1024)
+    ctx.limits = RequestLimits(max_generations=1, max_waiting_generations=1)
+    calls: list[str] = []
+    tokenize = ctx.chat.tokenizer.tokenize
+    ctx.chat.tokenizer.tokenize = lambda *a, **k: calls.append("tokenize") or tokenize(*a, **k)  # type: ignore[method-assign]
+    essay = "Write a very long essay about the history of Rome."  # 900 tokens at temperature 0: it holds its turn
+    body = {"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": essay}]}
+    try:
+        async with serve(ctx) as url, httpx.AsyncClient(timeout=60) as client:
+
+            async def stream(max_tokens: int) -> httpx.Response:
+                chat = client.build_request("POST", url + "/v1/chat/completions", json={**body, "max_tokens": max_tokens, "stream": True})
+                return await client.send(chat, stream=True)
+
+            running = await stream(900)
+            tokens = running.aiter_lines()  # kept: an abandoned line iterator closes the connection
+            while '"content":"' not in (line := await tokens.__anext__()) or '"content":""' in line:
+                pass  # up to its first token: it holds the only turn
+            waiting = await stream(3)
+            queued = waiting.aiter_lines()
+            assert waiting.status_code == 200 and '"role":"assistant"' in await queued.__anext__()  # it waits its turn
+            prepared = len(calls)
+            refused = await client.post(url + "/v1/chat/completions", json={**body, "max_tokens": 3})
+            assert refused.status_code == 429 and isinstance(refused.json()["error"], str), refused.text
+            streamed = await stream(3)
+            await streamed.aread()
+            assert streamed.status_code == 429 and isinstance(streamed.json()["error"], str), streamed.text
+            _, frame = await _chat_and_ws(url, json.dumps({**body, "max_tokens": 3}).encode())
+            assert frame["status"] == 429 and isinstance(frame["error"], str), frame
+            assert len(calls) == prepared  # refused before any work: nothing was tokenized
+            await running.aclose()  # the first client leaves: the waiting one gets the turn and finishes
+            with contextlib.suppress(httpx.StreamError, httpx.TransportError):  # run the iterator to its end
+                async for _ in tokens:
+                    pass
+            rest = [line async for line in queued if line]
+            await waiting.aclose()
+            assert any('"finish_reason":"length"' in line for line in rest) and rest[-1] == "data: [DONE]", rest
+            after = await client.post(url + "/v1/chat/completions", json={**body, "max_tokens": 3})
+            assert after.status_code == 200, after.text  # every turn was given back
+    finally:
+        ctx.close()
 
 
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
