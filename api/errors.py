@@ -240,7 +240,7 @@ def _register_generation_errors() -> None:
     from inclavate.generations import ListingTooDeep, NoGenerator
     from inclavate.job_runner import JobActive, JobFinished, JobNotFound
     from inclavate.jobs import IdempotencyConflict, JobStoreError, QueueFull
-    from inclavate.peer_http import PeerUnreachable
+    from inclavate.peer_http import PeerBusy, PeerUnreachable
     from node.generators.base import InvalidParams
 
     for exc_type, status in [
@@ -252,6 +252,7 @@ def _register_generation_errors() -> None:
         (IdempotencyConflict, 409),
         (NoGenerator, 422),
         (QueueFull, 429),
+        (PeerBusy, 429),
         (JobStoreError, 503),
         (PeerUnreachable, 503),
     ]:

@@ -152,7 +152,7 @@ _STATUS = {
     ("post", "/v1/generations"): ["202", "400", "409", "422", "429", "503"],
     ("get", "/v1/generations"): ["200", "400", "503"],
     ("get", "/v1/generations/{job_id}"): ["200", "400", "404", "503"],
-    ("get", "/v1/generations/{job_id}/events"): ["200", "400", "404", "503"],
+    ("get", "/v1/generations/{job_id}/events"): ["200", "400", "404", "429", "503"],
     ("delete", "/v1/generations/{job_id}"): ["200", "400", "404", "409", "503"],
     ("delete", "/admin/generations/{job_id}"): ["200", "401", "404", "409", "500", "503"],
     ("post", "/v1/audio/speech"): ["200", "400", "422", "429", "503", "504"],

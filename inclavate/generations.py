@@ -32,13 +32,15 @@ from inclavate.generation_settings import GenerationSettings
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, Job, NewJob
 from inclavate.owner_ids import owner_candidates, parse_id
-from inclavate.peer_http import PeerHttp, PeerUnreachable
+from inclavate.peer_http import PeerBusy, PeerHttp, PeerUnreachable
 from node.generators.base import InputMedia
 from p2p.registry import NodeView
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+BUSY_POLL_S = 1.0
+"""How often an event stream polls the owner when no relayed stream was free."""
 """How often a sync adapter polls a job that runs on another peer."""
 
 EraseRemote = Callable[[str, str, bool], Awaitable[dict[str, Any]]]
@@ -278,6 +280,7 @@ class GenerationService:
         url = None if local_only else self._owner_url(job_id)
         if url is None:
             return self._local_events(self._local(job_id))
+        self.http.check_stream_room()  # 429 before the stream opens, as far as can be known
         await self.http.json(url, "GET", f"/v1/generations/{job_id}")  # 404 before the stream opens
         return self._remote_events(url, job_id)
 
@@ -297,12 +300,27 @@ class GenerationService:
         yield "[DONE]"
 
     async def _remote_events(self, url: str, job_id: str) -> AsyncIterator[str]:
-        async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events") as lines:
-            async for line in lines:
-                if line.startswith("data: "):
-                    yield line.removeprefix("data: ")
-                    if line == "data: [DONE]":
-                        return
+        try:
+            async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events") as lines:
+                async for line in lines:
+                    if line.startswith("data: "):
+                        yield line.removeprefix("data: ")
+                        if line == "data: [DONE]":
+                            return
+        except PeerBusy:
+            # Streams filled up after this one's response began (its 429 check passed): the
+            # same events, from polls of the owner, rather than a stream cut short.
+            last = None
+            while True:
+                _, job = await self.http.json(url, "GET", f"/v1/generations/{job_id}")
+                payload = json.dumps(_job_body(job))
+                if payload != last:
+                    last = payload
+                    yield payload
+                if _job_body(job).get("state") in ("completed", "failed", "cancelled", "expired"):
+                    yield "[DONE]"
+                    return
+                await trio.sleep(BUSY_POLL_S)
 
     async def wait_finished(self, job_id: str, timeout: float) -> dict[str, Any] | None:
         """The job once it ended, or None when ``timeout`` ran out first (it keeps running)."""

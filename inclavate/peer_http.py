@@ -30,15 +30,26 @@ READ_TIMEOUT_S = 60.0
 MAX_RELAYED_ERROR_BYTES = 64 * 1024
 MAX_ANSWER_BYTES = 32 * 1024 * 1024
 """A listing of 1000 jobs with large params fits; anything bigger is not a peer's answer."""
+MAX_EVENT_STREAMS = 64
+"""Owners' event streams relayed at once (``GET /v1/generations/:id/events`` of another
+peer's job). Each holds a connection while its job runs, so they have connections of their
+own: in the pool of the forwarded requests, 100 watchers left a poll, a cancel or a
+submission waiting 60 s for a connection, then failing with 503."""
 
 
 class PeerUnreachable(InclavateError):
     """The peer that owns a job did not answer (503)."""
 
 
+class PeerBusy(InclavateError):
+    """This peer already relays :data:`MAX_EVENT_STREAMS` event streams (429: retry, or poll)."""
+
+
 class PeerHttp:
     def __init__(self) -> None:
         self._client: httpx.AsyncClient | None = None
+        self._stream_client: httpx.AsyncClient | None = None
+        self._streams = 0
 
     def _http(self) -> httpx.AsyncClient:
         # Created on first use, inside the trio run (httpx picks trio through anyio).
@@ -47,9 +58,23 @@ class PeerHttp:
             self._client = httpx.AsyncClient(timeout=timeout, headers={FORWARDED_HEADER: "1"})
         return self._client
 
+    def _stream_http(self) -> httpx.AsyncClient:
+        if self._stream_client is None:
+            timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S)
+            limits = httpx.Limits(max_connections=MAX_EVENT_STREAMS, max_keepalive_connections=0)
+            self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers={FORWARDED_HEADER: "1"})
+        return self._stream_client
+
+    def check_stream_room(self) -> None:
+        """PeerBusy when every relayed event stream is taken (before a response starts)."""
+        if self._streams >= MAX_EVENT_STREAMS:
+            raise PeerBusy(f"this peer already relays {MAX_EVENT_STREAMS} event streams from other peers; "
+                           "retry later, poll GET /v1/generations/:id, or watch on the peer that runs the job")  # fmt: skip
+
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (self._client, self._stream_client):
+            if client is not None:
+                await client.aclose()
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None,
                    params: Mapping[str, Any] | None = None, timeout: float | None = None) -> tuple[int, Any]:  # fmt: skip
@@ -74,15 +99,20 @@ class PeerHttp:
 
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str) -> AsyncIterator[AsyncIterator[str]]:
-        """An SSE stream from the owner, line by line (errors before the stream opens raise)."""
+        """An SSE stream from the owner, line by line (errors before the stream opens raise;
+        PeerBusy past :data:`MAX_EVENT_STREAMS`)."""
+        self.check_stream_room()
+        self._streams += 1
         try:
-            async with self._http().stream("GET", base_url + path, timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as response:
+            async with self._stream_http().stream("GET", base_url + path) as response:
                 if response.status_code >= 400:
                     _raise_for_error(response.status_code, await response.aread())
                 async with aclosing(response.aiter_lines()) as lines:
                     yield lines
         except httpx.HTTPError as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
+        finally:
+            self._streams -= 1
 
 
 def _raise_for_error(status: int, raw: bytes) -> None:

@@ -1,0 +1,68 @@
+"""Forwarding to the peer that owns a job (``inclavate.peer_http``) against a real HTTP
+server on loopback: what a client watching jobs can and cannot take from other clients."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+
+from api.app import serve_api
+from inclavate.local_swarm import free_port
+from inclavate.peer_http import MAX_EVENT_STREAMS, PeerBusy, PeerHttp
+
+
+async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarded_request() -> None:
+    """``GET /v1/generations/:id/events`` of a job on another peer holds an HTTP connection
+    to that peer while the job runs, and the forwarded requests shared one pool of 100:
+    110 watchers (one client) on a 3-peer swarm made every other forwarded request of the
+    peer (a poll, a cancel, a submission, the listing's rows from the owner) wait 60 s for a
+    connection and fail with 503 PoolTimeout, and watchers past 100 waited for ever. The
+    relayed event streams now have connections of their own, at most MAX_EVENT_STREAMS;
+    one more is refused at once."""
+    owner = QuartTrio("owner")
+    watching = [0]
+
+    @owner.get("/events")
+    async def events():  # type: ignore[no-untyped-def]
+        async def body() -> AsyncIterator[bytes]:
+            watching[0] += 1
+            yield b"data: {}\n\n"
+            await trio.sleep_forever()
+
+        response = Response(body(), mimetype="text/event-stream")
+        response.timeout = None
+        return response
+
+    @owner.get("/job")
+    async def job():  # type: ignore[no-untyped-def]
+        return {"id": "the job", "state": "running"}
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    http = PeerHttp()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, owner, "127.0.0.1", port)
+
+            async def watch() -> None:
+                async with http.stream_lines(url, "/events") as lines:
+                    async for _ in lines:
+                        pass
+
+            for _ in range(MAX_EVENT_STREAMS):
+                nursery.start_soon(watch)
+            with trio.fail_after(30):
+                while watching[0] < MAX_EVENT_STREAMS:
+                    await trio.sleep(0.05)
+            with trio.fail_after(5):
+                assert await http.json(url, "GET", "/job") == (200, {"id": "the job", "state": "running"})
+                with pytest.raises(PeerBusy):
+                    async with http.stream_lines(url, "/events"):
+                        pass
+            nursery.cancel_scope.cancel()
+    finally:
+        await http.aclose()
