@@ -50,6 +50,8 @@ class RequestLimits:
     """Chat requests waiting for one of those turns; past them a request is a 429 before any work."""
     generation_wait_s: float = 120.0
     """How long a request waits for its turn before a 429."""
+    websocket_idle_s: float = 300.0
+    """A ``/ws/chat`` connection that sends no request for this long is closed."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import trio
 from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
@@ -136,9 +137,15 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def ws_chat() -> None:
         """Chat over a websocket: send a request frame (the POST body), receive the SSE
         chunks as JSON frames, then ``"[DONE]"``. Errors arrive as ``{"error": ...,
-        "status": ...}`` frames; the connection stays open for the next request."""
+        "status": ...}`` frames; the connection stays open for the next request, and is
+        closed after ``websocket_idle_s`` without one (an idle one held a descriptor for ever)."""
         while True:
-            raw = await websocket.receive()
+            raw = None
+            with trio.move_on_after(ctx.limits.websocket_idle_s):
+                raw = await websocket.receive()
+            if raw is None:
+                await websocket.close(1000, "idle: no request for a while")
+                return
             try:
                 size = len(raw.encode() if isinstance(raw, str) else raw)
                 ctx.limits.check_body_size(size)

@@ -368,6 +368,34 @@ async def test_a_flood_of_chats_past_the_entrys_turns_is_a_429_before_any_work(s
         ctx.close()
 
 
+async def test_an_idle_chat_websocket_is_closed(smollm2, slice_cache) -> None:
+    """A ``/ws/chat`` connection that never sent a request stayed open for ever (checked to
+    120 s): 2,000 of them held 2,000 descriptors and 64 MB of a peer, and nothing ever gave
+    them back (HTTP connections are closed after 30 s idle, 60 s for a body that never
+    comes). One that sends no request for ``websocket_idle_s`` is now closed; one that
+    keeps asking is served as before."""
+    ctx = LocalContext(MODEL, smollm2.path, slice_cache, context_length=256)
+    ctx.limits = RequestLimits(websocket_idle_s=1.0)
+    try:
+        async with serve(ctx) as url:
+            _, frame = await _chat_and_ws(url, json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode())
+            assert "choices" in frame, frame  # a request within the idle time is answered
+            stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            try:
+                await stream.send_all(b"GET /ws/chat HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")  # fmt: skip
+                received = b""
+                with trio.fail_after(5):  # then nothing is sent: the peer closes the connection
+                    while chunk := await stream.receive_some():
+                        received += chunk
+            finally:
+                await stream.aclose()
+            head, _, frames = received.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 101") and frames[:1] == b"\x88", received  # a close frame, then EOF
+    finally:
+        ctx.close()
+
+
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
     """``GET /api/models`` used to fetch the GGUF of any model in the registry, from whoever
     claimed to hold it, and compile its Jinja template."""
