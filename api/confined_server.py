@@ -24,7 +24,7 @@ import sys
 
 import hypercorn.trio.run as hypercorn_run
 import trio
-from hypercorn.events import Event, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,27 @@ class ConfinedTCPServer(TCPServer):
             written = self._write_in_place(event.data)
             if written == len(event.data):
                 return
-            if written:  # the rest goes first: hypercorn's write takes the lock before any turn ends
-                event = RawData(event.data[written:])
+            # the rest goes first: the write below takes the lock before any turn ends
+            await self._send_or_close(event.data[written:])
+            return
         await super().protocol_send(event)
+
+    async def _send_or_close(self, data: bytes) -> None:
+        """hypercorn's write (shielded: the application's cancel never cuts one half way),
+        bounded: a client that stops reading a response held it, its task and whatever the
+        response had open (a download's file, pinned on disk even once deleted) for ever.
+        A write that does not complete within :data:`WRITE_STALL_S` ends the connection."""
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True), trio.move_on_after(WRITE_STALL_S) as stalled:
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+        if stalled.cancelled_caught:
+            log.info("an HTTP client read nothing for %g s: its connection is closed", WRITE_STALL_S)
+            await self._close()
+            await self.protocol.handle(Closed())
 
     def _write_in_place(self, data: bytes) -> int:
         """Write what the kernel takes now, when no write of this connection is under way;
@@ -68,6 +86,9 @@ class ConfinedTCPServer(TCPServer):
         except OSError:  # BlockingIOError (the kernel's buffer is full), a closed peer
             return 0
 
+
+WRITE_STALL_S = 60.0
+"""Seconds one write of a response (at most a download's read chunk) may wait for its client."""
 
 IN_PLACE_UNSUPPORTED = sys.platform == "win32"
 """``os.write`` on a socket needs POSIX."""

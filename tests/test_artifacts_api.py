@@ -370,3 +370,50 @@ async def test_no_artifact_storage_is_503(tmp_path: Path) -> None:
             nursery.cancel_scope.cancel()
     finally:
         store.close()
+
+
+def _open_handles(path: Path) -> int:
+    """Descriptors of this process open on ``path`` (deleted or not)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)") == str(path)
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+async def test_a_download_its_client_stops_reading_is_cut_and_lets_go_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops reading a download held the object's file open for ever (20 of
+    them on a peer: 20 descriptors still open after 85 s), and a DELETE then freed the quota
+    but not the disk: the 40 MB stayed pinned, "(deleted)", for as long as the client liked.
+    A response write that waits for its client longer than ``WRITE_STALL_S`` now ends the
+    connection, and the response lets go of what it had open."""
+    import api.confined_server
+
+    monkeypatch.setattr(api.confined_server, "WRITE_STALL_S", 2.0)
+    data = os.urandom(32 << 20)
+    async with serve_store(tmp_path) as (base, store):
+        meta = await upload(base, data)
+        path = store.object_path(meta["id"])
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await sock.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        stream = trio.SocketStream(sock)
+        try:
+            await stream.send_all(f"GET /v1/artifacts/{meta['id']} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            with trio.fail_after(5):
+                while _open_handles(path) == 0:
+                    await trio.sleep(0.05)  # the download is open, and its client reads nothing
+            assert (await call(httpx.delete, f"{base}/v1/artifacts/{meta['id']}")).status_code == 204
+            with trio.fail_after(20):
+                while _open_handles(path):
+                    await trio.sleep(0.2)  # cut once stalled: the deleted bytes are let go
+            received = b""
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some(1 << 20):
+                    received += chunk
+            assert received.startswith(b"HTTP/1.1 200") and len(received) < len(data)  # cut short, then closed
+        finally:
+            await stream.aclose()
