@@ -505,30 +505,36 @@ def test_a_hop_that_swallows_frames_but_answers_pings_is_blamed_and_routed_aroun
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
-class _BlamingHop(_Service):
-    """The entry's forward service on a swarm where peer ``liar`` answers every frame it
-    gets with "the hop after me is unreachable" (it still answers pings, and so does that
-    hop); every other route answers each step with a token."""
+class _AnsweringHops(_Service):
+    """The entry's forward service on a swarm whose routes answer each step with a token,
+    unless :meth:`refusal` gives what a hop on the step's route answers instead."""
+
+    def refusal(self, msg: wire.Forward, peers: list[PeerId]) -> wire.Error | None:
+        return None
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        await super().send(peer, msg)
+        if not isinstance(msg, wire.Forward) or msg.sampling is None:
+            return
+        refusal = self.refusal(msg, [h.peer_id for h in msg.route])
+        self._inboxes[msg.session_id].send_nowait(refusal or wire.Result(msg.req_id, msg.session_id, 7))
+
+    ask = send
+
+
+class _BlamingHop(_AnsweringHops):
+    """Peer ``liar`` answers every frame it gets with "the hop after me is unreachable" (it
+    still answers pings, and so does that hop)."""
 
     def __init__(self, me: str, liar: str) -> None:
         super().__init__(me, held=None)
         self.liar = PeerId(liar)
 
-    async def send(self, peer: PeerId, msg: object) -> None:
-        from p2p import wire
-
-        self.sent.append((peer, msg))
-        if not isinstance(msg, wire.Forward) or msg.sampling is None:
-            return
-        peers = [h.peer_id for h in msg.route]
-        inbox = self._inboxes[msg.session_id]
-        if self.liar in peers:
-            nxt = peers[peers.index(self.liar) + 1]
-            inbox.send_nowait(wire.Error(msg.req_id, msg.session_id, "unreachable", f"peer {nxt} is unreachable", self.liar, nxt))
-        else:
-            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
-
-    ask = send
+    def refusal(self, msg: wire.Forward, peers: list[PeerId]) -> wire.Error | None:
+        if self.liar not in peers:
+            return None
+        nxt = peers[peers.index(self.liar) + 1]
+        return wire.Error(msg.req_id, msg.session_id, "unreachable", f"peer {nxt} is unreachable", self.liar, nxt)
 
 
 def test_a_hop_that_blames_the_hop_after_it_is_blamed_when_that_hop_answers_us() -> None:
@@ -560,32 +566,20 @@ def test_a_hop_that_blames_the_hop_after_it_is_blamed_when_that_hop_answers_us()
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
-class _DeadHop(_Service):
-    """Peer ``dead`` was killed: the hop before it on any route reports it unreachable; every
-    other route answers each step with a token."""
+class _DeadHop(_AnsweringHops):
+    """The last hop of the first route the entry picks is killed then: the hop before it on
+    any route reports it unreachable. The others keep what the session sent them."""
 
-    def __init__(self, me: str, dead: str) -> None:
-        super().__init__(me, held=None)
-        self.dead = PeerId(dead)
-        self.reported = False
+    def __init__(self, me: str) -> None:
+        super().__init__(me, held=3)
+        self.dead: PeerId | None = None
 
-    async def send(self, peer: PeerId, msg: object) -> None:
-        from p2p import wire
-
-        self.sent.append((peer, msg))
-        if not isinstance(msg, wire.Forward) or msg.sampling is None:
-            return
-        peers = [h.peer_id for h in msg.route]
-        inbox = self._inboxes[msg.session_id]
-        if self.dead in peers:
-            self.reported = True
-            before = peers[peers.index(self.dead) - 1]
-            inbox.send_nowait(wire.Error(msg.req_id, msg.session_id, "unreachable", f"peer {self.dead} is unreachable",
-                                         before, self.dead))  # fmt: skip
-        else:
-            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
-
-    ask = send
+    def refusal(self, msg: wire.Forward, peers: list[PeerId]) -> wire.Error | None:
+        self.dead = self.dead or peers[-1]
+        if self.dead not in peers:
+            return None
+        before = peers[peers.index(self.dead) - 1]
+        return wire.Error(msg.req_id, msg.session_id, "unreachable", f"peer {self.dead} is unreachable", before, self.dead)
 
 
 def test_a_report_our_own_connection_agrees_with_is_taken_without_a_ping() -> None:
@@ -596,8 +590,7 @@ def test_a_report_our_own_connection_agrees_with_is_taken_without_a_ping() -> No
     from p2p.chain import SwarmPipeline
 
     views = [view("a", 0, 10), view("e", 10, 20), view("b", 20, 30), view("g", 20, 30)]
-    dead = [h.node_id for h in choose_route(views, MODEL, PeerId("a"))][2]
-    service = _DeadHop("a", dead=dead)
+    service = _DeadHop("a")
     pinged: list[PeerId] = []
 
     async def never_answers(peer: PeerId) -> bool:
@@ -606,13 +599,13 @@ def test_a_report_our_own_connection_agrees_with_is_taken_without_a_ping() -> No
         return False
 
     pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
-                             is_connected=lambda peer: peer != dead or not service.reported, probe=never_answers, rng=random.Random(1))  # fmt: skip
+                             is_connected=lambda peer: peer != service.dead, probe=never_answers, rng=random.Random(1))  # fmt: skip
 
     async def main() -> None:
         began = trio.current_time()
         assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], SamplingParams(temperature=0.0)) == 7
-        assert pinged == [] and trio.current_time() - began < 0.5
-        assert dead not in [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()]
+        assert service.dead is not None and pinged == [] and trio.current_time() - began < 0.5
+        assert service.dead not in [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()]
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
@@ -628,27 +621,18 @@ def test_the_last_hop_reporting_unreachable_with_nobody_after_it_blames_itself()
     assert blame(leg, report, PeerId("a")) == {PeerId("b")}
 
 
-class _ExcusingHop(_Service):
+class _ExcusingHop(_AnsweringHops):
     """Peer ``liar`` answers every frame through it with an error that blames nobody (the
-    ``code`` given); every other route answers each step with a token."""
+    ``code`` given)."""
 
     def __init__(self, me: str, liar: str, code: str) -> None:
         super().__init__(me, held=None)
         self.liar, self.code = PeerId(liar), code
 
-    async def send(self, peer: PeerId, msg: object) -> None:
-        from p2p import wire
-
-        self.sent.append((peer, msg))
-        if not isinstance(msg, wire.Forward) or msg.sampling is None:
-            return
-        inbox = self._inboxes[msg.session_id]
-        if self.liar in {h.peer_id for h in msg.route}:
-            inbox.send_nowait(wire.Error(msg.req_id, msg.session_id, self.code, "not me", self.liar))  # type: ignore[arg-type]
-        else:
-            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
-
-    ask = send
+    def refusal(self, msg: wire.Forward, peers: list[PeerId]) -> wire.Error | None:
+        if self.liar not in peers:
+            return None
+        return wire.Error(msg.req_id, msg.session_id, self.code, "not me", self.liar)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch"])
