@@ -27,6 +27,7 @@ import time
 from functools import partial
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import trio
 
@@ -151,6 +152,14 @@ class Peer:
         if busy is not None:
             raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} (choose another --api-port)")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        lock = hold_data_dir(cfg.data_dir)
+        try:
+            await self._run(task_status)
+        finally:
+            lock.close()
+
+    async def _run(self, task_status: trio.TaskStatus[Peer]) -> None:
+        cfg = self.config
         self.identity = load_or_create_identity(cfg.data_dir)
         self.metrics_store = MetricsStore.in_dir(cfg.data_dir)
         self.metrics = MetricsRecorder(state=self.metrics_store.load())
@@ -782,6 +791,32 @@ class Peer:
         contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
         pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
         return pipeline
+
+
+DATA_DIR_LOCK = "peer.lock"
+
+
+def hold_data_dir(data_dir: Path) -> IO[str]:
+    """Take ``data_dir`` for this process (an exclusive ``flock`` on ``peer.lock``, which the
+    kernel releases however the process ends, ``kill -9`` included); close the file to free it.
+
+    A data directory is a peer's identity: two peers running on one would publish records of
+    one PeerID, each replacing the other's in the registry, and write into each other's stores
+    and peer book. The second is refused with :class:`ConfigError` naming the holder's pid."""
+    lock = open(data_dir / DATA_DIR_LOCK, "a+")  # noqa: SIM115 (held for the peer's life)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ConfigError(f"{data_dir} is in use by another peer (pid {holder}); give each peer its own --data-dir, "
+                          "or wait for that one to exit") from None  # fmt: skip
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _file_safe(model_id: str) -> str:

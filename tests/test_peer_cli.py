@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import TEST_HOME
+from swarm import Swarm
 
 
 def peer(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -63,3 +66,27 @@ def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line(
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} warning: late", stamped), stamped
     assert ours.startswith("error: handling failed\nTraceback") and "KeyError: 'lost'" in ours
     assert formatted("hypercorn.error") == "error: handling failed: KeyError('lost')"
+
+
+@pytest.mark.swarm
+@pytest.mark.slow
+def test_a_data_dir_a_running_peer_holds_is_refused_with_one_line(tmp_path: Path) -> None:
+    """Two peers given one ``--data-dir`` share an identity: before, the second started, its
+    record of other layers replaced the first's in the registry (the first's range showed as
+    a gap, chats failed), it announced Dead under the first's PeerID when it stopped, and it
+    overwrote the p2p port kept in the first's peer book. It must stop at once, saying why,
+    and leave the first alone; the directory is free again once the first has exited."""
+    with Swarm(tmp_path / "swarm") as swarm:
+        first = swarm.start("a")
+        swarm.multiaddr(first)  # it answers: it holds its data directory
+        second = peer("--model", "smollm2:135m", "--api-port", "0", "--p2p-host", "127.0.0.1", "--data-dir", str(first.data_dir),
+                      tmp_path=tmp_path)  # fmt: skip
+        assert second.returncode == 1, second.stderr
+        last = second.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: {first.data_dir} is in use by another peer (pid {first.process.pid})"), last
+        assert "Traceback" not in second.stderr
+        assert first.alive()
+        swarm.signal(first, signal.SIGKILL)
+        first.process.wait(10)
+        again = swarm.start("a")  # the same data directory, after a kill -9: free
+        swarm.multiaddr(again)
