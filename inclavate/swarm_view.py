@@ -65,6 +65,23 @@ def layer_counts(nodes: Sequence[Node], n_layers: int) -> list[int]:
     return counts
 
 
+def has_chain(nodes: Sequence[Node], n_layers: int) -> bool:
+    """Whether serving nodes' ranges connect layer 0 to ``n_layers``, each starting where one
+    ends (as ``p2p.coverage.has_chain``): every layer held is not enough, since a node holding
+    15-30 cannot start at 20."""
+    ends: dict[int, set[int]] = {}
+    for node in nodes:
+        if serving(node):
+            ends.setdefault(int(node["start_layer"]), set()).add(int(node["end_layer"]))
+    reached, frontier = {0}, [0]
+    while frontier:
+        for end in ends.get(frontier.pop(), ()):
+            if end not in reached:
+                reached.add(end)
+                frontier.append(end)
+    return n_layers in reached
+
+
 def runs(counts: Sequence[int]) -> list[tuple[int, int, int]]:
     """Runs of equal count as ``(start, end, count)``, end exclusive."""
     out: list[tuple[int, int, int]] = []
@@ -110,6 +127,8 @@ def _model_lines(model: ModelView, color: bool) -> list[str]:
     gaps = [(s, e) for s, e, c in runs(counts) if c == 0]
     if gaps:
         health = _paint("gap at layers " + ", ".join(f"{s}-{e}" for s, e in gaps), RED, color)
+    elif not has_chain(model.nodes, model.n_layers):
+        health = _paint("no chain: held ranges do not meet end to start", RED, color)
     else:
         health = _paint("chain complete", GREEN, color)
     fewest = min(counts) if counts else 0

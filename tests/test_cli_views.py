@@ -41,6 +41,18 @@ def test_a_gap_shows_as_bangs_and_in_words() -> None:
     assert "chain complete" not in screen
 
 
+def test_every_layer_held_by_ranges_that_do_not_meet_is_no_chain() -> None:
+    """A peer restarted with other ``--layers`` (0-10, 10-20, 15-30): every layer is held, but
+    no chain starts at 20, and the API refuses every chat. Before, the screen said "chain
+    complete" in green, going by gaps alone."""
+    nodes = [node("a", 0, 10), node("b", 10, 20), node("c", 15, 30)]
+    screen = render_status(nodes, "http://peer:8001")
+    assert "chain complete" not in screen
+    assert "m:1  30 layers  no chain: held ranges do not meet end to start  (fewest replicas: 1)" in screen
+    assert "chain complete" in render_status([*nodes, node("d", 20, 30)], "http://peer:8001")
+    assert "chain complete" not in render_status([*nodes, node("d", 20, 30, idle=True)], "http://peer:8001")
+
+
 def test_many_layers_are_grouped_by_their_weakest_layer() -> None:
     counts = [2] * 100 + [0] + [2] * 19  # 120 layers -> 60 cells of 2 layers
     strip = coverage_strip(counts)
