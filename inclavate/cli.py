@@ -217,6 +217,9 @@ class _CliFormatter(logging.Formatter):
                 message += "\n" + self.formatException(record.exc_info)
             else:  # a library's (hypercorn's, for a client's broken request): one line, not a flood
                 message += f": {record.exc_info[1]!r}"
+        if "\n" in message and record.name.split(".")[0] not in _OWN_PACKAGES:  # py-libp2p's reports span lines
+            first, *rest = [line.strip() for line in message.splitlines() if line.strip()] or [""]
+            message = f"{first} {'; '.join(rest)}" if rest else first
         return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 

@@ -30,6 +30,7 @@ Choices made on purpose (py-libp2p 0.8.1, measured; see NOTES.md):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -66,6 +67,12 @@ from p2p.stream_quota import InboundStreams
 from p2p.pubsub import Broadcast, GossipConfig, GossipMessage, SwarmPubsub, build_gossip
 
 logger = logging.getLogger(__name__)
+
+if not os.environ.get("LIBP2P_DEBUG"):
+    # Importing libp2p set its logger ``propagate = False`` with no handler, so its warnings
+    # went to logging's last-resort handler (bare, unstamped, several lines each); through
+    # the root's, a peer's log carries them as its own lines (``inclavate.cli``).
+    logging.getLogger("libp2p").propagate = True
 
 DEFAULT_DIAL_TIMEOUT = 10.0
 # libp2p's peerstore keeps one TTL per peer, refreshed by every add: an hour after we

@@ -68,6 +68,26 @@ def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line(
     assert formatted("hypercorn.error") == "error: handling failed: KeyError('lost')"
 
 
+def test_libp2ps_warnings_reach_the_peer_log_as_one_stamped_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """py-libp2p sets its logger ``propagate = False`` with no handler (unless LIBP2P_DEBUG is
+    set), so its warnings went to Python's last-resort handler: bare, unstamped and several
+    lines each ("Failed to open stream to peer ...:" then "  Error: ...", "  Protocols: ...",
+    "  Registry Stats: None"), printed in a volunteer's terminal whenever a neighbour left."""
+    import logging
+
+    from inclavate.cli import _configure_logging
+    import p2p.host  # noqa: F401  (imports libp2p, whose import configures its logging)
+
+    _configure_logging(0, timestamps=True)
+    message = "Failed to open stream to peer X:\n  Error: handshake read failed\n  Protocols: ['/p/1']"
+    logging.getLogger("libp2p.host.basic_host").error(message)
+    logging.getLogger("libp2p.network.swarm").info("chatter below the level")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"(\S+ \S+ )?error: Failed to open stream to peer X: Error: handshake read failed; "
+                        r"Protocols: \['/p/1'\]", lines[0]), lines  # fmt: skip
+
+
 @pytest.mark.swarm
 @pytest.mark.slow
 def test_a_data_dir_a_running_peer_holds_is_refused_with_one_line(tmp_path: Path) -> None:
