@@ -148,12 +148,14 @@ class Peer:
 
     async def run(self, *, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        busy = port_in_use(cfg.api_host, cfg.api_port)
-        if busy is not None:
-            raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} (choose another --api-port)")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        # Before the API port: the same command run again while the last run still drains
+        # must say so, not send the user to another --api-port (another default data dir).
         lock = hold_data_dir(cfg.data_dir)
         try:
+            busy = port_in_use(cfg.api_host, cfg.api_port)
+            if busy is not None:
+                raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} (choose another --api-port)")
             await self._run(task_status)
         finally:
             lock.close()
@@ -810,8 +812,8 @@ def hold_data_dir(data_dir: Path) -> IO[str]:
         lock.seek(0)
         holder = lock.read().strip() or "unknown"
         lock.close()
-        raise ConfigError(f"{data_dir} is in use by another peer (pid {holder}); give each peer its own --data-dir, "
-                          "or wait for that one to exit") from None  # fmt: skip
+        raise ConfigError(f"{data_dir} is in use by another peer (pid {holder}): wait for it to exit (a peer "
+                          "stopping with Ctrl-C drains first), or give this one its own --data-dir") from None  # fmt: skip
     lock.seek(0)
     lock.truncate()
     lock.write(f"{os.getpid()}\n")

@@ -105,6 +105,13 @@ def test_a_data_dir_a_running_peer_holds_is_refused_with_one_line(tmp_path: Path
         last = second.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: {first.data_dir} is in use by another peer (pid {first.process.pid})"), last
         assert "Traceback" not in second.stderr
+        # The same command again, as after a Ctrl-C while the first still drains: before, it
+        # said "cannot serve the API ... (choose another --api-port)", and another port means
+        # another default data directory, so another identity and an empty peer book.
+        again = peer("--model", "smollm2:135m", "--api-port", str(first.api_port), "--p2p-host", "127.0.0.1",
+                     "--data-dir", str(first.data_dir), tmp_path=tmp_path)  # fmt: skip
+        assert again.returncode == 1, again.stderr
+        assert again.stderr.strip().splitlines()[-1].startswith(f"error: {first.data_dir} is in use by another peer"), again.stderr
         assert first.alive()
         swarm.signal(first, signal.SIGKILL)
         first.process.wait(10)
