@@ -44,7 +44,7 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--api-port", type=int, default=8001, help="REST API port (default 8001)")
     p.add_argument("--p2p-host", default="0.0.0.0", help="libp2p listen address (default 0.0.0.0)")
     p.add_argument("--p2p-port", type=int, default=0, help="libp2p port (default: any free port)")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", type=_bootstrap,
                    help="a peer to join through (its /health lists its multiaddrs); repeatable")  # fmt: skip
     p.add_argument("--data-dir", type=Path, help="identity and state (default $INCLAVATE_HOME/peer-<api port>)")
     p.add_argument("--admin-token", help="enables admin routes with this X-Admin-Token (default: admin off); "
@@ -108,6 +108,20 @@ def _layers(text: str) -> LayerRange:
         return LayerRange.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bootstrap(text: str) -> str:
+    """A peer's multiaddr, ``/ip4/HOST/tcp/PORT/p2p/PEER_ID`` (what its ``/health`` lists)."""
+    import multiaddr  # here, not at the top: every command builds this parser
+    from libp2p.peer.id import ID
+
+    try:
+        ID.from_base58(multiaddr.Multiaddr(text).value_for_protocol("p2p"))
+    except Exception:  # multiaddr's and base58's errors vary; a missing /p2p/ raises too
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a peer's multiaddr, like /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID "
+            "(the peer's /health lists its \"multiaddrs\")") from None
+    return text
 
 
 def admin_token(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:

@@ -46,6 +46,18 @@ def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
     assert result.returncode == 1 and "error: --decode-lanes must be between 1 and 16" in result.stderr, result.stderr
 
 
+def test_a_bootstrap_that_names_no_peer_is_a_usage_error(tmp_path: Path) -> None:
+    """``--bootstrap 127.0.0.1:PORT`` or a multiaddr without ``/p2p/PEER_ID``: before, the peer
+    created its identity, opened its stores, then died with "error: not a peer id:
+    '127.0.0.1:44393'", which names neither the flag nor what it wants."""
+    for addr in ("127.0.0.1:44393", "/ip4/127.0.0.1/tcp/44393", "/ip4/127.0.0.1/tcp/44393/p2p/nonsense"):
+        result = peer("--model", "smollm2:135m", "--api-port", "0", "--bootstrap", addr, tmp_path=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert f"argument --bootstrap: {addr!r} is not a peer's multiaddr" in result.stderr, result.stderr
+        assert "/ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line() -> None:
     """A peer's log is what a bug report holds: ``log.exception`` in our packages keeps the
     traceback; a library's (hypercorn's, for a stranger's broken request) stays one line."""
