@@ -43,7 +43,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--api-host", default="127.0.0.1", help="REST API bind address (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, default=8001, help="REST API port (default 8001)")
     p.add_argument("--p2p-host", default="0.0.0.0", help="libp2p listen address (default 0.0.0.0)")
-    p.add_argument("--p2p-port", type=int, default=0, help="libp2p port (default: any free port)")
+    p.add_argument("--p2p-port", type=int, default=0,
+                   help="libp2p port (default: the port of this data dir's last run where free, else any)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", type=_bootstrap,
                    help="a peer to join through (its /health lists its multiaddrs); repeatable")  # fmt: skip
     p.add_argument("--data-dir", type=Path, help="identity and state (default $INCLAVATE_HOME/peer-<api port>)")

@@ -58,6 +58,17 @@ def test_a_bootstrap_that_names_no_peer_is_a_usage_error(tmp_path: Path) -> None
     assert not (tmp_path / "d").exists()
 
 
+def test_help_says_where_the_p2p_port_comes_from(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --p2p-port a peer takes the port of its last run where free; before, --help still
+    said "default: any free port"."""
+    from inclavate.cli import main
+
+    assert main(["peer", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "any free port" not in text.split("--p2p-port P2P_PORT", 1)[1].split("--bootstrap", 1)[0]
+    assert "the port of this data dir's last run where free" in text
+
+
 def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line() -> None:
     """A peer's log is what a bug report holds: ``log.exception`` in our packages keeps the
     traceback; a library's (hypercorn's, for a stranger's broken request) stays one line."""
