@@ -263,7 +263,14 @@ class Peer:
         addresses other peers keep of it (their books, their ``--bootstrap``) then stay right
         across its restarts (:mod:`inclavate.peer_book`)."""
         port = self.peer_book.own_port() if self.peer_book is not None else None
-        return port if port is not None and port_in_use(self.config.p2p_host, port) is None else 0
+        if port is None:
+            return 0
+        busy = port_in_use(self.config.p2p_host, port)
+        if busy is not None:
+            log.warning("the p2p port of the last run, %d, is taken (%s): listening on another, so addresses of this "
+                        "peer given to others (their --bootstrap) must be updated from this run's", port, busy)  # fmt: skip
+            return 0
+        return port
 
     async def shutdown(self) -> None:
         """Leave the swarm politely; returns once everything has stopped.

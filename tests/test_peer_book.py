@@ -3,6 +3,7 @@ again when its bootstrap moved or left."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import sqlite3
@@ -52,6 +53,31 @@ def test_what_a_peer_said_of_itself_and_our_port_outlive_the_process(tmp_path: P
     assert again.recall() == [PeerAddrs("12D3KooWme", ("/ip4/10.0.0.1/tcp/1/p2p/12D3KooWme",)), entry(1)]  # last met first
     assert again.own_port() == 40123
     again.close()
+
+
+def test_a_taken_port_of_the_last_run_is_said_not_passed_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the last run's p2p port is taken the peer listens on another, and addresses that
+    others were given for it (their ``--bootstrap``) no longer reach it. Before, it moved
+    without a word: its log's "p2p on ..." line showed the new port, nothing said why."""
+    from inclavate.peer import Peer
+    from inclavate.peer_config import PeerConfig
+    from inclavate.types import ModelId
+
+    peer = Peer(PeerConfig(model_id=ModelId("smollm2:135m"), home=tmp_path, data_dir=tmp_path, p2p_host="127.0.0.1"))
+    peer.peer_book = PeerBook.in_dir(tmp_path)
+    try:
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", 0))
+            squatter.listen()
+            port = squatter.getsockname()[1]
+            peer.peer_book.listened_on(port)
+            with caplog.at_level(logging.WARNING):
+                assert peer._port_of_last_run() == 0
+        assert f"the p2p port of the last run, {port}, is taken" in caplog.text, caplog.text
+        caplog.clear()
+        assert peer._port_of_last_run() == port and not caplog.text  # free again: taken back, quietly
+    finally:
+        peer.peer_book.close()
 
 
 def test_a_full_book_keeps_the_peers_met_lately_and_forgets_after_a_week(tmp_path: Path) -> None:
