@@ -14,6 +14,7 @@ from api.auth import require_admin
 from api.context import PeerContext
 from api.errors import NotFound
 from inclavate.errors import InclavateError
+from inclavate.types import ModelId
 from p2p.coverage import ModelCoverage
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,19 @@ def coverage_json(cov: ModelCoverage) -> dict[str, Any]:
     }
 
 
+def listed_models(ctx: PeerContext) -> list[ModelId]:
+    """Models with a node that has not left: a departed node's record stays, Dead, until the
+    registry drops it (~60 s), and its model must not be offered all that time."""
+    return [model for model, cov in ctx.coverage().items() if cov.node_count > cov.states.get("Dead", 0)]
+
+
 def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/v1/models")
     async def openai_models():  # type: ignore[no-untyped-def]
         """OpenAI-compatible list of the models the swarm serves."""
         return jsonify(
             object="list",
-            data=[openai_model(m) for m in ctx.coverage()],
+            data=[openai_model(m) for m in listed_models(ctx)],
         )
 
     @app.get("/v1/models/<path:model_id>")
@@ -93,7 +100,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         ``path:`` because an id is matched whole: ``smollm2:135m`` has a colon, and an id a
         peer announces is not held to the catalog's pattern, so it may hold a ``/`` (the SDK
         sends it as ``%2F``, which arrives decoded)."""
-        if model_id not in ctx.coverage():
+        if model_id not in listed_models(ctx):
             raise NotFound(f"no node serves model {model_id!r}")
         return jsonify(openai_model(model_id))
 
