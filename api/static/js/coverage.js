@@ -48,6 +48,28 @@ export function gaps(counts) {
   return runs(counts).filter((r) => r.count === 0);
 }
 
+/**
+ * Whether serving nodes' ranges connect layer 0 to nLayers, each starting where one ends
+ * (p2p/coverage.py's has_chain): every layer held is not enough, a node holding 15-30
+ * cannot start at 20.
+ */
+export function hasChain(nodes, nLayers) {
+  const ends = new Map();
+  for (const node of nodes) {
+    if (!serving(node)) continue;
+    if (!ends.has(node.start_layer)) ends.set(node.start_layer, []);
+    ends.get(node.start_layer).push(node.end_layer);
+  }
+  const reached = new Set([0]);
+  const frontier = [0];
+  while (frontier.length) {
+    for (const end of ends.get(frontier.pop()) || []) {
+      if (!reached.has(end)) { reached.add(end); frontier.push(end); }
+    }
+  }
+  return reached.has(nLayers);
+}
+
 /** Greedy interval packing: each node gets the first lane where it overlaps nothing. */
 export function lanes(nodes) {
   const ends = [];

@@ -4,7 +4,7 @@
 
 import { get } from "../api.js";
 import { fill, fmtNumber, h, loading, message, s, shortId, stateBadge } from "../dom.js";
-import { gaps, lanes, layerCounts, modelsOf, runs, serving } from "../coverage.js";
+import { gaps, hasChain, lanes, layerCounts, modelsOf, runs, serving } from "../coverage.js";
 
 const POLL_MS = 2000;
 const STATES = ["Ready", "Joining", "Degraded", "Dead", "Idle"];
@@ -19,7 +19,7 @@ function legend() {
 
 function summary(nodes, models) {
   const ready = nodes.filter(serving).length;
-  const complete = models.filter((m) => gaps(layerCounts(m.nodes, m.nLayers)).length === 0).length;
+  const complete = models.filter((m) => hasChain(m.nodes, m.nLayers)).length;
   const peers = new Set(nodes.map((n) => n.peer_id)).size;
   return h("div", { class: "tiles" },
     tile("Peers", peers), tile("Nodes ready", `${ready} / ${nodes.length}`),
@@ -136,9 +136,11 @@ function laneLabel(node, state, width) {
 function modelCard(model) {
   const counts = layerCounts(model.nodes, model.nLayers);
   const missing = gaps(counts);
-  const status = missing.length === 0
-    ? h("span", { class: "badge ok" }, "chain complete")
-    : h("span", { class: "badge bad" }, `gap: layers ${missing.map((g) => `${g.start}–${g.end}`).join(", ")}`);
+  const status = missing.length > 0
+    ? h("span", { class: "badge bad" }, `gap: layers ${missing.map((g) => `${g.start}–${g.end}`).join(", ")}`)
+    : hasChain(model.nodes, model.nLayers)
+      ? h("span", { class: "badge ok" }, "chain complete")
+      : h("span", { class: "badge bad" }, "no chain: held ranges do not meet end to start");
   const minReplicas = counts.length ? Math.min(...counts) : 0;
   return h("section", { class: "card model-card", "data-model": model.id },
     h("div", { class: "card-head" },
