@@ -555,8 +555,13 @@ class SwarmPipeline:
         costs = self._costs(exclude_load)
         views = list(self.views() if views is None else views)
         now = trio.current_time()
-        gone = self.health.gone(now, _started_ms(views))
-        avoided = self.health.avoided(now) | failed
+        started = _started_ms(views)
+        gone = self.health.gone(now, started)
+        # A failed peer seen gone and restarted since (its record names a new start) is back:
+        # a sole holder restarted in place carries the session on (a new leg, replayed).
+        back = self.health.restarted(failed, started)
+        failed = failed - back
+        avoided = (self.health.avoided(now) | failed) - back
         last: NoRoute | None = None
         passes = (avoided,) if voluntary else (avoided, failed) if certain else (avoided, failed, frozenset())
         for exclude in passes:

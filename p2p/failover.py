@@ -120,6 +120,11 @@ class _Record:
     another start is the peer restarted, back before ``gone_s`` is over."""
 
 
+def _restarted(peer: PeerId, rec: _Record, started_ms: Mapping[PeerId, int]) -> bool:
+    now_started = started_ms.get(peer)
+    return None not in (rec.gone_started_ms, now_started) and now_started != rec.gone_started_ms
+
+
 class PeerHealth:
     """This entry's experience of other peers: who to avoid, how far to trust each."""
 
@@ -162,12 +167,12 @@ class PeerHealth:
         find every request refused for seconds after it says Ready. Only the peer itself
         signs its start, so a false one brings back no one but its signer."""
         started_ms = started_ms or {}
+        return frozenset(p for p, r in self._peers.items() if r.gone_until > now and not _restarted(p, r, started_ms))
 
-        def restarted(peer: PeerId, rec: _Record) -> bool:
-            now_started = started_ms.get(peer)
-            return None not in (rec.gone_started_ms, now_started) and now_started != rec.gone_started_ms
-
-        return frozenset(p for p, r in self._peers.items() if r.gone_until > now and not restarted(p, r))
+    def restarted(self, peers: Iterable[PeerId], started_ms: Mapping[PeerId, int]) -> frozenset[PeerId]:
+        """Those of ``peers`` seen gone for certain whose current record names another start
+        than the one they had then: restarted since, so no longer to be left out for failing."""
+        return frozenset(p for p in peers if (r := self._peers.get(p)) is not None and _restarted(p, r, started_ms))
 
     def reliability(self) -> dict[PeerId, float]:
         return {p: r.reliability for p, r in self._peers.items() if r.reliability < 1.0}

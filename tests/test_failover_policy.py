@@ -438,6 +438,45 @@ def test_a_sole_holder_restarted_is_routed_through_again_at_once() -> None:
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
+def test_a_sole_holder_restarted_during_a_failover_carries_its_session_on() -> None:
+    """The only holder of 10-20 is killed mid-stream and its volunteer restarts it at once
+    (Ready ~2 s later, a new start in its record). The failover waiting for a route
+    (``no_route_wait_s``) must take it: before, it left the blamed peer out of every pass
+    whatever its record said, and the stream ended with "layers 10-20 have no Ready node"
+    3 s after that node said Ready."""
+    from p2p import wire
+    from p2p.chain import SwarmPipeline, _Session
+
+    views = [view("a", 0, 10, started_ms=1000), view("b", 10, 20, started_ms=2000), view("d", 20, 30, started_ms=3000)]
+    service = _Service("a", held=5)
+    policy = FailoverPolicy(max_failovers=1, no_route_wait_s=5.0)
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        session = _Session(SessionId("s"))
+        session.record(0, [1, 2, 3])
+        pipeline._sessions[session.session_id] = session
+        pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a")))
+        assert session.leg is not None
+        lost = wire.Error(0, session.leg.wire_id, "unreachable", "peer b closed its link", PeerId("a"), PeerId("b"))
+        broken = pipeline._on_reply(session.leg, lost, 1)
+        assert broken is not None and not isinstance(broken, int)
+
+        async def restart_b() -> None:
+            await trio.sleep(2.0)
+            views[1] = view("b", 10, 20, started_ms=9000)
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_b)
+            await pipeline._fail_over(session, broken, None)
+        assert [hop.peer_id for hop in session.leg.route] == ["a", "b", "d"]
+        assert trio.current_time() - start < 3.0
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
 def test_only_our_own_unreachable_marks_a_peer_gone_for_certain() -> None:
     """Gone for certain keeps a peer out of every route for ``gone_s``: a hop's report that
     its successor is unreachable is its word (a liar would keep an honest hop out per lie),
