@@ -2,8 +2,8 @@
 
 The dashboard's Swarm page draws the same picture in the browser
 (``api/static/js/coverage.js``): per model, how many serving nodes hold each layer, and
-which node holds which range. A node *serves* when it is Ready and not set idle, the same
-rule routing uses, so a layer showing 0 is one no new chat can get through.
+which node holds which range. A node *serves* when it is Ready, not set idle and not
+draining, the same rule routing uses, so a layer showing 0 is one no new chat can get through.
 """
 
 from __future__ import annotations
@@ -17,18 +17,21 @@ Node = Mapping[str, Any]
 RED, GREEN, YELLOW, BLUE, GREY, BOLD, DIM, RESET = (
     "\x1b[31m", "\x1b[32m", "\x1b[33m", "\x1b[34m", "\x1b[90m", "\x1b[1m", "\x1b[2m", "\x1b[0m",
 )  # fmt: skip
-STATE_COLOURS = {"Ready": GREEN, "Joining": BLUE, "Degraded": YELLOW, "Dead": RED, "Idle": GREY}
+STATE_COLOURS = {"Ready": GREEN, "Joining": BLUE, "Degraded": YELLOW, "Dead": RED, "Idle": GREY, "Draining": GREY}
 MAX_CELLS = 60
 """Widest coverage strip: beyond this many layers one character stands for several."""
 
 
 def serving(node: Node) -> bool:
-    return node.get("state") == "Ready" and not node.get("idle")
+    """Routable for a new chat: Ready, not set idle, not draining (a peer stopping politely)."""
+    return node.get("state") == "Ready" and not node.get("idle") and not node.get("draining")
 
 
 def state_label(node: Node) -> str:
     state = str(node.get("state", "?"))
-    return "Idle" if state == "Ready" and node.get("idle") else state
+    if state == "Ready" and node.get("idle"):
+        return "Idle"
+    return "Draining" if state == "Ready" and node.get("draining") else state
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,17 @@ def test_every_layer_held_by_ranges_that_do_not_meet_is_no_chain() -> None:
     assert "chain complete" not in render_status([*nodes, node("d", 20, 30, idle=True)], "http://peer:8001")
 
 
+def test_a_draining_node_is_shown_draining_and_serves_nothing_new() -> None:
+    """After Ctrl-C a peer drains (up to --drain-timeout) and routing sends it nothing new:
+    with it the only holder of 10-20 every new chat is a 503. Before, the screen said
+    "3/3 nodes serving", "chain complete" and the node "Ready" all that time."""
+    nodes = [node("a", 0, 10), {**node("b", 10, 20), "draining": True}, node("c", 20, 30)]
+    screen = render_status(nodes, "http://peer:8001")
+    assert "2/3 nodes serving" in screen
+    assert "gap at layers 10-20" in screen and "chain complete" not in screen
+    assert any(line.startswith("b ") and " Draining " in line for line in screen.splitlines()), screen
+
+
 def test_many_layers_are_grouped_by_their_weakest_layer() -> None:
     counts = [2] * 100 + [0] + [2] * 19  # 120 layers -> 60 cells of 2 layers
     strip = coverage_strip(counts)
