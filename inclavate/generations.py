@@ -39,9 +39,9 @@ from p2p.registry import NodeView
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+"""How often a sync adapter polls a job that runs on another peer."""
 BUSY_POLL_S = 1.0
 """How often an event stream polls the owner when no relayed stream was free."""
-"""How often a sync adapter polls a job that runs on another peer."""
 
 EraseRemote = Callable[[str, str, bool], Awaitable[dict[str, Any]]]
 """``(owner peer id, job id, artifacts) -> answer``: an admin erase signed by this peer."""
@@ -313,11 +313,12 @@ class GenerationService:
             last = None
             while True:
                 _, job = await self.http.json(url, "GET", f"/v1/generations/{job_id}")
-                payload = json.dumps(_job_body(job))
+                body = _job_body(job)
+                payload = json.dumps(body)
                 if payload != last:
                     last = payload
                     yield payload
-                if _job_body(job).get("state") in ("completed", "failed", "cancelled", "expired"):
+                if body.get("state") in ("completed", "failed", "cancelled", "expired"):
                     yield "[DONE]"
                     return
                 await trio.sleep(BUSY_POLL_S)
