@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 import trio
@@ -16,6 +17,7 @@ from p2p import wire
 from p2p.chain import least_used_lane
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
+from p2p.registry import NodeView
 from p2p.legs import Leg, LegWatch, seen_gone
 from p2p.latency import UNREACHABLE_MS, usable_link_ms
 from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
@@ -405,29 +407,36 @@ def test_holders_seen_gone_for_certain_are_not_tried_again() -> None:
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
+def _sole_holder_lost(no_route_wait_s: float) -> tuple[list[NodeView], Any, Any, Any]:
+    """a 0-10, b 10-20 (the only holder), d 20-30; a session through them whose link to b
+    has just ended (gone for certain): the views, the pipeline, the session, the breakage."""
+    from p2p import wire
+    from p2p.chain import SwarmPipeline, _Session
+
+    views = [view("a", 0, 10, started_ms=1000), view("b", 10, 20, started_ms=2000), view("d", 20, 30, started_ms=3000)]
+    policy = FailoverPolicy(max_failovers=1, no_route_wait_s=no_route_wait_s)
+    pipeline = SwarmPipeline(_Service("a", held=5), MODEL, lambda: views, 512,  # type: ignore[arg-type]
+                             {v.record.node_id: v for v in views}.get, policy=policy, health=PeerHealth(policy),
+                             rng=random.Random(1))  # fmt: skip
+    session = _Session(SessionId("s"))
+    session.record(0, [1, 2, 3])
+    pipeline._sessions[session.session_id] = session
+    pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a")))
+    assert session.leg is not None
+    lost = wire.Error(0, session.leg.wire_id, "unreachable", "peer b closed its link", PeerId("a"), PeerId("b"))
+    broken = pipeline._on_reply(session.leg, lost, 1)
+    assert broken is not None and not isinstance(broken, int)
+    return views, pipeline, session, broken
+
+
 def test_a_sole_holder_restarted_is_routed_through_again_at_once() -> None:
     """The only holder of 10-20 is killed (our link to it ends: gone for certain) and its
     volunteer restarts it at once. Its new record names a new start: requests route through
     it again as soon as that record arrives, not ``gone_s`` later (they were refused with a
     503 for the rest of the 10 s). The same record, unchanged, keeps it out."""
-    from p2p import wire
-    from p2p.chain import SwarmPipeline, _Session
-
-    views = [view("a", 0, 10, started_ms=1000), view("b", 10, 20, started_ms=2000), view("d", 20, 30, started_ms=3000)]
-    service = _Service("a", held=5)
-    policy = FailoverPolicy(max_failovers=1, no_route_wait_s=0.5)
-    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
-                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
 
     async def main() -> None:
-        session = _Session(SessionId("s"))
-        session.record(0, [1, 2, 3])
-        pipeline._sessions[session.session_id] = session
-        pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a")))
-        assert session.leg is not None
-        lost = wire.Error(0, session.leg.wire_id, "unreachable", "peer b closed its link", PeerId("a"), PeerId("b"))
-        broken = pipeline._on_reply(session.leg, lost, 1)
-        assert broken is not None and not isinstance(broken, int)
+        views, pipeline, session, broken = _sole_holder_lost(no_route_wait_s=0.5)
         with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
             await pipeline._fail_over(session, broken, None)
         with pytest.raises(NoRoute):  # b's old record, still Ready for seconds: still gone
@@ -444,24 +453,9 @@ def test_a_sole_holder_restarted_during_a_failover_carries_its_session_on() -> N
     (``no_route_wait_s``) must take it: before, it left the blamed peer out of every pass
     whatever its record said, and the stream ended with "layers 10-20 have no Ready node"
     3 s after that node said Ready."""
-    from p2p import wire
-    from p2p.chain import SwarmPipeline, _Session
-
-    views = [view("a", 0, 10, started_ms=1000), view("b", 10, 20, started_ms=2000), view("d", 20, 30, started_ms=3000)]
-    service = _Service("a", held=5)
-    policy = FailoverPolicy(max_failovers=1, no_route_wait_s=5.0)
-    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
-                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
 
     async def main() -> None:
-        session = _Session(SessionId("s"))
-        session.record(0, [1, 2, 3])
-        pipeline._sessions[session.session_id] = session
-        pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a")))
-        assert session.leg is not None
-        lost = wire.Error(0, session.leg.wire_id, "unreachable", "peer b closed its link", PeerId("a"), PeerId("b"))
-        broken = pipeline._on_reply(session.leg, lost, 1)
-        assert broken is not None and not isinstance(broken, int)
+        views, pipeline, session, broken = _sole_holder_lost(no_route_wait_s=5.0)
 
         async def restart_b() -> None:
             await trio.sleep(2.0)
