@@ -123,25 +123,44 @@ def test_the_swarm_page_shows_every_peer_and_the_coverage(swarm, page, tmp_path:
     assert console.errors() == []
 
 
+def _node(peer: str, start: int, end: int, *, draining: bool = False) -> dict[str, Any]:
+    """One row of ``/nodes`` as a peer answers it."""
+    return {"node_id": peer, "peer_id": peer, "model_id": MODEL, "start_layer": start, "end_layer": end, "n_layers": 30,
+            "state": "Ready", "idle": False, "draining": draining, "legacy": False, "relayed": False, "engine": "llamacpp",
+            "http_url": None, "grpc_url": None, "legacy_id": None, "multiaddrs": [], "avg_latency_ms": 1.0, "errors": 0,
+            "requests_served": 0, "throughput_tps": 1.0, "tokens_total": 0, "uptime_s": 5, "vram_mb": 100}  # fmt: skip
+
+
+def _swarm_page_with(tab: Any, url: str, nodes: list[dict[str, Any]]) -> tuple[str, str]:
+    """The Swarm page drawn from ``nodes`` as ``/nodes``: its model card's and tiles' text."""
+    tab.route("**/nodes", lambda route: route.fulfill(status=200, content_type="application/json", body=json.dumps(nodes)))
+    tab.goto(url + "/")
+    tab.wait_for_selector(".model-card")
+    return tab.inner_text(".model-card"), tab.inner_text(".tiles")
+
+
 def test_ranges_that_hold_every_layer_but_do_not_meet_are_no_chain(swarm, page) -> None:
     """A peer restarted with other --layers (0-10, 10-20, 15-30): every layer held, no chain,
     every chat a 503. Before, the Swarm page said "chain complete" going by gaps alone."""
     _, peers, _ = swarm
     tab, console = page
-
-    def node(peer: str, start: int, end: int) -> dict[str, Any]:
-        return {"node_id": peer, "peer_id": peer, "model_id": MODEL, "start_layer": start, "end_layer": end, "n_layers": 30,
-                "state": "Ready", "idle": False, "draining": False, "legacy": False, "relayed": False, "engine": "llamacpp",
-                "http_url": None, "grpc_url": None, "legacy_id": None, "multiaddrs": [], "avg_latency_ms": 1.0, "errors": 0,
-                "requests_served": 0, "throughput_tps": 1.0, "tokens_total": 0, "uptime_s": 5, "vram_mb": 100}  # fmt: skip
-
-    overlapping = [node("12D3KooWaaaa", 0, 10), node("12D3KooWbbbb", 10, 20), node("12D3KooWcccc", 15, 30)]
-    tab.route("**/nodes", lambda route: route.fulfill(status=200, content_type="application/json", body=json.dumps(overlapping)))
-    tab.goto(peers["a"].url + "/")
-    tab.wait_for_selector(".model-card")
-    card = tab.inner_text(".model-card")
+    overlapping = [_node("12D3KooWaaaa", 0, 10), _node("12D3KooWbbbb", 10, 20), _node("12D3KooWcccc", 15, 30)]
+    card, tiles = _swarm_page_with(tab, peers["a"].url, overlapping)
     assert "chain complete" not in card and "no chain" in card, card
-    assert "0 / 1" in tab.inner_text(".tiles"), tab.inner_text(".tiles")  # complete chains
+    assert "0 / 1" in tiles, tiles  # complete chains
+    assert console.errors() == []
+
+
+def test_a_draining_sole_holder_is_shown_draining_and_no_chain(swarm, page) -> None:
+    """The only holder of 10-20 stopping politely (Ctrl-C) serves its sessions but takes no
+    new chat, which gets a 503. Before, the Swarm page counted it Ready and said "chain
+    complete" for the whole drain (``inclavate status`` did too, until fixed the same day)."""
+    _, peers, _ = swarm
+    tab, console = page
+    draining = [_node("12D3KooWaaaa", 0, 10), _node("12D3KooWbbbb", 10, 20, draining=True), _node("12D3KooWcccc", 20, 30)]
+    card, tiles = _swarm_page_with(tab, peers["a"].url, draining)
+    assert "chain complete" not in card and "2 / 3" in tiles, (card, tiles)  # nodes ready
+    assert tab.locator(".lane.state-Draining").count() == 1  # its lane, greyed like an idle one
     assert console.errors() == []
 
 

@@ -1,9 +1,9 @@
 // Pure functions over the /nodes JSON: per-layer replica counts, lanes for drawing.
 // `inclavate status` computes the same in Python (inclavate/swarm_view.py).
 
-/** A node that can carry a new chain: Ready and not set idle. */
+/** A node that can carry a new chain: Ready, not set idle, not draining (stopping politely). */
 export function serving(node) {
-  return node.state === "Ready" && !node.idle;
+  return node.state === "Ready" && !node.idle && !node.draining;
 }
 
 /** Models seen in /nodes, each with its layer count and its nodes sorted by range. */

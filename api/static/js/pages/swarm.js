@@ -7,10 +7,11 @@ import { fill, fmtNumber, h, loading, message, s, shortId, stateBadge } from "..
 import { gaps, hasChain, lanes, layerCounts, modelsOf, runs, serving } from "../coverage.js";
 
 const POLL_MS = 2000;
-const STATES = ["Ready", "Joining", "Degraded", "Dead", "Idle"];
+const STATES = ["Ready", "Joining", "Degraded", "Dead", "Idle", "Draining"];
 
 function stateOf(node) {
-  return node.state === "Ready" && node.idle ? "Idle" : node.state;
+  if (node.state !== "Ready") return node.state;
+  return node.idle ? "Idle" : node.draining ? "Draining" : node.state;
 }
 
 function legend() {
