@@ -180,6 +180,27 @@ async def test_a_peer_with_no_bootstrap_finds_the_peers_it_met_before() -> None:
             nursery.cancel_scope.cancel()
 
 
+async def test_a_hostile_neighbours_garbage_in_the_book_costs_a_failed_dial_not_discovery() -> None:
+    """What a neighbour said of itself is dialed on our next start: addresses that do not
+    parse, name a port out of range or point nowhere are each one failed dial, and the
+    peers behind them are still found."""
+    with trio.fail_after(20):
+        async with AsyncExitStack() as stack:
+            b = await stack.enter_async_context(open_host(Identity.generate()))
+            liar = Identity.generate().peer_id
+            garbage = PeerAddrs(liar, (f"/not/a/multiaddr/p2p/{liar}", f"/ip4/127.0.0.1/tcp/99999/p2p/{liar}",
+                                       f"/ip4/127.0.0.1/tcp/1/p2p/{liar}", "x" * 500 + f"/p2p/{liar}"))  # fmt: skip
+            book = MemoryBook([garbage, PeerAddrs(b.peer_id, tuple(b.multiaddrs()))])
+            a = await stack.enter_async_context(open_host(Identity.generate()))
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            await nursery.start(partial(run_discovery, a, [], FAST, book=book))
+            while b.peer_id not in a.connected_peers():
+                await trio.sleep(0.05)
+            await trio.sleep(1.0)  # every garbage address dialed, and failed, meanwhile
+            assert a.connected_peers() == [b.peer_id]
+            nursery.cancel_scope.cancel()
+
+
 @pytest.mark.swarm
 @pytest.mark.slow
 def test_a_first_peer_killed_and_restarted_finds_its_swarm_again(tmp_path: Path) -> None:
