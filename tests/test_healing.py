@@ -172,12 +172,7 @@ async def test_the_healer_moves_the_elected_peer_once_after_settling(autojump_cl
         config = HealConfig(settle_s=4.0, cooldown_s=60.0)
         return Healer(NodeId(me), 30, 10, lambda: table, lambda: True, move, config)
 
-    async with trio.open_nursery() as nursery:
-        start = trio.current_time()
-        for me in ("b", "c"):
-            nursery.start_soon(healer(me).run)
-        await trio.sleep(30)
-        nursery.cancel_scope.cancel()
+    start = await _run_healers([healer("b"), healer("c")], 30)
     assert [t for _, t in moves["b"]] == [LayerRange(20, 30)] and moves["c"] == []
     assert moves["b"][0][0] - start >= 4.0, "moved before the plan settled"
 
@@ -190,6 +185,17 @@ async def test_a_mover_whose_gap_was_taken_meanwhile_stays(autojump_clock: trio.
     assert h.still_elected(LayerRange(20, 30))
     table.append(view("e", 20, 30, "Joining"))
     assert not h.still_elected(LayerRange(20, 30))
+
+
+async def _run_healers(healers: list[Healer], seconds: float) -> float:
+    """Run ``healers`` side by side for ``seconds``; when they started."""
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for h in healers:
+            nursery.start_soon(h.run)
+        await trio.sleep(seconds)
+        nursery.cancel_scope.cancel()
+    return start
 
 
 async def _never_moves(target: LayerRange, still_elected: Callable[[], bool]) -> bool:
@@ -217,11 +223,6 @@ async def test_a_record_that_never_moves_holds_no_gap_open(autojump_clock: trio.
 
         return Healer(NodeId(me), 30, 10, lambda: table, lambda: True, move, HealConfig(settle_s=4.0))  # stuck_s: 60 s
 
-    async with trio.open_nursery() as nursery:
-        start = trio.current_time()
-        for me in ("b", "c"):
-            nursery.start_soon(healer(me).run)
-        await trio.sleep(300)
-        nursery.cancel_scope.cancel()
+    start = await _run_healers([healer("b"), healer("c")], 300)
     assert [t for _, t in moves["b"]] == [LayerRange(20, 30)] and moves["c"] == [], moves
     assert moves["b"][0][0] - start <= 60.0 + 4.0 + 2.0
