@@ -19,6 +19,7 @@ from inclavate.tensors import WIRE_DTYPES
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig, default_threads
 from node.engines import ENGINE_CHOICES, resolve_engine
+from p2p.errors import DialError
 from p2p.failover import FailoverPolicy
 
 log = logging.getLogger(__name__)
@@ -113,12 +114,11 @@ def _layers(text: str) -> LayerRange:
 
 def _bootstrap(text: str) -> str:
     """A peer's multiaddr, ``/ip4/HOST/tcp/PORT/p2p/PEER_ID`` (what its ``/health`` lists)."""
-    import multiaddr  # here, not at the top: every command builds this parser
-    from libp2p.peer.id import ID
+    from p2p.host import parse_peer_addr  # here, not at the top: every command builds this parser
 
     try:
-        ID.from_base58(multiaddr.Multiaddr(text).value_for_protocol("p2p"))
-    except Exception:  # multiaddr's and base58's errors vary; a missing /p2p/ raises too
+        parse_peer_addr(text)  # what the peer will dial, read the same way
+    except DialError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a peer's multiaddr, like /ip4/127.0.0.1/tcp/PORT/p2p/PEER_ID "
             "(the peer's /health lists its \"multiaddrs\")") from None

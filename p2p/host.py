@@ -47,7 +47,7 @@ from libp2p.host.basic_host import BasicHost
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -112,6 +112,23 @@ def _parse_peer(peer: str) -> ID:
         return ID.from_base58(peer)
     except Exception as exc:  # base58/multihash errors vary
         raise DialError(f"not a peer id: {peer!r}") from exc
+
+
+def parse_peer_addr(addr: str) -> tuple[PeerId, str]:
+    """The peer id and the address before it of ``/ip4/HOST/tcp/PORT/p2p/PEER_ID``.
+
+    The one reading of a peer's multiaddr: what :meth:`P2PHost.connect` dials is what
+    ``inclavate peer --bootstrap`` accepted at the command line, so a flag that passed
+    never fails later as unparsable. Raises :class:`DialError`.
+    """
+    try:
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+    except Exception as exc:  # multiaddr raises a zoo of types
+        raise DialError(f"not a dialable /p2p/ multiaddr: {addr!r}") from exc
+    address = str(info.addrs[0])
+    if not address:  # a bare /p2p/PEER_ID names nobody to dial
+        raise DialError(f"not a dialable /p2p/ multiaddr: {addr!r}")
+    return _peer_id(info.peer_id), address
 
 
 class _ConnectionNotifee(INotifee):
@@ -311,14 +328,14 @@ class P2PHost:
         parsed = []
         for addr in addrs:
             try:
-                maddr = multiaddr.Multiaddr(addr)
+                address = addr
                 if "/p2p/" in addr:
-                    info = info_from_p2p_addr(maddr)
-                    if info.peer_id != peer_id:
+                    owner, address = parse_peer_addr(addr)
+                    if owner != _peer_id(peer_id):
                         logger.debug("ignoring %s: not an address of %s", addr, peer)
                         continue
-                    maddr = info.addrs[0]
-            except Exception:  # multiaddr raises a zoo of types
+                maddr = multiaddr.Multiaddr(address)
+            except Exception:  # multiaddr raises a zoo of types; ours, DialError
                 logger.debug("ignoring malformed multiaddr %r for %s", addr, peer)
                 continue
             parsed.append(maddr)
@@ -330,13 +347,10 @@ class P2PHost:
 
         Returns at once if already connected. Raises :class:`DialError`.
         """
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-        except Exception as exc:  # multiaddr raises a zoo of types
-            raise DialError(f"not a dialable /p2p/ multiaddr: {addr!r}") from exc
+        peer, address = parse_peer_addr(addr)
+        info = PeerInfo(_parse_peer(peer), [multiaddr.Multiaddr(address)])
         if info.peer_id == self._host.get_id():
             raise DialError("refusing to dial ourselves")
-        peer = _peer_id(info.peer_id)
         # Concurrent dials to one peer would open two connections; later callers wait
         # for the first and only dial themselves if it failed.
         while (pending := self._dials.get(info.peer_id)) is not None:

@@ -15,7 +15,7 @@ import trio
 from inclavate.types import PeerId
 from p2p.errors import DialError, ListenError, PublishRejected, StreamClosed, StreamTimeout
 from p2p.framing import FramedStream
-from p2p.host import ConnectionEvent, GossipConfig, P2PHost, open_host
+from p2p.host import ConnectionEvent, GossipConfig, P2PHost, open_host, parse_peer_addr
 from p2p.identity import Identity
 
 MiB = 1024 * 1024
@@ -57,6 +57,17 @@ async def test_connect_is_fast_and_reported() -> None:
             assert a.connected_peers() == [b.peer_id]
 
 
+def test_a_peer_multiaddr_is_read_one_way() -> None:
+    """``parse_peer_addr`` is what both ``connect`` and ``inclavate peer --bootstrap`` read an
+    address with (tests/test_peer_cli.py holds the flag's side)."""
+    peer = Identity.generate().peer_id
+    assert parse_peer_addr(f"/ip4/127.0.0.1/tcp/4001/p2p/{peer}") == (peer, "/ip4/127.0.0.1/tcp/4001")
+    for bad in ("not a multiaddr", "127.0.0.1:4001", "/ip4/127.0.0.1/tcp/4001", "/ip4/127.0.0.1/tcp/4001/p2p/nonsense",
+                f"/p2p/{peer}", f"/ip4/127.0.0.1/tcp/4001/p2p/{peer}/p2p-circuit", ""):
+        with pytest.raises(DialError, match="not a dialable /p2p/ multiaddr"):
+            parse_peer_addr(bad)
+
+
 async def test_dial_errors_are_typed_and_fast(caplog: pytest.LogCaptureFixture) -> None:
     with trio.fail_after(20):
         async with running_hosts(2) as (a, b):
@@ -64,6 +75,8 @@ async def test_dial_errors_are_typed_and_fast(caplog: pytest.LogCaptureFixture) 
                 await a.connect("not a multiaddr")
             with pytest.raises(DialError):
                 await a.connect("/ip4/127.0.0.1/tcp/1")  # no /p2p/ part
+            with pytest.raises(DialError, match="not a dialable"):
+                await a.connect(f"/p2p/{b.peer_id}")  # no address to dial
             with pytest.raises(DialError):
                 await a.connect(a.multiaddrs()[0])
             # An address where nobody listens: refused at once (no library retries).

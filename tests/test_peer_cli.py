@@ -50,7 +50,12 @@ def test_a_bootstrap_that_names_no_peer_is_a_usage_error(tmp_path: Path) -> None
     """``--bootstrap 127.0.0.1:PORT`` or a multiaddr without ``/p2p/PEER_ID``: before, the peer
     created its identity, opened its stores, then died with "error: not a peer id:
     '127.0.0.1:44393'", which names neither the flag nor what it wants."""
-    for addr in ("127.0.0.1:44393", "/ip4/127.0.0.1/tcp/44393", "/ip4/127.0.0.1/tcp/44393/p2p/nonsense"):
+    a_peer = "12D3KooWLNW2mGR1eiHqFAKJZ5wfr2ersoJAQrvUmNAPQTkuuWNq"
+    # The last two were accepted here and then failed every dial: the flag is read as
+    # P2PHost.connect reads it (p2p.host.parse_peer_addr), which wants an address before
+    # /p2p/ and /p2p/ last.
+    for addr in ("127.0.0.1:44393", "/ip4/127.0.0.1/tcp/44393", "/ip4/127.0.0.1/tcp/44393/p2p/nonsense",
+                 f"/p2p/{a_peer}", f"/ip4/127.0.0.1/tcp/44393/p2p/{a_peer}/p2p-circuit"):
         result = peer("--model", "smollm2:135m", "--api-port", "0", "--bootstrap", addr, tmp_path=tmp_path)
         assert result.returncode == 2, result.stderr
         assert f"argument --bootstrap: {addr!r} is not a peer's multiaddr" in result.stderr, result.stderr
