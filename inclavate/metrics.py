@@ -18,6 +18,12 @@ Definitions the spec leaves open, and why:
 * **Throughput** (``throughput_tps``) is tokens per second *while the stage is busy*: how
   fast it runs, not how loaded it is (the samples' ``tps`` measure load). An idle node keeps
   its last measured value instead of dropping to 0, so rankings do not punish idleness.
+* **A slice's figures.** What the stage measured (tokens, step latency, throughput, the tokens of
+  the minute buckets) belongs to the model and layers it ran (:func:`slice_key`): once the peer
+  serves another slice (restarted with another ``--model`` or range, or moved while running),
+  they start again from zero (:meth:`MetricsRecorder.measuring`). Otherwise they were claimed
+  for the new slice: a step time of 30 layers as one of 10, tokens weighted by the new range.
+  The entry's counts (requests, per model) and the error count are no slice's: they stay.
 * **Cluster tokens** are full-model tokens: a stage holding k of n layers counts k/n of each
   token it ran. Every stage of a chain runs every token, so a plain sum would count a token
   once per stage and a model cut in three would look three times as busy as the same model
@@ -33,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inclavate.types import LayerRange
 from p2p.records import Counters, MetricSample, MinuteBucket, NodeRecord, now_ms
 from p2p.registry import NodeView
 
@@ -57,6 +64,11 @@ def minute_of(ts_ms: int) -> int:
     return ts_ms - ts_ms % MINUTE_MS
 
 
+def slice_key(model_id: str, layers: LayerRange) -> str:
+    """What a stage's figures were measured on, as stored beside them."""
+    return f"{model_id}@{layers.start}-{layers.end}"
+
+
 @dataclass(frozen=True)
 class RecorderState:
     """What of a recorder survives a restart (samples do not: they describe the last
@@ -66,6 +78,8 @@ class RecorderState:
     throughput_tps: float = 0.0
     requests_by_model: Mapping[str, int] = field(default_factory=dict)
     buckets: tuple[MinuteBucket, ...] = ()
+    measured_on: str = ""
+    """The :func:`slice_key` the stage's figures belong to ("": unknown, trusted for none)."""
 
 
 @dataclass
@@ -94,6 +108,7 @@ class MetricsRecorder:
         self._restored_tps = state.throughput_tps
         self._by_model = dict(state.requests_by_model)
         self._minutes = {b.ts_ms: b for b in state.buckets}
+        self._measured_on = state.measured_on
         self._samples: deque[MetricSample] = deque(maxlen=SAMPLE_RING)
         self._window = _Window()
         self._recent: deque[_Window] = deque(maxlen=RECENT_WINDOWS)
@@ -121,6 +136,20 @@ class MetricsRecorder:
 
     def record_error(self) -> None:
         self._errors += 1
+        self.revision += 1
+
+    def measuring(self, slice_: str) -> None:
+        """The stage's figures are for ``slice_`` (a :func:`slice_key`) from now on; those
+        measured on another are dropped, restored or this run's. Called before every
+        reading is published, so a record never carries another slice's figures."""
+        if slice_ == self._measured_on:
+            return
+        self._measured_on = slice_
+        self._tokens = 0
+        self._restored_latency_ms = self._restored_tps = 0.0
+        self._window = _Window()
+        self._recent.clear()
+        self._minutes = {m: MinuteBucket(m, b.requests, 0) for m, b in self._minutes.items() if b.requests}
         self.revision += 1
 
     def sample(self, now_ms: int) -> MetricSample:
@@ -163,7 +192,7 @@ class MetricsRecorder:
 
     def snapshot(self) -> RecorderState:
         return RecorderState(self.counters(), self.throughput_tps(), self.requests_by_model(),
-                             self.buckets(self._clock()))  # fmt: skip
+                             self.buckets(self._clock()), self._measured_on)  # fmt: skip
 
     # ---------------------------------------------------------------- private
 

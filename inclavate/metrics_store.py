@@ -6,7 +6,9 @@ the *archive* of cluster-wide minute totals (so history still counts peers that 
 Tables, created on first use (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`)::
 
     totals           id = 1 (one row): tokens_total, requests_served, errors,
-                     avg_latency_ms, throughput_tps
+                     avg_latency_ms, throughput_tps, measured_on (the model and layers
+                     the stage's figures were measured on: a peer serving another
+                     slice drops them, ``MetricsRecorder.measuring``)
     model_requests   model_id (pk), requests        cumulative, entry requests
     own_minutes      ts_ms (pk), requests, tokens   this peer's last 60 minutes
     cluster_minutes  ts_ms (pk), requests, tokens   the archive, last 24 h, max-merged
@@ -44,7 +46,9 @@ from p2p.registry import NodeView
 log = logging.getLogger(__name__)
 
 FILENAME = "metrics.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: ``totals.measured_on``. A version-1 database's stage figures belong to no known slice,
+so the first run after the upgrade drops them (its counts of requests stay)."""
 SAVE_INTERVAL_MS = SAMPLE_INTERVAL_MS // 2
 """At most this much recorded traffic is lost to a crash."""
 LIVE_MINUTES = 60
@@ -93,9 +97,11 @@ class MetricsStore:
         with self._db.atomic():
             self._db.table("totals").create(
                 {"id": int, "tokens_total": int, "requests_served": int, "errors": int,
-                 "avg_latency_ms": float, "throughput_tps": float},
+                 "avg_latency_ms": float, "throughput_tps": float, "measured_on": str},
                 pk="id", if_not_exists=True,
             )  # fmt: skip
+            if "measured_on" not in self._db.table("totals").columns_dict:  # version 1
+                self._db.table("totals").add_column("measured_on", str, not_null_default="")
             self._db.table("model_requests").create(
                 {"model_id": str, "requests": int}, pk="model_id", if_not_exists=True
             )
@@ -116,7 +122,7 @@ class MetricsStore:
         counters = Counters(
             totals["tokens_total"], totals["requests_served"], totals["errors"], totals["avg_latency_ms"]
         )
-        return RecorderState(counters, totals["throughput_tps"], by_model, minutes)
+        return RecorderState(counters, totals["throughput_tps"], by_model, minutes, totals["measured_on"] or "")
 
     def save(self, state: RecorderState) -> None:
         """Replace the stored state with ``state``, all or nothing."""
@@ -124,7 +130,8 @@ class MetricsStore:
         with _mapped(), self._db.atomic():
             self._db.table("totals").upsert(
                 {"id": 1, "tokens_total": c.tokens_total, "requests_served": c.requests_served, "errors": c.errors,
-                 "avg_latency_ms": c.avg_latency_ms, "throughput_tps": state.throughput_tps},
+                 "avg_latency_ms": c.avg_latency_ms, "throughput_tps": state.throughput_tps,
+                 "measured_on": state.measured_on},
                 pk="id",
             )  # fmt: skip
             models = [{"model_id": m, "requests": n} for m, n in state.requests_by_model.items()]

@@ -49,7 +49,7 @@ from inclavate.gguf_meta import GgufMetadata, read_metadata
 from inclavate.job_runner import JobRunner, RunnerConfig
 from inclavate.jobs import JobStore
 from inclavate.healer import Healer
-from inclavate.metrics import MetricsRecorder
+from inclavate.metrics import MetricsRecorder, slice_key
 from inclavate.metrics_store import MetricsStore, run_metrics
 from inclavate.peer_book import PeerBook
 from inclavate.peer_http import PeerHttp
@@ -552,6 +552,7 @@ class Peer:
 
     def _refresh_record(self, record: NodeRecord) -> NodeRecord:
         m = self.metrics
+        m.measuring(slice_key(record.model_id, record.layers))  # the figures are for the slice it names
         changes: dict = {
             "model_sha256": self._model_sha256,
             "vocab_sha256": self._vocab_sha256,

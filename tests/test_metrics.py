@@ -25,9 +25,11 @@ from inclavate.metrics import (
     minute_of,
     model_metrics,
     rankings,
+    slice_key,
     summary,
 )
 from inclavate.metrics_store import MetricsStore, MetricsStoreError, archive_cluster, run_metrics
+from inclavate.types import LayerRange
 from p2p.records import Counters, MetricSample, MinuteBucket
 from p2p.registry import NodeView
 
@@ -123,6 +125,28 @@ def test_restored_state_continues_counting() -> None:
     assert rec.snapshot().counters.requests_served == 11
 
 
+def test_figures_measured_on_another_slice_are_dropped_and_the_entrys_counts_kept() -> None:
+    """A restored state (or this run's, before a move) counts for the slice it was measured
+    on only: tests/test_metrics_restart.py holds the real peer's side."""
+    old, new = slice_key("m", LayerRange(0, 10)), slice_key("m", LayerRange(10, 30))
+    state = RecorderState(Counters(1000, 10, 2, 33.0), 250.0, {"a": 10}, (MinuteBucket(T0, 10, 1000),), old)
+    clock = Clock(T0 + 1_000)
+    rec = MetricsRecorder(clock, state)
+    rec.measuring(old)
+    assert rec.snapshot() == state
+    rec.record_tokens(5, 10.0)
+    rec.measuring(new)
+    assert rec.counters() == Counters(0, 10, 2, 0.0) and rec.throughput_tps() == 0.0
+    assert rec.requests_by_model() == {"a": 10} and rec.buckets(clock.ms) == (MinuteBucket(T0, 10, 0),)
+    assert rec.snapshot().measured_on == new
+    rec.record_tokens(8, 4.0)
+    assert rec.counters().avg_latency_ms == 4.0 and rec.throughput_tps() == 2000.0
+    # A state of unknown slice (a version-1 database) is trusted for none.
+    unknown = MetricsRecorder(clock, RecorderState(Counters(1000, 10, 2, 33.0), 250.0))
+    unknown.measuring(new)
+    assert unknown.counters() == Counters(0, 10, 2, 0.0)
+
+
 def test_a_negative_batch_is_refused() -> None:
     with pytest.raises(ValueError):
         MetricsRecorder(Clock()).record_tokens(-1, 5.0)
@@ -148,6 +172,20 @@ def test_store_reopens_with_the_same_counters_and_buckets(tmp_path: Path) -> Non
     assert restored.requests_by_model() == rec.requests_by_model()
     assert restored.buckets(clock.ms) == rec.buckets(clock.ms)
     assert restored.throughput_tps() == rec.throughput_tps() == 2000.0
+
+
+def test_the_slice_is_stored_and_a_version_1_database_gains_it(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "metrics.db") as conn:  # what version 1 created
+        conn.execute("CREATE TABLE totals (id INTEGER PRIMARY KEY, tokens_total INTEGER, requests_served "
+                     "INTEGER, errors INTEGER, avg_latency_ms FLOAT, throughput_tps FLOAT)")  # fmt: skip
+        conn.execute("INSERT INTO totals VALUES (1, 1000, 10, 2, 33.0, 250.0)")
+        conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    with MetricsStore.in_dir(tmp_path) as store:
+        assert store.load() == RecorderState(Counters(1000, 10, 2, 33.0), 250.0, measured_on="")
+        store.save(RecorderState(Counters(1, 1, 0, 2.0), 3.0, measured_on="m@0-10"))
+    with MetricsStore.in_dir(tmp_path) as store:
+        assert store.load().measured_on == "m@0-10"
 
 
 def test_save_replaces_minutes_that_left_the_window(tmp_path: Path) -> None:
