@@ -10,6 +10,7 @@ Error tree (each mapped to its HTTP status once, in ``api/errors.py``)::
         ├── ArtifactTooLarge        413  over the per-request cap (512 MiB, Files: 64 MiB)
         ├── QuotaExceeded           507  the store's max_bytes / max_objects is reached
         └── ArtifactUnavailable     503  storage broken, or the owner peer unreachable
+            └── OwnerBusy           503  the owner peer's slots for such requests are taken now
 
 ``MalformedId`` (400, :mod:`inclavate.owner_ids`) and the Range errors (400/416,
 :mod:`inclavate.byte_ranges`) live with the code that raises them.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from inclavate.byte_ranges import ByteRange, parse_range
 from inclavate.errors import ConfigError, InclavateError
 
 MIB = 1024 * 1024
@@ -82,6 +84,12 @@ class ArtifactUnavailable(ArtifactError):
     or the owning peer did not answer (503)."""
 
 
+class OwnerBusy(ArtifactUnavailable):
+    """The owner refused a request because its slots for such requests are taken. A read
+    slot is held for one piece at a time, so this passes in moments: a reader waits and asks
+    again rather than cutting a download off half way (still a 503 if it never passes)."""
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -113,6 +121,14 @@ class ArtifactMeta:
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    def range_to_read(self, range_header: str | None) -> ByteRange | None:
+        """The part of this artifact a read with ``range_header`` serves (None: all of it).
+        The store and a peer reading from the owner decide it the same way, so a remote
+        400/409/416 is the local one."""
+        if not self.ready:
+            raise ArtifactNotReady(f"artifact {self.id} is {self.state}; only ready artifacts can be read")
+        return parse_range(range_header, self.size_bytes)
 
     def expired(self, at_ms: int) -> bool:
         return self.expires_at_ms is not None and self.expires_at_ms <= at_ms

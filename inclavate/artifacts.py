@@ -57,7 +57,6 @@ from inclavate.artifact_types import (
     ArtifactKind,
     ArtifactMeta,
     ArtifactNotFound,
-    ArtifactNotReady,
     ArtifactPage,
     ArtifactTooLarge,
     ArtifactUnavailable,
@@ -70,7 +69,6 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifact_reads import READ_CHUNK, ArtifactRead, ByteChunks, FileChunks, read_whole
 from inclavate.artifact_writer import ArtifactWriter
-from inclavate.byte_ranges import parse_range
 from inclavate.owner_ids import new_id, parse_id
 
 log = logging.getLogger(__name__)
@@ -240,9 +238,7 @@ class ArtifactStore:
     async def open(self, id_: str, range_header: str | None = None) -> ArtifactRead:
         """Open a ready artifact for reading, whole or one range of it."""
         meta = self.meta(id_)
-        if not meta.ready:
-            raise ArtifactNotReady(f"artifact {meta.id} is {meta.state}; only ready artifacts can be read")
-        byte_range = parse_range(range_header, meta.size_bytes)
+        byte_range = meta.range_to_read(range_header)
         try:
             handle = await trio.to_thread.run_sync(open, self.object_path(meta.id), "rb")
         except FileNotFoundError:  # deleted between the row lookup and the open
