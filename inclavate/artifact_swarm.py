@@ -1,5 +1,5 @@
 """The swarm's artifacts seen from one peer: its own store, and every other peer's over
-``/inclavate/artifacts/1``. The API talks only to this (``PeerContext.artifacts()``).
+``/inclavate/artifacts/2``. The API talks only to this (``PeerContext.artifacts()``).
 
 Where an id lives: its owner tag (:mod:`inclavate.owner_ids`) names the peer, so a read,
 a meta or a delete goes straight to the owner: locally when the tag is ours, else to the

@@ -1,11 +1,11 @@
-"""The messages of ``/inclavate/artifacts/1``, encoded and decoded strictly on both ends.
+"""The messages of ``/inclavate/artifacts/2``, encoded and decoded strictly on both ends.
 
 One request per stream:
 
 * request: one JSON frame of at most 4 KiB, ``{"op": ..., ...}``::
 
       {"op": "meta",   "id": ID}
-      {"op": "read",   "id": ID, "range": RANGE_HEADER | null}
+      {"op": "read",   "id": ID, "offset": N, "length": L}     1 <= L <= MAX_PIECE
       {"op": "delete", "id": ID}
       {"op": "list",   "limit": N, "kind": K|null, "files_only": B, "purpose": P|null,
                        "after": [MS, ID]|null, "ascending": B}
@@ -15,8 +15,15 @@ One request per stream:
   "message": TEXT[, "size": N]}``, CODE naming one of our exception types (:data:`ERRORS`),
   so the asking side raises the very error the owner's store raised (a remote 404, 409 or
   416 is the local one);
-* a ``read`` that succeeded is followed by the bytes in frames of at most 256 KiB and an
-  empty frame that marks the end.
+* a ``read`` that succeeded answers ``"range": [FIRST, LAST]`` (inclusive; the end clamped
+  to the object's last byte, a start past it is 416) and is followed by those bytes in
+  frames of at most 256 KiB and an empty frame that marks the end.
+
+A read is one *piece* of at most :data:`MAX_PIECE` bytes: the asker reads an object piece by
+piece, one stream each, so an owner's read slot is held while a piece crosses the wire and
+never while the asker's own client is slow to take what it already has. Version 1 read a
+whole object per stream (its slot held for as long as the slowest HTTP client took), which
+is why the protocol's number changed.
 
 Decoders return typed values or raise: the owner's :func:`decode_request` raises
 :class:`BadArtifactRequest` / :class:`MalformedId` (answered as a refusal), the asker's
@@ -41,16 +48,24 @@ from inclavate.artifact_types import (
     ArtifactUnavailable,
     BadArtifactRequest,
     ListQuery,
+    OwnerBusy,
     QuotaExceeded,
     Usage,
 )
-from inclavate.byte_ranges import MAX_HEADER_CHARS, ByteRange, RangeMalformed, RangeNotSatisfiable
+from inclavate.artifact_reads import READ_CHUNK
+from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.errors import InclavateError
 from inclavate.owner_ids import MalformedId, owner_tag, parse_id, tag_of
 from inclavate.untrusted import Malformed, parse_json
 
-PROTOCOL = "/inclavate/artifacts/1"
+PROTOCOL = "/inclavate/artifacts/2"
 MAX_REQUEST_BYTES = 4096
+MAX_PIECE = 4 * READ_CHUNK
+"""Bytes one read asks for (1 MiB): what an asker buffers per download, and what bounds the
+time one read may hold an owner's slot (:func:`p2p.artifacts.read_deadline`)."""
+MAX_OFFSET = 2**63 - 1
+"""A piece's offset: with its length, its last byte still has at most 19 digits, the most
+:func:`inclavate.byte_ranges.parse_range` reads."""
 MAX_ANSWER_BYTES = SWARM_LIST_WINDOW * 1024 + 4096
 OPS = ("meta", "read", "delete", "list", "usage")
 
@@ -63,6 +78,7 @@ ERRORS: dict[str, type[InclavateError]] = {
     "malformed_id": MalformedId,
     "malformed_range": RangeMalformed,
     "unsatisfiable_range": RangeNotSatisfiable,
+    "busy": OwnerBusy,  # before its base class: refusal() takes the first code that fits
     "unavailable": ArtifactUnavailable,
 }
 _CODES = {cls: code for code, cls in ERRORS.items()}
@@ -76,7 +92,7 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def decode_request(raw: bytes) -> dict[str, Any]:
-    """``{"op", "id"[, "range"]}``, ``{"op": "list", "query": ListQuery}`` or ``{"op": "usage"}``."""
+    """``{"op", "id"[, "offset", "length"]}``, ``{"op": "list", "query": ListQuery}`` or ``{"op": "usage"}``."""
     if len(raw) > MAX_REQUEST_BYTES:
         raise BadArtifactRequest("request too large")
     try:
@@ -89,8 +105,8 @@ def decode_request(raw: bytes) -> dict[str, Any]:
     if op in ("meta", "read", "delete"):
         out: dict[str, Any] = {"op": op, "id": parse_id(_str(body.get("id"), 36, "id"))}
         if op == "read":
-            header = body.get("range")
-            out["range"] = None if header is None else _str(header, MAX_HEADER_CHARS, "range")
+            out["offset"] = _whole(body.get("offset"), 0, MAX_OFFSET, "offset")
+            out["length"] = _whole(body.get("length"), 1, MAX_PIECE, "length")
         return out
     if op == "usage":
         return {"op": op}
@@ -107,10 +123,9 @@ def _decode_query(body: dict[str, Any]) -> ListQuery:
     purpose = body.get("purpose")
     after = body.get("after")
     if after is not None:
-        if not (isinstance(after, list) and len(after) == 2 and isinstance(after[0], int)
-                and not isinstance(after[0], bool) and 0 <= after[0] < 2**63):  # fmt: skip
+        if not (isinstance(after, list) and len(after) == 2):
             raise BadArtifactRequest("after must be [created_at_ms, id]")
-        after = (after[0], parse_id(_str(after[1], 36, "after id")))
+        after = (_whole(after[0], 0, 2**63 - 1, "after's created_at_ms"), parse_id(_str(after[1], 36, "after id")))
     return ListQuery(
         limit=limit, kind=kind, files_only=body.get("files_only") is True,
         purpose=None if purpose is None else _str(purpose, MAX_PURPOSE_CHARS, "purpose"),
@@ -124,6 +139,19 @@ def _str(value: object, limit: int, what: str) -> str:
     return value
 
 
+def _whole(value: object, low: int, high: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadArtifactRequest(f"{what} must be a whole number from {low} to {high}")
+    return value
+
+
+def piece_header(offset: int, length: int) -> str:
+    """A decoded read as the ``Range`` header the owner's store parses: the store's one
+    parser clamps the end and refuses a start past the object (416 with its size), for a
+    peer's read as for an HTTP client's."""
+    return f"bytes={offset}-{offset + length - 1}"
+
+
 def refusal(exc: InclavateError) -> dict[str, Any]:
     """The answer that makes the asker raise ``exc``'s type with its message."""
     code = next((c for cls, c in _CODES.items() if isinstance(exc, cls)), "unavailable")
@@ -134,6 +162,10 @@ def refusal(exc: InclavateError) -> dict[str, Any]:
 
 
 # -- the asker encodes requests and decodes answers -----------------------------------
+
+
+def read_request(id_: str, offset: int, length: int) -> dict[str, Any]:
+    return {"op": "read", "id": id_, "offset": offset, "length": length}
 
 
 def list_request(query: ListQuery) -> dict[str, Any]:
@@ -194,11 +226,12 @@ def decode_usage(answer: dict[str, Any], peer: str) -> Usage:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed usage answer: {exc}") from exc
 
 
-def decode_range(span: object, meta: ArtifactMeta, peer: str) -> ByteRange | None:
-    """The range the owner says it serves, which must lie inside the object."""
-    if span is None:
-        return None
-    if not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in span)
-            and 0 <= span[0] <= span[1] < meta.size_bytes):  # fmt: skip
-        raise ArtifactUnavailable(f"peer {peer} sent a malformed range")
-    return ByteRange(span[0], span[1], meta.size_bytes)
+def decode_piece(answer: dict[str, Any], meta: ArtifactMeta, offset: int, length: int, peer: str) -> None:
+    """A read's answer must describe the object the asker is reading (``meta``, from its
+    ``meta`` answer: the same id, size and digest) and serve exactly the bytes it asked for;
+    the asker asks only for bytes inside the object, so there is nothing to clamp."""
+    got = decode_meta(answer.get("artifact"), peer, meta.id)
+    if (got.size_bytes, got.digest) != (meta.size_bytes, meta.digest):
+        raise ArtifactUnavailable(f"peer {peer} served artifact {meta.id} with another size or digest than it described")
+    if answer.get("range") != [offset, offset + length - 1]:
+        raise ArtifactUnavailable(f"peer {peer} served another range than the one asked for")

@@ -1,4 +1,4 @@
-"""``/inclavate/artifacts/1``: reach the artifact store of the peer that owns an id.
+"""``/inclavate/artifacts/2``: reach the artifact store of the peer that owns an id.
 
 Any peer serves the artifact API; the bytes stay on the peer that created them (the id's
 owner tag says which, :mod:`inclavate.owner_ids`), and the peer that got the request asks
@@ -6,16 +6,22 @@ the owner over this protocol. The messages are in :mod:`p2p.artifact_wire`.
 
 The owner serves at most :data:`MAX_READS` reads and :data:`MAX_SMALL` other requests at
 once, and at most :data:`MAX_READS_PER_PEER` / :data:`MAX_SMALL_PER_PEER` of them for any one
-remote peer (more are refused as ``unavailable``, so the asker answers 503 rather than
-queueing): one peer cannot hold the owner's capacity, and long reads cannot starve the short
-requests. A read must also finish within :func:`read_deadline` (its length at
-:data:`MIN_READ_RATE`, plus :data:`READ_GRACE_S`), so a reader that trickles is cut off
-rather than holding its slot as long as it likes. An owner that fails (or cuts a read off)
-mid-object resets the stream, so a reader never takes a short object for a whole one. The
-asker counts the bytes against the announced length and resets the stream when its reader
-stops early (the HTTP client left), so the owner stops sending at once. Any swarm peer may
-ask: the spec's ownership is a single local principal, the same one any HTTP client of any
-peer already is.
+remote peer (more are refused as ``busy``): one peer cannot hold the owner's capacity, and
+long reads cannot starve the short requests. A read is one piece of at most
+:data:`p2p.artifact_wire.MAX_PIECE` bytes, and must finish within :func:`read_deadline` (its
+length at :data:`MIN_READ_RATE`, plus :data:`READ_GRACE_S`), so an asker that trickles is
+cut off rather than holding its slot as long as it likes. An owner that fails (or cuts a
+read off) mid-piece resets the stream, so an asker never takes a short piece for a whole one.
+
+The asker reads an object piece by piece (:class:`RemotePieces`): it takes a whole piece
+off the wire as fast as the owner sends it, then hands it to its reader (the HTTP client)
+from memory, and asks for the next piece only when the reader wants more. A slow client
+thus holds no owner slot while it is not reading. Reads that held a stream for the whole
+object let one client's four slow downloads through a peer take all of that peer's slots,
+and every other download of that owner's artifacts through it was a 503. A ``busy`` answer
+now means slots held for moments, so the asker waits (at most :data:`BUSY_WAIT_S`) and asks
+again. Any swarm peer may ask: the spec's ownership is a single local principal, the same
+one any HTTP client of any peer already is.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from inclavate.artifact_types import (
     ArtifactPage,
     ArtifactUnavailable,
     ListQuery,
+    OwnerBusy,
     Usage,
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactRead
@@ -39,16 +46,19 @@ from inclavate.owner_ids import MalformedId
 from inclavate.types import PeerId
 from p2p.artifact_wire import (
     MAX_ANSWER_BYTES,
+    MAX_PIECE,
     MAX_REQUEST_BYTES,
     PROTOCOL,
     decode_answer,
     decode_meta,
     decode_page,
-    decode_range,
+    decode_piece,
     decode_request,
     decode_usage,
     encode,
     list_request,
+    piece_header,
+    read_request,
     refusal,
 )
 from p2p.errors import P2PError, ProtocolError, StreamTimeout
@@ -62,12 +72,14 @@ __all__ = [
     "MAX_READS_PER_PEER",
     "MAX_SMALL",
     "MAX_SMALL_PER_PEER",
+    "MAX_RELAYED_READS",
+    "BUSY_WAIT_S",
     "MIN_READ_RATE",
     "PROTOCOL",
     "READ_GRACE_S",
     "ReadTooSlow",
     "RemoteArtifacts",
-    "RemoteChunks",
+    "RemotePieces",
     "read_deadline",
     "serve_artifacts",
 ]
@@ -88,6 +100,14 @@ MIN_READ_RATE = 128 * 1024
 """Bytes per second a read must average (1 Mbit/s); slower, it is cut off at its deadline."""
 READ_GRACE_S = 30.0
 """Added to every read's deadline: the first frames, a slow start, a small object."""
+BUSY_WAIT_S = 30.0
+"""How long an asker keeps asking an owner that answers ``busy`` for one piece (a slot is
+held for a piece's transfer, at most its deadline) before it gives up with a 503."""
+MAX_RELAYED_READS = 256
+"""Reads of other peers' artifacts open on this peer at once: each buffers up to one piece
+(1 MiB), so its HTTP clients cannot make it hold more than 256 MiB; one more is a 503."""
+_BUSY_BACKOFF_S = (0.02, 0.5)
+"""The first and the longest pause between two asks of a busy owner."""
 _REQUEST_TIMEOUT = 10.0
 _ANSWER_TIMEOUT = 30.0
 _DATA_TIMEOUT = 30.0
@@ -146,7 +166,7 @@ class _Slots:
 
 
 def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
-    """Answer ``/inclavate/artifacts/1`` from ``store``."""
+    """Answer ``/inclavate/artifacts/2`` from ``store``."""
     reads = _Slots(MAX_READS, MAX_READS_PER_PEER)
     small = _Slots(MAX_SMALL, MAX_SMALL_PER_PEER)  # meta, list, usage, delete
 
@@ -160,7 +180,7 @@ def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
             return
         slots = reads if request["op"] == "read" else small
         if not slots.take(remote):
-            await _send(stream, {"ok": False, "error": "unavailable", "message": "the owner peer is busy; retry"})
+            await _send(stream, refusal(OwnerBusy("the owner peer is busy; retry")))
             return
         try:
             await _answer(stream, store, request)
@@ -176,16 +196,16 @@ def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
 async def _answer(stream: FramedStream, store: LocalArtifacts, request: dict[str, Any]) -> None:
     try:
         if request["op"] == "read":
-            read = await store.open(request["id"], request["range"])
+            read = await store.open(request["id"], piece_header(request["offset"], request["length"]))
         else:
             await _send(stream, {"ok": True, **await _run(store, request)})
             return
     except _REFUSED as exc:
         await _send(stream, refusal(exc))
         return
-    header = {"ok": True, "artifact": read.meta.to_record(),
-              "range": [read.range.start, read.range.end] if read.range else None}  # fmt: skip
-    length = read.range.length if read.range else read.meta.size_bytes
+    assert read.range is not None  # a piece is always a range
+    header = {"ok": True, "artifact": read.meta.to_record(), "range": [read.range.start, read.range.end]}
+    length = read.range.length
     deadline = read_deadline(length)
     try:
         with trio.move_on_after(deadline) as cut:
@@ -196,7 +216,7 @@ async def _answer(stream: FramedStream, store: LocalArtifacts, request: dict[str
     finally:
         await read.chunks.aclose()
     if cut.cancelled_caught:  # raised, so the host resets the stream: never a short object
-        raise ReadTooSlow(f"a read of {length} bytes took longer than {deadline:.0f} s")
+        raise ReadTooSlow(f"a read of {length} bytes took longer than {deadline:.1f} s")
 
 
 async def _run(store: LocalArtifacts, request: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +246,8 @@ class RemoteArtifacts:
 
     def __init__(self, host: P2PHost) -> None:
         self.host = host
+        self.relayed_reads = 0
+        """Open :class:`RemotePieces`, at most :data:`MAX_RELAYED_READS`."""
 
     async def meta(self, peer: str, id_: str) -> ArtifactMeta:
         answer = await self._call(peer, {"op": "meta", "id": id_})
@@ -241,21 +263,53 @@ class RemoteArtifacts:
         return decode_page(await self._call(peer, list_request(query)), peer, query.limit)
 
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead:
-        """Open a read on the owner; the returned chunks hold the stream until exhausted."""
+        """Open a read on the owner: its meta decides the range (as the owner's store would),
+        and the first piece is fetched here, so a refusal is a status, not a cut-off body."""
+        meta = await self.meta(peer, id_)
+        byte_range = meta.range_to_read(range_header)
+        if self.relayed_reads >= MAX_RELAYED_READS:
+            raise ArtifactUnavailable(f"this peer relays {MAX_RELAYED_READS} downloads already; retry")
+        start, length = (byte_range.start, byte_range.length) if byte_range else (0, meta.size_bytes)
+        chunks = RemotePieces(self, peer, meta, start, length)
+        try:
+            await chunks.fetch()
+        except BaseException:
+            await chunks.aclose()
+            raise
+        return ArtifactRead(meta, byte_range, chunks)
+
+    async def read_piece(self, peer: str, meta: ArtifactMeta, offset: int, length: int) -> list[bytes]:
+        """Bytes ``offset .. offset + length`` of ``meta``'s object (inside it, at most
+        :data:`MAX_PIECE`), whole, asking again while the owner is busy. Everything an owner
+        could make us hold is bounded: the piece's bytes, its deadline, the busy wait."""
+        pause = _BUSY_BACKOFF_S[0]
+        with trio.move_on_after(BUSY_WAIT_S) as waited:
+            while True:
+                try:
+                    return await self._read_piece_once(peer, meta, offset, length)
+                except OwnerBusy:
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, _BUSY_BACKOFF_S[1])
+        assert waited.cancelled_caught
+        raise OwnerBusy(f"the owner peer {peer} stayed busy for {BUSY_WAIT_S:.0f} s")
+
+    async def _read_piece_once(self, peer: str, meta: ArtifactMeta, offset: int, length: int) -> list[bytes]:
         stream = await self._open_stream(peer)
         try:
-            await stream.send(encode({"op": "read", "id": id_, "range": range_header}), timeout=_REQUEST_TIMEOUT)
-            answer = decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer)
-            meta = decode_meta(answer.get("artifact"), peer, id_)
-            byte_range = decode_range(answer.get("range"), meta, peer)
+            with trio.move_on_after(read_deadline(length)) as cut:
+                await stream.send(encode(read_request(meta.id, offset, length)), timeout=_REQUEST_TIMEOUT)
+                decode_piece(decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer), meta, offset, length, peer)
+                piece = await _receive_piece(stream, peer, length)
+            if cut.cancelled_caught:
+                raise ProtocolError(f"a piece of {length} bytes took longer than {read_deadline(length):.1f} s")
         except P2PError as exc:
             await stream.reset()
-            raise ArtifactUnavailable(f"the owner peer {peer} did not answer: {exc}") from exc
+            raise ArtifactUnavailable(f"reading from the owner peer {peer} failed: {exc}") from exc
         except BaseException:
             await stream.reset()
             raise
-        length = byte_range.length if byte_range else meta.size_bytes
-        return ArtifactRead(meta, byte_range, RemoteChunks(stream, peer, length))
+        await stream.close()
+        return piece
 
     async def _open_stream(self, peer: str) -> FramedStream:
         try:
@@ -273,41 +327,63 @@ class RemoteArtifacts:
             raise ArtifactUnavailable(f"the owner peer {peer} did not answer: {exc}") from exc
 
 
-class RemoteChunks:
-    """An artifact's bytes as they arrive from its owner, checked against the announced
-    length. Read to the end, the stream is closed politely; abandoned half way (the HTTP
-    client left) or broken, it is reset, so the owner stops sending at once."""
+async def _receive_piece(stream: FramedStream, peer: str, length: int) -> list[bytes]:
+    """Exactly ``length`` bytes in frames of at most :data:`READ_CHUNK`, then the end frame."""
+    frames: list[bytes] = []
+    received = 0
+    while True:
+        frame = await stream.receive(timeout=_DATA_TIMEOUT)
+        received += len(frame)
+        if len(frame) > READ_CHUNK or received > length:
+            raise ProtocolError(f"peer {peer} sent more bytes than the piece holds")
+        if not frame:
+            if received != length:
+                raise ProtocolError(f"peer {peer} ended a piece after {received} of {length} bytes")
+            return frames
+        frames.append(frame)
 
-    def __init__(self, stream: FramedStream, peer: str, length: int) -> None:
-        self._stream = stream
+
+class RemotePieces:
+    """An artifact's bytes from its owner, one piece of at most :data:`MAX_PIECE` at a time:
+    the next piece is asked for only when the reader has taken the last one, so a reader that
+    stops for a while holds memory for one piece and no stream, and no slot at the owner."""
+
+    def __init__(self, remote: RemoteArtifacts, peer: str, meta: ArtifactMeta, start: int, length: int) -> None:
+        self._remote = remote
         self._peer = peer
-        self._length = length
-        self._received = 0
-        self._complete = False
+        self._meta = meta
+        self._next = start
+        self._end = start + length
+        self._frames: list[bytes] = []
+        self._counted = True
+        remote.relayed_reads += 1
 
-    def __aiter__(self) -> RemoteChunks:
+    def __aiter__(self) -> RemotePieces:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._complete:
-            raise StopAsyncIteration
-        try:
-            chunk = await self._stream.receive(timeout=_DATA_TIMEOUT)
-            self._received += len(chunk)
-            if len(chunk) > READ_CHUNK or self._received > self._length:
-                raise ProtocolError(f"peer {self._peer} sent more bytes than the artifact holds")
-            if not chunk and self._received != self._length:
-                raise ProtocolError(f"peer {self._peer} ended the artifact after {self._received} of {self._length} bytes")
-        except P2PError as exc:
+        if not self._frames:
+            try:
+                await self.fetch()
+            except BaseException:
+                await self.aclose()
+                raise
+        if not self._frames:
             await self.aclose()
-            raise ArtifactUnavailable(f"reading from the owner peer {self._peer} failed: {exc}") from exc
-        if not chunk:
-            self._complete = True
-            await self._stream.close()
             raise StopAsyncIteration
-        return chunk
+        return self._frames.pop(0)
+
+    async def fetch(self) -> None:
+        """Take the next piece off the wire, unless all of it has been."""
+        if self._next >= self._end:
+            return
+        length = min(MAX_PIECE, self._end - self._next)
+        self._frames = await self._remote.read_piece(self._peer, self._meta, self._next, length)
+        self._next += length
 
     async def aclose(self) -> None:
-        if not self._complete:
-            self._complete = True
-            await self._stream.reset()
+        self._frames = []
+        self._next = self._end
+        if self._counted:
+            self._counted = False
+            self._remote.relayed_reads -= 1

@@ -1,5 +1,5 @@
 """Artifacts across peers, in process: two libp2p hosts, each with its own store, serving
-``/inclavate/artifacts/1``; every operation through the peer that does not hold the bytes,
+``/inclavate/artifacts/2``; every operation through the peer that does not hold the bytes,
 and what a hostile asker or a hostile owner gets."""
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from inclavate.artifact_types import (
     BadArtifactRequest,
     ListQuery,
 )
-from inclavate.artifacts import ArtifactStore
+from inclavate.artifacts import READ_CHUNK, ArtifactStore
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.owner_ids import MalformedId, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
+from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, read_request
 from p2p.artifacts import PROTOCOL, RemoteArtifacts, serve_artifacts
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
@@ -40,6 +41,7 @@ class Node:
     host: P2PHost
     store: ArtifactStore
     swarm: SwarmArtifacts
+    remote: RemoteArtifacts
 
 
 async def chunks(data: bytes) -> AsyncIterator[bytes]:
@@ -57,7 +59,8 @@ async def two_peers(tmp_path: Path, config: ArtifactConfig | None = None) -> Asy
             store = ArtifactStore(tmp_path / f"peer{i}", host.peer_id, config)
             stack.callback(store.close)
             serve_artifacts(host, store)
-            nodes.append(Node(host, store, SwarmArtifacts(store, RemoteArtifacts(host), lambda: peers, lambda: peers)))
+            remote = RemoteArtifacts(host)
+            nodes.append(Node(host, store, SwarmArtifacts(store, remote, lambda: peers, lambda: peers), remote))
         await hosts[0].connect(hosts[1].multiaddrs()[0])
         yield nodes[0], nodes[1]
 
@@ -148,6 +151,13 @@ async def raw_request(asker: P2PHost, owner: P2PHost, payload: bytes) -> dict | 
             return None
 
 
+async def raw_read(asker: P2PHost, owner: P2PHost, id_: str, offset: int = 0, length: int = MAX_PIECE) -> tuple[FramedStream, dict]:
+    """A read asked for by hand (a hostile asker): the stream, left open, and the answer."""
+    stream = await asker.new_stream(owner.peer_id, PROTOCOL, timeout=5, max_frame_size=MAX_ANSWER_BYTES)
+    await stream.send(json.dumps(read_request(id_, offset, length)).encode(), timeout=5)
+    return stream, json.loads(await stream.receive(timeout=5))
+
+
 async def test_hostile_requests_are_refused_and_contained(tmp_path: Path) -> None:
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b):
@@ -157,7 +167,11 @@ async def test_hostile_requests_are_refused_and_contained(tmp_path: Path) -> Non
                 b"[]",
                 json.dumps({"op": "format_disk"}).encode(),
                 json.dumps({"op": "read", "id": "../../index.db"}).encode(),
-                json.dumps({"op": "read", "id": meta.id, "range": "x" * 300}).encode(),
+                json.dumps({"op": "read", "id": meta.id, "range": "bytes=0-"}).encode(),  # version 1's read
+                *(json.dumps({"op": "read", "id": meta.id, "offset": offset, "length": 4}).encode()
+                  for offset in (None, -1, "0", True, 1.5, 2**63, 10**30, [0], {"$gt": 0})),
+                *(json.dumps({"op": "read", "id": meta.id, "offset": 0, "length": length}).encode()
+                  for length in (None, 0, -5, "4", True, 2.0, MAX_PIECE + 1, 10**12, 2**64)),
                 json.dumps({"op": "list", "limit": 10**9}).encode(),
                 json.dumps({"op": "list", "limit": True}).encode(),
                 json.dumps({"op": "list", "limit": 5, "after": [-1, meta.id]}).encode(),
@@ -168,13 +182,40 @@ async def test_hostile_requests_are_refused_and_contained(tmp_path: Path) -> Non
                 answer = await raw_request(b.host, a.host, payload)
                 assert answer is not None and answer["ok"] is False, payload
                 assert answer["error"] in ("bad_request", "malformed_id", "malformed_range"), answer
+            # a start at or past the object's end (the largest offset too) is 416 with its size
+            for offset in (8, 9, 2**63 - 1):
+                stream, answer = await raw_read(b.host, a.host, meta.id, offset, MAX_PIECE)
+                await stream.reset()
+                assert answer["ok"] is False and answer["error"] == "unsatisfiable_range" and answer["size"] == 8
+            # an end past the object is clamped, and says so
+            stream, answer = await raw_read(b.host, a.host, meta.id, 4, MAX_PIECE)
+            assert answer["ok"] is True and answer["range"] == [4, 7]
+            assert await stream.receive(timeout=5) == b"ious" and await stream.receive(timeout=5) == b""
+            await stream.close()
             # a request frame over 4 KiB: the owner resets the stream, nothing else happens
             assert await raw_request(b.host, a.host, b"{" + b" " * 10_000 + b"}") is None
             assert await read(b.swarm, meta.id) == b"precious"
             assert a.store.meta(meta.id).ready
 
 
-async def test_a_lying_owner_is_caught(tmp_path: Path) -> None:
+LIES = {
+    "more bytes than asked": lambda r, rec: ({"artifact": rec, "range": r}, [b"123456789"]),
+    "a frame past the chunk size": lambda r, rec: ({"artifact": rec, "range": r}, [b"1" * (READ_CHUNK + 1)]),
+    "fewer bytes than asked": lambda r, rec: ({"artifact": rec, "range": r}, [b"123"]),
+    "another range": lambda r, rec: ({"artifact": rec, "range": [0, 2]}, [b"123"]),
+    "no range": lambda r, rec: ({"artifact": rec, "range": None}, [b"12345"]),
+    "another size": lambda r, rec: ({"artifact": {**rec, "size_bytes": 4}, "range": r}, [b"12345"]),
+    "another digest": lambda r, rec: ({"artifact": {**rec, "digest": "0" * 64}, "range": r}, [b"12345"]),
+    "a stall mid-piece": lambda r, rec: ({"artifact": rec, "range": r}, [b"12", None]),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+async def test_a_lying_owner_is_caught(tmp_path: Path, lie: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner describes its artifact honestly, then serves a piece that is not the one
+    asked for, or not whole, or never ends: the asker refuses it (503), holding no more
+    than the piece it asked for, and no longer than that piece's deadline."""
+    monkeypatch.setattr(p2p.artifacts, "READ_GRACE_S", 1.0)
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b):
             real = await a.store.create(chunks(b"12345"))
@@ -183,15 +224,46 @@ async def test_a_lying_owner_is_caught(tmp_path: Path) -> None:
                 request = json.loads(await stream.receive(timeout=5))
                 stream.max_frame_size = 1 << 20
                 record = {**real.to_record(), "id": request["id"]}
-                await stream.send(json.dumps({"ok": True, "artifact": record, "range": None}).encode(), timeout=5)
-                await stream.send(b"123456789", timeout=5)  # more than the 5 bytes announced
-                await stream.send(b"", timeout=5)
+                if request["op"] == "meta":
+                    await stream.send(json.dumps({"ok": True, "artifact": record}).encode(), timeout=5)
+                    return
+                span = [request["offset"], request["offset"] + request["length"] - 1]
+                header, frames = LIES[lie](span, record)
+                await stream.send(json.dumps({"ok": True, **header}).encode(), timeout=5)
+                for frame in frames + [b""]:
+                    if frame is None:
+                        await trio.sleep_forever()
+                    await stream.send(frame, timeout=5)
 
             a.host.set_stream_handler(PROTOCOL, liar)
-            opened = await b.swarm.open(real.id)
-            with pytest.raises(ArtifactUnavailable):
+            with pytest.raises(ArtifactUnavailable), trio.fail_after(10):
+                opened = await b.swarm.open(real.id)
                 async for _ in opened.chunks:
                     pass
+            assert b.remote.relayed_reads == 0  # nothing held after a refused piece
+
+
+async def test_an_owner_that_stays_busy_is_a_503_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p2p.artifacts, "BUSY_WAIT_S", 1.0)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            real = await a.store.create(chunks(b"12345"))
+            asked = 0
+
+            async def busy(stream: FramedStream, remote: PeerId) -> None:
+                nonlocal asked
+                request = json.loads(await stream.receive(timeout=5))
+                if request["op"] == "meta":
+                    answer = {"ok": True, "artifact": {**real.to_record(), "id": request["id"]}}
+                else:
+                    asked += 1
+                    answer = {"ok": False, "error": "busy", "message": "busy"}
+                await stream.send(json.dumps(answer).encode(), timeout=5)
+
+            a.host.set_stream_handler(PROTOCOL, busy)
+            with pytest.raises(ArtifactUnavailable, match="busy"), trio.fail_after(5):
+                await b.swarm.open(real.id)
+            assert 2 <= asked <= 10  # asked again, with pauses that grow
 
 
 async def test_a_peer_refusing_its_part_of_a_listing_is_left_out(tmp_path: Path) -> None:
@@ -220,83 +292,84 @@ async def test_oversized_display_fields_are_refused_at_creation(tmp_path: Path) 
 
 async def test_an_owner_serves_a_bounded_number_of_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(p2p.artifacts, "MAX_READS", 1)
+    monkeypatch.setattr(p2p.artifacts, "BUSY_WAIT_S", 1.0)
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b):
-            data = os.urandom(6_000_000)  # more than the stream window
+            data = os.urandom(6_000_000)
             big = await a.store.create(chunks(data))
-            held = await b.swarm.open(big.id)
-            await held.chunks.__anext__()  # the owner is now blocked sending the rest
-            with pytest.raises(ArtifactUnavailable, match="busy"):
-                await b.swarm.open(big.id)
-            assert (await b.swarm.meta(big.id)).id == big.id  # small requests have their own slots
-            await held.chunks.aclose()
-            with trio.fail_after(10):
-                while True:
-                    try:
-                        assert await read(b.swarm, big.id, "bytes=0-9") == data[:10]
-                        break
-                    except ArtifactUnavailable:
-                        await trio.sleep(0.05)
+            held, answer = await raw_read(b.host, a.host, big.id)  # a piece more than the stream window
+            assert answer["ok"] is True and answer["range"] == [0, MAX_PIECE - 1]
+            try:
+                await held.receive(timeout=5)  # the owner is now blocked sending the rest
+                stream, answer = await raw_read(b.host, a.host, big.id, 0, 10)
+                await stream.reset()
+                assert answer == {"ok": False, "error": "busy", "message": answer["message"]}
+                with pytest.raises(ArtifactUnavailable, match="busy"):  # an honest asker waits a while, then gives up
+                    await b.swarm.open(big.id)
+                assert (await b.swarm.meta(big.id)).id == big.id  # small requests have their own slots
+            finally:
+                await held.reset()
+            assert await read(b.swarm, big.id, "bytes=0-9") == data[:10]
 
 
 @asynccontextmanager
-async def third_peer(owner: P2PHost) -> AsyncIterator[RemoteArtifacts]:
+async def third_peer(owner: P2PHost) -> AsyncIterator[P2PHost]:
     """One more peer connected to ``owner``, asking it directly (a hostile asker)."""
     async with open_host(Identity.generate(), listen_host="127.0.0.1") as host:
         await host.connect(owner.multiaddrs()[0] + "/p2p/" + owner.peer_id)
-        yield RemoteArtifacts(host)
+        yield host
 
 
 async def test_one_peer_holding_slow_reads_does_not_starve_the_others(tmp_path: Path) -> None:
     """The audit's attack: a peer opens as many reads as the owner serves and takes one frame
     of each now and then. Other peers' meta and reads must still be served."""
-    data = os.urandom(6_000_000)  # more than a stream's window: the owner blocks on each read
+    data = os.urandom(6_000_000)
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b), third_peer(a.host) as attacker:
             big = await a.store.create(chunks(data))
             held, refused = [], 0
             try:
-                for _ in range(16):  # the owner's whole read pool before the fix
-                    try:
-                        opened = await attacker.open(a.host.peer_id, big.id, None)
-                    except ArtifactUnavailable:
+                for _ in range(16):  # the owner's whole read pool
+                    stream, answer = await raw_read(attacker, a.host, big.id)  # more than a window
+                    if answer["ok"]:
+                        held.append(stream)
+                        assert len(await stream.receive(timeout=5)) == READ_CHUNK
+                    else:
                         refused += 1
-                        continue
-                    held.append(opened)
-                    await opened.chunks.__anext__()
+                        assert answer["error"] == "busy"
+                        await stream.reset()
                 assert (await b.swarm.meta(big.id)).id == big.id
                 assert await read(b.swarm, big.id) == data
                 assert (await b.swarm.usage()).total.objects == 1
-                assert len(held) <= p2p.artifacts.MAX_READS_PER_PEER and refused == 16 - len(held)
+                assert len(held) == p2p.artifacts.MAX_READS_PER_PEER and refused == 16 - len(held)
             finally:
-                for opened in held:
-                    await opened.chunks.aclose()
+                for stream in held:
+                    await stream.reset()
 
 
-async def test_a_reader_that_trickles_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_asker_that_trickles_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read must average MIN_READ_RATE: one frame now and then, each within the per-frame
-    timeout, no longer keeps a slot for as long as the reader likes."""
-    monkeypatch.setattr(p2p.artifacts, "MIN_READ_RATE", 1 << 20)  # 6 MB: a deadline of ~7 s
+    timeout, no longer keeps a slot for as long as the asker likes."""
+    monkeypatch.setattr(p2p.artifacts, "MIN_READ_RATE", 4 << 20)  # a piece's deadline: 1.25 s
     monkeypatch.setattr(p2p.artifacts, "READ_GRACE_S", 1.0)
     monkeypatch.setattr(p2p.artifacts, "MAX_READS_PER_PEER", 1)  # so reading again needs the slot back
     data = os.urandom(6_000_000)
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b):
             big = await a.store.create(chunks(data))
-            assert await read(b.swarm, big.id) == data  # a reader at full speed is not cut off
-            slow = await b.swarm.open(big.id)
+            assert await read(b.swarm, big.id) == data  # an asker at full speed is not cut off
+            stream, answer = await raw_read(b.host, a.host, big.id)
+            assert answer["ok"] is True
             received = 0
-            try:
-                with pytest.raises(ArtifactUnavailable):
-                    with trio.fail_after(30):  # trickling at ~340 KB/s would take ~18 s
-                        async for chunk in slow.chunks:
-                            received += len(chunk)
-                            await trio.sleep(0.75)
-                assert received < len(data)
-            finally:
-                await slow.chunks.aclose()
-            # the cut-off read gave its slot back: the same peer reads again
-            assert await read(b.swarm, big.id) == data
+            with pytest.raises(P2PError), trio.fail_after(10):
+                while await stream.receive(timeout=5):
+                    received += READ_CHUNK
+                    await trio.sleep(1.0)
+            assert received < MAX_PIECE
+            # the cut-off read gave its slot back: the same peer reads again at once
+            stream, answer = await raw_read(b.host, a.host, big.id, 0, 10)
+            await stream.reset()
+            assert answer["ok"] is True
 
 
 async def test_a_peer_cannot_list_or_describe_another_owner_s_artifacts(tmp_path: Path) -> None:
@@ -325,3 +398,57 @@ async def test_a_peer_cannot_list_or_describe_another_owner_s_artifacts(tmp_path
             assert all(m.filename != "invoice.pdf" for m in rows)
             with pytest.raises(ArtifactUnavailable):
                 await a.swarm.meta(theirs.id)
+
+
+async def test_slow_downloads_through_a_peer_do_not_starve_its_other_downloads(tmp_path: Path) -> None:
+    """An owner gives each asking peer MAX_READS_PER_PEER read slots, and the peer relaying
+    its HTTP clients' downloads shares them. One client's four slow downloads (a chunk taken,
+    then nothing) held all four for as long as they stayed open, and every other download of
+    that owner's artifacts through the same peer was refused busy (a 503). Now the relay
+    fetches in pieces, each holding a slot only while it crosses the wire: the fifth read,
+    and eight more at once, are served while the slow ones wait, and the slow ones finish."""
+    data = os.urandom(6_000_000)  # more than a stream's window and several pieces
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(data))
+            slow = []
+            try:
+                for _ in range(p2p.artifacts.MAX_READS_PER_PEER):
+                    opened = await b.swarm.open(big.id)
+                    slow.append((opened, [await opened.chunks.__anext__()]))
+                assert await read(b.swarm, big.id) == data
+                results: list[bytes] = []
+
+                async def one() -> None:
+                    results.append(await read(b.swarm, big.id, "bytes=1000000-3999999"))
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(8):
+                        nursery.start_soon(one)
+                assert results == [data[1_000_000:4_000_000]] * 8
+                for opened, got in slow:
+                    got += [c async for c in opened.chunks]
+                    assert b"".join(got) == data
+            finally:
+                for opened, _ in slow:
+                    await opened.chunks.aclose()
+            assert b.remote.relayed_reads == 0
+
+
+async def test_the_downloads_a_peer_relays_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each open remote read buffers up to a piece on the relaying peer, and it no longer
+    needs an owner slot to stay open: the number open at once is this peer's own bound."""
+    monkeypatch.setattr(p2p.artifacts, "MAX_RELAYED_READS", 2)
+    data = os.urandom(3_000_000)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(data))
+            first, second = await b.swarm.open(big.id), await b.swarm.open(big.id)
+            with pytest.raises(ArtifactUnavailable, match="relays"):
+                await b.swarm.open(big.id)
+            await first.chunks.aclose()
+            await first.chunks.aclose()  # twice gives back one
+            assert await read(b.swarm, big.id) == data  # read to the end: given back too
+            assert b.remote.relayed_reads == 1
+            await second.chunks.aclose()
+            assert b.remote.relayed_reads == 0
