@@ -27,6 +27,7 @@ one any HTTP client of any peer already is.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Protocol
 
 import trio
@@ -246,8 +247,22 @@ class RemoteArtifacts:
 
     def __init__(self, host: P2PHost) -> None:
         self.host = host
-        self.relayed_reads = 0
-        """Open :class:`RemotePieces`, at most :data:`MAX_RELAYED_READS`."""
+        self._relayed: weakref.WeakSet[RemotePieces] = weakref.WeakSet()
+        """Open :class:`RemotePieces`. Weak: a read whose response was never sent (its
+        client left before the first byte) is never closed, and must still stop counting
+        once collected, or such leaks would add up to a peer that relays nothing any more."""
+
+    @property
+    def relayed_reads(self) -> int:
+        """Open reads of other peers' artifacts, at most :data:`MAX_RELAYED_READS`."""
+        return len(self._relayed)
+
+    def relaying(self, read: RemotePieces, open_: bool) -> None:
+        """``read`` is open (counts toward :data:`MAX_RELAYED_READS`), or no longer."""
+        if open_:
+            self._relayed.add(read)
+        else:
+            self._relayed.discard(read)
 
     async def meta(self, peer: str, id_: str) -> ArtifactMeta:
         answer = await self._call(peer, {"op": "meta", "id": id_})
@@ -355,8 +370,7 @@ class RemotePieces:
         self._next = start
         self._end = start + length
         self._frames: list[bytes] = []
-        self._counted = True
-        remote.relayed_reads += 1
+        remote.relaying(self, True)
 
     def __aiter__(self) -> RemotePieces:
         return self
@@ -384,6 +398,4 @@ class RemotePieces:
     async def aclose(self) -> None:
         self._frames = []
         self._next = self._end
-        if self._counted:
-            self._counted = False
-            self._remote.relayed_reads -= 1
+        self._remote.relaying(self, False)

@@ -4,6 +4,7 @@ and what a hostile asker or a hostile owner gets."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections.abc import AsyncIterator
@@ -451,4 +452,18 @@ async def test_the_downloads_a_peer_relays_are_bounded(tmp_path: Path, monkeypat
             assert await read(b.swarm, big.id) == data  # read to the end: given back too
             assert b.remote.relayed_reads == 1
             await second.chunks.aclose()
+            assert b.remote.relayed_reads == 0
+
+
+async def test_a_relayed_read_never_closed_stops_counting_once_dropped(tmp_path: Path) -> None:
+    """A response that was never sent (its client left before the first byte) never closes
+    its read: counted for good, 256 such leaks made the peer refuse every download of
+    another peer's artifacts until it restarted."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(os.urandom(3_000_000)))
+            opened = await b.swarm.open(big.id)
+            assert b.remote.relayed_reads == 1
+            del opened
+            gc.collect()
             assert b.remote.relayed_reads == 0
