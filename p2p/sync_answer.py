@@ -74,7 +74,8 @@ class SyncBudget:
     (:meth:`for_limits`) is a newcomer's first pull of a full table (every node's full
     record and heartbeat, typed and verified) with a quarter to spare, so an honest join
     never waits on it, while a stream of strangers' answers gets at most ``capacity`` per
-    ``refill_s`` (measured in docs/ARCHITECTURE.md, "Threat model")."""
+    ``refill_s`` (the bound in docs/ARCHITECTURE.md, "Threat model"; the runs that measured
+    it in docs/SECURITY-LOG.md, "A sync answer is work we asked for")."""
 
     def __init__(self, capacity: int, refill_s: float = REFILL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
