@@ -32,7 +32,7 @@ sessions of the round's lane.
 A lone session's decode step on an idle stage skips the queue: it is computed and delivered
 in the submitting task (the forward service's reader, or the entry's generation loop), so a
 hop does not pay a scheduler turn and the worker's batching on caches the last engine call
-left cold (:meth:`Stage._runs_now`).
+left cold (:meth:`Stage.step_now`).
 
 Results leave through each job's ``deliver`` callback, awaited in order; the network layer
 uses it to pass hidden states on or send the sampled token home. The stage knows nothing
@@ -290,7 +290,7 @@ class Stage:
         """The worker waits on an empty queue, with nothing deferred, and nobody has handed it
         a job since (a submitter clears this before it queues)."""
         self._running_now = False
-        """A step is being run in its submitter's task (see :meth:`_runs_now`)."""
+        """A step is being run in its submitter's task (see :meth:`step_now`)."""
 
     async def submit(self, job: Job) -> None:
         """Queue a job; waits only when the queue is full (backpressure on the sender). No
@@ -298,16 +298,15 @@ class Stage:
         this one at the next turn.
 
         A lone session's decode step on an idle stage runs here instead, in the caller's task,
-        and this returns once it is delivered (see :meth:`_runs_now`)."""
+        and this returns once it is delivered (see :meth:`step_now`)."""
+        if job.item is not None and await self.step_now(job.item, job.sampling, job.lane, job.deliver):
+            return
         _track(job, self._pending)
         try:
-            if self._runs_now(job):
-                await self._run_now(job)
-                return
             self._parked = False
             await send_or_wait(self._send, job)
         except BaseException:
-            _settle(job)  # never queued (or abandoned half run): no longer this stage's
+            _settle(job)  # never queued: no longer this stage's
             raise
 
     def holds(self, session_id: SessionId) -> bool:
@@ -325,27 +324,26 @@ class Stage:
             return ()
         return parties(source)
 
-    def _runs_now(self, job: Job) -> bool:
-        """Whether ``job`` can skip the queue: a decode step of a session this stage already
+    def _may_step_now(self, item: BatchItem) -> bool:
+        """Whether ``item`` can skip the queue: a decode step of a session this stage already
         holds, small enough to compute on the event loop's thread, while the worker waits for
         work and no other session has used the stage within the interleave window.
 
         Handing a step to the worker costs a scheduler turn and the worker's batching, each on
         caches the engine call before it left cold: ~0.2 ms per hop in a 3-peer chain
         (docs/ARCHITECTURE.md, "A lone step skips the stage's queue"). Nothing is lost by
-        skipping them alone: there is no one to batch with, and a job computed inline runs
+        skipping them alone: there is no one to batch with, and a step computed inline runs
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
-        item = job.item
-        if item is None or item.n_tokens != 1 or not self._may_run_inline(1):
+        if item.n_tokens != 1 or not self._may_run_inline(1):
             return False
         if not self._parked or self._running_now or self._deferred:
             return False
-        if self.engine.session_length(job.session_id) == 0:
+        if self.engine.session_length(item.session_id) == 0:
             return False  # a new session takes a slot: the worker's admission decides
         if len(self._last_used) > 1:
             cutoff = time.monotonic() - self.interleave_window_s
-            if any(used >= cutoff for sid, used in self._last_used.items() if sid != job.session_id):
+            if any(used >= cutoff for sid, used in self._last_used.items() if sid != item.session_id):
                 return False
         return True
 
@@ -357,28 +355,44 @@ class Stage:
             return False
         return self.stats.step_ms_per_layer * len(self.engine.info.layers) <= 1000 * self.inline_max_s
 
-    async def _run_now(self, job: Job) -> None:
+    async def step_now(self, item: BatchItem, sampling: SamplingParams | None, lane: int, deliver: Deliver) -> bool:
+        """Compute ``item`` here, in the caller's task, and deliver it, if it may skip the
+        queue (:meth:`_may_step_now`); False, having done nothing, when it must be submitted.
+
+        The worker's path with everything a lone step does not need left out: no job to
+        track (the engine already holds the session, which is what :meth:`holds` asks), no
+        slices, no batch, no thread hand-off. A hop's Python runs on caches the engine call
+        left cold, so every call skipped counts (~0.07 ms a hop in ``scripts/bench_hop.py``
+        against the same bookkeeping done through a job)."""
+        if not self._may_step_now(item):
+            return False
         self._running_now = True
         try:
-            await self._run_safely([_Work(job, job.item)], self._run_step)
+            session_id = item.session_id
+            started = time.monotonic()
+            self.stats.recomputed += max(0, self.engine.session_length(session_id) - item.start_pos)
+            try:
+                (result,) = self._forward([item], [sampling])
+            except Exception as exc:  # noqa: BLE001 - a bug fails this step, never the stage
+                log.exception("stage step failed")
+                result = StageResult(error=DecodeFailed(f"stage failure: {exc}"))
+            now = time.monotonic()
+            self.stats.inline_cpu_seconds += now - started
+            if result.error is None:
+                self._last_used[session_id] = now
+                self._note_step(session_id, started, lane)
+                result = self._keep(session_id, item.start_pos, result)
+            else:
+                self._count_error()
+            try:
+                await deliver(result)
+            except Exception:  # noqa: BLE001 - the network side's failure is this step's alone
+                log.exception("delivering the result of session %s failed", session_id)
+            if result.error is None:  # counted after the result left: the next stage computes meanwhile
+                self._record(1, now - started, steps=1, lane=lane % self.decode_lanes)
         finally:
             self._running_now = False
-
-    async def _run_step(self, batch: list[_Work]) -> None:
-        """:meth:`_run_group` for the one decode step :meth:`_runs_now` let through: no
-        batch to split or gather, no slices, no thread hand-off to choose (a hop's Python
-        runs on caches the engine call left cold: every call skipped counts)."""
-        (work,) = batch
-        self._count_recomputed(work)
-        started = time.monotonic()
-        result = self._compute(batch)[0]
-        now = time.monotonic()
-        self.stats.inline_cpu_seconds += now - started
-        finished = self._finish(work, result, now)
-        assert finished is not None, "a decode step is never sliced"
-        await _deliver(work.job, finished)
-        if result.error is None:
-            self._record(1, now - started, steps=1, lane=self._step_lane(work.job))
+        return True
 
     @property
     def sessions(self) -> int:
@@ -394,9 +408,9 @@ class Stage:
                 if batch:
                     await self._run_safely(batch)
 
-    async def _run_safely(self, batch: list[_Work], run: Callable[[list[_Work]], Awaitable[None]] | None = None) -> None:
+    async def _run_safely(self, batch: list[_Work]) -> None:
         try:
-            await (run or self._run_batch)(batch)
+            await self._run_batch(batch)
         except Exception as exc:  # noqa: BLE001 - a bug fails this batch, never the stage
             log.exception("stage batch failed")
             for work in batch:
@@ -542,17 +556,20 @@ class Stage:
             return
 
     def _note_arrival(self, job: Job, is_step: bool) -> None:
-        """Learn each decoding session's period: the time between its steps' arrivals."""
-        sid = job.session_id
-        last = self._last_step.pop(sid, None)
-        if not is_step:
-            self._step_period.pop(sid, None)
-            self._lane_of.pop(sid, None)
+        if is_step:
+            self._note_step(job.session_id, job.enqueued, job.lane)
             return
-        self._last_step[sid] = job.enqueued
-        self._lane_of[sid] = job.lane % self.decode_lanes
+        self._last_step.pop(job.session_id, None)
+        self._step_period.pop(job.session_id, None)
+        self._lane_of.pop(job.session_id, None)
+
+    def _note_step(self, sid: SessionId, arrived: float, lane: int) -> None:
+        """Learn each decoding session's period: the time between its steps' arrivals."""
+        last = self._last_step.get(sid)
+        self._last_step[sid] = arrived
+        self._lane_of[sid] = lane % self.decode_lanes
         if last is not None:
-            period = job.enqueued - last
+            period = arrived - last
             known = self._step_period.get(sid)
             self._step_period[sid] = period if known is None else 0.7 * known + 0.3 * period
 
@@ -710,9 +727,7 @@ class Stage:
         else what to deliver (a finished job's whole output, kept; or its error)."""
         job = work.job
         if result.error is not None:
-            self.stats.errors += 1
-            if self.on_error is not None:
-                self.on_error()
+            self._count_error()
             return result
         self._last_used[job.session_id] = now
         if not work.final:
@@ -721,7 +736,13 @@ class Stage:
             job.done += work.item.n_tokens
             return None
         self._note_arrival(job, work.is_step)
-        return self._keep(job, _whole_job_result(job, result))
+        assert job.item is not None, "only a job with an item is computed"
+        return self._keep(job.session_id, job.item.start_pos, _whole_job_result(job, result))
+
+    def _count_error(self) -> None:
+        self.stats.errors += 1
+        if self.on_error is not None:
+            self.on_error()
 
     def _count(self, group: list[_Work], results: list[StageResult], elapsed: float) -> None:
         computed = [w for w, r in zip(group, results) if r.error is None]
@@ -750,39 +771,31 @@ class Stage:
         if self.on_batch is not None:
             self.on_batch(tokens, elapsed * 1000)
 
-    def _keep(self, job: Job, result: StageResult) -> StageResult:
+    def _keep(self, session_id: SessionId, start_pos: int, result: StageResult) -> StageResult:
         """Encode a finished job's hidden states for the wire once, and keep them."""
         hidden = result.output.hidden if result.output is not None else None
-        if self.kept is None or hidden is None or job.item is None:
+        if self.kept is None or hidden is None:
             return result
         sent = tensors.encode(hidden, self.kept.wire_dtype)
-        self.kept.put(job.session_id, job.item.start_pos, sent, lambda sid: self.engine.session_length(sid) > 0)
+        self.kept.put(session_id, start_pos, sent, lambda sid: self.engine.session_length(sid) > 0)
         return StageResult(output=result.output, token=result.token, sent=sent)
 
     def _compute(self, group: list[_Work]) -> list[StageResult]:
         """One engine call, then sampling on the last range (on the engine thread, or inline)."""
+        return self._forward([w.item for w in group], [w.job.sampling if w.final else None for w in group])
+
+    def _forward(self, items: list[BatchItem], samplings: list[SamplingParams | None]) -> list[StageResult]:
         try:
-            outputs = self.engine.forward([w.item for w in group])
+            outputs = self.engine.forward(items)
         except EngineError as exc:
-            if len(group) == 1:
+            if len(items) == 1:
                 return [StageResult(error=exc)]
             # One bad item must not fail its neighbours: retry each alone.
-            return [r for work in group for r in self._compute([work])]
+            return [r for item, sampling in zip(items, samplings) for r in self._forward([item], [sampling])]
         except Exception as exc:  # noqa: BLE001 - a bug must fail the batch, not kill the peer
             log.exception("engine call failed")
-            return [StageResult(error=DecodeFailed(f"engine failure: {exc}"))] * len(group)
-        results = []
-        for work, out in zip(group, outputs):
-            token = None
-            sampling = work.job.sampling
-            if out.logits is not None and sampling is not None and work.final:
-                try:
-                    token = sample(out.logits, sampling, work.item.start_pos + work.item.n_tokens)
-                except ValueError as exc:  # NaN logits from corrupt upstream input: this job only
-                    results.append(StageResult(error=InvalidBatch(str(exc))))
-                    continue
-            results.append(StageResult(output=out, token=token))
-        return results
+            return [StageResult(error=DecodeFailed(f"engine failure: {exc}"))] * len(items)
+        return [_sampled(out, sampling, item) for item, sampling, out in zip(items, samplings, outputs)]
 
     async def _expire_idle_sessions(self) -> None:
         period = min(60.0, max(1.0, self.session_idle_s / 4))
@@ -866,6 +879,16 @@ async def _deliver(job: Job, result: StageResult) -> None:
 
 async def _ignore(_: StageResult) -> None:
     return None
+
+
+def _sampled(out: StageOutput, sampling: SamplingParams | None, item: BatchItem) -> StageResult:
+    """``out``, with the token sampled from it where it has logits and its job asks for one."""
+    if out.logits is None or sampling is None:
+        return StageResult(output=out)
+    try:
+        return StageResult(output=out, token=sample(out.logits, sampling, item.start_pos + item.n_tokens))
+    except ValueError as exc:  # NaN logits from corrupt upstream input: this job only
+        return StageResult(error=InvalidBatch(str(exc)))
 
 
 def _whole_job_result(job: Job, last: StageResult) -> StageResult:

@@ -665,6 +665,10 @@ class ForwardService:
                 self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions,
                                      known=self._may_feed(remote, msg, stage))  # fmt: skip
                 self._check_replay(msg, stage)
+                # A lone step computed in place holds its frame for no time anyone else can
+                # see (no checkpoint until it is delivered): it takes no share of the budget.
+                if item is not None and await stage.step_now(item, msg.sampling, msg.lane, functools.partial(self._after_stage, msg)):
+                    return
             decoded = item.hidden.nbytes if item is not None and item.hidden is not None else 0
             release = await self.admission.reserve(remote, held_bytes(msg.nbytes, decoded))
         except FrameRejected as exc:

@@ -166,6 +166,9 @@ class _HoldingStage:
     async def submit(self, job) -> None:  # type: ignore[no-untyped-def]
         self.jobs.append(job)
 
+    async def step_now(self, *_: object) -> bool:
+        return False  # nothing runs in place: every job waits for a slot
+
     def holds(self, session_id: SessionId) -> bool:
         return any(job.session_id == session_id for job in self.jobs)
 
