@@ -50,8 +50,9 @@ from p2p.latency import usable_link_ms
 from p2p.legs import Leg, LegWatch, blame, seen_gone
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason
+from p2p.pace import Pace
 from p2p.registry import NodeView
-from p2p.routing import CostModel, Hop, NoRoute, choose_route
+from p2p.routing import CostModel, Hop, NoRoute, choose_route, route_step_ms
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,10 @@ class _Session:
     failing_since: float | None = None
     """When the failover in progress began (the failure was seen): its timeline is logged
     from there to the step's token."""
+    pace: Pace = field(default_factory=Pace)
+    """Its leg's recent decode steps, against what the route should cost (``p2p.pace``)."""
+    slow_moves: int = 0
+    """Routes it left for being far slower than their hops claim (``policy.slow_moves``)."""
 
     def record(self, start_pos: int, tokens: Sequence[int]) -> None:
         """Positions ``start_pos...`` now hold ``tokens`` (a step may rewind).
@@ -268,7 +273,7 @@ class SwarmPipeline:
     ) -> int | None:
         session = self._sessions.get(session_id)
         if session is None:
-            session = _Session(session_id)
+            session = _Session(session_id, pace=Pace(self.policy))
             route = self._reroute((), frozenset(), exclude_load=session)
             # One lane per stage of the route (up to ``lanes``): every stage can then compute
             # while the others do. A route of one hop (a whole peer) has one lane.
@@ -297,7 +302,12 @@ class SwarmPipeline:
 
     async def _check_at_boundary(self, session: _Session, sampling: SamplingParams | None) -> int | None:
         """Look at the route's health (at most every ``poll_s``): fail over from a failed hop,
-        move away from a leaving one. Returns the request to wait for if the step was sent."""
+        move away from a leaving one, or from a route far slower than its hops claim.
+        Returns the request to wait for if the step was sent."""
+        if session.pace.too_slow:
+            req = await self._leave_slow(session, sampling)
+            if req is not None:
+                return req
         now = trio.current_time()
         if now - session.checked < self.policy.poll_s:
             return None
@@ -337,7 +347,9 @@ class SwarmPipeline:
                 reply = await leg.inbox.receive()
                 outcome = self._on_reply(leg, reply, req)
                 if isinstance(outcome, int):
-                    self.deadline.observe(session.flight_tokens, trio.current_time() - session.flight_since)
+                    took = trio.current_time() - session.flight_since
+                    learnt = session.pace.judge(session.flight_tokens, took, lambda: self._expected_step_s(leg))
+                    self.deadline.observe(session.flight_tokens, learnt)
                     if session.failing_since is not None:
                         log.info("session %s: failover: token %.3f s after the failure was seen",
                                  session.session_id, trio.current_time() - session.failing_since)  # fmt: skip
@@ -474,14 +486,53 @@ class SwarmPipeline:
                     ", ".join(sorted(p[-6:] for p in broken.peers)))  # fmt: skip
         return Broken(frozenset({broken.reporter}), broken.cause, certain=False)
 
-    async def _migrate(self, session: _Session, leaving: frozenset[PeerId], sampling: SamplingParams | None) -> int | None:
-        """Move off hops that are leaving, when another route exists (not a failure: not
-        counted, nobody blamed). The old leg is closed *before* the replay: a hop on both
-        routes must not need two session slots, and the old KV is never reused anyway."""
+    async def _leave_slow(self, session: _Session, sampling: SamplingParams | None) -> int | None:
+        """The leg's steps stayed far slower than its hops say they cost (``p2p.pace``): one of
+        them dawdles, and which one nobody can tell (every hop answers, and in time). Move
+        off them like off leaving hops, when another route exists (a sole holder keeps
+        serving: slow beats nothing), and blame the hops left behind as a guess, as a missed
+        deadline does: the honest ones regain their reliability by serving, the dawdler is
+        in every slow route and keeps losing it, so new sessions go round it. A hop the new
+        route keeps (a sole holder) is not blamed: avoiding it is impossible, and while
+        avoided it would bar every voluntary move through it. Not a failover; at most
+        ``policy.slow_moves`` per session, so a swarm that is slow everywhere is not toured."""
+        leg = session.leg
+        assert leg is not None
+        session.pace.reset()
+        suspects = leg.peers - {self.service.me}
+        if session.slow_moves >= self.policy.slow_moves or not suspects:
+            return None
+        req = await self._migrate(session, suspects, sampling, why="slow")
+        if session.leg is leg or session.leg is None:
+            log.info("session %s: its route is slow and no other exists: staying", session.session_id)
+            return req
+        session.slow_moves += 1
+        now = trio.current_time()
+        for peer in suspects - session.leg.peers:
+            self.health.failed(peer, now)
+        return req
+
+    def _expected_step_s(self, leg: Leg) -> float | None:
+        """What a decode step through the leg should take, from its hops' records now (None
+        when one has left the registry, or nothing was measured yet)."""
+        views = [self.view_of(hop.node_id) for hop in leg.route]
+        if any(v is None for v in views):
+            return None
+        links = usable_link_ms(self.link_ms(), self.is_connected)
+        costs = CostModel(link_ms=links, measured_step_ms=self.measured_step_ms())
+        ms = route_step_ms([v.record for v in views if v is not None], self.service.me, costs)
+        return None if ms is None else ms / 1000
+
+    async def _migrate(self, session: _Session, leaving: frozenset[PeerId], sampling: SamplingParams | None,
+                       why: str = "leaving") -> int | None:  # fmt: skip
+        """Move off hops that are leaving (or ``why`` else they are left), when another route
+        exists (not a failure: not counted, nobody blamed). The old leg is closed *before*
+        the replay: a hop on both routes must not need two session slots, and the old KV is
+        never reused anyway."""
         assert session.leg is not None
         span = self._span_route(session.leg.route, leaving, session, voluntary=True)
         if span is not None:
-            log.info("session %s: moving off leaving peer(s) %s to %s (span replay)", session.session_id,
+            log.info("session %s: moving off %s peer(s) %s to %s (span replay)", session.session_id, why,
                      ", ".join(sorted(p[-6:] for p in leaving)), _describe(span.route))  # fmt: skip
             return await self._move_span(session, span, frozenset(), sampling)
         try:
@@ -491,7 +542,7 @@ class SwarmPipeline:
             if found is None:
                 return None
             leaving, route = found
-        log.info("session %s: moving off leaving peer(s) %s to %s", session.session_id,
+        log.info("session %s: moving off %s peer(s) %s to %s", session.session_id, why,
                  ", ".join(sorted(p[-6:] for p in leaving)), _describe(route))  # fmt: skip
         await self._switch(session, route, frozenset())
         return await self._replay(session, sampling)
@@ -698,6 +749,7 @@ class SwarmPipeline:
         session.legs += 1
         session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id, (h.peer_id for h in route)))
         session.flight_since, session.flight_tokens = None, 0
+        session.pace.reset()
         session.checked = trio.current_time()
         if session.legs == 1:
             log.debug("session %s routed through %s", session.session_id, _describe(route))

@@ -61,15 +61,29 @@ class FailoverPolicy:
     cache of every other hop; False replays every processed token through the whole new route."""
     adopt_timeout_s: float = 5.0
     """How long the kept hops get to confirm what they hold before the whole route is replayed."""
+    slow_factor: float = 8.0
+    """A decode step is *slow* when it takes more than this many times what its route's hops
+    say it costs (``p2p.pace``)..."""
+    slow_floor_s: float = 1.0
+    """...and more than this: a fast route's honest noise (a GC pause, another session's
+    prefill batched first) is far below it."""
+    slow_steps: int = 3
+    """A session whose last ``slow_window`` decode steps hold this many slow ones moves to
+    another route, if one exists, blaming the route's hops as a guess..."""
+    slow_window: int = 8
+    slow_moves: int = 2
+    """...at most this many times (not failovers: a route that is merely slow still serves)."""
 
     def __post_init__(self) -> None:
         if self.max_failovers < 0:
             raise ValueError("max_failovers must be at least 0")
         if not 0 < self.min_step_s <= self.max_step_s:
             raise ValueError("need 0 < min_step_s <= max_step_s")
+        if not 0 < self.slow_steps <= self.slow_window:
+            raise ValueError("need 0 < slow_steps <= slow_window")
 
 
-_DECODE_TOKENS = 4
+DECODE_TOKENS = 4
 """Steps this short are decode steps: their time is per step, not per token."""
 _ALPHA = 0.2
 
@@ -85,15 +99,15 @@ class StepDeadline:
     """Moving average of the time per token of multi-token steps (prefill, replay)."""
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= _DECODE_TOKENS:
+        if tokens <= DECODE_TOKENS:
             self.step_s = _ema(self.step_s, seconds)
         else:
             self.token_s = _ema(self.token_s, seconds / tokens)
 
     def seconds(self, tokens: int) -> float:
         """The deadline for a step with ``tokens`` unanswered tokens in flight."""
-        expected = self.step_s if tokens <= _DECODE_TOKENS else None
-        if tokens > _DECODE_TOKENS and self.token_s is not None:
+        expected = self.step_s if tokens <= DECODE_TOKENS else None
+        if tokens > DECODE_TOKENS and self.token_s is not None:
             expected = tokens * self.token_s + (self.step_s or 0.0)
         if expected is None:
             return self.policy.max_step_s

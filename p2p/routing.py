@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
@@ -93,12 +93,33 @@ class CostModel:
 
     def edge_ms(self, record: NodeRecord, entry: PeerId, reference: float) -> float:
         """``reference``: see :func:`reference_step_ms`."""
+        peer = record.peer_id
+        cost = self.serve_ms(record, entry, reference) * (1 + SESSION_SHARE * self.load.get(peer, 0))
+        return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(peer, 1.0)))
+
+    def serve_ms(self, record: NodeRecord, entry: PeerId, reference: float) -> float:
+        """What a step through the node should take, as far as its claim and our link to it
+        say: the route's cost before load and reliability weigh it, and the pace a session
+        through it is held to (:func:`route_step_ms`)."""
         step = trusted_step_ms_per_layer(record.step_ms_per_layer, reference)
         peer = record.peer_id
         link = 0.0 if peer == entry and not record.relayed else self.link_ms.get(peer, DEFAULT_LINK_MS)
-        cost = len(record.layers) * step + link + self.hop_ms
-        cost *= 1 + SESSION_SHARE * self.load.get(peer, 0)
-        return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(peer, 1.0)))
+        return len(record.layers) * step + link + self.hop_ms
+
+
+def route_step_ms(records: Sequence[NodeRecord], entry: PeerId, costs: CostModel) -> float | None:
+    """What one decode step through these hops (a live route's records) should cost, or None
+    when nothing was measured yet: not by this peer, nor by any hop (a new swarm's first
+    session has nothing to be held to, and the default guess would make a slow machine's
+    honest steps look a hundred times too slow). A hop claiming nothing or being faster than
+    the reference is held to the reference, as routing costs it, so no claim makes a route
+    look cheaper than it is; a hop claiming to be slow is held to its claim, and routing
+    already sends sessions elsewhere for it."""
+    claims = [r.step_ms_per_layer for r in records]
+    if costs.measured_step_ms <= 0 and not any(c > 0 for c in claims):
+        return None
+    reference = reference_step_ms(claims, costs.measured_step_ms)
+    return sum(costs.serve_ms(r, entry, reference) for r in records)
 
 
 def reference_step_ms(claims: Iterable[float], measured: float = 0.0) -> float:

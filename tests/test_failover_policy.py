@@ -720,3 +720,170 @@ def test_the_request_s_own_fault_is_the_client_s_error_when_another_route_says_s
         assert len(set(forwards)) == 2  # one route each
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_a_route_is_held_to_what_its_records_and_links_say_a_step_costs() -> None:
+    """Claims a hop makes of being fast (or none) count as the reference speed, as routing
+    costs them; nothing measured anywhere: nothing to hold the route to."""
+    from p2p.routing import route_step_ms
+
+    def records(*claims: float) -> list[NodeRecord]:
+        return [view(f"h{i}", 10 * i, 10 * i + 10, step_ms_per_layer=c).record for i, c in enumerate(claims)]
+
+    links = {PeerId("h1"): 2.0, PeerId("h2"): 3.0}
+    assert route_step_ms(records(0, 0, 0), PeerId("h0"), CostModel(link_ms=links)) is None
+    honest = route_step_ms(records(1.0, 1.0, 1.0), PeerId("h0"), CostModel(link_ms=links))
+    assert honest == pytest.approx(3 * 10 + 2 + 3 + 3 * 1.0)  # layers, links, each hop's own cost
+    # A hop claiming nothing, or to be ten times faster, is held to the others' pace.
+    assert route_step_ms(records(1.0, 0, 1.0), PeerId("h0"), CostModel(link_ms=links)) == honest
+    assert route_step_ms(records(1.0, 0.1, 1.0), PeerId("h0"), CostModel(link_ms=links)) == honest
+    # This peer's own measurement is the reference when it has one; a slow claim is believed.
+    assert route_step_ms(records(0, 0, 0), PeerId("h0"), CostModel(link_ms=links, measured_step_ms=1.0)) == honest
+    assert route_step_ms(records(1.0, 5.0, 1.0), PeerId("h0"), CostModel(link_ms=links)) == honest + 40
+
+
+def test_slow_steps_are_judged_against_the_route_s_cost_and_only_several_decide() -> None:
+    from p2p.pace import Pace
+
+    policy = FailoverPolicy(slow_factor=8.0, slow_floor_s=1.0, slow_steps=3, slow_window=8)
+    pace = Pace(policy)
+
+    def unasked() -> float | None:
+        raise AssertionError("a step under the floor needs no lookup")
+
+    for _ in range(20):
+        assert pace.judge(1, 0.05, unasked) == 0.05
+    assert not pace.too_slow
+    # An honest fast route's noise: a slow step now and then (a GC pause, a prefill batched
+    # first) never adds up to a verdict.
+    for _ in range(5):
+        assert pace.judge(1, 4.0, lambda: 0.04) == 1.0  # over the limit: the deadline learns only the limit
+        for _ in range(6):
+            pace.judge(1, 0.05, unasked)
+        assert not pace.too_slow
+    # Prefill and replay steps are not judged, nor is a step when nothing was measured.
+    for _ in range(8):
+        assert pace.judge(300, 30.0, unasked) == 30.0
+        assert pace.judge(1, 4.0, lambda: None) == 4.0
+    assert not pace.too_slow
+    # An honest slow chain, whose records say so, is not slow.
+    for _ in range(8):
+        assert pace.judge(1, 3.0, lambda: 0.5) == 3.0
+    assert not pace.too_slow
+    # A route held for 2 s a step, claiming 40 ms: three such steps of the last eight decide.
+    pace.judge(1, 2.0, lambda: 0.04)
+    pace.judge(1, 0.05, unasked)
+    pace.judge(1, 2.0, lambda: 0.04)
+    assert not pace.too_slow
+    pace.judge(1, 2.0, lambda: 0.04)
+    assert pace.too_slow
+    pace.reset()
+    assert not pace.too_slow
+
+
+class _DawdlingHop(_Service):
+    """The entry's forward service on a swarm where every step whose route goes through
+    ``slow`` is answered ``delay`` seconds late (its record claims its engine's honest speed);
+    every other step is answered at once."""
+
+    def __init__(self, me: str, slow: str, delay: float) -> None:
+        super().__init__(me, held=0)
+        self.slow, self.delay = PeerId(slow), delay
+        self.nursery: trio.Nursery | None = None
+
+    async def send(self, peer: PeerId, msg: object) -> None:
+        await super().send(peer, msg)
+        if not isinstance(msg, wire.Forward) or msg.sampling is None:
+            return
+        inbox = self._inboxes[msg.session_id]
+        delay = self.delay if self.slow in {h.peer_id for h in msg.route} else 0.01
+
+        async def answer() -> None:
+            await trio.sleep(delay)
+            inbox.send_nowait(wire.Result(msg.req_id, msg.session_id, 7))
+
+        assert self.nursery is not None
+        self.nursery.start_soon(answer)
+
+    ask = send
+
+
+def _dawdling_swarm(views: list[NodeView], slow: str, delay: float) -> tuple[Any, _DawdlingHop, FailoverPolicy]:
+    from p2p.chain import SwarmPipeline
+
+    service = _DawdlingHop("a", slow=slow, delay=delay)
+    policy = FailoverPolicy()
+    links = {v.record.peer_id: 0.1 for v in views}
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             link_ms=lambda: links, policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+    return pipeline, service, policy
+
+
+def _chat(pipeline: Any, session: str, tokens: int) -> Any:
+    """A session's prefill and ``tokens`` decode steps; returns when each step answered."""
+    from node.sampling import SamplingParams
+
+    async def run() -> list[float]:
+        greedy, took = SamplingParams(temperature=0.0), []
+        assert await pipeline.step(SessionId(session), 0, list(range(1, 9)), greedy) == 7
+        for pos in range(8, 8 + tokens):
+            began = trio.current_time()
+            assert await pipeline.step(SessionId(session), pos, [7], greedy) == 7
+            took.append(trio.current_time() - began)
+        return took
+
+    return run
+
+
+def test_a_hop_that_holds_every_step_just_under_the_deadline_is_left_and_routed_around() -> None:
+    """``e`` (10-20, on the cheapest route: one hop fewer) serves every step 2 s late, well
+    under any deadline, and answers pings. Nothing blamed it: every step of every session
+    through it took 2 s, and its answers raised the shared deadline to 20 s. Now the session
+    moves to the route round it after three such steps, ``e`` is blamed as a guess (not
+    ``a``, ``b``: the new route keeps them), new sessions go round it, and the deadline
+    learns at most the slow limit from its steps."""
+    views = [view("a", 0, 10, step_ms_per_layer=1.0), view("e", 10, 20, step_ms_per_layer=1.0),
+             view("c", 10, 15, step_ms_per_layer=1.0), view("f", 15, 20, step_ms_per_layer=1.0),
+             view("b", 20, 30, step_ms_per_layer=1.0)]  # fmt: skip
+    pipeline, service, policy = _dawdling_swarm(views, slow="e", delay=2.0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            service.nursery = nursery
+            took = await _chat(pipeline, "s1", 12)()
+            assert sum(t > 1.0 for t in took) == 3  # policy.slow_steps: then it moved
+            assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "c", "f", "b"]
+            assert pipeline.health.avoided(trio.current_time()) == {PeerId("e")}
+            assert pipeline.deadline.seconds(1) <= 10.0  # step_factor x slow_floor_s
+            took = await _chat(pipeline, "s2", 4)()
+            assert max(took) < 0.1
+            assert [h.node_id for h in pipeline.route_of(SessionId("s2")) or ()] == ["a", "c", "f", "b"]
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_a_slow_sole_holder_or_an_honest_slow_chain_keeps_serving() -> None:
+    """Nothing changes where no other route exists (the session stays, nobody is blamed:
+    slow beats a 503) or where the hops' own records say they are that slow; a sole holder's
+    late steps still cannot stretch the deadline past ten times the slow limit."""
+    pipeline, service, policy = _dawdling_swarm([view("a", 0, 10, step_ms_per_layer=1.0),
+                                                 view("e", 10, 30, step_ms_per_layer=1.0)], slow="e", delay=2.0)  # fmt: skip
+    slow_cpu = [view("a", 0, 10, step_ms_per_layer=100.0), view("e", 10, 20, step_ms_per_layer=100.0),
+                view("c", 10, 20, step_ms_per_layer=100.0), view("b", 20, 30, step_ms_per_layer=100.0)]  # fmt: skip
+    honest, honest_service, _ = _dawdling_swarm(slow_cpu, slow="a", delay=2.5)  # every route: 2.5 s a step
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            service.nursery = honest_service.nursery = nursery
+            took = await _chat(pipeline, "s1", 12)()
+            assert min(took) >= 2.0
+            assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "e"]
+            assert pipeline._sessions[SessionId("s1")].legs == 1
+            assert not pipeline.health.avoided(trio.current_time()) and not pipeline.health.reliability()
+            assert pipeline.deadline.seconds(1) <= 10.0  # step_factor x slow_floor_s
+            took = await _chat(honest, "s2", 12)()
+            assert min(took) >= 2.5 and honest._sessions[SessionId("s2")].legs == 1  # never moved
+            assert not honest.health.avoided(trio.current_time())
+            assert honest.deadline.seconds(1) > 10 * 2.0  # learnt as measured
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))

@@ -1,0 +1,57 @@
+"""Whether a session's route serves as fast as its hops say it should.
+
+A hop that holds every step for just under the step deadline fails nothing the other checks
+see: it answers pings, errs never, and its answers raised the shared deadline with it (a
+2 s delay made an 8-token chat take 16 s, and the next session was routed through it
+again). Its record still claims its engine's honest speed, since the delay is outside the
+engine. So the entry holds each leg's decode steps to what the route's records and links
+say a step costs (:func:`p2p.routing.route_step_ms`): a step slower than
+``max(slow_floor_s, slow_factor x expected)`` is slow; a leg with ``slow_steps`` slow ones
+among its last ``slow_window`` decode steps is left at the next step boundary when another
+route exists (``SwarmPipeline._leave_slow``). A slow step teaches the shared deadline only
+that limit, so a dawdler cannot stretch every session's deadline to ten times its delay.
+
+Prefill and replay steps (more than ``DECODE_TOKENS`` tokens) are never judged: records
+claim decode steps only. Nor are steps when nothing was measured (``expected`` None)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from p2p.failover import DECODE_TOKENS, FailoverPolicy
+
+
+@dataclass
+class Pace:
+    """One leg's recent decode steps: slow or not."""
+
+    policy: FailoverPolicy = field(default_factory=FailoverPolicy)
+    _slow: deque[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._slow = deque(maxlen=self.policy.slow_window)
+
+    def judge(self, tokens: int, seconds: float, expected_s: Callable[[], float | None]) -> float:
+        """Note a step of ``tokens`` answered after ``seconds``; returns the seconds the shared
+        step deadline may learn from it (capped at the slow limit). ``expected_s`` (what the
+        route says a step costs) is asked only about a step slower than the floor: the fast
+        steps of an honest route cost no lookup."""
+        if tokens > DECODE_TOKENS:
+            return seconds
+        expected = expected_s() if seconds > self.policy.slow_floor_s else None
+        if expected is None:
+            self._slow.append(False)
+            return seconds
+        limit = max(self.policy.slow_floor_s, self.policy.slow_factor * expected)
+        self._slow.append(seconds > limit)
+        return min(seconds, limit)
+
+    @property
+    def too_slow(self) -> bool:
+        return sum(self._slow) >= self.policy.slow_steps
+
+    def reset(self) -> None:
+        """A new leg (or a decision taken on this one's steps): judge afresh."""
+        self._slow.clear()
