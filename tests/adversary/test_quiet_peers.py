@@ -90,6 +90,30 @@ def test_a_peer_that_blames_the_hop_after_it_is_routed_around(live: tuple[Swarm,
         s.stop(liar)
 
 
+def test_a_peer_that_holds_every_step_just_under_the_deadline_is_left(live: tuple[Swarm, PeerProcess],
+                                                                     expected: str) -> None:  # fmt: skip
+    """It holds 10-20 (one hop fewer than ``c`` + ``f``, its replicas between them) and serves
+    every frame 1.5 s late: far under any deadline, and it answers pings. Nothing blamed it:
+    every step of the chat took 1.5 s (about 25 s for 16 tokens), its answers raised the
+    entry's deadline, and the next chat went through it again. Now the chat moves round it
+    after a few such steps, and the next one goes round it from the start."""
+    s, a = live
+    dawdler = quiet_peer(s, a, "dawdler", "delay:1.5", layers="10-20")
+    try:
+        began = time.monotonic()
+        status, body = chat(a)
+        took = time.monotonic() - began
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == expected
+        assert took < 12, f"{took:.1f} s: the chat stayed on the slow peer"
+        began = time.monotonic()
+        status, body = chat(a)
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
+        assert time.monotonic() - began < 5, "a new chat went through the slow peer again"
+    finally:
+        s.stop(dawdler)
+
+
 @pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch"])
 def test_a_peer_that_refuses_every_frame_blaming_nobody_is_routed_around(live: tuple[Swarm, PeerProcess], expected: str,
                                                                         code: str) -> None:  # fmt: skip
