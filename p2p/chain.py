@@ -525,10 +525,11 @@ class SwarmPipeline:
 
     async def _migrate(self, session: _Session, leaving: frozenset[PeerId], sampling: SamplingParams | None,
                        why: str = "leaving") -> int | None:  # fmt: skip
-        """Move off hops that are leaving (or ``why`` else they are left), when another route
-        exists (not a failure: not counted, nobody blamed). The old leg is closed *before*
-        the replay: a hop on both routes must not need two session slots, and the old KV is
-        never reused anyway."""
+        """Move off hops that are leaving (draining, idle; ``why`` names another reason in the
+        log: a slow route's hops are left the same way), when another route exists (not a
+        failure: not counted, nobody blamed here). The old leg is closed *before* the replay:
+        a hop on both routes must not need two session slots, and the old KV is never
+        reused anyway."""
         assert session.leg is not None
         span = self._span_route(session.leg.route, leaving, session, voluntary=True)
         if span is not None:
