@@ -55,14 +55,14 @@ def encode(x: np.ndarray, preferred: WireDType = "f16", fallback: WireDType = "f
         data = x.astype(np.float16).tobytes()
     else:
         data = _to_bfloat16(x).tobytes()
-    return EncodedTensor(dtype, tuple(int(d) for d in x.shape), data)
+    return EncodedTensor(dtype, x.shape, data)  # numpy's shape is a tuple of Python ints
 
 
 def validate(t: EncodedTensor) -> None:
     """Check dtype and size against the shape without decoding (cheap, before queueing)."""
     if t.dtype not in _ITEMSIZE:
         raise TensorDecodeError(f"unknown tensor dtype {t.dtype!r}")
-    if any(d < 0 for d in t.shape):
+    if t.shape and min(t.shape) < 0:  # one C call: a hop validates every frame
         raise TensorDecodeError(f"negative dimension in shape {list(t.shape)}")
     count = math.prod(t.shape)  # Python ints: np.prod would wrap around on a forged shape
     if count * _ITEMSIZE[t.dtype] != len(t.data):
