@@ -40,6 +40,15 @@ def expected(smollm2, slice_cache) -> str:
     return whole_model_text(smollm2, slice_cache, QUESTION, MAX_TOKENS)
 
 
+def timed_chat(entry: PeerProcess, expected: str) -> float:
+    """One chat that must answer the whole model's text; the seconds it took."""
+    began = time.monotonic()
+    status, body = chat(entry)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == expected, body
+    return time.monotonic() - began
+
+
 def quiet_peer(s: Swarm, entry: PeerProcess, name: str, mode: str, layers: str = "0-30") -> PeerProcess:
     path = os.pathsep.join(p for p in (str(QUIET_PEER), os.environ.get("PYTHONPATH", "")) if p)
     quiet = s.start(name, "--layers", layers, bootstrap=entry, env={"PYTHONPATH": path, "QUIET_PEER_MODE": mode})
@@ -58,16 +67,9 @@ def test_a_peer_that_swallows_every_frame_is_routed_around(live: tuple[Swarm, Pe
     s, a = live
     quiet = quiet_peer(s, a, "swallower", "drop")
     try:
-        began = time.monotonic()
-        status, body = chat(a)
-        assert status == 200, body
-        assert body["choices"][0]["message"]["content"] == expected
-        assert time.monotonic() - began < 15, "more than one deadline"  # one deadline (5 s), then round it
+        assert timed_chat(a, expected) < 15, "more than one deadline"  # one deadline (5 s), then round it
         for _ in range(3):
-            began = time.monotonic()
-            status, body = chat(a)
-            assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
-            assert time.monotonic() - began < 4, "a new request went through the quiet peer again"
+            assert timed_chat(a, expected) < 4, "a new request went through the quiet peer again"
     finally:
         s.stop(quiet)
 
@@ -81,11 +83,7 @@ def test_a_peer_that_blames_the_hop_after_it_is_routed_around(live: tuple[Swarm,
     liar = quiet_peer(s, a, "blamer", "blame_next", layers="10-20")
     try:
         for _ in range(4):
-            began = time.monotonic()
-            status, body = chat(a)
-            assert status == 200, body
-            assert body["choices"][0]["message"]["content"] == expected
-            assert time.monotonic() - began < 10
+            assert timed_chat(a, expected) < 10
     finally:
         s.stop(liar)
 
@@ -100,16 +98,9 @@ def test_a_peer_that_holds_every_step_just_under_the_deadline_is_left(live: tupl
     s, a = live
     dawdler = quiet_peer(s, a, "dawdler", "delay:1.5", layers="10-20")
     try:
-        began = time.monotonic()
-        status, body = chat(a)
-        took = time.monotonic() - began
-        assert status == 200, body
-        assert body["choices"][0]["message"]["content"] == expected
+        took = timed_chat(a, expected)
         assert took < 12, f"{took:.1f} s: the chat stayed on the slow peer"
-        began = time.monotonic()
-        status, body = chat(a)
-        assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
-        assert time.monotonic() - began < 5, "a new chat went through the slow peer again"
+        assert timed_chat(a, expected) < 5, "a new chat went through the slow peer again"
     finally:
         s.stop(dawdler)
 
@@ -125,8 +116,6 @@ def test_a_peer_that_refuses_every_frame_blaming_nobody_is_routed_around(live: t
     quiet = quiet_peer(s, a, f"refuser-{code}", f"error:{code}")
     try:
         for _ in range(3):
-            status, body = chat(a)
-            assert status == 200, body
-            assert body["choices"][0]["message"]["content"] == expected
+            timed_chat(a, expected)
     finally:
         s.stop(quiet)
