@@ -362,8 +362,9 @@ class Stage:
         The worker's path with everything a lone step does not need left out: no job to
         track (the engine already holds the session, which is what :meth:`holds` asks), no
         slices, no batch, no thread hand-off. A hop's Python runs on caches the engine call
-        left cold, so every call skipped counts (~0.07 ms a hop in ``scripts/bench_hop.py``
-        against the same bookkeeping done through a job)."""
+        left cold, so every call skipped counts (0.025-0.054 ms a hop against the same
+        bookkeeping done through a job: docs/ARCHITECTURE.md, "A lone step skips the stage's
+        queue")."""
         if not self._may_step_now(item):
             return False
         self._running_now = True
@@ -373,6 +374,8 @@ class Stage:
             self.stats.recomputed += max(0, self.engine.session_length(session_id) - item.start_pos)
             try:
                 (result,) = self._forward([item], [sampling])
+                if result.error is None:
+                    result = self._keep(session_id, item.start_pos, result)
             except Exception as exc:  # noqa: BLE001 - a bug fails this step, never the stage
                 log.exception("stage step failed")
                 result = StageResult(error=DecodeFailed(f"stage failure: {exc}"))
@@ -381,7 +384,6 @@ class Stage:
             if result.error is None:
                 self._last_used[session_id] = now
                 self._note_step(session_id, started, lane)
-                result = self._keep(session_id, item.start_pos, result)
             else:
                 self._count_error()
             try:

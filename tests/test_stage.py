@@ -11,7 +11,7 @@ from conftest import smollm2_engine
 
 from inclavate.types import SessionId
 from node.engine import BatchItem
-from node.errors import SessionEvicted, SessionLimitReached
+from node.errors import DecodeFailed, SessionEvicted, SessionLimitReached
 from node.llamacpp_engine import LlamaCppEngine
 from node.sampling import SamplingParams
 from node.stage import Job, Stage, StageResult
@@ -520,4 +520,31 @@ async def test_a_previous_hop_loses_at_most_one_session_per_interval_to_another_
                 source_of[f"{sid}.1"] = source_of.pop(sid)
                 assert (await run_job(stage, f"{sid}.1", 0, [1, 2, 3], source=source_of[f"{sid}.1"])).error is None
         assert stage.stats.evicted == 1, stage.stats.evicted
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_step_in_place_whose_bookkeeping_fails_answers_an_error_and_the_stage_goes_on(first_range) -> None:
+    """A bug after the engine call (keeping the output for failover) fails that step with an
+    error the entry sees at once, as the worker's path does, instead of escaping into the
+    frame's reader and leaving the entry to wait out its deadline."""
+    stage = Stage(first_range, inline_tokens=8, keep_outputs="f16")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stage.run)
+        token = 1
+        for pos in range(2):  # the first goes through the worker: then steps may run in place
+            assert (await run_job(stage, "s", pos, [token])).error is None
+        await trio.testing.wait_all_tasks_blocked()
+        assert stage.kept is not None
+        put, stage.kept.put = stage.kept.put, None  # type: ignore[assignment,method-assign]
+        delivered: list[StageResult] = []
+
+        async def deliver(result: StageResult) -> None:
+            delivered.append(result)
+
+        item = BatchItem(SessionId("s"), 2, tokens=np.array([token], np.int32))
+        assert await stage.step_now(item, None, 0, deliver)
+        assert len(delivered) == 1 and isinstance(delivered[0].error, DecodeFailed)
+        stage.kept.put = put  # type: ignore[method-assign]
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await run_job(stage, "s", 2, [token])).error is None
         nursery.cancel_scope.cancel()
