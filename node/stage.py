@@ -374,12 +374,13 @@ class Stage:
             self.stats.recomputed += max(0, self.engine.session_length(session_id) - item.start_pos)
             try:
                 (result,) = self._forward([item], [sampling])
+                now = time.monotonic()  # the engine's time, as the worker's path counts it
                 if result.error is None:
                     result = self._keep(session_id, item.start_pos, result)
             except Exception as exc:  # noqa: BLE001 - a bug fails this step, never the stage
                 log.exception("stage step failed")
                 result = StageResult(error=DecodeFailed(f"stage failure: {exc}"))
-            now = time.monotonic()
+                now = time.monotonic()
             self.stats.inline_cpu_seconds += now - started
             if result.error is None:
                 self._last_used[session_id] = now
