@@ -197,6 +197,10 @@ class LlamaCppEngine(LayerEngine):
     def forward(self, items: list[BatchItem]) -> list[StageOutput]:
         with self._lock:
             self._check_open()
+            if len(items) == 1:
+                step = self._step(items[0])
+                if step is not None:
+                    return [step]
             self._validate(items)
             saved = self._admit(items)
             self._set_threads(items)
@@ -205,6 +209,75 @@ class LlamaCppEngine(LayerEngine):
             except BaseException:
                 self._restore(saved)
                 raise
+
+    def _step(self, item: BatchItem) -> StageOutput | None:
+        """A lone decode step continuing its session at its length (what a session decoding
+        alone sends at every token), or None when ``item`` is anything else: then the batch
+        path validates, plans and runs it.
+
+        The same checks and the same batch row as that path, without its loops, sort, plan and
+        per-segment bookkeeping. Right after the previous step's compute has left the caches
+        cold, the Python around a call costs 60-200 us, paid at every hop of a chain for every
+        token; this path takes 0.43-0.62 of the batch path's (``scripts/bench_engine_call.py``,
+        two runs on the 2-core VM, 2026-12-06). ``tests/test_engine.py -k lone_step``: the same
+        bits as the batch path.
+        """
+        slot = self._slots.get(item.session_id)
+        if slot is None or item.n_tokens != 1 or item.start_pos != slot.length:
+            return None
+        if item.start_pos + 1 > self.config.context_length:
+            return None  # the batch path raises ContextFull, with its message
+        info = self.info
+        if info.is_first:
+            tokens = item.tokens
+            if tokens is None or tokens.ndim != 1 or not 0 <= tokens[0] < info.n_vocab:
+                return None
+            self._tokens[0] = tokens[0]
+        else:
+            hidden = item.hidden
+            if hidden is None or hidden.shape != (1, info.d_model):
+                return None
+            self._embd[0] = hidden[0] if self._input_scale == 1.0 else hidden[0] / self._input_scale
+        self._set_threads([item])
+        self._pos[0] = item.start_pos
+        self._seq_ptrs[0][0] = slot.seq_id
+        self._outputs[0] = 1
+        self._n_seq_id[0] = 1
+        self._batch.n_tokens = 1
+        try:
+            if info.is_last:
+                self._call(1)
+                output = StageOutput(item.session_id, logits=self._last_logits(1)[0].copy())
+            else:
+                self._capture.reset()
+                self._call(1)
+                output = StageOutput(item.session_id, hidden=self._captured(1))
+        except BaseException:
+            self._restore({item.session_id: slot.length})
+            raise
+        slot.length += 1
+        return output
+
+    def _call(self, n: int) -> None:
+        """``llama_decode`` of the batch's first ``n`` rows, its failures as our errors."""
+        code = llama_cpp.llama_decode(self._ctx, self._batch)
+        if code == 1:
+            raise ContextFull(
+                f"the KV cache of {self.info.model_id} {self.info.layers} has no room for "
+                f"{n} more positions"
+            )
+        if code != 0:
+            raise DecodeFailed(f"llama_decode returned {code}")
+
+    def _captured(self, n: int) -> np.ndarray:
+        """The ``n`` rows of the range's output the eval callback copied."""
+        try:
+            captured = self._capture.captured()
+        except CaptureError as exc:
+            raise DecodeFailed(str(exc)) from exc
+        if captured.shape != (n, self.info.d_model):
+            raise DecodeFailed(f"captured {captured.shape} from {self._capture.tensor_name}, expected ({n}, {self.info.d_model})")
+        return captured
 
     def _set_threads(self, items: list[BatchItem]) -> None:
         """Every thread while this engine holds one session (the batch's, once admitted),
@@ -336,25 +409,11 @@ class LlamaCppEngine(LayerEngine):
 
         if not self.info.is_last:
             self._capture.reset()
-        code = llama_cpp.llama_decode(self._ctx, self._batch)
-        if code == 1:
-            raise ContextFull(
-                f"the KV cache of {self.info.model_id} {self.info.layers} has no room for "
-                f"{n} more positions"
-            )
-        if code != 0:
-            raise DecodeFailed(f"llama_decode returned {code}")
+        self._call(n)
 
         out: list[tuple[_Segment, np.ndarray | None]] = []
         if not self.info.is_last:
-            try:
-                captured = self._capture.captured()
-            except CaptureError as exc:
-                raise DecodeFailed(str(exc)) from exc
-            if captured.shape != (n, self.info.d_model):
-                raise DecodeFailed(
-                    f"captured {captured.shape} from {self._capture.tensor_name}, expected ({n}, {self.info.d_model})"
-                )
+            captured = self._captured(n)
             offset = 0
             for seg in ordered:
                 out.append((seg, captured[offset : offset + seg.count]))

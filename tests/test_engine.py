@@ -17,6 +17,7 @@ from node.engine import BatchItem, EngineConfig, LayerEngine
 from node.errors import ContextFull, InvalidBatch, SessionLimitReached
 from node.llamacpp_engine import LlamaCppEngine
 from node.tokenizer import Tokenizer
+from conftest import smollm2_engine
 
 MODEL = ModelId("smollm2:135m")
 SPLIT = [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
@@ -373,3 +374,29 @@ def test_steps_past_the_split_kv_threshold_compute_alike_at_any_thread_count_bat
 def test_the_shared_thread_count_is_between_one_and_all(shared: int) -> None:
     with pytest.raises(ValueError, match="n_threads_shared"):
         EngineConfig(n_threads=2, n_threads_shared=shared)
+
+
+@pytest.mark.parametrize("layers", [(0, 10), (10, 20), (20, 30)])
+def test_a_lone_step_computes_what_the_batch_path_computes(smollm2, slice_cache, layers: tuple[int, int]) -> None:
+    """A session decoding alone takes a short path through the engine at every token
+    (``LlamaCppEngine._step``); it must leave the same KV and give the same bits as the
+    batch path, which a failover's replay and a batch with other sessions go through."""
+    rng = np.random.default_rng(7)
+    first = layers[0] == 0
+    inputs = [rng.integers(0, 49152, size=1, dtype=np.int32) if first else rng.standard_normal((1, 576)).astype(np.float32)
+              for _ in range(12)]  # fmt: skip
+
+    def item(sid: str, pos: int) -> BatchItem:
+        x = inputs[pos]
+        return BatchItem(SessionId(sid), pos, tokens=x) if first else BatchItem(SessionId(sid), pos, hidden=x)
+
+    with smollm2_engine(smollm2, slice_cache, layers) as engine:
+        step, taken = engine._step, []
+        engine._step = lambda it: taken.append(step(it)) or taken[-1]  # type: ignore[method-assign]
+        short = [engine.forward([item("short", pos)])[0] for pos in range(12)]
+        assert sum(out is not None for out in taken) == 11  # all but the first, which opens the session
+        engine._step = lambda _item: None  # type: ignore[method-assign]  # the batch path only
+        batch = [engine.forward([item("batch", pos)])[0] for pos in range(12)]
+    for a, b in zip(short, batch):
+        got, want = (a.hidden, b.hidden) if a.hidden is not None else (a.logits, b.logits)
+        assert got is not None and want is not None and got.tobytes() == want.tobytes()
