@@ -292,14 +292,15 @@ class Stage:
         self._running_now = False
         """A step is being run in its submitter's task (see :meth:`step_now`)."""
 
-    async def submit(self, job: Job) -> None:
+    async def submit(self, job: Job, *, in_place: bool = True) -> None:
         """Queue a job; waits only when the queue is full (backpressure on the sender). No
         scheduler turn otherwise: the caller goes on with its next frame, the stage starts
         this one at the next turn.
 
         A lone session's decode step on an idle stage runs here instead, in the caller's task,
-        and this returns once it is delivered (see :meth:`step_now`)."""
-        if job.item is not None and await self.step_now(job.item, job.sampling, job.lane, job.deliver):
+        and this returns once it is delivered (see :meth:`step_now`); ``in_place=False``: the
+        caller already asked :meth:`step_now`, and was told no."""
+        if in_place and job.item is not None and await self.step_now(job.item, job.sampling, job.lane, job.deliver):
             return
         _track(job, self._pending)
         try:

@@ -687,7 +687,8 @@ class ForwardService:
             await self._after_stage(msg, result)
 
         try:
-            await stage.submit(Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane, source=_source(msg, remote)))
+            job = Job(item, msg.session_id, deliver, msg.sampling, lane=msg.lane, source=_source(msg, remote))
+            await stage.submit(job, in_place=False)  # step_now said no above
         except BaseException:
             release()  # never queued, or run in place and cut short: nothing holds the frame
             raise

@@ -163,7 +163,7 @@ class _HoldingStage:
         self.kept = None
         self.jobs: list = []
 
-    async def submit(self, job) -> None:  # type: ignore[no-untyped-def]
+    async def submit(self, job, *, in_place: bool = True) -> None:  # type: ignore[no-untyped-def]
         self.jobs.append(job)
 
     async def step_now(self, *_: object) -> bool:
@@ -229,7 +229,7 @@ async def test_work_in_flight_is_bounded_for_all_peers_together() -> None:
     await service._on_forward(_frame(senders[3], "newcomer", stage, ctx), senders[3])
     assert len(stage.jobs) == 13 and service.admission.in_flight_total() == (1, held)
 
-    async def closed(_job: object) -> None:  # the stage went away under the frame
+    async def closed(_job: object, **_: object) -> None:  # the stage went away under the frame
         raise trio.ClosedResourceError
 
     stage.submit = closed  # type: ignore[method-assign]
