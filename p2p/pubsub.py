@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import libp2p.pubsub.gossipsub
 import libp2p.pubsub.pubsub
@@ -134,6 +134,42 @@ class Broadcast:
         self._channels.clear()
 
 
+_READ_AHEAD = 64 * 1024
+"""Most bytes a pubsub stream's reader takes from yamux at once (and holds unread)."""
+
+
+class ReadAhead:
+    """A pubsub stream whose reads are served from one read-ahead buffer.
+
+    py-libp2p reads each RPC's length prefix one byte at a time, and every ``read`` of a
+    yamux stream takes the stream's lock, a checkpoint and a window update: ~60 of an
+    idle chain peer's ~180 trio task steps a second, a share of every hop's time on a
+    shared core (docs/ARCHITECTURE.md, "Open in issue 10"). Here one ``read`` takes what
+    yamux holds (up to ``_READ_AHEAD`` bytes, so what a sender can park here is bounded),
+    and the prefix's bytes and the message after it come from that. Everything else is the
+    stream's own."""
+
+    def __init__(self, stream: INetStream) -> None:
+        self._stream = stream
+        self._ahead = bytearray()
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._ahead:
+            if n is not None and n >= _READ_AHEAD:
+                return await self._stream.read(n)
+            self._ahead += await self._stream.read(_READ_AHEAD)
+        if n is None or n < 0 or n >= len(self._ahead):
+            data = bytes(self._ahead)
+            self._ahead.clear()
+            return data
+        data = bytes(self._ahead[:n])
+        del self._ahead[:n]
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 class SwarmPubsub(Pubsub):
     """libp2p Pubsub with its two silent 32-slot drops replaced by sized queues.
 
@@ -170,7 +206,7 @@ class SwarmPubsub(Pubsub):
         provoke escaped into the swarm's nursery and ended the peer: one stranger's
         malformed RPC killed its victim. Now it costs that stranger its stream."""
         try:
-            await super().stream_handler(stream)
+            await super().stream_handler(cast(INetStream, ReadAhead(stream)))
         except Exception as exc:  # a foreign library's zoo of errors, all from one sender
             peer_id = stream.muxed_conn.peer_id
             logger.debug("dropping the pubsub stream of %s: %r", peer_id, exc)

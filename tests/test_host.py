@@ -402,3 +402,37 @@ def test_a_sender_record_is_verified_once_per_sender_and_bytes_and_failures_are_
     verdicts[b""] = True
     once(rpc_pb2.RPC(), None, alice)  # no record: the library decides, nothing remembered
     assert calls[-1] == b""
+
+
+async def test_a_pubsub_stream_is_read_a_message_at_a_time_not_a_byte_at_a_time() -> None:
+    """py-libp2p reads an RPC's length prefix byte by byte; each read of a yamux stream is a
+    lock, a checkpoint and a window update. Through the read-ahead, whole messages (prefix,
+    body, the next one's start) come from one read, the bytes arrive unchanged, the buffer
+    never takes more than its bound from the stream, and the stream's end is still seen."""
+    from libp2p.utils.varint import encode_uvarint, read_varint_prefixed_bytes_limited
+
+    from p2p import pubsub
+
+    messages = [b"x" * 300, b"", b"y" * 5, os.urandom(200_000)]
+    wire = b"".join(encode_uvarint(len(m)) + m for m in messages)
+
+    class Stream:
+        muxed_conn = "the stream's own"
+
+        def __init__(self) -> None:
+            self.sent, self.reads = 0, 0
+
+        async def read(self, n: int | None = None) -> bytes:
+            assert n is not None and n > 0
+            self.reads += 1
+            chunk = wire[self.sent:self.sent + min(n, 1500)]  # yamux hands over what it holds
+            self.sent += len(chunk)
+            return chunk
+
+    stream = Stream()
+    reader = pubsub.ReadAhead(stream)  # type: ignore[arg-type]
+    got = [await read_varint_prefixed_bytes_limited(reader, 1 << 20) for _ in messages]
+    assert got == messages
+    assert stream.reads <= len(wire) // 1500 + len(messages) + 1  # not one per prefix byte
+    assert reader.muxed_conn == "the stream's own"
+    assert len(reader._ahead) == 0 and await reader.read(1) == b""  # the end, as the stream said it
