@@ -436,3 +436,14 @@ async def test_a_pubsub_stream_is_read_a_message_at_a_time_not_a_byte_at_a_time(
     assert stream.reads <= len(wire) // 1500 + len(messages) + 1  # not one per prefix byte
     assert reader.muxed_conn == "the stream's own"
     assert len(reader._ahead) == 0 and await reader.read(1) == b""  # the end, as the stream said it
+
+
+def test_a_peer_id_that_is_not_one_is_refused_every_time_it_is_asked_about() -> None:
+    """Parsed ids are remembered (base58 is slow Python); a bad one must never be."""
+    from p2p.host import _parse_peer
+
+    good = Identity.generate().peer_id
+    assert _parse_peer(good) is _parse_peer(good)
+    for _ in range(2):
+        with pytest.raises(DialError, match="not a peer id"):
+            _parse_peer("not-a-peer-id")
