@@ -27,7 +27,10 @@ one any HTTP client of any peer already is.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import trio
@@ -241,12 +244,55 @@ async def _send(stream: FramedStream, answer: dict[str, Any]) -> None:
 # -- the asking side ------------------------------------------------------------------
 
 
+class _AskerSlots:
+    """Streams this peer has open to each owner for one pool (reads, or the small requests),
+    at most what an owner accepts from one peer (:data:`MAX_READS_PER_PEER`,
+    :data:`MAX_SMALL_PER_PEER`); one more waits here for a stream to end.
+
+    Without it, a relay with more downloads of one owner's artifacts at once than those
+    counts (16 at once, measured) opened more streams than the owner's
+    ``max_streams_per_peer`` and the owner reset the extra ones: a 503 before the headers,
+    or a body cut mid-download. The table holds only owners with a stream open or awaited
+    now, so it never holds more entries than there are tasks asking."""
+
+    def __init__(self, per_owner: Callable[[], int]) -> None:
+        self._per_owner = per_owner
+        self._owners: dict[str, tuple[trio.Semaphore, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, peer: str, wait_s: float = math.inf) -> AsyncIterator[None]:
+        """A stream to ``peer`` may be opened inside; :class:`OwnerBusy` if none was free
+        within ``wait_s``."""
+        slots, count = self._owners.get(peer) or (None, 0)
+        if slots is None:
+            count = self._per_owner()
+            slots = trio.Semaphore(count)
+            self._owners[peer] = slots, count
+        try:
+            with trio.move_on_after(wait_s) as waited:  # only the wait: the stream has its own deadlines
+                await slots.acquire()
+            if waited.cancelled_caught:
+                raise OwnerBusy(f"this peer's {count} streams to {peer} stayed in use for {wait_s:.0f} s")
+            try:
+                yield
+            finally:
+                slots.release()
+        finally:
+            if slots.statistics().tasks_waiting == 0 and slots.value == count:
+                self._owners.pop(peer, None)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
 class RemoteArtifacts:
     """Ask other peers' stores. Failures to reach a peer raise :class:`ArtifactUnavailable`;
     the owner's refusals come back as the same exception types the local store raises."""
 
     def __init__(self, host: P2PHost) -> None:
         self.host = host
+        self._read_slots = _AskerSlots(lambda: MAX_READS_PER_PEER)
+        self._small_slots = _AskerSlots(lambda: MAX_SMALL_PER_PEER)
         self._relayed: weakref.WeakSet[RemotePieces] = weakref.WeakSet()
         """Open :class:`RemotePieces`. Weak: a read whose response was never sent (its
         client left before the first byte) is never closed, and must still stop counting
@@ -299,12 +345,13 @@ class RemoteArtifacts:
         could make us hold is bounded: the piece's bytes, its deadline, the busy wait."""
         pause = _BUSY_BACKOFF_S[0]
         with trio.move_on_after(BUSY_WAIT_S) as waited:
-            while True:
-                try:
-                    return await self._read_piece_once(peer, meta, offset, length)
-                except OwnerBusy:
-                    await trio.sleep(pause)
-                    pause = min(pause * 2, _BUSY_BACKOFF_S[1])
+            async with self._read_slots.hold(peer):  # this peer's own streams first, then the owner's
+                while True:
+                    try:
+                        return await self._read_piece_once(peer, meta, offset, length)
+                    except OwnerBusy:
+                        await trio.sleep(pause)
+                        pause = min(pause * 2, _BUSY_BACKOFF_S[1])
         assert waited.cancelled_caught
         raise OwnerBusy(f"the owner peer {peer} stayed busy for {BUSY_WAIT_S:.0f} s")
 
@@ -333,6 +380,10 @@ class RemoteArtifacts:
             raise ArtifactUnavailable(f"the owner peer {peer} is not reachable: {exc}") from exc
 
     async def _call(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
+        async with self._small_slots.hold(peer, BUSY_WAIT_S):
+            return await self._call_once(peer, request)
+
+    async def _call_once(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
         stream = await self._open_stream(peer)
         try:
             async with stream:

@@ -436,6 +436,29 @@ async def test_slow_downloads_through_a_peer_do_not_starve_its_other_downloads(t
             assert b.remote.relayed_reads == 0
 
 
+async def test_many_downloads_of_one_owner_through_one_peer_all_finish(tmp_path: Path) -> None:
+    """A relay with more downloads of one owner's artifacts at once than the owner accepts
+    streams from one peer opened a stream per download regardless, and the owner reset the
+    extra streams: a 503 before the headers, or a body cut half way. The relay now holds at
+    most MAX_READS_PER_PEER read streams and MAX_SMALL_PER_PEER others to each owner, and
+    the rest wait their turn (fails on the tree before: "the peer closed the stream")."""
+    data = os.urandom(3_000_000)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            big = await a.store.create(chunks(data))
+            results: list[bytes] = []
+
+            async def one() -> None:
+                results.append(await read(b.swarm, big.id))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(16):
+                    nursery.start_soon(one)
+            assert results == [data] * 16
+            assert b.remote.relayed_reads == 0
+            assert (len(b.remote._read_slots), len(b.remote._small_slots)) == (0, 0)  # emptied
+
+
 async def test_the_downloads_a_peer_relays_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each open remote read buffers up to a piece on the relaying peer, and it no longer
     needs an owner slot to stay open: the number open at once is this peer's own bound."""
