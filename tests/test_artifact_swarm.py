@@ -490,3 +490,60 @@ async def test_a_relayed_read_never_closed_stops_counting_once_dropped(tmp_path:
             del opened
             gc.collect()
             assert b.remote.relayed_reads == 0
+
+
+async def test_a_download_cut_mid_body_by_a_busy_owner_ends_short_of_its_length(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay sends the 200 and its Content-Length after the first piece; an owner that is
+    then busy for longer than BUSY_WAIT_S cannot be turned into a status any more. The client
+    must see a failure it cannot mistake for the whole object: the connection ends before
+    the declared length (httpx raises), never a short body that ends like a complete one."""
+    import httpx
+    from artifact_api_helpers import ArtifactContext
+
+    from api.app import create_app, serve_api
+    from inclavate.local_swarm import free_port
+
+    monkeypatch.setattr(p2p.artifacts, "BUSY_WAIT_S", 1.0)
+    data = os.urandom(3 * MAX_PIECE)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            real = await a.store.create(chunks(data))
+
+            async def busy_after_one_piece(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                record = {**real.to_record(), "id": request["id"]}
+                if request["op"] == "meta":
+                    await stream.send(json.dumps({"ok": True, "artifact": record}).encode(), timeout=5)
+                elif request["offset"] == 0:  # the first piece, honestly: the 200 goes out
+                    span = [0, request["length"] - 1]
+                    await stream.send(json.dumps({"ok": True, "artifact": record, "range": span}).encode(), timeout=5)
+                    for i in range(0, request["length"], READ_CHUNK):
+                        await stream.send(data[i : min(i + READ_CHUNK, request["length"])], timeout=5)
+                    await stream.send(b"", timeout=5)
+                else:
+                    await stream.send(json.dumps({"ok": False, "error": "busy", "message": "busy"}).encode(), timeout=5)
+
+            a.host.set_stream_handler(PROTOCOL, busy_after_one_piece)
+            ctx = ArtifactContext(b.store)
+            ctx._artifacts = b.swarm
+            port = free_port()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve_api, create_app(ctx), "127.0.0.1", port)  # type: ignore[arg-type]
+
+                def download() -> tuple[int, str, int]:
+                    got = 0
+                    with httpx.stream("GET", f"http://127.0.0.1:{port}/v1/artifacts/{real.id}", timeout=30) as response:
+                        status, length = response.status_code, response.headers["content-length"]
+                        try:
+                            for chunk in response.iter_raw():
+                                got += len(chunk)
+                        except httpx.RemoteProtocolError:
+                            return status, length, -got  # the client knows it is cut
+                    return status, length, got
+
+                status, length, got = await trio.to_thread.run_sync(download)
+                nursery.cancel_scope.cancel()
+            assert (status, length) == (200, str(len(data)))
+            assert -len(data) < got < 0  # cut, and the client was told so: never a whole-looking body
+            assert b.remote.relayed_reads == 0
