@@ -242,6 +242,7 @@ async def test_a_lying_owner_is_caught(tmp_path: Path, lie: str, monkeypatch: py
                 async for _ in opened.chunks:
                     pass
             assert b.remote.relayed_reads == 0  # nothing held after a refused piece
+            assert (len(b.remote._read_slots), len(b.remote._small_slots)) == (0, 0)  # nor a stream slot
 
 
 async def test_an_owner_that_stays_busy_is_a_503_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
