@@ -110,3 +110,48 @@ def test_only_the_newest_finished_jobs_are_kept(store: JobStore) -> None:
         store.finish(f"j{n}", "completed", T0 + 10)
     assert store.prune_finished(keep=2) == 2
     assert [j.id for j in store.list(10, 0)] == ["j4", "j3", "j2"]  # j4 is still queued: never pruned
+
+
+class _CountingStore(JobStore):
+    """Counts the history scans the runner asks for."""
+
+    scans = 0
+
+    def finished_count(self) -> int:
+        self.scans += 1
+        return super().finished_count()
+
+    def prune_finished(self, keep: int) -> int:
+        self.scans += 1
+        return super().prune_finished(keep)
+
+
+async def test_an_idle_runner_does_not_rescan_a_full_history_and_prunes_it_in_batches(tmp_path: Path) -> None:
+    """Pruning sorts every finished record: the runner once did it every second, ~11 ms of
+    its event loop at the default 10,000 records, forever, and seconds each second for a
+    peer keeping millions. Now it looks only after a job changed, and prunes once the
+    history is a tenth over its limit."""
+    import trio
+
+    from inclavate.job_runner import JobRunner, RunnerConfig
+
+    store = _CountingStore.in_dir(tmp_path)
+    for n in range(30):
+        store.create(f"old{n:02d}", new(), max_active=100, now=T0 + n)
+        store.finish(f"old{n:02d}", "completed", T0 + n)
+    runner = JobRunner(store, None, {}, "peer", lambda *_: None, RunnerConfig(poll_s=0.01, history_max=20))  # type: ignore[arg-type]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            await trio.sleep(0.2)
+            assert store.finished_count() == 20  # over the limit at start: pruned to it
+            scans = store.scans
+            await trio.sleep(0.3)  # thirty idle rounds
+            assert store.scans == scans
+            for n in range(3):  # 23 finished: more than a tenth over 20
+                job, _ = runner.submit(new())
+                await runner.cancel(job.id)
+                await trio.sleep(0.05)
+                assert store.finished_count() == (21 + n if n < 2 else 20)
+            nursery.cancel_scope.cancel()
+    store.close()
