@@ -196,6 +196,9 @@ class _StderrHandler(logging.Handler):
 
 
 _OWN_PACKAGES = frozenset({"inclavate", "p2p", "node", "api"})
+DEBUG_ENV = "INCLAVATE_DEBUG"
+"""Loggers (comma-separated, e.g. ``p2p.pace``) logged at DEBUG whatever ``-v`` says: one
+module's detail (a bench reads it from a peer's log) without every library's debug flood."""
 
 
 class _CliFormatter(logging.Formatter):
@@ -226,9 +229,12 @@ class _CliFormatter(logging.Formatter):
 def _configure_logging(verbosity: int, *, timestamps: bool = False) -> None:
     """One stderr handler on the root logger, added once even if main() runs repeatedly.
     ``timestamps``: for a long-running command's log (a peer's), where when something
-    happened is half of what a line says; a one-shot command's messages go without."""
+    happened is half of what a line says; a one-shot command's messages go without.
+    :data:`DEBUG_ENV` names loggers to log at DEBUG."""
     root = logging.getLogger()
     root.setLevel([logging.WARNING, logging.INFO, logging.DEBUG][min(verbosity, 2)])
+    for name in filter(None, os.environ.get(DEBUG_ENV, "").split(",")):
+        logging.getLogger(name.strip()).setLevel(logging.DEBUG)
     if not any(isinstance(handler, _StderrHandler) for handler in root.handlers):
         handler = _StderrHandler()
         handler.setFormatter(_CliFormatter(timestamps=timestamps))

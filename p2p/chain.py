@@ -50,6 +50,7 @@ from p2p.latency import usable_link_ms
 from p2p.legs import Leg, LegWatch, blame, seen_gone
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason
+from p2p import pace
 from p2p.pace import Pace
 from p2p.registry import NodeView
 from p2p.routing import CostModel, Hop, NoRoute, choose_route, route_step_ms
@@ -349,6 +350,8 @@ class SwarmPipeline:
                 if isinstance(outcome, int):
                     took = trio.current_time() - session.flight_since
                     learnt = session.pace.judge(session.flight_tokens, took, lambda: self._expected_step_s(leg))
+                    if pace.tracing():
+                        pace.trace(session.session_id, session.flight_tokens, took, self._expected_step_s(leg))
                     self.deadline.observe(session.flight_tokens, learnt)
                     if session.failing_since is not None:
                         log.info("session %s: failover: token %.3f s after the failure was seen",

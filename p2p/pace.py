@@ -16,11 +16,26 @@ claim decode steps only. Nor are steps when nothing was measured (``expected`` N
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2p.failover import DECODE_TOKENS, FailoverPolicy
+
+log = logging.getLogger(__name__)
+
+
+def tracing() -> bool:
+    """Whether every step is logged against what its route should cost (``INCLAVATE_DEBUG=p2p.pace``):
+    what ``scripts/bench_pace.py`` measures honest routes' ratios from. Off, a step costs no lookup."""
+    return log.isEnabledFor(logging.DEBUG)
+
+
+def trace(session: str, tokens: int, seconds: float, expected: float | None) -> None:
+    """One answered step: its tokens, its seconds, and what the route's records say a decode step costs."""
+    log.debug("pace session=%s tokens=%d seconds=%.6f expected=%s", session, tokens, seconds,
+              "none" if expected is None else f"{expected:.6f}")  # fmt: skip
 
 
 @dataclass
