@@ -63,10 +63,23 @@ class FailoverPolicy:
     """How long the kept hops get to confirm what they hold before the whole route is replayed."""
     slow_factor: float = 8.0
     """A decode step is *slow* when it takes more than this many times what its route's hops
-    say it costs (``p2p.pace``)..."""
-    slow_floor_s: float = 1.0
-    """...and more than this: a fast route's honest noise (a GC pause, another session's
-    prefill batched first) is far below it."""
+    say it costs (``p2p.pace``)... Measured (``scripts/bench_pace``): honest steps of a
+    loaded chain stray far from their records only while a long prompt is prefilled on a
+    CPU the stages share (then nothing under ~49x is safe); a smaller factor moved more of
+    those sessions and nothing else, so it stays."""
+    slow_floor_s: float = 0.25
+    """...and more than this. Measured: an honest 3-peer chain sharing one core, 1 or 8
+    sessions streaming, never had 3 steps of 8 over 0.25 s; its steps over it were single
+    (start-up, another session's prompt). Lower, a home link's jitter (tens, rarely hundreds
+    of ms) could add up to a verdict. Was 1 s: a hop adding 0.9 s to each 15 ms step went free."""
+    slow_settle_steps: int = 4
+    """A leg's first this many decode steps are held to ``slow_settle_floor_s`` instead: they
+    queue behind the prompts of sessions that arrived with them, and the records lag a
+    heartbeat behind a load change. Measured: 8 sessions arriving at once on a chain sharing
+    one core, one's first steps took 750, 772 and 604 ms (its route claimed 33 ms); past its
+    first 4, no 8 steps of any session held 3 over 284 ms."""
+    slow_settle_floor_s: float = 1.0
+    """The floor of those first steps (as before 2026-12-06 for every step)."""
     slow_steps: int = 3
     """A session whose last ``slow_window`` decode steps hold this many slow ones moves to
     another route, if one exists, blaming the route's hops as a guess..."""
@@ -81,6 +94,8 @@ class FailoverPolicy:
             raise ValueError("need 0 < min_step_s <= max_step_s")
         if not 0 < self.slow_steps <= self.slow_window:
             raise ValueError("need 0 < slow_steps <= slow_window")
+        if self.slow_settle_steps < 0 or self.slow_settle_floor_s < self.slow_floor_s:
+            raise ValueError("need slow_settle_steps >= 0 and slow_settle_floor_s >= slow_floor_s")
 
 
 DECODE_TOKENS = 4

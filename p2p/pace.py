@@ -6,7 +6,9 @@ see: it answers pings, errs never, and its answers raised the shared deadline wi
 again). Its record still claims its engine's honest speed, since the delay is outside the
 engine. So the entry holds each leg's decode steps to what the route's records and links
 say a step costs (:func:`p2p.routing.route_step_ms`): a step slower than
-``max(slow_floor_s, slow_factor x expected)`` is slow; a leg with ``slow_steps`` slow ones
+``max(slow_floor_s, slow_factor x expected)`` is slow (``slow_settle_floor_s`` instead of
+``slow_floor_s`` for a leg's first ``slow_settle_steps``: they queue behind the prompts of
+the sessions that arrived with them); a leg with ``slow_steps`` slow ones
 among its last ``slow_window`` decode steps is left at the next step boundary when another
 route exists (``SwarmPipeline._leave_slow``). A slow step teaches the shared deadline only
 that limit, so a dawdler cannot stretch every session's deadline to ten times its delay.
@@ -44,6 +46,8 @@ class Pace:
 
     policy: FailoverPolicy = field(default_factory=FailoverPolicy)
     _slow: deque[bool] = field(init=False)
+    _steps: int = 0
+    """Decode steps judged since the leg began (or the last reset): the first few settle."""
 
     def __post_init__(self) -> None:
         self._slow = deque(maxlen=self.policy.slow_window)
@@ -55,18 +59,29 @@ class Pace:
         steps of an honest route cost no lookup."""
         if tokens > DECODE_TOKENS:
             return seconds
-        expected = expected_s() if seconds > self.policy.slow_floor_s else None
+        floor = self.floor_s
+        self._steps += 1
+        expected = expected_s() if seconds > floor else None
         if expected is None:
             self._slow.append(False)
             return seconds
-        limit = max(self.policy.slow_floor_s, self.policy.slow_factor * expected)
+        limit = max(floor, self.policy.slow_factor * expected)
         self._slow.append(seconds > limit)
         return min(seconds, limit)
+
+    @property
+    def floor_s(self) -> float:
+        """The next decode step's floor: ``slow_settle_floor_s`` for a leg's first
+        ``slow_settle_steps`` ones (they queue behind the prompts that arrived with them),
+        ``slow_floor_s`` after."""
+        p = self.policy
+        return p.slow_settle_floor_s if self._steps < p.slow_settle_steps else p.slow_floor_s
 
     @property
     def too_slow(self) -> bool:
         return sum(self._slow) >= self.policy.slow_steps
 
     def reset(self) -> None:
-        """A new leg (or a decision taken on this one's steps): judge afresh."""
+        """A new leg (or a decision taken on this one's steps): judge afresh, settling again."""
         self._slow.clear()
+        self._steps = 0

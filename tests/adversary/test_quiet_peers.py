@@ -105,6 +105,27 @@ def test_a_peer_that_holds_every_step_just_under_the_deadline_is_left(live: tupl
         s.stop(dawdler)
 
 
+def test_a_peer_that_holds_every_step_under_a_second_is_left(live: tuple[Swarm, PeerProcess], expected: str) -> None:
+    """It holds the whole model (a route of one hop: the cheapest) and serves every frame 0.6
+    s late: each step of a route whose records say ~25 ms a step (8x: 0.2 s) is 25x slower,
+    and under the old 1 s floor of ``p2p.pace`` nothing judged it: every step of the chat
+    came 0.6 s late and the next chat went through it again. Under the 0.25 s floor the
+    session moves off it after its settling steps and three more, and the next chat goes
+    round it from the start (no second move). Checked by the entry's log, not by time."""
+    s, a = live
+    before = a.log_path.read_text(errors="replace").count("moving off slow peer")
+    dawdler = quiet_peer(s, a, "sub-second-dawdler", "delay:0.6")
+    try:
+        took = timed_chat(a, expected)
+        moves = a.log_path.read_text(errors="replace").count("moving off slow peer") - before
+        assert moves == 1, f"{moves} moves off the slow route in {took:.1f} s: it was not judged slow\n{a.log_tail()}"
+        timed_chat(a, expected)
+        assert a.log_path.read_text(errors="replace").count("moving off slow peer") - before == 1, \
+            "a new chat went through the slow peer again"  # fmt: skip
+    finally:
+        s.stop(dawdler)
+
+
 @pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch"])
 def test_a_peer_that_refuses_every_frame_blaming_nobody_is_routed_around(live: tuple[Swarm, PeerProcess], expected: str,
                                                                         code: str) -> None:  # fmt: skip
