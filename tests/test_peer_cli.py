@@ -116,6 +116,23 @@ def test_libp2ps_warnings_reach_the_peer_log_as_one_stamped_line(capsys: pytest.
                         r"Protocols: \['/p/1'\]", lines[0]), lines  # fmt: skip
 
 
+def test_inclavate_debug_logs_one_module_at_debug(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``INCLAVATE_DEBUG=p2p.pace`` (what ``scripts/bench_pace`` reads a peer's steps from)
+    logs that module's debug lines and nobody else's."""
+    import logging
+
+    from inclavate.cli import DEBUG_ENV, _configure_logging
+
+    pace = logging.getLogger("p2p.pace")
+    monkeypatch.setattr(pace, "level", pace.level)  # restored after the test
+    monkeypatch.setenv(DEBUG_ENV, "p2p.pace")
+    _configure_logging(0)
+    pace.debug("a step")
+    logging.getLogger("p2p.chain").debug("not this")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("a step"), lines  # stamped if an earlier test added the handler so
+
+
 @pytest.mark.swarm
 @pytest.mark.slow
 def test_a_data_dir_a_running_peer_holds_is_refused_with_one_line(tmp_path: Path) -> None:
