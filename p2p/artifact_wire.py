@@ -38,6 +38,8 @@ from typing import Any
 
 from inclavate.artifact_types import (
     KINDS,
+    MAX_FILENAME_CHARS,
+    MAX_MEDIA_TYPE_CHARS,
     MAX_PURPOSE_CHARS,
     SWARM_LIST_WINDOW,
     ArtifactMeta,
@@ -67,6 +69,12 @@ MAX_OFFSET = 2**63 - 1
 """A piece's offset: with its length, its last byte still has at most 19 digits, the most
 :func:`inclavate.byte_ranges.parse_range` reads."""
 MAX_ANSWER_BYTES = SWARM_LIST_WINDOW * 1024 + 4096
+"""A ``list`` answer: the only one that may be this large (an asker allows it for listings only)."""
+MAX_RECORD_ANSWER_BYTES = 12 * (36 + MAX_MEDIA_TYPE_CHARS + 64 + MAX_FILENAME_CHARS + MAX_PURPOSE_CHARS + 1000) + 1024
+"""Any other answer (``meta``, ``delete``, ``usage``, a read's header, a refusal): at most one
+artifact record, whose text fields (id, media type, digest, filename, purpose, error) JSON
+writes in at most 12 bytes a character (an astral character escaped as two ``\\uXXXX``),
+plus keys and numbers. ~20 KiB, where a listing's 20 MB used to be allowed for every answer."""
 OPS = ("meta", "read", "delete", "list", "usage")
 
 ERRORS: dict[str, type[InclavateError]] = {

@@ -51,6 +51,7 @@ from inclavate.types import PeerId
 from p2p.artifact_wire import (
     MAX_ANSWER_BYTES,
     MAX_PIECE,
+    MAX_RECORD_ANSWER_BYTES,
     MAX_REQUEST_BYTES,
     PROTOCOL,
     decode_answer,
@@ -356,7 +357,7 @@ class RemoteArtifacts:
         raise OwnerBusy(f"the owner peer {peer} stayed busy for {BUSY_WAIT_S:.0f} s")
 
     async def _read_piece_once(self, peer: str, meta: ArtifactMeta, offset: int, length: int) -> list[bytes]:
-        stream = await self._open_stream(peer)
+        stream = await self._open_stream(peer, MAX_RECORD_ANSWER_BYTES)  # the header; _receive_piece bounds the rest
         try:
             with trio.move_on_after(read_deadline(length)) as cut:
                 await stream.send(encode(read_request(meta.id, offset, length)), timeout=_REQUEST_TIMEOUT)
@@ -373,9 +374,11 @@ class RemoteArtifacts:
         await stream.close()
         return piece
 
-    async def _open_stream(self, peer: str) -> FramedStream:
+    async def _open_stream(self, peer: str, max_answer: int) -> FramedStream:
+        """A stream whose frames may be at most ``max_answer`` bytes, refused on their length
+        prefix: an answer is bounded by what its request can honestly need."""
         try:
-            return await self.host.new_stream(peer, PROTOCOL, timeout=5.0, max_frame_size=MAX_ANSWER_BYTES)
+            return await self.host.new_stream(peer, PROTOCOL, timeout=5.0, max_frame_size=max_answer)
         except P2PError as exc:
             raise ArtifactUnavailable(f"the owner peer {peer} is not reachable: {exc}") from exc
 
@@ -384,7 +387,7 @@ class RemoteArtifacts:
             return await self._call_once(peer, request)
 
     async def _call_once(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
-        stream = await self._open_stream(peer)
+        stream = await self._open_stream(peer, MAX_ANSWER_BYTES if request["op"] == "list" else MAX_RECORD_ANSWER_BYTES)
         try:
             async with stream:
                 await stream.send(encode(request), timeout=_REQUEST_TIMEOUT)
@@ -394,10 +397,13 @@ class RemoteArtifacts:
 
 
 async def _receive_piece(stream: FramedStream, peer: str, length: int) -> list[bytes]:
-    """Exactly ``length`` bytes in frames of at most :data:`READ_CHUNK`, then the end frame."""
+    """Exactly ``length`` bytes in frames of at most :data:`READ_CHUNK`, then the end frame.
+    Each frame may be at most what the piece still lacks: one that announces more is refused
+    on its length prefix (:class:`~p2p.errors.FrameTooLarge`), before its bytes are taken in."""
     frames: list[bytes] = []
     received = 0
     while True:
+        stream.max_frame_size = min(READ_CHUNK, length - received)
         frame = await stream.receive(timeout=_DATA_TIMEOUT)
         received += len(frame)
         if len(frame) > READ_CHUNK or received > length:

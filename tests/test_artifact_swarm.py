@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import struct
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.owner_ids import MalformedId, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
-from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, read_request
+from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, read_request
 from p2p.artifacts import PROTOCOL, RemoteArtifacts, serve_artifacts
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
@@ -243,6 +244,63 @@ async def test_a_lying_owner_is_caught(tmp_path: Path, lie: str, monkeypatch: py
                     pass
             assert b.remote.relayed_reads == 0  # nothing held after a refused piece
             assert (len(b.remote._read_slots), len(b.remote._small_slots)) == (0, 0)  # nor a stream slot
+
+
+# Where a hostile owner announces a frame larger than the answer can honestly be, and what
+# it announces: it then sends a few bytes of it and stalls, so an asker that took the
+# announcement in would wait for the rest (30 s) instead of refusing it at once.
+OVERSIZED = {
+    "a meta answer": ("meta", 4 << 20),
+    "a read's header": ("header", 4 << 20),
+    "a frame past the chunk size": ("data", READ_CHUNK + 1),
+    "a frame past the piece's bytes": ("data", 6),
+}
+
+
+@pytest.mark.parametrize("lie", list(OVERSIZED))
+async def test_an_answer_larger_than_its_request_needs_is_cut_off_on_its_prefix(tmp_path: Path, lie: str) -> None:
+    """Every answer but a listing is bounded by what its request can need (a record; a
+    piece's header, then at most the bytes the piece still lacks, in frames of at most
+    READ_CHUNK), checked on the frame's length prefix: the relay refuses the frame before
+    buffering it, and its client gets a 503, not wrong bytes nor a 30 s wait."""
+    where, announced = OVERSIZED[lie]
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            real = await a.store.create(chunks(b"12345"))
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                record = {**real.to_record(), "id": request["id"]}
+                if request["op"] == "read" and where == "data":
+                    span = [request["offset"], request["offset"] + request["length"] - 1]
+                    await stream.send(encode({"ok": True, "artifact": record, "range": span}), timeout=5)
+                elif request["op"] == "meta" and where != "meta":
+                    await stream.send(encode({"ok": True, "artifact": record}), timeout=5)
+                    return
+                await stream._raw.write(struct.pack(">I", announced) + b"1" * 5)  # then nothing more
+                await trio.sleep_forever()
+
+            a.host.set_stream_handler(PROTOCOL, liar)
+            with pytest.raises(ArtifactUnavailable, match="exceeds the limit"), trio.fail_after(5):
+                await b.swarm.open(real.id)
+            assert b.remote.relayed_reads == 0
+            assert (len(b.remote._read_slots), len(b.remote._small_slots)) == (0, 0)
+
+
+def test_the_largest_honest_record_answer_fits_its_bound() -> None:
+    """The bound above is no cap on honest owners: a record with every text field at its
+    longest, every character one JSON escapes to 12 bytes, still fits."""
+    from inclavate.artifact_types import MAX_FILENAME_CHARS, MAX_MEDIA_TYPE_CHARS, MAX_PURPOSE_CHARS, ArtifactMeta
+
+    astral = "\U0001F600"
+    record = {"size_bytes": 2**63 - 1, "state": "failed", "kind": "generated", "created_at_ms": 2**63 - 1,
+              "expires_at_ms": 2**63 - 1, "id": astral * 36, "media_type": astral * MAX_MEDIA_TYPE_CHARS, "digest": astral * 64,
+              "filename": astral * MAX_FILENAME_CHARS, "purpose": astral * MAX_PURPOSE_CHARS, "error": astral * 1000}
+    ArtifactMeta.from_record(record)  # every field within its limit
+    header = encode({"ok": True, "artifact": record, "range": [2**63 - 2, 2**63 - 1]})
+    assert MAX_RECORD_ANSWER_BYTES - 1024 < len(header) <= MAX_RECORD_ANSWER_BYTES
+    refused = encode({"ok": False, "error": "unsatisfiable_range", "message": astral * 1000, "size": 2**63 - 1})
+    assert len(refused) <= MAX_RECORD_ANSWER_BYTES
 
 
 async def test_an_owner_that_stays_busy_is_a_503_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
