@@ -236,9 +236,13 @@ class Peer:
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
                     self.admin_service.start()
                     assert self.artifact_store is not None
-                    serve_artifacts(host, self.artifact_store)
+                    # Pieces over the forward service's direct links (one DirectLinks per peer:
+                    # one listening port, one ticket table; artifact links in a table of their own).
+                    serve_artifacts(host, self.artifact_store, self.forward.direct)
+                    remote_artifacts = RemoteArtifacts(host, self.forward.direct)
+                    await nursery.start(remote_artifacts.run)
                     self._artifacts = SwarmArtifacts(
-                        self.artifact_store, RemoteArtifacts(host), self._registry_peers, self._live_peers
+                        self.artifact_store, remote_artifacts, self._registry_peers, self._live_peers
                     )
                     await nursery.start(self.artifact_store.run_sweeper)
                     self._nursery = nursery

@@ -22,6 +22,15 @@ and every other download of that owner's artifacts through it was a 503. A ``bus
 now means slots held for moments, so the asker waits (at most :data:`BUSY_WAIT_S`) and asks
 again. Any swarm peer may ask: the spec's ownership is a single local principal, the same
 one any HTTP client of any peer already is.
+
+Pieces go over a sealed direct TCP link (:mod:`p2p.direct`, protocol :data:`DIRECT_PROTOCOL`)
+where one can be made, else over libp2p: py-libp2p's Noise and yamux cost ~8 ms of CPU per
+MiB on each side, which bounded a relayed download to a fraction of a direct one. A link
+carries one request at a time, the same messages as a libp2p stream, and the asker keeps it
+for the owner's next piece (:class:`_DirectPool`); the owner answers each request with the
+same slots, per peer and in all, as one over libp2p. The owner's links of this protocol have
+a table of their own (:data:`DIRECT_LINKS_PER_PEER`, :data:`MAX_DIRECT_LINKS`), so they can
+never refuse or push out a forward link.
 """
 
 from __future__ import annotations
@@ -66,9 +75,11 @@ from p2p.artifact_wire import (
     read_request,
     refusal,
 )
-from p2p.errors import P2PError, ProtocolError, StreamTimeout
+from p2p.direct import DirectLinks, LinkTable
+from p2p.errors import P2PError, ProtocolError, StreamClosed, StreamTimeout
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
+from p2p.sealed import SealedStream
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,7 @@ __all__ = [
     "MAX_SMALL_PER_PEER",
     "MAX_RELAYED_READS",
     "BUSY_WAIT_S",
+    "DIRECT_PROTOCOL",
     "MIN_READ_RATE",
     "PROTOCOL",
     "READ_GRACE_S",
@@ -111,6 +123,19 @@ held for a piece's transfer, at most its deadline) before it gives up with a 503
 MAX_RELAYED_READS = 256
 """Reads of other peers' artifacts open on this peer at once: each buffers up to one piece
 (1 MiB), so its HTTP clients cannot make it hold more than 256 MiB; one more is a 503."""
+DIRECT_PROTOCOL = PROTOCOL + "+direct"
+"""The same requests and answers on a direct link, one request after another."""
+MAX_DIRECT_LINKS = 64
+"""The owner's live direct links of this protocol, all askers together (a full table closes
+the oldest link of the asker holding the most, as :class:`p2p.direct.DirectLinks` does)."""
+LINK_IDLE_S = 10.0
+"""The owner closes a direct link on which no request came for this long."""
+POOL_IDLE_S = 5.0
+"""The asker reuses a link idle for less than this (well inside the owner's
+:data:`LINK_IDLE_S`), and closes it otherwise."""
+MAX_POOLED_LINKS = 64
+"""Idle direct links an asker keeps, all owners together; one more closes the oldest."""
+_DIRECT_DIAL_S = 2.0
 _BUSY_BACKOFF_S = (0.02, 0.5)
 """The first and the longest pause between two asks of a busy owner."""
 _REQUEST_TIMEOUT = 10.0
@@ -170,13 +195,27 @@ class _Slots:
 # -- the owner's side -----------------------------------------------------------------
 
 
-def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
-    """Answer ``/inclavate/artifacts/2`` from ``store``."""
+def serve_artifacts(host: P2PHost, store: LocalArtifacts, direct: DirectLinks | None = None) -> None:
+    """Answer ``/inclavate/artifacts/2`` from ``store``, and its requests on ``direct``'s
+    links of :data:`DIRECT_PROTOCOL` (with the same slots) where given."""
     reads = _Slots(MAX_READS, MAX_READS_PER_PEER)
     small = _Slots(MAX_SMALL, MAX_SMALL_PER_PEER)  # meta, list, usage, delete
 
-    async def handle(stream: FramedStream, remote: PeerId) -> None:
-        raw = await stream.receive(timeout=_REQUEST_TIMEOUT)
+    async def handle(stream: FramedStream | SealedStream, remote: PeerId) -> None:
+        await serve(stream, remote, await stream.receive(timeout=_REQUEST_TIMEOUT))
+
+    async def handle_link(stream: SealedStream, remote: PeerId) -> None:
+        """Requests one after another, each served as on its own stream; ends when the asker
+        closes the link or leaves it idle for :data:`LINK_IDLE_S`."""
+        while True:
+            stream.max_frame_size = MAX_REQUEST_BYTES  # the last answer raised it
+            try:
+                raw = await stream.receive(timeout=LINK_IDLE_S)
+            except (StreamClosed, StreamTimeout):
+                return
+            await serve(stream, remote, raw)
+
+    async def serve(stream: FramedStream | SealedStream, remote: PeerId, raw: bytes) -> None:
         stream.max_frame_size = MAX_ANSWER_BYTES  # requests are small; answers may not be
         try:
             request = decode_request(raw)
@@ -196,9 +235,11 @@ def serve_artifacts(host: P2PHost, store: LocalArtifacts) -> None:
     # once; a stream past those gets a refusal from its slots, one past this a reset.
     host.set_stream_handler(PROTOCOL, handle, max_frame_size=MAX_REQUEST_BYTES,
                             max_streams_per_peer=MAX_READS_PER_PEER + MAX_SMALL_PER_PEER)
+    if direct is not None:  # an asker needs no more links than it may hold reads at once
+        direct.set_handler(DIRECT_PROTOCOL, handle_link, LinkTable(MAX_READS_PER_PEER, MAX_DIRECT_LINKS))
 
 
-async def _answer(stream: FramedStream, store: LocalArtifacts, request: dict[str, Any]) -> None:
+async def _answer(stream: FramedStream | SealedStream, store: LocalArtifacts, request: dict[str, Any]) -> None:
     try:
         if request["op"] == "read":
             read = await store.open(request["id"], piece_header(request["offset"], request["length"]))
@@ -238,7 +279,7 @@ async def _run(store: LocalArtifacts, request: dict[str, Any]) -> dict[str, Any]
     return {"artifacts": [m.to_record() for m in page.artifacts], "truncated": page.truncated}
 
 
-async def _send(stream: FramedStream, answer: dict[str, Any]) -> None:
+async def _send(stream: FramedStream | SealedStream, answer: dict[str, Any]) -> None:
     await stream.send(encode(answer), timeout=_ANSWER_TIMEOUT)
 
 
@@ -286,18 +327,107 @@ class _AskerSlots:
         return len(self._owners)
 
 
+class _StaleLink(Exception):
+    """A pooled link ended before its owner answered: the owner closed it while idle (or
+    went away); the piece is asked for again on a fresh stream."""
+
+
+class _DirectPool:
+    """Direct links to owners (:data:`DIRECT_PROTOCOL`), each kept after a whole piece for the
+    next one. A link is in use by one read, or idle here; a read takes an idle link or dials
+    one, so an asker never holds more links to an owner than reads (:class:`_AskerSlots`:
+    the owner's per-peer count). One dial per owner at a time, the others meanwhile over
+    libp2p: a burst of reads must not take the tickets the forward link may need. Idle links
+    are at most :data:`MAX_POOLED_LINKS`, each younger than :data:`POOL_IDLE_S`."""
+
+    def __init__(self, direct: DirectLinks) -> None:
+        self._direct = direct
+        self._idle: dict[str, list[tuple[float, SealedStream]]] = {}
+        self._dialing: set[str] = set()
+        self.dialed = 0
+
+    def __len__(self) -> int:
+        return sum(map(len, self._idle.values()))
+
+    async def take(self, peer: str) -> tuple[SealedStream | None, bool]:
+        """An idle link to ``peer`` (reused: True), a new one, or None (use libp2p)."""
+        await self._prune()
+        idle = self._idle.get(peer)
+        if idle:
+            link = idle.pop()[1]
+            if not idle:
+                del self._idle[peer]
+            return link, True
+        if peer in self._dialing:
+            return None, False
+        self._dialing.add(peer)
+        try:
+            link = await self._direct.open(PeerId(peer), DIRECT_PROTOCOL, timeout=_DIRECT_DIAL_S)
+            self.dialed += 1
+            return link, False
+        except P2PError as exc:
+            log.debug("artifact pieces from %s over libp2p: %s", peer, exc)
+            return None, False
+        finally:
+            self._dialing.discard(peer)
+
+    async def give(self, peer: str, link: SealedStream) -> None:
+        """``link`` served a whole piece: keep it for the next one."""
+        await self._prune()
+        while len(self) >= MAX_POOLED_LINKS:
+            oldest = min(self._idle, key=lambda p: self._idle[p][0][0])
+            await self._idle[oldest].pop(0)[1].reset()
+            if not self._idle[oldest]:
+                del self._idle[oldest]
+        self._idle.setdefault(peer, []).append((trio.current_time(), link))
+
+    async def close(self) -> None:
+        for links in self._idle.values():
+            for _, link in links:
+                await link.reset()
+        self._idle.clear()
+
+    async def take_stale(self) -> None:
+        await self._prune()
+
+    async def _prune(self) -> None:
+        stale = trio.current_time() - POOL_IDLE_S
+        for peer in list(self._idle):
+            links = self._idle[peer]
+            while links and links[0][0] <= stale:
+                await links.pop(0)[1].reset()
+            if not links:
+                del self._idle[peer]
+
+
 class RemoteArtifacts:
     """Ask other peers' stores. Failures to reach a peer raise :class:`ArtifactUnavailable`;
-    the owner's refusals come back as the same exception types the local store raises."""
+    the owner's refusals come back as the same exception types the local store raises.
+    With ``direct``, pieces go over direct links where one can be made (:class:`_DirectPool`)."""
 
-    def __init__(self, host: P2PHost) -> None:
+    def __init__(self, host: P2PHost, direct: DirectLinks | None = None) -> None:
         self.host = host
+        self._links = _DirectPool(direct) if direct is not None else None
         self._read_slots = _AskerSlots(lambda: MAX_READS_PER_PEER)
         self._small_slots = _AskerSlots(lambda: MAX_SMALL_PER_PEER)
         self._relayed: weakref.WeakSet[RemotePieces] = weakref.WeakSet()
         """Open :class:`RemotePieces`. Weak: a read whose response was never sent (its
         client left before the first byte) is never closed, and must still stop counting
         once collected, or such leaks would add up to a peer that relays nothing any more."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Close idle direct links once stale (the owner has closed them, or will), and all
+        of them when cancelled."""
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(POOL_IDLE_S)
+                if self._links is not None:
+                    await self._links.take_stale()
+        finally:
+            if self._links is not None:
+                with trio.CancelScope(shield=True):
+                    await self._links.close()
 
     @property
     def relayed_reads(self) -> int:
@@ -357,22 +487,46 @@ class RemoteArtifacts:
         raise OwnerBusy(f"the owner peer {peer} stayed busy for {BUSY_WAIT_S:.0f} s")
 
     async def _read_piece_once(self, peer: str, meta: ArtifactMeta, offset: int, length: int) -> list[bytes]:
-        stream = await self._open_stream(peer, MAX_RECORD_ANSWER_BYTES)  # the header; _receive_piece bounds the rest
+        if self._links is not None:
+            link, reused = await self._links.take(peer)
+            if link is not None:
+                try:
+                    piece = await self._read_piece_on(link, peer, meta, offset, length, reused)
+                except _StaleLink:
+                    pass  # asked again below, over libp2p
+                else:
+                    await self._links.give(peer, link)
+                    return piece
+        stream = await self._open_stream(peer, MAX_RECORD_ANSWER_BYTES)
+        piece = await self._read_piece_on(stream, peer, meta, offset, length, False)
+        await stream.close()
+        return piece
+
+    async def _read_piece_on(self, stream: FramedStream | SealedStream, peer: str, meta: ArtifactMeta,
+                             offset: int, length: int, reused: bool) -> list[bytes]:  # fmt: skip
+        """One piece asked and taken whole on ``stream`` (reset on any failure); a ``reused``
+        link that ends before the answer raises :class:`_StaleLink`."""
+        stream.max_frame_size = MAX_RECORD_ANSWER_BYTES  # the header; _receive_piece bounds the rest
+        answered = False
         try:
-            with trio.move_on_after(read_deadline(length)) as cut:
+            with trio.move_on_after(read_deadline(length)):
                 await stream.send(encode(read_request(meta.id, offset, length)), timeout=_REQUEST_TIMEOUT)
-                decode_piece(decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer), meta, offset, length, peer)
-                piece = await _receive_piece(stream, peer, length)
-            if cut.cancelled_caught:
-                raise ProtocolError(f"a piece of {length} bytes took longer than {read_deadline(length):.1f} s")
+                raw = await stream.receive(timeout=_ANSWER_TIMEOUT)
+                answered = True
+                decode_piece(decode_answer(raw, peer), meta, offset, length, peer)
+                return await _receive_piece(stream, peer, length)
+            raise ProtocolError(f"a piece of {length} bytes took longer than {read_deadline(length):.1f} s")
+        except StreamClosed as exc:
+            await stream.reset()
+            if reused and not answered:
+                raise _StaleLink() from exc
+            raise ArtifactUnavailable(f"reading from the owner peer {peer} failed: {exc}") from exc
         except P2PError as exc:
             await stream.reset()
             raise ArtifactUnavailable(f"reading from the owner peer {peer} failed: {exc}") from exc
         except BaseException:
             await stream.reset()
             raise
-        await stream.close()
-        return piece
 
     async def _open_stream(self, peer: str, max_answer: int) -> FramedStream:
         """A stream whose frames may be at most ``max_answer`` bytes, refused on their length
@@ -396,7 +550,7 @@ class RemoteArtifacts:
             raise ArtifactUnavailable(f"the owner peer {peer} did not answer: {exc}") from exc
 
 
-async def _receive_piece(stream: FramedStream, peer: str, length: int) -> list[bytes]:
+async def _receive_piece(stream: FramedStream | SealedStream, peer: str, length: int) -> list[bytes]:
     """Exactly ``length`` bytes in frames of at most :data:`READ_CHUNK`, then the end frame.
     Each frame may be at most what the piece still lacks: one that announces more is refused
     on its length prefix (:class:`~p2p.errors.FrameTooLarge`), before its bytes are taken in."""

@@ -81,7 +81,18 @@ class DirectLimits:
     holding the most (refusing the newcomer let free identities each holding
     ``links_per_peer`` idle links refuse every honest dial)."""
     retry_after_s: float = 60.0
-    """After a failed direct dial, use libp2p to that peer for this long."""
+    """After a failed direct dial, use libp2p to that peer for this long (for that protocol:
+    an older peer without one protocol's handler still gets direct links for the others)."""
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """A protocol's own bounds on live inbound links (:meth:`DirectLinks.set_handler`): its
+    links are counted, and pushed out when full, only among themselves, so they can never
+    refuse or close a link of another protocol (nor be closed for one)."""
+
+    links_per_peer: int
+    max_links: int
 
 
 def _oldest_of_the_most(owners: Mapping[_K, str]) -> _K:
@@ -136,8 +147,11 @@ class DirectLinks:
         """Connections waiting for their ticket, oldest first: the scope that evicts one, its
         source IP."""
         self._links: dict[trio.CancelScope, PeerId] = {}
-        """Live inbound links, oldest first: the scope that closes one, its peer."""
-        self._failed_until: dict[PeerId, float] = {}
+        """Live inbound links, oldest first: the scope that closes one, its peer (the protocols
+        without a :class:`LinkTable` of their own, bounded by ``limits``)."""
+        self._tables: dict[str, tuple[LinkTable, dict[trio.CancelScope, PeerId]]] = {}
+        """The live inbound links of each protocol given a :class:`LinkTable`, the same way."""
+        self._failed_until: dict[tuple[PeerId, str], float] = {}
         self.port: int | None = None
         self.refused = 0
         """Inbound connections closed before a handler saw them (no ticket, bounds)."""
@@ -146,8 +160,19 @@ class DirectLinks:
         self.links_evicted = 0
         """Live links closed to make room for another peer's (``max_links``)."""
 
-    def set_handler(self, protocol: str, handler: DirectHandler) -> None:
+    def set_handler(self, protocol: str, handler: DirectHandler, table: LinkTable | None = None) -> None:
+        """Serve ``protocol``'s links with ``handler``; with ``table``, its links are bounded
+        by it alone, apart from every other protocol's (else they share ``limits``' table)."""
         self._handlers[protocol] = handler
+        if table is not None:
+            self._tables[protocol] = table, {}
+
+    def _table_of(self, protocol: str) -> tuple[int, int, dict[trio.CancelScope, PeerId]]:
+        """``protocol``'s links per peer, links in all, and its table of live links."""
+        if protocol in self._tables:
+            table, links = self._tables[protocol]
+            return table.links_per_peer, table.max_links, links
+        return self.limits.links_per_peer, self.limits.max_links, self._links
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -220,16 +245,19 @@ class DirectLinks:
                 ticket = await self._read_ticket(tcp)
         finally:
             self._pending.pop(waiting, None)
-        if ticket is None or self.limits.max_links < 1 \
-                or sum(peer == ticket.peer for peer in self._links.values()) >= self.limits.links_per_peer:  # fmt: skip
+        if ticket is None:
             self.refused += 1
             return
-        while len(self._links) >= self.limits.max_links:
-            self._evict_link()
+        per_peer, max_links, links = self._table_of(ticket.protocol)
+        if max_links < 1 or sum(peer == ticket.peer for peer in links.values()) >= per_peer:
+            self.refused += 1
+            return
+        while len(links) >= max_links:
+            self._evict_link(links)
         handler = self._handlers.get(ticket.protocol)
         stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
         live = trio.CancelScope()
-        self._links[live] = ticket.peer
+        links[live] = ticket.peer
         try:
             with live:  # cancelled by _evict_link: the stream is reset, the socket closed
                 async with stream:
@@ -241,7 +269,7 @@ class DirectLinks:
         except Exception:  # noqa: BLE001 - one link's failure stays with it
             log.exception("direct %s handler failed on a link from %s", ticket.protocol, ticket.peer)
         finally:
-            self._links.pop(live, None)
+            links.pop(live, None)
 
     def _evict_pending(self) -> None:
         """Close the oldest waiting connection of the source with the most waiting: a flood
@@ -252,14 +280,14 @@ class DirectLinks:
         del self._pending[oldest]
         oldest.cancel()
 
-    def _evict_link(self) -> None:
+    def _evict_link(self, links: dict[trio.CancelScope, PeerId]) -> None:
         """Close the oldest live link of the peer holding the most: its place is free at once,
         its handler is cancelled and its socket closed, so the far end sees the link end and
         falls back to libp2p or redials, as after any lost link. Free identities holding
         ``links_per_peer`` links each push out only their own; a peer holding one link loses
         it only when every peer holds one and ``max_links`` newer ones arrive."""
-        oldest = _oldest_of_the_most(self._links)
-        del self._links[oldest]
+        oldest = _oldest_of_the_most(links)
+        del links[oldest]
         oldest.cancel()
         self.links_evicted += 1
 
@@ -288,7 +316,7 @@ class DirectLinks:
     async def open(self, peer: PeerId, protocol: str, timeout: float) -> SealedStream:
         """A sealed direct stream to ``peer`` speaking ``protocol``; :class:`DialError` when
         none can be made (the caller falls back to libp2p)."""
-        if self._failed_until.get(peer, 0.0) > self._clock():
+        if self._failed_until.get((peer, protocol), 0.0) > self._clock():
             raise DialError(f"no direct connection to {peer} (failed recently)")
         ip = self._host.remote_ip(peer)
         if ip is None:  # not a failure of the direct path: no libp2p connection to learn it from
@@ -299,7 +327,7 @@ class DirectLinks:
         except (trio.TooSlowError, DialError, P2PError, OSError, trio.BrokenResourceError) as exc:
             if len(self._failed_until) >= 4096:
                 self._failed_until.clear()
-            self._failed_until[peer] = self._clock() + self.limits.retry_after_s
+            self._failed_until[peer, protocol] = self._clock() + self.limits.retry_after_s
             if isinstance(exc, DialError):
                 raise
             raise DialError(f"direct connection to {peer} failed: {exc!r}") from exc

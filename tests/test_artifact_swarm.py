@@ -31,7 +31,8 @@ from inclavate.owner_ids import MalformedId, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
 from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, read_request
-from p2p.artifacts import PROTOCOL, RemoteArtifacts, serve_artifacts
+from p2p.artifacts import DIRECT_PROTOCOL, PROTOCOL, RemoteArtifacts, serve_artifacts
+from p2p.direct import MAGIC, TICKET_BYTES, DirectLinks, LinkTable
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost, open_host
@@ -44,6 +45,7 @@ class Node:
     store: ArtifactStore
     swarm: SwarmArtifacts
     remote: RemoteArtifacts
+    direct: DirectLinks | None = None
 
 
 async def chunks(data: bytes) -> AsyncIterator[bytes]:
@@ -52,17 +54,24 @@ async def chunks(data: bytes) -> AsyncIterator[bytes]:
 
 
 @asynccontextmanager
-async def two_peers(tmp_path: Path, config: ArtifactConfig | None = None) -> AsyncIterator[tuple[Node, Node]]:
+async def two_peers(tmp_path: Path, config: ArtifactConfig | None = None, direct: bool = False) -> AsyncIterator[tuple[Node, Node]]:
+    """Two connected peers; with ``direct``, each serves and dials direct links too."""
     async with AsyncExitStack() as stack:
         hosts = [await stack.enter_async_context(open_host(Identity.generate(), listen_host="127.0.0.1")) for _ in range(2)]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)
         peers = [h.peer_id for h in hosts]
         nodes = []
         for i, host in enumerate(hosts):
             store = ArtifactStore(tmp_path / f"peer{i}", host.peer_id, config)
             stack.callback(store.close)
-            serve_artifacts(host, store)
-            remote = RemoteArtifacts(host)
-            nodes.append(Node(host, store, SwarmArtifacts(store, remote, lambda: peers, lambda: peers), remote))
+            links = DirectLinks(host) if direct else None
+            if links is not None:
+                await nursery.start(links.run)
+            serve_artifacts(host, store, links)
+            remote = RemoteArtifacts(host, links)
+            await nursery.start(remote.run)
+            nodes.append(Node(host, store, SwarmArtifacts(store, remote, lambda: peers, lambda: peers), remote, links))
         await hosts[0].connect(hosts[1].multiaddrs()[0])
         yield nodes[0], nodes[1]
 
@@ -606,3 +615,169 @@ async def test_a_download_cut_mid_body_by_a_busy_owner_ends_short_of_its_length(
             assert (status, length) == (200, str(len(data)))
             assert -len(data) < got < 0  # cut, and the client was told so: never a whole-looking body
             assert b.remote.relayed_reads == 0
+
+
+# -- pieces over direct links ----------------------------------------------------------
+
+
+def _artifact_links(node: Node) -> dict:
+    assert node.direct is not None
+    return node.direct._tables[DIRECT_PROTOCOL][1]
+
+
+async def test_pieces_go_over_one_direct_link_kept_for_the_next(tmp_path: Path) -> None:
+    """Four pieces through the relay on one direct link, dialed once and kept; the owner
+    counts it in its artifact table, none in the forward protocol's."""
+    data = os.urandom(3 * MAX_PIECE + 5)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(data))
+            assert await read(b.swarm, real.id) == data
+            assert await read(b.swarm, real.id, "bytes=5-") == data[5:]
+            assert b.remote._links is not None and b.remote._links.dialed == 1 and len(b.remote._links) == 1
+            assert len(_artifact_links(a)) == 1 and a.direct is not None and not a.direct._links
+
+
+async def test_an_owner_without_direct_links_is_read_over_libp2p(tmp_path: Path) -> None:
+    """An older owner (no handler for the direct protocol): the dial fails once, is
+    remembered for this protocol only, and every piece goes over libp2p."""
+    data = os.urandom(MAX_PIECE + 5)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            assert a.direct is not None and b.direct is not None
+            del a.direct._handlers[DIRECT_PROTOCOL]
+            real = await a.store.create(chunks(data))
+            assert await read(b.swarm, real.id) == data
+            assert b.remote._links is not None and b.remote._links.dialed == 0
+            assert list(b.direct._failed_until) == [(a.host.peer_id, DIRECT_PROTOCOL)]
+
+
+async def test_a_link_the_owner_closed_while_idle_is_asked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner closes an idle link (LINK_IDLE_S) as the asker reuses it: the piece is asked
+    again over libp2p, not failed."""
+    monkeypatch.setattr(p2p.artifacts, "LINK_IDLE_S", 0.2)
+    data = os.urandom(100)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(data))
+            assert await read(b.swarm, real.id) == data
+            while _artifact_links(a):
+                await trio.sleep(0.05)
+            assert await read(b.swarm, real.id) == data
+            assert b.remote._links is not None and len(b.remote._links) == 0  # the stale link was dropped
+
+
+async def test_a_stranger_without_a_ticket_reaches_no_artifact_handler(tmp_path: Path) -> None:
+    """Anyone can reach the direct port: without a live ticket its connection is closed
+    before the artifact handler (or any slot) sees it."""
+    with trio.fail_after(30):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            assert a.direct is not None and a.direct.port is not None
+            tcp = await trio.open_tcp_stream("127.0.0.1", a.direct.port)
+            await tcp.send_all(MAGIC + os.urandom(TICKET_BYTES) + json.dumps(read_request(new_id(a.host.peer_id), 0, 1)).encode())
+            with trio.move_on_after(5) as waited:
+                try:
+                    while await tcp.receive_some(4096):
+                        pass
+                except trio.BrokenResourceError:
+                    pass
+            assert not waited.cancelled_caught and a.direct.refused == 1 and not _artifact_links(a)
+            await tcp.aclose()
+
+
+STALLS = {
+    "before the answer": lambda span, rec: None,
+    "mid-piece": lambda span, rec: ({"ok": True, "artifact": rec, "range": span}, b"12"),
+}
+
+
+@pytest.mark.parametrize("stall", list(STALLS))
+async def test_an_owner_stalling_on_a_direct_link_is_cut_off(tmp_path: Path, stall: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner that takes a read on its direct link and then sends nothing more: the asker
+    gives up at the piece's deadline (a 503), drops the link, and holds nothing after."""
+    monkeypatch.setattr(p2p.artifacts, "READ_GRACE_S", 1.0)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(b"12345"))
+
+            async def staller(stream, remote: PeerId) -> None:  # type: ignore[no-untyped-def]
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                sent = STALLS[stall]([request["offset"], request["offset"] + request["length"] - 1], real.to_record())
+                if sent is not None:
+                    await stream.send(encode(sent[0]), timeout=5)
+                    await stream.send(sent[1], timeout=5)
+                await trio.sleep_forever()
+
+            assert a.direct is not None
+            a.direct.set_handler(DIRECT_PROTOCOL, staller, LinkTable(4, 64))
+            with pytest.raises(ArtifactUnavailable), trio.fail_after(10):
+                await b.swarm.open(real.id)
+            assert b.remote._links is not None and b.remote._links.dialed == 1 and len(b.remote._links) == 0
+            assert b.remote.relayed_reads == 0
+            assert (len(b.remote._read_slots), len(b.remote._small_slots)) == (0, 0)
+
+
+async def test_an_owner_s_per_peer_read_slots_count_direct_and_libp2p_reads_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one read slot per peer: a read held on a direct link makes a libp2p read busy,
+    and one held over libp2p makes a direct read busy."""
+    monkeypatch.setattr(p2p.artifacts, "MAX_READS_PER_PEER", 1)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(b"12345"))
+            opened = a.store.open
+            gate = trio.Event()
+
+            async def stalled_open(id_: str, range_header: str | None = None):  # type: ignore[no-untyped-def]
+                read = await opened(id_, range_header)
+
+                async def held() -> AsyncIterator[bytes]:
+                    try:
+                        await gate.wait()  # the owner's disk stalls: the slot stays held
+                        async for chunk in read.chunks:
+                            yield chunk
+                    finally:
+                        await read.chunks.aclose()
+
+                return type(read)(read.meta, read.range, held())
+
+            monkeypatch.setattr(a.store, "open", stalled_open)
+            assert b.direct is not None
+            request = json.dumps(read_request(real.id, 0, 5)).encode()
+
+            async def direct_answer() -> dict:
+                link = await b.direct.open(a.host.peer_id, DIRECT_PROTOCOL, timeout=5)
+                link.max_frame_size = MAX_RECORD_ANSWER_BYTES
+                await link.send(request, timeout=5)
+                answer = json.loads(await link.receive(timeout=5))
+                links.append(link)
+                return answer
+
+            links: list = []
+            async with trio.open_nursery() as nursery:
+                held_direct = trio.Event()
+
+                async def hold_direct() -> None:
+                    await direct_answer()
+                    held_direct.set()
+
+                nursery.start_soon(hold_direct)
+                await held_direct.wait()  # the header came: the direct read holds the slot
+                stream, answer = await raw_read(b.host, a.host, real.id, 0, 5)
+                assert answer["error"] == "busy"
+                await stream.reset()
+                gate.set()
+            for link in links:
+                await link.reset()
+
+            gate = trio.Event()
+            stream = await b.host.new_stream(a.host.peer_id, PROTOCOL, timeout=5, max_frame_size=MAX_RECORD_ANSWER_BYTES)
+            await stream.send(request, timeout=5)
+            assert json.loads(await stream.receive(timeout=5))["ok"] is True  # held over libp2p
+            assert (await direct_answer())["error"] == "busy"
+            gate.set()
+            await stream.reset()
+            for link in links:
+                await link.reset()

@@ -15,7 +15,7 @@ import trio
 from direct_helpers import ECHO, direct_pair
 
 from inclavate.types import PeerId
-from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, DirectLinks, Grant
+from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, DirectLinks, Grant, LinkTable
 from p2p.errors import DialError, P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
@@ -258,15 +258,15 @@ class _Asking:
         self.answer = data
 
 
-async def _stranger_grant(links: DirectLinks, who: str) -> Grant:
-    asking = _Asking()
+async def _stranger_grant(links: DirectLinks, who: str, protocol: str = ECHO) -> Grant:
+    asking = _Asking(protocol)
     await links._grant(cast(FramedStream, asking), PeerId(who))
     return Grant.decode(asking.answer)
 
 
-async def _stranger_link(links: DirectLinks, who: str) -> SealedStream:
+async def _stranger_link(links: DirectLinks, who: str, protocol: str = ECHO) -> SealedStream:
     """A live direct link held by the stranger ``who`` (the acceptor has proved its key)."""
-    grant = await _stranger_grant(links, who)
+    grant = await _stranger_grant(links, who, protocol)
     tcp = await trio.open_tcp_stream("127.0.0.1", grant.port)
     await tcp.send_all(MAGIC + grant.ticket)
     stream = SealedStream(FramedStream.over_trio(tcp), grant.key, dialer=True, remote_peer=PeerId("acceptor"), transport=tcp)
@@ -353,3 +353,32 @@ async def test_a_full_link_table_closes_the_oldest_of_the_peer_holding_most() ->
                 await stream.reset()
             while links_b._links:  # every handler ends and gives its place back
                 await trio.sleep(0.01)
+
+
+OWN = "/test/own-table/1"
+
+
+async def test_a_protocol_with_its_own_link_table_never_refuses_or_pushes_out_the_others() -> None:
+    """Artifact links (``p2p.artifacts``) have a table of their own: a peer holding its quota
+    of forward links still gets one, and strangers filling that table push out only its
+    links, never a forward link, which the shared table's bounds alone govern."""
+    with trio.fail_after(30):
+        async with direct_pair(DirectLimits(links_per_peer=1, max_links=2)) as (a, b, links_a, links_b):
+
+            async def echo(stream: SealedStream, remote: PeerId) -> None:
+                while True:
+                    await stream.send(remote.encode() + b":" + await stream.receive(timeout=30), timeout=5)
+
+            links_b.set_handler(OWN, echo, LinkTable(links_per_peer=1, max_links=2))
+            forward = await links_a.open(b.peer_id, ECHO, timeout=5)  # a's one link in the shared table
+            own = await links_a.open(b.peer_id, OWN, timeout=5)  # not refused: its own table
+            assert await _echoes(own, a.peer_id.encode())
+            strangers = [await _stranger_link(links_b, f"stranger-{i}", OWN) for i in range(3)]
+            assert not await _echoes(own, a.peer_id.encode())  # pushed out of its own table
+            assert await _echoes(forward, a.peer_id.encode())  # the forward link never is
+            assert list(links_b._links.values()) == [a.peer_id] and links_b.links_evicted == 2
+            assert len(links_b._tables[OWN][1]) == 2
+            with pytest.raises(DialError):  # the shared table's per-peer bound is unchanged
+                await links_a.open(b.peer_id, ECHO, timeout=5)
+            for stream in (forward, own, *strangers):
+                await stream.reset()
