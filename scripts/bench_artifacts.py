@@ -93,8 +93,13 @@ def download(peer: PeerProcess, artifact_id: str, size: int, pair: Pair) -> tupl
     return elapsed, digest.hexdigest(), cpu
 
 
+THIS_TREE = Path(__file__).resolve().parent.parent
+
+
 def start_pair(swarm: LocalSwarm, label: str, model: str, tree: Path | None) -> Pair:
-    env = {"PYTHONPATH": str(tree)} if tree else None
+    # PYTHONSAFEPATH: ``python -m inclavate`` puts the working directory ahead of PYTHONPATH,
+    # so a --compare run from inside a tree ran that tree twice (until 2026-12-06).
+    env = {"PYTHONPATH": str(tree or THIS_TREE), "PYTHONSAFEPATH": "1"}
     a = swarm.start(f"{label}-a", model, "--max-layers", "4", env=env)
     b = swarm.start(f"{label}-b", model, "--max-layers", "4", bootstrap=a, env=env)
     ids = set()
