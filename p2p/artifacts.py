@@ -494,6 +494,9 @@ class RemoteArtifacts:
                     piece = await self._read_piece_on(link, peer, meta, offset, length, reused)
                 except _StaleLink:
                     pass  # asked again below, over libp2p
+                except OwnerBusy:  # one whole answer frame: the link is ready for the next ask
+                    await self._links.give(peer, link)
+                    raise
                 else:
                     await self._links.give(peer, link)
                     return piece
@@ -504,16 +507,22 @@ class RemoteArtifacts:
 
     async def _read_piece_on(self, stream: FramedStream | SealedStream, peer: str, meta: ArtifactMeta,
                              offset: int, length: int, reused: bool) -> list[bytes]:  # fmt: skip
-        """One piece asked and taken whole on ``stream`` (reset on any failure); a ``reused``
-        link that ends before the answer raises :class:`_StaleLink`."""
+        """One piece asked and taken whole on ``stream`` (reset on any failure but a ``busy``
+        answer on a direct link); a ``reused`` link that ends before the answer raises
+        :class:`_StaleLink`."""
         stream.max_frame_size = MAX_RECORD_ANSWER_BYTES  # the header; _receive_piece bounds the rest
-        answered = False
+        answered = busy = False
         try:
             with trio.move_on_after(read_deadline(length)):
                 await stream.send(encode(read_request(meta.id, offset, length)), timeout=_REQUEST_TIMEOUT)
                 raw = await stream.receive(timeout=_ANSWER_TIMEOUT)
                 answered = True
-                decode_piece(decode_answer(raw, peer), meta, offset, length, peer)
+                try:
+                    answer = decode_answer(raw, peer)
+                except OwnerBusy:
+                    busy = isinstance(stream, SealedStream)
+                    raise
+                decode_piece(answer, meta, offset, length, peer)
                 return await _receive_piece(stream, peer, length)
             raise ProtocolError(f"a piece of {length} bytes took longer than {read_deadline(length):.1f} s")
         except StreamClosed as exc:
@@ -525,7 +534,8 @@ class RemoteArtifacts:
             await stream.reset()
             raise ArtifactUnavailable(f"reading from the owner peer {peer} failed: {exc}") from exc
         except BaseException:
-            await stream.reset()
+            if not busy:
+                await stream.reset()
             raise
 
     async def _open_stream(self, peer: str, max_answer: int) -> FramedStream:

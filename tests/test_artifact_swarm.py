@@ -781,3 +781,26 @@ async def test_an_owner_s_per_peer_read_slots_count_direct_and_libp2p_reads_toge
             await stream.reset()
             for link in links:
                 await link.reset()
+
+
+async def test_a_busy_answer_on_a_direct_link_keeps_the_link(tmp_path: Path) -> None:
+    """``busy`` is one whole answer frame: the asker asks again on the same link (one dial),
+    and the owner's link handler takes the next request."""
+    data = os.urandom(100)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(data))
+            assert a.direct is not None
+            honest = a.direct._handlers[DIRECT_PROTOCOL]
+            busy_for = [2]
+
+            async def busy_at_first(stream, remote: PeerId) -> None:  # type: ignore[no-untyped-def]
+                while busy_for[0]:
+                    await stream.receive(timeout=5)
+                    busy_for[0] -= 1
+                    await stream.send(encode({"ok": False, "error": "busy", "message": "busy"}), timeout=5)
+                await honest(stream, remote)
+
+            a.direct.set_handler(DIRECT_PROTOCOL, busy_at_first)
+            assert await read(b.swarm, real.id) == data
+            assert busy_for == [0] and b.remote._links is not None and b.remote._links.dialed == 1
