@@ -29,7 +29,7 @@ MiB on each side, which bounded a relayed download to a fraction of a direct one
 carries one request at a time, the same messages as a libp2p stream, and the asker keeps it
 for the owner's next piece (:class:`_DirectPool`); the owner answers each request with the
 same slots, per peer and in all, as one over libp2p. The owner's links of this protocol have
-a table of their own (:data:`DIRECT_LINKS_PER_PEER`, :data:`MAX_DIRECT_LINKS`), so they can
+a table of their own (:data:`MAX_READS_PER_PEER` per peer, :data:`MAX_DIRECT_LINKS` in all), so they can
 never refuse or push out a forward link.
 """
 
@@ -372,14 +372,15 @@ class _DirectPool:
             self._dialing.discard(peer)
 
     async def give(self, peer: str, link: SealedStream) -> None:
-        """``link`` served a whole piece: keep it for the next one."""
+        """``link`` served a whole piece: keep it for the next one. (Kept first, then the
+        pool trimmed: a cancel while trimming leaves it here to be closed, not leaked.)"""
+        self._idle.setdefault(peer, []).append((trio.current_time(), link))
         await self._prune()
-        while len(self) >= MAX_POOLED_LINKS:
+        while len(self) > MAX_POOLED_LINKS:
             oldest = min(self._idle, key=lambda p: self._idle[p][0][0])
             await self._idle[oldest].pop(0)[1].reset()
             if not self._idle[oldest]:
                 del self._idle[oldest]
-        self._idle.setdefault(peer, []).append((trio.current_time(), link))
 
     async def close(self) -> None:
         for links in self._idle.values():

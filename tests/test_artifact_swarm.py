@@ -804,3 +804,28 @@ async def test_a_busy_answer_on_a_direct_link_keeps_the_link(tmp_path: Path) -> 
             a.direct.set_handler(DIRECT_PROTOCOL, busy_at_first)
             assert await read(b.swarm, real.id) == data
             assert busy_for == [0] and b.remote._links is not None and b.remote._links.dialed == 1
+
+
+async def test_a_relay_s_idle_links_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many owners a relay reads from, it keeps at most MAX_POOLED_LINKS idle links
+    (the oldest closed first), and none idle for POOL_IDLE_S."""
+    from typing import cast
+
+    from p2p.artifacts import _DirectPool
+
+    class FakeLink:
+        closed = False
+
+        async def reset(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(p2p.artifacts, "MAX_POOLED_LINKS", 2)
+    pool = _DirectPool(cast(DirectLinks, None))
+    links = [FakeLink() for _ in range(3)]
+    for i, link in enumerate(links):
+        await pool.give(f"owner-{i}", link)  # type: ignore[arg-type]
+        await trio.sleep(0.01)
+    assert len(pool) == 2 and [link.closed for link in links] == [True, False, False]
+    monkeypatch.setattr(p2p.artifacts, "POOL_IDLE_S", 0.005)
+    await pool.take_stale()
+    assert len(pool) == 0 and all(link.closed for link in links) and not pool._idle
