@@ -829,3 +829,31 @@ async def test_a_relay_s_idle_links_are_bounded_and_expire(monkeypatch: pytest.M
     monkeypatch.setattr(p2p.artifacts, "POOL_IDLE_S", 0.005)
     await pool.take_stale()
     assert len(pool) == 0 and all(link.closed for link in links) and not pool._idle
+
+
+@pytest.mark.parametrize("lie", [lie for lie, (where, _) in OVERSIZED.items() if where != "meta"])
+async def test_an_oversized_answer_on_a_direct_link_is_cut_off_on_its_prefix(tmp_path: Path, lie: str) -> None:
+    """The same bounds on a direct link: the sealed frame's length prefix is checked against
+    what the piece can need (plus the seal's tag) before its bytes are taken in."""
+    from p2p.sealed import TAG_BYTES
+
+    where, announced = OVERSIZED[lie]
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(b"12345"))
+
+            async def liar(stream, remote: PeerId) -> None:  # type: ignore[no-untyped-def]
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                if where == "data":
+                    span = [request["offset"], request["offset"] + request["length"] - 1]
+                    await stream.send(encode({"ok": True, "artifact": real.to_record(), "range": span}), timeout=5)
+                await stream._inner._raw.write(struct.pack(">I", announced + TAG_BYTES) + b"1" * 5)
+                await trio.sleep_forever()
+
+            assert a.direct is not None
+            a.direct.set_handler(DIRECT_PROTOCOL, liar)
+            with pytest.raises(ArtifactUnavailable, match="exceeds the limit"), trio.fail_after(5):
+                await b.swarm.open(real.id)
+            assert b.remote._links is not None and b.remote._links.dialed == 1 and len(b.remote._links) == 0
+            assert b.remote.relayed_reads == 0
