@@ -341,8 +341,13 @@ class DirectLinks:
         try:
             await tcp.send_all(MAGIC + grant.ticket)
             stream = SealedStream(FramedStream.over_socket(tcp), grant.key, dialer=True, remote_peer=peer, transport=tcp)
+            # The proof is empty: a frame the acceptor announces larger is refused on its
+            # length prefix (it could announce 256 MiB and have us take it in until the
+            # deadline); the link's user sets what it takes after.
+            stream.max_receive_size = 0
             if await stream.receive(timeout=timeout) != b"":
                 raise ProtocolError("the direct connection's first frame is not the acceptor's proof")
+            stream.max_receive_size = None
         except BaseException:
             await trio.aclose_forcefully(tcp)
             raise

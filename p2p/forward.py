@@ -208,6 +208,7 @@ class _Link:
         self._watching.cancel()
 
     def watch(self, nursery: trio.Nursery, stream: FramedStream | SealedStream) -> None:
+        stream.max_receive_size = 0  # nothing comes back on a link: any frame is refused on its prefix
         self._watching = trio.CancelScope()
         nursery.start_soon(self._watch, stream, self._watching)
 

@@ -274,6 +274,10 @@ class FramedStream:
         self._raw = raw
         self._writes_in_place = hasattr(raw, "write_nowait")
         self.max_frame_size = max_frame_size
+        self.max_receive_size: int | None = None
+        """Frames read are refused above this instead of ``max_frame_size`` (None: that),
+        leaving what may be sent alone: a direction that owes us nothing (a link's back
+        channel, a proof that is empty) is read at 0."""
         self.remote_peer = remote_peer
         self._send_lock = QuickLock()
         self._recv_lock = QuickLock()
@@ -461,10 +465,12 @@ class FramedStream:
 
     def _length(self, header: bytes) -> int:
         """The payload length a frame's header (the start of ``header``) declares, refused
-        above ``max_frame_size`` before anything is allocated for it."""
+        above ``max_frame_size`` (``max_receive_size`` where set) before anything is
+        allocated for it."""
         (length,) = _HEADER.unpack_from(header)
-        if length > self.max_frame_size:
-            raise FrameTooLarge(length, self.max_frame_size)
+        limit = self.max_frame_size if self.max_receive_size is None else self.max_receive_size
+        if length > limit:
+            raise FrameTooLarge(length, limit)
         return length
 
     async def _read_exactly(self, n: int, *, at_boundary: bool) -> bytes:

@@ -94,6 +94,15 @@ class SealedStream:
         self._inner.max_frame_size = value + TAG_BYTES
 
     @property
+    def max_receive_size(self) -> int | None:
+        inner = self._inner.max_receive_size
+        return None if inner is None else inner - TAG_BYTES
+
+    @max_receive_size.setter
+    def max_receive_size(self, value: int | None) -> None:
+        self._inner.max_receive_size = None if value is None else value + TAG_BYTES
+
+    @property
     def is_broken(self) -> bool:
         return self._inner.is_broken
 

@@ -358,3 +358,27 @@ async def test_a_frame_trickled_a_byte_at_a_time_does_not_hold_its_stream_past_t
             assert time.monotonic() - started < 3.0
             assert not receiver._waiting
             n.cancel_scope.cancel()
+
+
+async def test_a_frame_sent_back_on_a_link_is_refused_on_its_length_prefix() -> None:
+    """A link carries frames one way; its back channel only tells the sender the peer is
+    gone. A hostile next hop announced a frame of up to 256 MiB there, and the sender took it
+    in as it came, for as long as the link lived. Now any frame there is refused on its
+    prefix: the link is retired at once and the sessions through that peer hear why."""
+    with trio.fail_after(30):
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b, trio.open_nursery() as n:
+            sender = ForwardService(a, node_id=NodeId(a.peer_id), stage=None, direct_port=None)
+            await n.start(sender.run)
+
+            async def talks_back(stream, remote) -> None:
+                await stream.receive(timeout=10)
+                await stream._raw.write((200 * 1024 * 1024).to_bytes(4, "big") + b"x" * 1024)
+                await trio.sleep_forever()
+
+            b.set_stream_handler(wire.PROTOCOL, talks_back)
+            await a.connect(b.multiaddrs()[0])
+            inbox = sender.open_inbox(SessionId("s"), [b.peer_id])
+            await sender.send(b.peer_id, _forward(b.peer_id, sender.me, 1024))
+            error = await inbox.receive()
+            assert isinstance(error, wire.Error) and error.code == "unreachable" and "closed its link" in error.message
+            n.cancel_scope.cancel()

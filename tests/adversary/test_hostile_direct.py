@@ -382,3 +382,31 @@ async def test_a_protocol_with_its_own_link_table_never_refuses_or_pushes_out_th
                 await links_a.open(b.peer_id, ECHO, timeout=5)
             for stream in (forward, own, *strangers):
                 await stream.reset()
+
+
+@pytest.mark.parametrize("announced", [100_000_000, 64])
+async def test_a_hostile_acceptor_s_first_frame_is_refused_on_its_length_prefix(announced: int) -> None:
+    """The acceptor's first frame proves it holds the key, and is empty. A hostile acceptor
+    (a peer we dialed, as any next hop is) announced a frame of up to 256 MiB there, and the
+    dialer took it in for as long as the dial's deadline: now any frame but an empty one is
+    refused on its length prefix, and the dial fails at once."""
+    async with direct_pair() as (a, b, links_a, _):
+        async with trio.open_nursery() as n:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+
+            async def hostile(tcp: trio.SocketStream) -> None:
+                await tcp.receive_some(len(MAGIC) + TICKET_BYTES)
+                await tcp.send_all(struct.pack(">I", announced) + b"x" * 16)
+                await trio.sleep_forever()  # the rest never comes
+
+            async def grant(control: FramedStream, remote: PeerId) -> None:
+                await control.receive(timeout=5)
+                await control.send(Grant(port, os.urandom(TICKET_BYTES), os.urandom(32)).encode(), timeout=5)
+
+            await n.start(trio.serve_listeners, hostile, listeners)
+            b.set_stream_handler(PROTOCOL, grant)
+            with trio.fail_after(5):  # the dial's own deadline is 20 s
+                with pytest.raises(DialError, match="larger than|exceeds|too large"):
+                    await links_a.open(b.peer_id, ECHO, timeout=20)
+            n.cancel_scope.cancel()
