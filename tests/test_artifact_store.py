@@ -6,16 +6,18 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import trio
 
 from inclavate import artifacts as artifacts_module
+from inclavate.artifact_index import ArtifactIndex
 from inclavate.artifact_types import (
     ArtifactConfig,
     ArtifactNotFound,
@@ -23,6 +25,7 @@ from inclavate.artifact_types import (
     ArtifactTooLarge,
     ListQuery,
     QuotaExceeded,
+    Totals,
 )
 from inclavate.artifacts import ArtifactStore
 from inclavate.byte_ranges import RangeNotSatisfiable
@@ -274,3 +277,99 @@ def test_kill_9_mid_upload_leaves_no_ready_artifact_and_no_orphan(tmp_path: Path
         store.meta(plain_id)
     root = tmp_path / "artifacts"
     assert list((root / "tmp").iterdir()) == [] and list((root / "objects").iterdir()) == []
+
+
+def _fill(index: ArtifactIndex, n: int, now: int) -> None:
+    """``n`` ready rows, one in 500 a file upload, all expiring an hour from ``now``, and a few
+    already expired (not swept yet)."""
+    rows = [(f"a{i:07d}", "audio/wav", 10, "d", "ready", "uploaded" if i % 500 == 0 else "generated", now - n + i,
+             now - 1 if i < 3 else now + 3_600_000, "assistants" if i % 500 == 0 else None) for i in range(n)]  # fmt: skip
+    with index._db.conn:
+        index._db.conn.executemany(
+            "INSERT INTO artifacts (id, media_type, size_bytes, digest, state, kind, created_at_ms, expires_at_ms,"
+            " purpose) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)  # fmt: skip
+
+
+def _steps(index: ArtifactIndex, work: Callable[[], object]) -> int:
+    """SQLite VM instructions ``work`` runs (they grow with the rows a query visits)."""
+    count = [0]
+
+    def step() -> int:
+        count[0] += 1
+        return 0
+
+    index._db.conn.set_progress_handler(step, 1)
+    try:
+        work()
+    finally:
+        index._db.conn.set_progress_handler(None, 1)
+    return count[0]
+
+
+@pytest.mark.parametrize("schema", [1, 2])
+def test_index_work_does_not_grow_with_rows(tmp_path: Path, schema: int) -> None:
+    """The sweeper's look for expired rows, ``usage`` (any peer may ask) and a Files or kind
+    listing visit a few rows whatever the table holds: version 1 scanned all of it for each
+    (~6, ~57 and ~22 ms at 100,000 artifacts). A version-1 table gains the indexes on open."""
+    now = 10_000_000
+    path = tmp_path / "index.db"
+    if schema == 1:  # the version-1 table, as a peer of the previous release left it
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE artifacts (id TEXT PRIMARY KEY, media_type TEXT NOT NULL, size_bytes INTEGER NOT NULL,"
+                     " digest TEXT, state TEXT NOT NULL, kind TEXT NOT NULL, created_at_ms INTEGER NOT NULL,"
+                     " expires_at_ms INTEGER, filename TEXT, purpose TEXT, error TEXT)")  # fmt: skip
+        conn.execute("CREATE INDEX idx_artifacts_created_at_ms_id ON artifacts (created_at_ms, id)")
+        conn.execute("PRAGMA user_version = 1")
+        conn.commit()
+        conn.close()
+    index = ArtifactIndex(path)
+    _fill(index, 20_000, now)
+    index.close()
+    index = ArtifactIndex(path)
+    bound = 2_000  # a full scan of 20,000 rows runs hundreds of thousands
+    assert _steps(index, lambda: index.expired_ids(now)) < bound
+    assert sorted(index.expired_ids(now)) == ["a0000000", "a0000001", "a0000002"]
+    assert _steps(index, lambda: index.totals(now)) < bound
+    assert _steps(index, lambda: index.page(ListQuery(limit=20, files_only=True), now)) < 20 * bound
+    assert _steps(index, lambda: index.page(ListQuery(limit=20, kind="uploaded"), now)) < 20 * bound
+    page = index.page(ListQuery(limit=20, files_only=True), now)
+    assert len(page.artifacts) == 20 and all(m.purpose == "assistants" for m in page.artifacts)
+
+
+async def test_usage_counts_match_the_table_through_every_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``usage`` and the quota read counts kept beside the table: they match a full count
+    after uploads, pending outputs made ready or failed, deletes, expiry and a restart."""
+    clock = [1_000_000]
+    monkeypatch.setattr(artifacts_module, "now_ms", lambda: clock[0])
+    store = make_store(tmp_path, ttl_hours=1.0)
+
+    def counted(now: int) -> dict[str, tuple[int, int]]:
+        sql = ("SELECT kind, COALESCE(SUM(size_bytes), 0), COUNT(*) FROM artifacts"
+               " WHERE expires_at_ms IS NULL OR expires_at_ms > ? GROUP BY kind")  # fmt: skip
+        return {k: (b, n) for k, b, n in store.index._db.execute(sql, [now]).fetchall()}
+
+    def usage() -> dict[str, tuple[int, int]]:
+        return {k: (t.bytes, t.objects) for k, t in store.index.totals(clock[0]).items()}
+
+    first = await store.create(chunks_of(b"x" * 100))
+    async with store.begin(kind="generated", pending=True) as writer:
+        await writer.write(b"y" * 30)
+        assert usage() == counted(clock[0]) == {"uploaded": (100, 1), "generated": (0, 1)}
+        await writer.commit()
+    with pytest.raises(RuntimeError):
+        async with store.begin(kind="generated", pending=True) as failing:
+            await failing.write(b"z" * 7)
+            raise RuntimeError("the generator died")
+    assert usage() == counted(clock[0]) == {"uploaded": (100, 1), "generated": (30, 2)}
+    clock[0] += 1_000
+    await store.create(chunks_of(b"w" * 5))
+    await store.delete(first.id)
+    assert usage() == counted(clock[0]) == {"uploaded": (5, 1), "generated": (30, 2)}
+    clock[0] += 3_600_000 - 500  # the first three expired, the last upload not yet
+    assert usage() == counted(clock[0]) == {"uploaded": (5, 1)}
+    assert store.index.stored() == store.usage().total + Totals(30, 2)  # not swept yet
+    assert await store.sweep_expired() == 2
+    store.close()
+    again = make_store(tmp_path, ttl_hours=1.0)
+    assert {k: (t.bytes, t.objects) for k, t in again.index.totals(clock[0]).items()} == {"uploaded": (5, 1)}
+    assert again.index.stored() == Totals(5, 1)
