@@ -473,3 +473,52 @@ def test_what_is_remembered_of_evicted_nodes_is_bounded() -> None:
         table = table.without(newcomer.record.node_id)
         at += 1000
     assert 0 < len(table.evicted) <= limits.max_records
+
+
+def test_expire_reads_the_table_only_when_something_may_fall_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ageing task calls :func:`expire` every second: it reads every entry (each asking
+    :meth:`Liveness.for_record`) only when the earliest drop a pass saw, lowered by each
+    record applied since, has come; in between it returns the table untouched. It still
+    forgets each node at its drop horizon, one synced in late with an old timestamp too."""
+    bob, carol = Identity.generate(), Identity.generate()
+    reads = [0]
+    original = Liveness.for_record
+    ageing = [False]
+
+    def counted(self: Liveness, record: object) -> Liveness:
+        reads[0] += ageing[0]
+        return original(self, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Liveness, "for_record", counted)
+
+    def age(table: Table, now: int) -> Table:
+        ageing[0] = True
+        try:
+            return expire(table, now, LIVE)
+        finally:
+            ageing[0] = False
+
+    table = Table()
+    for who in (ALICE, bob):
+        table, _ = apply(table, signed(who, 0, 10), NOW, LIVE)
+    table = age(table, NOW)
+    assert reads[0] == 2  # the first pass reads both
+    drop = int(LIVE.drop_after_s * 1000)
+    for second in range(1, 50):  # bob beats every 2 s, alice has gone quiet
+        now = NOW + second * 1000
+        if second % 2 == 0:
+            table, verdict = apply(table, signed(bob, 0, 10, seq=1 + second, ts_ms=now), now, LIVE)
+            assert verdict is Verdict.ACCEPTED
+        table = age(table, now)
+    assert reads[0] == 2 and len(table) == 2  # 49 idle seconds, no pass read the table again
+    # carol arrives by sync with a record 55 s old: she falls due 5 s before alice does
+    carol_ts = NOW - 5_000
+    table, _ = apply(table, signed(carol, 10, 20, ts_ms=carol_ts), NOW + 50_000, LIVE, via="sync")
+    assert len(age(table, carol_ts + drop)) == 3
+    table = age(table, carol_ts + drop + 1)
+    assert carol.peer_id not in table.entries and len(table) == 2
+    passes = reads[0]
+    table = age(table, NOW + drop)
+    assert reads[0] == passes and ALICE.peer_id in table.entries  # alice is not due yet either
+    table = age(table, NOW + drop + 1)
+    assert ALICE.peer_id not in table.entries and bob.peer_id in table.entries
