@@ -522,3 +522,33 @@ def test_expire_reads_the_table_only_when_something_may_fall_due(monkeypatch: py
     assert reads[0] == passes and ALICE.peer_id in table.entries  # alice is not due yet either
     table = age(table, NOW + drop + 1)
     assert ALICE.peer_id not in table.entries and bob.peer_id in table.entries
+
+
+def test_views_age_as_effective_state_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing builds a view per record (the healer's each second, several per chat
+    request): each entry's ageing is worked out once, not per listing, and the states are
+    :func:`effective_state`'s at every moment, for slow beaters and departed nodes too."""
+    bob, carol = Identity.generate(), Identity.generate()
+    table = Table()
+    for record in (signed(ALICE, 0, 10), signed(bob, 10, 20, heartbeat_ms=30_000), signed(carol, 20, 30, state="Dead")):
+        table, verdict = apply(table, record, NOW, LIVE)
+        assert verdict is Verdict.ACCEPTED
+    reads = [0]
+    original = Liveness.for_record
+
+    def counted(self: Liveness, record: object) -> Liveness:
+        reads[0] += 1
+        return original(self, record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Liveness, "for_record", counted)
+    for ms in range(0, 400_000, 500):
+        listed = list(table.views(NOW + ms, LIVE))
+        assert [v.record.node_id for v in listed] == sorted(table.entries)
+        assert [v.state for v in listed] == [effective_state(table.entries[v.record.node_id], NOW + ms, LIVE) for v in listed]
+    reads[0] -= 800 * 2  # effective_state's own (carol's is Dead without asking)
+    assert reads[0] <= 3  # once per entry, not per listing (before: 1,600)
+    # a table built from it by a heartbeat lists in the same order and ages the new entry afresh
+    newer, _ = apply(table, signed(bob, 10, 20, seq=2, ts_ms=NOW + 100_000, heartbeat_ms=30_000), NOW + 100_000, LIVE)
+    assert [v.record.node_id for v in newer.views(NOW, LIVE)] == sorted(newer.entries)
+    assert {v.record.node_id: v.state for v in newer.views(NOW + 100_000, LIVE)} == {
+        ALICE.peer_id: "Dead", bob.peer_id: "Ready", carol.peer_id: "Dead"}
