@@ -35,13 +35,20 @@ class LatencyMonitor:
         *,
         interval: float = 10.0,
         timeout: float = 2.0,
+        max_per_round: int = 64,
     ) -> None:
         self.host = host
         self.targets = targets
         self.interval = interval
         self.timeout = timeout
+        self.max_per_round = max_per_round
+        """Peers pinged per ``interval``; past it, the targets take turns (each measured once
+        every ``ceil(targets / max_per_round)`` rounds). Every routable peer every 10 s was
+        ~400 pings a second and a stream (and a connection) to each at 4,096 peers."""
         self.rtt_ms: dict[PeerId, float] = {}
         self._streams: dict[PeerId, FramedStream] = {}
+        self._next = 0
+        """Where in the sorted targets the next round starts, when they take turns."""
 
     def link_ms(self) -> dict[PeerId, float]:
         """One-way latency estimates: half the smoothed round trip."""
@@ -54,22 +61,33 @@ class LatencyMonitor:
         task_status.started()
         while True:
             targets = [p for p in self.targets() if p != self.host.peer_id]
-            forgotten = self._forget_all_but(set(targets))
+            batch = self.this_round(targets)
+            forgotten = self._forget_all_but(set(targets), set(batch))
             async with trio.open_nursery() as nursery:
                 for stream in forgotten:
                     nursery.start_soon(stream.reset)
-                for peer in targets:
+                for peer in batch:
                     nursery.start_soon(self.measure, peer)
             await trio.sleep(self.interval)
 
-    def _forget_all_but(self, targets: set[PeerId]) -> list[FramedStream]:
-        """Peers leave (and strangers come and go): keep state only for current targets.
-        Returns the streams of the peers forgotten, for the caller to reset: left open, each
-        would hold one of the other end's 2 ping slots for its echo's hour, and a target
-        that left and came back twice had every later stream refused (its pings and the
-        failover probe's failed as if it were gone)."""
+    def this_round(self, targets: list[PeerId]) -> list[PeerId]:
+        """The targets to ping now: all of them, or past ``max_per_round`` the next that many
+        in turn (wrapping round)."""
+        if len(targets) <= self.max_per_round:
+            return targets
+        start = self._next % len(targets)
+        self._next = start + self.max_per_round
+        return [targets[(start + i) % len(targets)] for i in range(self.max_per_round)]
+
+    def _forget_all_but(self, targets: set[PeerId], measured: set[PeerId]) -> list[FramedStream]:
+        """Peers leave (and strangers come and go): keep round trips only for current
+        targets, and streams only to those ``measured`` now (at most ``max_per_round``).
+        Returns the streams let go, for the caller to reset: left open, each would hold one
+        of the other end's 2 ping slots for its echo's hour, and a target that left and came
+        back twice had every later stream refused (its pings and the failover probe's failed
+        as if it were gone)."""
         self.rtt_ms = {p: ms for p, ms in self.rtt_ms.items() if p in targets}
-        return [self._streams.pop(peer) for peer in [p for p in self._streams if p not in targets]]
+        return [self._streams.pop(peer) for peer in [p for p in self._streams if p not in measured]]
 
     async def measure(self, peer: PeerId) -> float:
         """Ping ``peer`` once; returns the round trip in ms and folds it into the average."""

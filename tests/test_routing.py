@@ -70,3 +70,18 @@ def test_a_claim_of_being_faster_cannot_draw_every_session() -> None:
     slow = [view("a", 0, 30, step_ms_per_layer=9.0), view("liar", 0, 30, step_ms_per_layer=0.0001), view("b", 0, 30)]
     picks = Counter(choose_route(slow, MODEL, PeerId("x"), costs, rng=rng)[0].node_id for _ in range(200))
     assert "a" not in picks and min(picks.values()) > 60
+
+
+def test_the_latency_monitor_pings_a_bounded_number_of_peers_a_round_each_in_turn() -> None:
+    """Every routable peer every 10 s was ~400 pings a second, and a stream and a connection
+    to each, at 4,096 peers: past ``max_per_round`` the targets take turns, every one still
+    measured every few rounds; a small swarm is pinged whole every round, as before."""
+    from p2p.latency import LatencyMonitor
+
+    monitor = LatencyMonitor(None, lambda: [], max_per_round=64)  # type: ignore[arg-type]
+    small = [PeerId(f"p{i:02d}") for i in range(10)]
+    assert monitor.this_round(small) == small and monitor.this_round(small) == small
+    many = [PeerId(f"p{i:04d}") for i in range(200)]
+    rounds = [monitor.this_round(many) for _ in range(4)]  # ceil(200 / 64)
+    assert all(len(batch) == 64 for batch in rounds)
+    assert set().union(*rounds) == set(many)
