@@ -351,7 +351,7 @@ class _DirectPool:
 
     async def take(self, peer: str) -> tuple[SealedStream | None, bool]:
         """An idle link to ``peer`` (reused: True), a new one, or None (use libp2p)."""
-        await self._prune()
+        await self.prune()
         idle = self._idle.get(peer)
         if idle:
             link = idle.pop()[1]
@@ -375,7 +375,7 @@ class _DirectPool:
         """``link`` served a whole piece: keep it for the next one. (Kept first, then the
         pool trimmed: a cancel while trimming leaves it here to be closed, not leaked.)"""
         self._idle.setdefault(peer, []).append((trio.current_time(), link))
-        await self._prune()
+        await self.prune()
         while len(self) > MAX_POOLED_LINKS:
             oldest = min(self._idle, key=lambda p: self._idle[p][0][0])
             await self._idle[oldest].pop(0)[1].reset()
@@ -388,10 +388,8 @@ class _DirectPool:
                 await link.reset()
         self._idle.clear()
 
-    async def take_stale(self) -> None:
-        await self._prune()
-
-    async def _prune(self) -> None:
+    async def prune(self) -> None:
+        """Close the idle links older than :data:`POOL_IDLE_S` (their owner closes them soon)."""
         stale = trio.current_time() - POOL_IDLE_S
         for peer in list(self._idle):
             links = self._idle[peer]
@@ -424,7 +422,7 @@ class RemoteArtifacts:
             while True:
                 await trio.sleep(POOL_IDLE_S)
                 if self._links is not None:
-                    await self._links.take_stale()
+                    await self._links.prune()
         finally:
             if self._links is not None:
                 with trio.CancelScope(shield=True):

@@ -829,7 +829,7 @@ async def test_a_relay_s_idle_links_are_bounded_and_expire(monkeypatch: pytest.M
         await trio.sleep(0.01)
     assert len(pool) == 2 and [link.closed for link in links] == [True, False, False]
     monkeypatch.setattr(p2p.artifacts, "POOL_IDLE_S", 0.005)
-    await pool.take_stale()
+    await pool.prune()
     assert len(pool) == 0 and all(link.closed for link in links) and not pool._idle
 
 
