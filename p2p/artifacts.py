@@ -206,11 +206,14 @@ def serve_artifacts(host: P2PHost, store: LocalArtifacts, direct: DirectLinks | 
 
     async def handle_link(stream: SealedStream, remote: PeerId) -> None:
         """Requests one after another, each served as on its own stream; ends when the asker
-        closes the link or leaves it idle for :data:`LINK_IDLE_S`."""
+        closes the link or leaves it idle for :data:`LINK_IDLE_S`. While it waits, the same
+        asker's next link may replace it (:meth:`DirectLinks.idle`)."""
+        assert direct is not None
         while True:
             stream.max_frame_size = MAX_REQUEST_BYTES  # the last answer raised it
             try:
-                raw = await stream.receive(timeout=LINK_IDLE_S)
+                with direct.idle(stream):
+                    raw = await stream.receive(timeout=LINK_IDLE_S)
             except (StreamClosed, StreamTimeout):
                 return
             await serve(stream, remote, raw)
@@ -328,8 +331,9 @@ class _AskerSlots:
 
 
 class _StaleLink(Exception):
-    """A pooled link ended before its owner answered: the owner closed it while idle (or
-    went away); the piece is asked for again on a fresh stream."""
+    """A direct link ended before its owner answered: the owner closed it while idle (after
+    :data:`LINK_IDLE_S`, or for our next link, :meth:`p2p.direct.DirectLinks.idle`) or went
+    away; the piece is asked for again over libp2p."""
 
 
 class _DirectPool:
@@ -349,25 +353,25 @@ class _DirectPool:
     def __len__(self) -> int:
         return sum(map(len, self._idle.values()))
 
-    async def take(self, peer: str) -> tuple[SealedStream | None, bool]:
-        """An idle link to ``peer`` (reused: True), a new one, or None (use libp2p)."""
+    async def take(self, peer: str) -> SealedStream | None:
+        """An idle link to ``peer``, a new one, or None (use libp2p)."""
         await self.prune()
         idle = self._idle.get(peer)
         if idle:
             link = idle.pop()[1]
             if not idle:
                 del self._idle[peer]
-            return link, True
+            return link
         if peer in self._dialing:
-            return None, False
+            return None
         self._dialing.add(peer)
         try:
             link = await self._direct.open(PeerId(peer), DIRECT_PROTOCOL, timeout=_DIRECT_DIAL_S)
             self.dialed += 1
-            return link, False
+            return link
         except P2PError as exc:
             log.debug("artifact pieces from %s over libp2p: %s", peer, exc)
-            return None, False
+            return None
         finally:
             self._dialing.discard(peer)
 
@@ -487,10 +491,10 @@ class RemoteArtifacts:
 
     async def _read_piece_once(self, peer: str, meta: ArtifactMeta, offset: int, length: int) -> list[bytes]:
         if self._links is not None:
-            link, reused = await self._links.take(peer)
+            link = await self._links.take(peer)
             if link is not None:
                 try:
-                    piece = await self._read_piece_on(link, peer, meta, offset, length, reused)
+                    piece = await self._read_piece_on(link, peer, meta, offset, length)
                 except _StaleLink:
                     pass  # asked again below, over libp2p
                 except OwnerBusy:  # one whole answer frame: the link is ready for the next ask
@@ -500,15 +504,15 @@ class RemoteArtifacts:
                     await self._links.give(peer, link)
                     return piece
         stream = await self._open_stream(peer, MAX_RECORD_ANSWER_BYTES)
-        piece = await self._read_piece_on(stream, peer, meta, offset, length, False)
+        piece = await self._read_piece_on(stream, peer, meta, offset, length)
         await stream.close()
         return piece
 
     async def _read_piece_on(self, stream: FramedStream | SealedStream, peer: str, meta: ArtifactMeta,
-                             offset: int, length: int, reused: bool) -> list[bytes]:  # fmt: skip
+                             offset: int, length: int) -> list[bytes]:  # fmt: skip
         """One piece asked and taken whole on ``stream`` (reset on any failure but a ``busy``
-        answer on a direct link); a ``reused`` link that ends before the answer raises
-        :class:`_StaleLink`."""
+        answer on a direct link); a direct link that ends before the answer raises
+        :class:`_StaleLink` (a fresh one too: the owner may replace it for our next link)."""
         stream.max_frame_size = MAX_RECORD_ANSWER_BYTES  # the header; _receive_piece bounds the rest
         answered = busy = False
         try:
@@ -526,7 +530,7 @@ class RemoteArtifacts:
             raise ProtocolError(f"a piece of {length} bytes took longer than {read_deadline(length):.1f} s")
         except StreamClosed as exc:
             await stream.reset()
-            if reused and not answered:
+            if isinstance(stream, SealedStream) and not answered:
                 raise _StaleLink() from exc
             raise ArtifactUnavailable(f"reading from the owner peer {peer} failed: {exc}") from exc
         except P2PError as exc:

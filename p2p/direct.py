@@ -12,7 +12,9 @@ Handshake (A dials B; both already share a Noise-authenticated libp2p connection
     B -> A  over libp2p:  1 | TCP port u16 | ticket (16 random bytes) | key (32 random bytes)
             (or 0 | reason: no such protocol here)
     A -> B  TCP to the IP of A's libp2p connection to B, that port:  "INCLDP01" | ticket
-    B -> A  TCP: a sealed empty frame (B proves it holds the key)
+    B -> A  TCP: a sealed empty frame (B proves it holds the key), or the sealed frame
+            "limit" and the end (B holds as many of A's links of that protocol as it
+            allows, none idle: A tries again in moments, not after ``retry_after_s``)
     then    sealed frames both ways (:mod:`p2p.sealed`)
 
 The ticket is used once and expires in seconds; B binds the TCP connection to the PeerID it
@@ -22,7 +24,9 @@ after ``hello_timeout_s`` when they do not come; when too many wait, a newcomer 
 oldest waiting one of the source holding the most, so a flood of silent connections cannot
 lock honest dialers out. Tickets and live links are bounded per peer and in all, and a full
 table makes room the same way: the oldest ticket (link) of the peer holding the most goes,
-never the newcomer, since identities cost nothing to make. Whoever
+never the newcomer, since identities cost nothing to make. A peer at its own per-peer
+bound replaces its oldest idle link (:meth:`DirectLinks.idle`), never another peer's: a
+redial comes when its old links ended on its side, before the acceptor saw them end. Whoever
 cannot make a direct connection (firewall, NAT, an older peer) uses the libp2p stream, as
 before: :meth:`DirectLinks.open` fails fast and remembers the failure for a while.
 """
@@ -34,14 +38,15 @@ import os
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
 
 from inclavate.types import PeerId
-from p2p.errors import DialError, ListenError, P2PError, ProtocolError
+from p2p.errors import DialError, LinkLimitReached, ListenError, P2PError, ProtocolError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.sealed import KEY_BYTES, SealedStream
@@ -54,6 +59,9 @@ TICKET_BYTES = 16
 _GRANT = struct.Struct(f">BH{TICKET_BYTES}s{KEY_BYTES}s")
 _MAX_PROTOCOL_BYTES = 128
 _CONTROL_FRAME_BYTES = 256
+_AT_LIMIT = b"limit"
+"""The acceptor's first sealed frame instead of its empty proof: this peer's links of the
+protocol are at their bound, none idle (:class:`~p2p.errors.LinkLimitReached`)."""
 
 DirectHandler = Callable[[SealedStream, PeerId], Awaitable[None]]
 _K = TypeVar("_K")
@@ -75,7 +83,9 @@ class DirectLimits:
     connection of the source IP that has the most (refusing the newcomer instead let anyone
     who kept this many silent connections open lock every honest dialer out)."""
     links_per_peer: int = 4
-    """Live inbound direct connections of one peer (one per protocol and direction is normal)."""
+    """Live inbound direct connections of one peer (one per protocol and direction is normal).
+    One more replaces that peer's oldest idle link (:meth:`DirectLinks.idle`), else is refused
+    with ``limit``."""
     max_links: int = 512
     """Live inbound direct connections in all. One more closes the oldest link of the peer
     holding the most (refusing the newcomer let free identities each holding
@@ -83,6 +93,11 @@ class DirectLimits:
     retry_after_s: float = 60.0
     """After a failed direct dial, use libp2p to that peer for this long (for that protocol:
     an older peer without one protocol's handler still gets direct links for the others)."""
+    limit_retry_s: float = 2.0
+    """After a dial refused with ``limit`` (:class:`~p2p.errors.LinkLimitReached`: the
+    acceptor has not yet seen our old links end), use libp2p to that peer for only this long.
+    As a failure it cost ``retry_after_s``: a relay redialing an owner that still held its
+    four old artifact links read every piece of that owner over libp2p for a minute."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,10 @@ class DirectLinks:
         without a :class:`LinkTable` of their own, bounded by ``limits``)."""
         self._tables: dict[str, tuple[LinkTable, dict[trio.CancelScope, PeerId]]] = {}
         """The live inbound links of each protocol given a :class:`LinkTable`, the same way."""
+        self._scopes: dict[SealedStream, trio.CancelScope] = {}
+        """Each live inbound link's stream and the scope that closes it (for :meth:`idle`)."""
+        self._idle: set[trio.CancelScope] = set()
+        """The live inbound links whose handler waits for a request (:meth:`idle`)."""
         self._failed_until: dict[tuple[PeerId, str], float] = {}
         self.port: int | None = None
         self.refused = 0
@@ -159,6 +178,8 @@ class DirectLinks:
         """Unused tickets dropped to make room for another peer's (``max_tickets``)."""
         self.links_evicted = 0
         """Live links closed to make room for another peer's (``max_links``)."""
+        self.links_replaced = 0
+        """Idle links closed to make room for the same peer's next one (``links_per_peer``)."""
 
     def set_handler(self, protocol: str, handler: DirectHandler, table: LinkTable | None = None) -> None:
         """Serve ``protocol``'s links with ``handler``; with ``table``, its links are bounded
@@ -173,6 +194,21 @@ class DirectLinks:
             table, links = self._tables[protocol]
             return table.links_per_peer, table.max_links, links
         return self.limits.links_per_peer, self.limits.max_links, self._links
+
+    @contextmanager
+    def idle(self, stream: SealedStream) -> Iterator[None]:
+        """Inside, ``stream`` (an inbound link given to a handler) waits for its peer's next
+        request, and that peer's next link of the protocol, past its bound, may close it:
+        the peer does not use it, or will learn it is closed before it gets an answer on it.
+        A link busy answering is never closed for one of its own peer's."""
+        scope = self._scopes.get(stream)
+        if scope is not None:
+            self._idle.add(scope)
+        try:
+            yield
+        finally:
+            if scope is not None:
+                self._idle.discard(scope)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -249,15 +285,21 @@ class DirectLinks:
             self.refused += 1
             return
         per_peer, max_links, links = self._table_of(ticket.protocol)
-        if max_links < 1 or sum(peer == ticket.peer for peer in links.values()) >= per_peer:
+        stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
+        if max_links < 1 or not self._room_for(ticket.peer, per_peer, links):
             self.refused += 1
+            with trio.move_on_after(self.limits.hello_timeout_s):
+                try:  # sealed: only the ticket's holder reads it, and only the acceptor could write it
+                    await stream.send(_AT_LIMIT, timeout=self.limits.hello_timeout_s)
+                except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
             return
         while len(links) >= max_links:
             self._evict_link(links)
         handler = self._handlers.get(ticket.protocol)
-        stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
         live = trio.CancelScope()
         links[live] = ticket.peer
+        self._scopes[stream] = live
         try:
             with live:  # cancelled by _evict_link: the stream is reset, the socket closed
                 async with stream:
@@ -270,6 +312,27 @@ class DirectLinks:
             log.exception("direct %s handler failed on a link from %s", ticket.protocol, ticket.peer)
         finally:
             links.pop(live, None)
+            self._scopes.pop(stream, None)
+            self._idle.discard(live)
+
+    def _room_for(self, peer: PeerId, per_peer: int, links: dict[trio.CancelScope, PeerId]) -> bool:
+        """Whether ``peer`` may have one more link in ``links``: it holds fewer than
+        ``per_peer``, or one of its own is idle and is closed now for it (its oldest idle one).
+        A peer dials only when it lacks a link, so at its bound some of the links counted
+        here have ended on its side and not yet here; refusing made it wait
+        ``retry_after_s``. Only the peer's own links go, so it never exceeds its bound nor
+        pushes out another peer's."""
+        mine = [scope for scope, owner in links.items() if owner == peer]
+        if len(mine) < per_peer:
+            return True
+        oldest_idle = next((scope for scope in mine if scope in self._idle), None)
+        if oldest_idle is None:
+            return False
+        del links[oldest_idle]
+        self._idle.discard(oldest_idle)
+        oldest_idle.cancel()
+        self.links_replaced += 1
+        return True
 
     def _evict_pending(self) -> None:
         """Close the oldest waiting connection of the source with the most waiting: a flood
@@ -327,7 +390,8 @@ class DirectLinks:
         except (trio.TooSlowError, DialError, P2PError, OSError, trio.BrokenResourceError) as exc:
             if len(self._failed_until) >= 4096:
                 self._failed_until.clear()
-            self._failed_until[peer, protocol] = self._clock() + self.limits.retry_after_s
+            retry = self.limits.limit_retry_s if isinstance(exc, LinkLimitReached) else self.limits.retry_after_s
+            self._failed_until[peer, protocol] = self._clock() + retry
             if isinstance(exc, DialError):
                 raise
             raise DialError(f"direct connection to {peer} failed: {exc!r}") from exc
@@ -341,11 +405,14 @@ class DirectLinks:
         try:
             await tcp.send_all(MAGIC + grant.ticket)
             stream = SealedStream(FramedStream.over_socket(tcp), grant.key, dialer=True, remote_peer=peer, transport=tcp)
-            # The proof is empty: a frame the acceptor announces larger is refused on its
-            # length prefix (it could announce 256 MiB and have us take it in until the
-            # deadline); the link's user sets what it takes after.
-            stream.max_receive_size = 0
-            if await stream.receive(timeout=timeout) != b"":
+            # The proof is empty (or the 5-byte "limit"): a frame the acceptor announces larger
+            # is refused on its length prefix (it could announce 256 MiB and have us take it in
+            # until the deadline); the link's user sets what it takes after.
+            stream.max_receive_size = len(_AT_LIMIT)
+            proof = await stream.receive(timeout=timeout)
+            if proof == _AT_LIMIT:
+                raise LinkLimitReached(f"{peer} holds as many of our {protocol} links as it allows, none idle")
+            if proof != b"":
                 raise ProtocolError("the direct connection's first frame is not the acceptor's proof")
             stream.max_receive_size = None
         except BaseException:

@@ -45,6 +45,12 @@ class DialError(P2PError):
     """Could not connect to a peer: bad multiaddr, refused, unreachable, handshake failed."""
 
 
+class LinkLimitReached(DialError):
+    """A direct link was refused because the acceptor holds as many of this peer's links of
+    that protocol as it allows, none of them idle: older links of ours it has not yet seen
+    end. Unlike a missing handler this passes in moments, so it is remembered briefly."""
+
+
 class PublishRejected(P2PError):
     """Our own validator rejected a message we tried to publish.
 

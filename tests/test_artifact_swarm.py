@@ -31,7 +31,7 @@ from inclavate.owner_ids import MalformedId, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
 from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, read_request
-from p2p.artifacts import DIRECT_PROTOCOL, PROTOCOL, RemoteArtifacts, serve_artifacts
+from p2p.artifacts import DIRECT_PROTOCOL, MAX_READS_PER_PEER, PROTOCOL, RemoteArtifacts, serve_artifacts
 from p2p.direct import MAGIC, TICKET_BYTES, DirectLinks, LinkTable
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
@@ -806,6 +806,31 @@ async def test_a_busy_answer_on_a_direct_link_keeps_the_link(tmp_path: Path) -> 
             a.direct.set_handler(DIRECT_PROTOCOL, busy_at_first)
             assert await read(b.swarm, real.id) == data
             assert busy_for == [0] and b.remote._links is not None and b.remote._links.dialed == 1
+
+
+async def test_a_redial_while_the_owner_still_holds_the_old_links_stays_direct(tmp_path: Path) -> None:
+    """A relay dials again while the owner still holds its four old links (their ends still in
+    flight: here, four links the relay holds and no longer uses): the owner closes that
+    relay's oldest idle link for the new one, and the pieces stay direct. Before, the owner
+    refused the fifth link and the relay read every piece of that owner over libp2p (5x
+    slower) for ``DirectLimits.retry_after_s`` (60 s)."""
+    data = os.urandom(100)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path, direct=True) as (a, b):
+            real = await a.store.create(chunks(data))
+            assert b.direct is not None and b.remote._links is not None
+            old = [await b.direct.open(a.host.peer_id, DIRECT_PROTOCOL, timeout=5) for _ in range(MAX_READS_PER_PEER)]
+            try:
+                assert len(_artifact_links(a)) == MAX_READS_PER_PEER
+                assert await read(b.swarm, real.id) == data
+                assert await read(b.swarm, real.id) == data  # on the link kept from the first
+                assert b.remote._links.dialed == 1 and not b.direct._failed_until
+                assert len(_artifact_links(a)) == MAX_READS_PER_PEER  # its own oldest made room: never over its cap
+                with pytest.raises(P2PError):
+                    await old[0].receive(timeout=5)  # closed by the owner
+            finally:
+                for link in old:
+                    await link.reset()
 
 
 async def test_a_relay_s_idle_links_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from typing import cast
 
 import pytest
@@ -16,7 +17,7 @@ from direct_helpers import ECHO, direct_pair
 
 from inclavate.types import PeerId
 from p2p.direct import MAGIC, PROTOCOL, TICKET_BYTES, DirectLimits, DirectLinks, Grant, LinkTable
-from p2p.errors import DialError, P2PError
+from p2p.errors import DialError, LinkLimitReached, P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.sealed import SealedStream
@@ -381,6 +382,49 @@ async def test_a_protocol_with_its_own_link_table_never_refuses_or_pushes_out_th
             with pytest.raises(DialError):  # the shared table's per-peer bound is unchanged
                 await links_a.open(b.peer_id, ECHO, timeout=5)
             for stream in (forward, own, *strangers):
+                await stream.reset()
+
+
+IDLE = "/test/idle/1"
+
+
+async def test_a_peer_at_its_bound_replaces_only_its_own_idle_link() -> None:
+    """A peer holding its ``links_per_peer`` links of a protocol dials again (its old links
+    ended on its side, not yet here): its own oldest idle link is closed for the new one, so
+    it never holds more than its bound, and another peer's idle link, older still, is never
+    touched. With none of its own idle, the dial is refused with ``limit`` and remembered
+    for ``limit_retry_s``, not the ``retry_after_s`` of a peer without the handler."""
+    limits = DirectLimits(links_per_peer=2, max_links=8)
+    with trio.fail_after(30):
+        async with direct_pair(limits) as (a, b, links_a, links_b):
+
+            async def echo_when_idle(stream: SealedStream, remote: PeerId) -> None:
+                while True:
+                    with links_b.idle(stream):
+                        payload = await stream.receive(timeout=30)
+                    if payload == b"hold":  # busy answering from now on
+                        await trio.sleep_forever()
+                    await stream.send(remote.encode() + b":" + payload, timeout=5)
+
+            links_b.set_handler(IDLE, echo_when_idle, LinkTable(links_per_peer=2, max_links=8))
+            mine = a.peer_id.encode()
+            other = await _stranger_link(links_b, "other", IDLE)
+            first, second = [await links_a.open(b.peer_id, IDLE, timeout=5) for _ in range(2)]
+            third = await links_a.open(b.peer_id, IDLE, timeout=5)
+            assert not await _echoes(first, mine)  # its own oldest idle link made room
+            assert await _echoes(second, mine) and await _echoes(third, mine) and await _echoes(other, b"other")
+            assert sorted(links_b._tables[IDLE][1].values()) == sorted([a.peer_id, a.peer_id, "other"])
+            assert links_b.links_replaced == 1 and links_b.refused == 0
+            for stream in (second, third):
+                await stream.send(b"hold", timeout=5)
+            while len(links_b._idle) > 1:  # only the stranger's link is idle now
+                await trio.sleep(0.01)
+            with pytest.raises(LinkLimitReached):
+                await links_a.open(b.peer_id, IDLE, timeout=5)
+            assert links_a._failed_until[b.peer_id, IDLE] - time.monotonic() <= limits.limit_retry_s < limits.retry_after_s
+            assert links_b.refused == 1 and links_b.links_replaced == 1 and await _echoes(other, b"other")
+            assert sorted(links_b._tables[IDLE][1].values()) == sorted([a.peer_id, a.peer_id, "other"])
+            for stream in (first, second, third, other):
                 await stream.reset()
 
 
