@@ -9,12 +9,16 @@ artifact may well exist; a 404 would tell a client it is gone for good).
 
 Listing and usage are swarm-wide, as the spec's semantics ask: with no accounts every
 request is the single local principal, and "the caller's own artifacts" are all of them,
-wherever they are stored. A page is a k-way merge: each live peer returns its first
-``offset + limit`` rows in the spec's order (created_at DESC, id DESC), and the merged rows
-``offset .. offset + limit`` are served; ``truncated`` is true when any peer had more. The
-order is total (ids are unique), so offsets stay stable across requests. A peer that does
-not answer within :data:`PEER_TIMEOUT_S` is left out of that page (logged), rather than
-failing the whole listing. Usage sums the peers' COUNT/SUM totals; its ceilings are the
+wherever they are stored. A page is a k-way merge in two steps: each live peer returns the
+sort keys of its first ``offset + limit`` rows in the spec's order (created_at DESC, id
+DESC), the merged keys ``offset .. offset + limit`` make the page, and each peer is then
+asked for the rows of its own on it (a contiguous run of its order: after the key before
+it). Keys are at most ~61 bytes whatever the row; shipping whole rows for the merge needed
+``offset + limit`` rows from each peer, up to 20 KiB each, where only ``limit`` are
+served; ``truncated`` is true when any peer had more. The order is total (ids are unique),
+so offsets stay stable across requests. A peer that does not answer within
+:data:`PEER_TIMEOUT_S` (at either step) is left out of that page (logged), rather than
+failing the whole listing; a row deleted between the steps is left out too. Usage sums the peers' COUNT/SUM totals; its ceilings are the
 sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer has none.
 """
 
@@ -35,7 +39,9 @@ from inclavate.artifact_types import (
     SWARM_LIST_WINDOW,
     ArtifactUnavailable,
     BadArtifactRequest,
+    KeyPage,
     ListQuery,
+    SortKey,
     Usage,
 )
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
@@ -56,6 +62,7 @@ class RemoteStores(Protocol):
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead: ...
     async def delete(self, peer: str, id_: str) -> None: ...
     async def list(self, peer: str, query: ListQuery) -> ArtifactPage: ...
+    async def keys(self, peer: str, query: ListQuery) -> KeyPage: ...
     async def usage(self, peer: str) -> Usage: ...
 
 
@@ -139,10 +146,32 @@ class SwarmArtifacts:
                 "narrow it with kind, or delete what is no longer needed"
             )
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
-        pages = [self.store.list(per_peer)] + await self._gather(peers, lambda p: self._remote_().list(p, per_peer))
-        merged = heapq.merge(*(p.artifacts for p in pages), key=ArtifactMeta.sort_key, reverse=not query.ascending)
-        rows = list(merged)
-        return ArtifactPage(rows[query.offset : window], truncated=len(rows) > window or any(p.truncated for p in pages))
+        own = self.store.list(per_peer)
+        keyed = await self._gather(peers, lambda p: _paired(p, self._remote_().keys(p, per_peer)))
+        sources: list[tuple[str | None, list[SortKey]]] = [(None, [m.sort_key() for m in own.artifacts])]
+        sources += [(peer, page.keys) for peer, page in keyed]
+        merged = list(heapq.merge(*([(key, i) for key in keys] for i, (_, keys) in enumerate(sources)),
+                                  reverse=not query.ascending))  # fmt: skip
+        chosen = merged[query.offset : window]
+        rows = {(m.sort_key(), 0): m for m in own.artifacts}
+        source_of = {peer: i for i, (peer, _) in enumerate(sources) if peer is not None}
+        asks = {peer: q for peer, keys in sources if peer and (q := self._rows_query(per_peer, keys, chosen, source_of[peer]))}
+        for peer, page in await self._gather(list(asks), lambda p: _paired(p, self._remote_().list(p, asks[p]))):
+            rows.update(((m.sort_key(), source_of[peer]), m) for m in page.artifacts)
+        truncated = len(merged) > window or own.truncated or any(page.truncated for _, page in keyed)
+        return ArtifactPage([rows[entry] for entry in chosen if entry in rows], truncated)
+
+    @staticmethod
+    def _rows_query(per_peer: ListQuery, keys: list[SortKey], chosen: list[tuple[SortKey, int]], source: int) -> ListQuery | None:
+        """What to ask source ``source`` (whose listed ``keys`` are in order) for its rows on
+        the page ``chosen``: a contiguous run of its own order, so ``limit`` rows after the
+        key before the first (or after ``per_peer``'s own cursor); None if it has none there."""
+        mine = [key for key, i in chosen if i == source]
+        if not mine:
+            return None
+        first = keys.index(mine[0])
+        after = keys[first - 1] if first else per_peer.after
+        return ListQuery(len(mine), 0, per_peer.kind, per_peer.files_only, per_peer.purpose, after, per_peer.ascending)
 
     async def usage(self) -> Usage:
         own = self.store.usage()
@@ -174,6 +203,10 @@ class SwarmArtifacts:
             for peer in peers:
                 nursery.start_soon(one, peer)
         return results
+
+
+async def _paired(peer: str, answer: Awaitable[T]) -> tuple[str, T]:
+    return peer, await answer
 
 
 async def _async(fn: Callable[[str], T], arg: str) -> T:

@@ -210,6 +210,19 @@ class ArtifactPage:
     """More rows exist past this page (walk on with ``offset``)."""
 
 
+SortKey = tuple[int, str]
+"""A listing row's place in the order: ``(created_at_ms, id)`` (:meth:`ArtifactMeta.sort_key`)."""
+
+
+@dataclass(frozen=True)
+class KeyPage:
+    """A peer's listing as sort keys only: what a swarm-wide merge needs to place its rows,
+    at a size that does not depend on how long their filenames are."""
+
+    keys: list[SortKey]
+    truncated: bool
+
+
 @dataclass(frozen=True)
 class ListQuery:
     """One listing request: ``limit`` rows after skipping ``offset``, newest first.

@@ -8,13 +8,20 @@ One request per stream:
       {"op": "read",   "id": ID, "offset": N, "length": L}     1 <= L <= MAX_PIECE
       {"op": "delete", "id": ID}
       {"op": "list",   "limit": N, "kind": K|null, "files_only": B, "purpose": P|null,
-                       "after": [MS, ID]|null, "ascending": B}
+                       "after": [MS, ID]|null, "ascending": B, "keys": B}
       {"op": "usage"}
 
 * answer: one JSON frame ``{"ok": true, ...}`` or ``{"ok": false, "error": CODE,
   "message": TEXT[, "size": N]}``, CODE naming one of our exception types (:data:`ERRORS`),
   so the asking side raises the very error the owner's store raised (a remote 404, 409 or
   416 is the local one);
+* a ``list`` answers ``"artifacts": [RECORD, ...]`` (at most :data:`MAX_LIST_ROWS`), or with
+  ``"keys": true`` only their sort keys, ``"keys": [[MS, ID], ...]`` (up to
+  :data:`~inclavate.artifact_types.SWARM_LIST_WINDOW`): a swarm-wide listing places every
+  peer's rows by their keys, then asks each peer for the rows of its own that made the page
+  (:mod:`inclavate.artifact_swarm`). Each answer's bound follows from its request
+  (:func:`answer_limit`) and from the longest row the upload routes can store
+  (:data:`MAX_ROW_BYTES`), so every honest answer fits it;
 * a ``read`` that succeeded answers ``"range": [FIRST, LAST]`` (inclusive; the end clamped
   to the object's last byte, a start past it is 416) and is followed by those bytes in
   frames of at most 256 KiB and an empty frame that marks the end.
@@ -38,6 +45,7 @@ from typing import Any
 
 from inclavate.artifact_types import (
     KINDS,
+    LIST_MAX_LIMIT,
     MAX_FILENAME_CHARS,
     MAX_MEDIA_TYPE_CHARS,
     MAX_PURPOSE_CHARS,
@@ -49,9 +57,11 @@ from inclavate.artifact_types import (
     ArtifactTooLarge,
     ArtifactUnavailable,
     BadArtifactRequest,
+    KeyPage,
     ListQuery,
     OwnerBusy,
     QuotaExceeded,
+    SortKey,
     Usage,
 )
 from inclavate.artifact_reads import READ_CHUNK
@@ -68,13 +78,34 @@ time one read may hold an owner's slot (:func:`p2p.artifacts.read_deadline`)."""
 MAX_OFFSET = 2**63 - 1
 """A piece's offset: with its length, its last byte still has at most 19 digits, the most
 :func:`inclavate.byte_ranges.parse_range` reads."""
-MAX_ANSWER_BYTES = SWARM_LIST_WINDOW * 1024 + 4096
-"""A ``list`` answer: the only one that may be this large (an asker allows it for listings only)."""
-MAX_RECORD_ANSWER_BYTES = 12 * (36 + MAX_MEDIA_TYPE_CHARS + 64 + MAX_FILENAME_CHARS + MAX_PURPOSE_CHARS + 1000) + 1024
-"""Any other answer (``meta``, ``delete``, ``usage``, a read's header, a refusal): at most one
-artifact record, whose text fields (id, media type, digest, filename, purpose, error) JSON
-writes in at most 12 bytes a character (an astral character escaped as two ``\\uXXXX``),
-plus keys and numbers. ~20 KiB, where a listing's 20 MB used to be allowed for every answer."""
+MAX_ROW_BYTES = 12 * (36 + MAX_MEDIA_TYPE_CHARS + 64 + MAX_FILENAME_CHARS + MAX_PURPOSE_CHARS + 1000) + 512
+"""One artifact record as JSON, at its longest: its text fields (id, media type, digest,
+filename, purpose, error) in at most 12 bytes a character (an astral character escaped as
+two ``\\uXXXX``), plus keys and numbers (~20 KiB; a 255-character filename of emoji alone
+is 3 KiB)."""
+MAX_RECORD_ANSWER_BYTES = MAX_ROW_BYTES + 512
+"""Any answer but a listing (``meta``, ``delete``, ``usage``, a read's header, a refusal): at
+most one artifact record, plus the header's keys and range. ~20 KiB, where a listing's 20 MB
+used to be allowed for every answer."""
+MAX_LIST_ROWS = LIST_MAX_LIMIT
+"""Records one ``list`` answer may carry (a swarm-wide merge asks for more in turns): at
+:data:`MAX_ROW_BYTES` each, an answer is at most ~20 MB however long the rows."""
+KEY_BYTES = 60
+"""One sort key as JSON, at its longest: ``[`` 19 digits ``,"`` 36-character id ``"]``."""
+
+
+def list_answer_limit(limit: int, keys: bool) -> int:
+    """The largest honest answer to a ``list`` of ``limit`` rows (or keys), commas and the
+    frame's keys included: an owner's answer can never need more, an asker refuses more."""
+    return limit * ((KEY_BYTES if keys else MAX_ROW_BYTES) + 1) + 256
+
+
+MAX_ANSWER_BYTES = max(list_answer_limit(MAX_LIST_ROWS, False), list_answer_limit(SWARM_LIST_WINDOW, True))
+"""The largest answer of any kind (what the owner may send; an asker allows each answer only
+what its request needs, :func:`answer_limit`). Until 2026-12-06 a listing answer was bounded
+at 1 KiB a row for up to 20 000 rows, so a peer whose rows were longer (a 255-character
+filename outside ASCII is 1.5-3 KiB) was left out of every swarm-wide listing deeper than
+~7 000 rows."""
 OPS = ("meta", "read", "delete", "list", "usage")
 
 ERRORS: dict[str, type[InclavateError]] = {
@@ -118,13 +149,14 @@ def decode_request(raw: bytes) -> dict[str, Any]:
         return out
     if op == "usage":
         return {"op": op}
-    return {"op": op, "query": _decode_query(body)}
+    keys = body.get("keys") is True
+    return {"op": op, "keys": keys, "query": _decode_query(body, SWARM_LIST_WINDOW if keys else MAX_LIST_ROWS)}
 
 
-def _decode_query(body: dict[str, Any]) -> ListQuery:
+def _decode_query(body: dict[str, Any], most: int) -> ListQuery:
     limit = body.get("limit")
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= SWARM_LIST_WINDOW:
-        raise BadArtifactRequest(f"limit must be a whole number from 1 to {SWARM_LIST_WINDOW}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= most:
+        raise BadArtifactRequest(f"limit must be a whole number from 1 to {most}")
     kind = body.get("kind")
     if kind is not None and kind not in KINDS:
         raise BadArtifactRequest("unknown kind")
@@ -176,11 +208,20 @@ def read_request(id_: str, offset: int, length: int) -> dict[str, Any]:
     return {"op": "read", "id": id_, "offset": offset, "length": length}
 
 
-def list_request(query: ListQuery) -> dict[str, Any]:
+def list_request(query: ListQuery, keys: bool = False) -> dict[str, Any]:
+    """A listing of ``query``'s rows (at most :data:`MAX_LIST_ROWS`), or of their sort keys."""
     return {
         "op": "list", "limit": query.limit, "kind": query.kind, "files_only": query.files_only,
         "purpose": query.purpose, "after": list(query.after) if query.after else None, "ascending": query.ascending,
+        "keys": keys,
     }  # fmt: skip
+
+
+def answer_limit(request: dict[str, Any]) -> int:
+    """The largest frame an honest owner answers ``request`` (one we encoded) with."""
+    if request["op"] == "list":
+        return list_answer_limit(request["limit"], request["keys"] is True)
+    return MAX_RECORD_ANSWER_BYTES
 
 
 def decode_answer(raw: bytes, peer: str) -> dict[str, Any]:
@@ -225,6 +266,31 @@ def decode_page(answer: dict[str, Any], peer: str, limit: int) -> ArtifactPage:
     if not isinstance(rows, list) or len(rows) > limit:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed listing")
     return ArtifactPage([decode_meta(r, peer) for r in rows], truncated=answer.get("truncated") is True)
+
+
+def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery) -> KeyPage:
+    """A ``keys`` listing: at most ``query.limit`` keys of ids carrying ``peer``'s owner tag
+    (a peer places only its own rows), strictly in ``query``'s order (the merge relies on it)."""
+    raw = answer.get("keys")
+    if not isinstance(raw, list) or len(raw) > query.limit:
+        raise ArtifactUnavailable(f"peer {peer} sent a malformed key listing")
+    keys = [_sort_key(item, peer) for item in raw]
+    ordered = all((a < b) if query.ascending else (a > b) for a, b in zip(keys, keys[1:]))
+    if not ordered:
+        raise ArtifactUnavailable(f"peer {peer} listed keys out of order")
+    return KeyPage(keys, truncated=answer.get("truncated") is True)
+
+
+def _sort_key(item: object, peer: str) -> SortKey:
+    try:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise BadArtifactRequest("a key is [created_at_ms, id]")
+        key = (_whole(item[0], 0, 2**63 - 1, "created_at_ms"), parse_id(_str(item[1], 36, "id")))
+    except (BadArtifactRequest, MalformedId) as exc:
+        raise ArtifactUnavailable(f"peer {peer} sent a malformed key: {exc}") from exc
+    if tag_of(key[1]) != owner_tag(peer):
+        raise ArtifactUnavailable(f"peer {peer} listed an artifact it does not own")
+    return key
 
 
 def decode_usage(answer: dict[str, Any], peer: str) -> Usage:

@@ -40,6 +40,7 @@ import math
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Protocol
 
 import trio
@@ -49,6 +50,7 @@ from inclavate.artifact_types import (
     ArtifactMeta,
     ArtifactPage,
     ArtifactUnavailable,
+    KeyPage,
     ListQuery,
     OwnerBusy,
     Usage,
@@ -59,11 +61,14 @@ from inclavate.owner_ids import MalformedId
 from inclavate.types import PeerId
 from p2p.artifact_wire import (
     MAX_ANSWER_BYTES,
+    MAX_LIST_ROWS,
     MAX_PIECE,
     MAX_RECORD_ANSWER_BYTES,
     MAX_REQUEST_BYTES,
     PROTOCOL,
+    answer_limit,
     decode_answer,
+    decode_keys,
     decode_meta,
     decode_page,
     decode_piece,
@@ -279,6 +284,8 @@ async def _run(store: LocalArtifacts, request: dict[str, Any]) -> dict[str, Any]
         usage = store.usage().to_json()
         return {k: usage[k] for k in ("generated", "uploaded", "max_bytes", "max_objects")}
     page = store.list(request["query"])
+    if request["keys"]:
+        return {"keys": [[m.created_at_ms, m.id] for m in page.artifacts], "truncated": page.truncated}
     return {"artifacts": [m.to_record() for m in page.artifacts], "truncated": page.truncated}
 
 
@@ -455,7 +462,20 @@ class RemoteArtifacts:
         return decode_usage(await self._call(peer, {"op": "usage"}), peer)
 
     async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
-        return decode_page(await self._call(peer, list_request(query)), peer, query.limit)
+        """``query``'s rows on ``peer``, asked :data:`MAX_LIST_ROWS` at a time (each next ask
+        after the last row got), so no answer outgrows its bound however long the rows."""
+        rows: list[ArtifactMeta] = []
+        while True:
+            part = replace(query, limit=min(query.limit - len(rows), MAX_LIST_ROWS))
+            page = decode_page(await self._call(peer, list_request(part)), peer, part.limit)
+            rows += page.artifacts
+            if len(rows) >= query.limit or len(page.artifacts) < part.limit:
+                return ArtifactPage(rows, page.truncated)
+            query = replace(query, after=rows[-1].sort_key())
+
+    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+        """The sort keys of ``query``'s rows on ``peer`` (at most ~61 bytes each on the wire)."""
+        return decode_keys(await self._call(peer, list_request(query, keys=True)), peer, query)
 
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead:
         """Open a read on the owner: its meta decides the range (as the owner's store would),
@@ -554,7 +574,7 @@ class RemoteArtifacts:
             return await self._call_once(peer, request)
 
     async def _call_once(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
-        stream = await self._open_stream(peer, MAX_ANSWER_BYTES if request["op"] == "list" else MAX_RECORD_ANSWER_BYTES)
+        stream = await self._open_stream(peer, answer_limit(request))
         try:
             async with stream:
                 await stream.send(encode(request), timeout=_REQUEST_TIMEOUT)

@@ -18,7 +18,9 @@ import trio
 
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import (
+    MAX_FILENAME_CHARS,
     ArtifactConfig,
+    ArtifactMeta,
     ArtifactNotFound,
     ArtifactNotReady,
     ArtifactUnavailable,
@@ -30,7 +32,7 @@ from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.owner_ids import MalformedId, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
-from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, read_request
+from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, list_answer_limit, read_request
 from p2p.artifacts import DIRECT_PROTOCOL, MAX_READS_PER_PEER, PROTOCOL, RemoteArtifacts, serve_artifacts
 from p2p.direct import MAGIC, TICKET_BYTES, DirectLinks, LinkTable
 from p2p.errors import P2PError
@@ -185,6 +187,8 @@ async def test_hostile_requests_are_refused_and_contained(tmp_path: Path) -> Non
                   for length in (None, 0, -5, "4", True, 2.0, MAX_PIECE + 1, 10**12, 2**64)),
                 json.dumps({"op": "list", "limit": 10**9}).encode(),
                 json.dumps({"op": "list", "limit": True}).encode(),
+                json.dumps({"op": "list", "limit": 1001}).encode(),  # whole rows: 1 000 an answer
+                json.dumps({"op": "list", "limit": 20_001, "keys": True}).encode(),  # keys: the swarm's window
                 json.dumps({"op": "list", "limit": 5, "after": [-1, meta.id]}).encode(),
                 json.dumps({"op": "list", "limit": 5, "kind": {"$ne": 1}}).encode(),
                 json.dumps({"op": "delete", "id": 12}).encode(),
@@ -310,6 +314,16 @@ def test_the_largest_honest_record_answer_fits_its_bound() -> None:
     assert MAX_RECORD_ANSWER_BYTES - 1024 < len(header) <= MAX_RECORD_ANSWER_BYTES
     refused = encode({"ok": False, "error": "unsatisfiable_range", "message": astral * 1000, "size": 2**63 - 1})
     assert len(refused) <= MAX_RECORD_ANSWER_BYTES
+    # and listings: MAX_LIST_ROWS such rows, or SWARM_LIST_WINDOW of the longest keys
+    from inclavate.artifact_types import SWARM_LIST_WINDOW
+    from p2p.artifact_wire import KEY_BYTES, MAX_LIST_ROWS
+
+    rows = encode({"ok": True, "artifacts": [record] * MAX_LIST_ROWS, "truncated": False})
+    assert list_answer_limit(MAX_LIST_ROWS, False) - 1024 * MAX_LIST_ROWS < len(rows) <= list_answer_limit(MAX_LIST_ROWS, False)
+    key = [2**63 - 1, new_id(Identity.generate().peer_id)]
+    assert len(encode(key)) == KEY_BYTES
+    keys = encode({"ok": True, "keys": [key] * SWARM_LIST_WINDOW, "truncated": False})
+    assert len(keys) <= list_answer_limit(SWARM_LIST_WINDOW, True) <= MAX_ANSWER_BYTES
 
 
 async def test_an_owner_that_stays_busy_is_a_503_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -347,6 +361,80 @@ async def test_a_peer_refusing_its_part_of_a_listing_is_left_out(tmp_path: Path)
             b.host.set_stream_handler(PROTOCOL, refuse)
             assert [m.id for m in (await a.swarm.list(ListQuery())).artifacts] == [mine.id]
             assert (await a.swarm.usage()).total.objects == 1
+
+
+def _insert_rows(store: ArtifactStore, count: int, filename: str, start_ms: int = 1_700_000_000_000) -> list[ArtifactMeta]:
+    """``count`` ready Files-API rows in ``store``'s index, one transaction (no bytes: a
+    listing reads only the index)."""
+    rows = [ArtifactMeta(id=new_id(store.owner), media_type="text/plain", size_bytes=1, digest="0" * 64, state="ready",
+                         kind="uploaded", created_at_ms=start_ms + i, filename=filename, purpose="user_data")
+            for i in range(count)]  # fmt: skip
+    db = store.index._db
+    with db.conn:
+        db["artifacts"].insert_all([m.to_record() for m in rows])  # type: ignore[union-attr]
+    return rows
+
+
+async def test_a_swarm_listing_is_the_slice_of_every_peer_s_rows_in_order(tmp_path: Path) -> None:
+    """Every page (offset, limit; newest first, and oldest first after a cursor) is exactly
+    that slice of all rows of both peers in the spec's order, whichever peer asks."""
+    with trio.fail_after(120):
+        async with two_peers(tmp_path) as (a, b):
+            made = _insert_rows(a.store, 7, "a.txt", 1000) + _insert_rows(b.store, 6, "b.txt", 1003)
+            newest = sorted(made, key=ArtifactMeta.sort_key, reverse=True)
+            for asker in (a, b):
+                for offset in range(len(made) + 1):
+                    for limit in (1, 3, 5):
+                        page = await asker.swarm.list(ListQuery(limit=limit, offset=offset))
+                        assert page.artifacts == newest[offset : offset + limit], (offset, limit)
+                        assert page.truncated == (offset + limit < len(made))
+                oldest = newest[::-1]
+                for cursor in range(len(made)):
+                    query = ListQuery(limit=4, files_only=True, after=oldest[cursor].sort_key(), ascending=True)
+                    assert (await asker.swarm.list(query)).artifacts == oldest[cursor + 1 : cursor + 5]
+
+
+async def test_a_peer_with_the_longest_filenames_is_in_a_deep_listing(tmp_path: Path) -> None:
+    """7 000 Files of a peer, each named with 255 emoji (the longest name the upload routes
+    keep, 3 KiB of JSON): a listing 7 000 rows deep through another peer shows its rows.
+    Before, that peer answered with all 7 000 whole rows (~24 MB, over the 20 MB a listing
+    answer was allowed) and was left out; now it answers their keys (~61 bytes each), then
+    only the rows that made the page."""
+    longest = "\U0001F600" * MAX_FILENAME_CHARS
+    with trio.fail_after(120):
+        async with two_peers(tmp_path) as (a, b):
+            rows = _insert_rows(a.store, 7000, longest)
+            assert len(encode({"ok": True, "artifacts": [m.to_record() for m in rows]})) > 20_000 * 1024 + 4096
+            page = await b.swarm.list(ListQuery(limit=1000, offset=6000))
+            assert page.artifacts == sorted(rows, key=ArtifactMeta.sort_key, reverse=True)[6000:]
+            files = await b.swarm.list(ListQuery(limit=2000, files_only=True, after=rows[2500].sort_key(), ascending=True))
+            assert files.artifacts == rows[2501:4501] and files.truncated  # two answers of 1 000 rows
+
+
+@pytest.mark.parametrize("keys", [True, False])
+async def test_a_listing_answer_over_its_bound_is_refused_on_its_prefix(tmp_path: Path, keys: bool) -> None:
+    """A key listing may be ~61 bytes a key, a row listing MAX_ROW_BYTES a row, for the
+    count asked: one announced a byte larger is refused before its bytes are taken in, and
+    the peer's rows are left out of the listing."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            theirs = _insert_rows(a.store, 3, "a.txt")
+            mine = _insert_rows(b.store, 2, "b.txt", start_ms=1)
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                if request["keys"] is not keys:  # the other step answered honestly
+                    listed = [[m.created_at_ms, m.id] for m in reversed(theirs)]
+                    await stream.send(encode({"ok": True, "keys": listed, "truncated": False}), timeout=5)
+                    return
+                announced = list_answer_limit(request["limit"], keys) + 1
+                await stream._raw.write(struct.pack(">I", announced) + b"1" * 5)  # then nothing more
+                await trio.sleep_forever()
+
+            a.host.set_stream_handler(PROTOCOL, liar)
+            with pytest.raises(ArtifactUnavailable, match="exceeds the limit"):
+                await (b.remote.keys if keys else b.remote.list)(a.host.peer_id, ListQuery(limit=1000))
+            assert (await b.swarm.list(ListQuery())).artifacts == mine[::-1]
 
 
 async def test_oversized_display_fields_are_refused_at_creation(tmp_path: Path) -> None:
@@ -451,11 +539,15 @@ async def test_a_peer_cannot_list_or_describe_another_owner_s_artifacts(tmp_path
             real = await a.store.create(chunks(b"12345"), filename="report.txt", purpose="assistants")
             forged = {**real.to_record(), "filename": "invoice.pdf", "size_bytes": 999, "digest": "0" * 64}
             theirs = await b.store.create(chunks(b"abc"))
+            place_a_s = False
 
             async def liar(stream: FramedStream, remote: PeerId) -> None:
                 request = json.loads(await stream.receive(timeout=5))
                 stream.max_frame_size = 1 << 20
-                if request["op"] == "list":
+                if request["op"] == "list" and request["keys"]:  # places its own row (or a's too), then lies in the rows
+                    placed = sorted([theirs.sort_key()] + ([real.sort_key()] if place_a_s else []), reverse=True)
+                    answer = {"ok": True, "keys": [list(key) for key in placed], "truncated": False}
+                elif request["op"] == "list":
                     answer = {"ok": True, "artifacts": [forged, theirs.to_record()], "truncated": False}
                 else:  # asked about its own artifact, it describes another owner's
                     answer = {"ok": True, "artifact": forged, "range": None}
@@ -465,6 +557,9 @@ async def test_a_peer_cannot_list_or_describe_another_owner_s_artifacts(tmp_path
             rows = (await a.swarm.list(ListQuery())).artifacts
             assert [m.id for m in rows if m.id == real.id] == [real.id], "a forged row of a's own artifact"
             assert all(m.filename != "invoice.pdf" for m in rows)
+            place_a_s = True
+            with pytest.raises(ArtifactUnavailable, match="does not own"):  # nor place another owner's row
+                await a.remote.keys(b.host.peer_id, ListQuery())
             with pytest.raises(ArtifactUnavailable):
                 await a.swarm.meta(theirs.id)
 
