@@ -31,7 +31,7 @@ from typing import Any
 
 import trio
 
-from inclavate.types import NodeId, PeerId
+from inclavate.types import ModelId, NodeId, PeerId
 from inclavate.untrusted import DropCounter, Malformed, Reason, as_str, parse_json, read_bool, read_list
 from p2p.coverage import ModelCoverage, model_coverage
 from p2p.errors import P2PError
@@ -129,6 +129,11 @@ class RegistryService:
 
     def coverage(self) -> dict[str, ModelCoverage]:
         return model_coverage(self.views())
+
+    def heal_key(self, model_id: ModelId) -> tuple[int | None, int]:
+        """Changes whenever ``model_id``'s views may read differently to the healer
+        (:meth:`p2p.registry.Table.heal_key`): while it stands, the healer's last look holds."""
+        return self.table.heal_key(model_id, self.clock(), self.liveness)
 
     def own(self, node_id: NodeId) -> NodeRecord | None:
         """The latest version of a record this peer publishes."""

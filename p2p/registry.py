@@ -26,13 +26,14 @@ import bisect
 import dataclasses
 import enum
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol
 
-from inclavate.types import NodeId, PeerId
+from inclavate.types import ModelId, NodeId, PeerId
 from p2p.records import NodeRecord, NodeState, SignedRecord, with_details
 
 
@@ -228,12 +229,14 @@ class Table:
         """The records ``peer_id`` signs: its own node's and its legacy nodes'."""
         return [self.entries[node_id].record for node_id in self.nodes_signed_by(peer_id)]
 
-    def with_entry(self, entry: Entry) -> Table:
+    def with_entry(self, entry: Entry, now_ms: int | None = None) -> Table:
         """This table with ``entry`` added or replacing its node's (a node's signer never
-        changes: a record is valid only from the peer its id is namespaced under)."""
+        changes: a record is valid only from the peer its id is namespaced under), at
+        ``now_ms`` (None: unknown, so the heal key changes for its model)."""
         entries = dict(self.entries)
         node_id, signer = entry.record.node_id, entry.record.peer_id
         new = node_id not in entries
+        held = entries.get(node_id)
         entries[node_id] = entry
         evicted = self.evicted
         if node_id in evicted:  # back with a newer record: the entry holds its seq now
@@ -253,6 +256,8 @@ class Table:
         if "_expiry" in self.__dict__:  # a lower bound still: only ``entry`` can fall due sooner
             liveness, due = self.__dict__["_expiry"]
             table.__dict__["_expiry"] = (liveness, min(due, _drop_ms(entry, liveness)))
+        if "_heal" in self.__dict__:
+            table.__dict__["_heal"] = self.__dict__["_heal"].replaced(table, held, entry, now_ms)
         return table
 
     def without(self, node_id: NodeId, evicted: Mapping[NodeId, tuple[int, int]] | None = None) -> Table:
@@ -268,6 +273,8 @@ class Table:
                                 self.evicted if evicted is None else evicted)  # fmt: skip
         if "_expiry" in self.__dict__ and table.evicted is self.evicted:  # fewer rows: still a lower bound
             table.__dict__["_expiry"] = self.__dict__["_expiry"]
+        if "_heal" in self.__dict__:
+            table.__dict__["_heal"] = self.__dict__["_heal"].bumped(table, entry.record.model_id)
         return table
 
     def _successor(self, entries: dict[NodeId, Entry], signer: PeerId,
@@ -308,6 +315,24 @@ class Table:
         entry = self.get(node_id)
         return _view(entry, now_ms, liveness) if entry is not None else None
 
+    def heal_key(self, model_id: ModelId, now_ms: int, liveness: Liveness) -> tuple[int | None, int]:
+        """A key that stays the same only while ``model_id``'s views, as healing reads them
+        (:data:`HEAL_FIELDS` and the state after ageing), stay the same: two calls, on this
+        table or on tables built from it, that get equal keys saw equal views.
+
+        The healer looks each second, and listing 4,096 records to find that nothing changed
+        was ~10 ms of the event loop (scripts/bench_heal_check.py). Heartbeats, which change
+        a record's counters and freshness only, keep the key; a record whose facts change, a
+        node added or removed, and a node turning Degraded or Dead by silence change it. O(1)
+        but when a node's state may have turned since the last call (then O(records), once)."""
+        heal = self.__dict__.get("_heal")
+        if heal is None or heal.liveness != liveness or not heal.since_ms <= now_ms <= heal.due_ms:
+            heal = self.__dict__["_heal"] = _HealMarks.at(self, now_ms, liveness, heal)
+        return heal.marks.get(model_id), heal.epoch
+
+    def _models(self) -> set[ModelId]:
+        return {entry.record.model_id for entry in self.entries.values()}
+
 
 def _view(entry: Entry, now_ms: int, liveness: Liveness) -> NodeView:
     """``entry`` as :func:`effective_state` sees it at ``now_ms``. The times its state turns
@@ -315,15 +340,107 @@ def _view(entry: Entry, now_ms: int, liveness: Liveness) -> NodeView:
     each second, several per chat request) builds one per record, and doing the ageing
     afresh each time was most of ~5-15 ms at 4,096 records
     (tests/test_registry.py::test_views_age_as_effective_state_does)."""
-    ageing = entry.__dict__.get("_ageing")
+    ageing = entry.__dict__.get("_ageing")  # _ageing() and _aged_state(), inline: once per record per listing
     if ageing is None or (ageing[0] is not liveness and ageing[0] != liveness):
-        ageing = entry.__dict__["_ageing"] = (liveness, *_turns(entry, liveness), {})
+        ageing = _ageing(entry, liveness)
     _, degraded_ms, dead_ms, made = ageing
     state: NodeState = "Dead" if now_ms > dead_ms else "Degraded" if now_ms > degraded_ms else entry.record.state
     view = made.get(state)
     if view is None:
         view = made[state] = NodeView(entry.record, state)
     return view
+
+
+def _ageing(entry: Entry, liveness: Liveness) -> tuple[Liveness, float, float, dict[NodeState, NodeView]]:
+    """``entry``'s turns (:func:`_turns`) and its views by state, worked out once per entry."""
+    ageing = entry.__dict__.get("_ageing")
+    if ageing is None or (ageing[0] is not liveness and ageing[0] != liveness):
+        ageing = entry.__dict__["_ageing"] = (liveness, *_turns(entry, liveness), {})
+    return ageing
+
+
+def _aged_state(entry: Entry, ageing: tuple[Liveness, float, float, object], now_ms: float) -> NodeState:
+    _, degraded_ms, dead_ms, _ = ageing
+    return "Dead" if now_ms > dead_ms else "Degraded" if now_ms > degraded_ms else entry.record.state
+
+
+def _next_turn(entry: Entry, since_ms: float, liveness: Liveness) -> float:
+    """The first time at or after ``since_ms`` that ``entry``'s state turns (inf: never)."""
+    _, degraded_ms, dead_ms, _ = _ageing(entry, liveness)
+    return min((t for t in (degraded_ms, dead_ms) if t >= since_ms), default=math.inf)
+
+
+HEAL_FIELDS = ("model_id", "start_layer", "end_layer", "n_layers", "state", "idle", "draining", "relayed")
+"""The record fields healing reads (:mod:`p2p.healing`, :func:`p2p.placement.holders`):
+:meth:`Table.heal_key` changes when one of them, or a node's state after ageing, does."""
+
+_TOKENS = itertools.count(1)
+"""Every change :meth:`Table.heal_key` reports takes a new token, never reused."""
+
+
+def _heal_facts(entry: Entry, now_ms: int, liveness: Liveness) -> tuple[object, ...]:
+    record = entry.record
+    return (*(getattr(record, name) for name in HEAL_FIELDS), _aged_state(entry, _ageing(entry, liveness), now_ms))
+
+
+@dataclass(frozen=True)
+class _HealMarks:
+    """What :meth:`Table.heal_key` answers from: a token per model, bumped when one of its
+    nodes changes for healing, and an epoch, new each time ``since_ms`` is moved. Every
+    node's state after ageing is constant from ``since_ms`` to ``due_ms`` (no entry turns
+    Degraded or Dead in between): a lower bound carried to the tables built from this one,
+    as :func:`expire`'s is."""
+
+    liveness: Liveness
+    since_ms: float
+    due_ms: float
+    epoch: int
+    marks: Mapping[ModelId, int]
+
+    @classmethod
+    def at(cls, table: Table, now_ms: int, liveness: Liveness, held: _HealMarks | None) -> _HealMarks:
+        """``held`` brought to ``now_ms``, past its ``due_ms`` (O(records)): the same epoch if no
+        entry turned since ``since_ms`` (the bound was low: the entry that set it has been
+        refreshed since), else a new one from ``now_ms``; new marks if there were none."""
+        marks = held.marks if held is not None else {model: next(_TOKENS) for model in table._models()}
+        since = held.since_ms if held is not None and held.liveness == liveness and held.since_ms <= now_ms else None
+        turned, due = since is None, math.inf
+        for entry in table.entries.values():
+            _, degraded_ms, dead_ms, _ = _ageing(entry, liveness)
+            for turn in (degraded_ms, dead_ms):
+                if turn >= now_ms:
+                    due = min(due, turn)
+                elif since is not None and turn >= since:
+                    turned = True
+        if turned or held is None:
+            return cls(liveness, now_ms, due, next(_TOKENS), marks)
+        return dataclasses.replace(held, due_ms=due)
+
+    def bumped(self, table: Table, *models: ModelId) -> _HealMarks:
+        """New tokens for ``models`` in ``table``. A model whose last node left keeps its row,
+        so rows are rebuilt (new tokens all round) once they outnumber twice the table's
+        records: a stranger cycling model ids cannot grow them."""
+        marks = dict(self.marks)
+        for model in models:
+            marks[model] = next(_TOKENS)
+        if len(marks) > 2 * len(table.entries) + 8:
+            marks = {model: next(_TOKENS) for model in table._models()}
+        return dataclasses.replace(self, marks=marks)
+
+    def replaced(self, table: Table, held: Entry | None, entry: Entry, now_ms: int | None) -> _HealMarks:
+        """After ``entry`` replaced ``held`` (None: a new node) at ``now_ms``: the same
+        marks when both read the same for healing then, and neither turns between
+        ``since_ms`` and then (so each reads the same at every time the key stood for)."""
+        turn = _next_turn(entry, self.since_ms, self.liveness)
+        carried = dataclasses.replace(self, due_ms=min(self.due_ms, turn))
+        same = (
+            held is not None and now_ms is not None and self.since_ms <= now_ms <= carried.due_ms
+            and _heal_facts(held, now_ms, self.liveness) == _heal_facts(entry, now_ms, self.liveness)
+        )  # fmt: skip
+        if same:
+            return carried
+        models = (entry.record.model_id,) if held is None else (entry.record.model_id, held.record.model_id)
+        return carried.bumped(table, *models)
 
 
 def _turns(entry: Entry, liveness: Liveness) -> tuple[float, float]:
@@ -373,7 +490,7 @@ def apply(
         entry = Entry(held.signed, held.fresh_ms, details)
     if held is None and len(table) >= limits.max_records:
         table = _make_room(table, record.peer_id, liveness, limits)
-    return table.with_entry(entry), Verdict.ACCEPTED
+    return table.with_entry(entry, now_ms), Verdict.ACCEPTED
 
 
 def admit(table: Table, record: Header, now_ms: int, liveness: Liveness,

@@ -13,7 +13,9 @@ from p2p.coverage import has_chain, model_coverage, uncovered
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
 from p2p.records import InvalidRecord, MetricSample, NodeRecord, SignedRecord, legacy_node_id, slim_record
-from p2p.registry import Cadence, Liveness, RegistryLimits, Table, Verdict, admit, apply, effective_state, expire
+from p2p.registry import (
+    HEAL_FIELDS, Cadence, Liveness, RegistryLimits, Table, Verdict, admit, apply, effective_state, expire, remove,
+)
 
 NOW = 1_000_000
 LIVE = Liveness()
@@ -403,7 +405,7 @@ def test_admit_and_apply_agree_on_a_full_table_and_the_signer_index_follows() ->
     import random
     from collections import Counter
 
-    rng = random.Random(7)
+    rng = random.Random(11)
     signers = [Identity.generate() for _ in range(4)]
     limits = RegistryLimits(max_records=8, max_records_per_signer=6)
     table, at, seen = Table(), NOW, Counter[str]()
@@ -552,3 +554,132 @@ def test_views_age_as_effective_state_does(monkeypatch: pytest.MonkeyPatch) -> N
     assert [v.record.node_id for v in newer.views(NOW, LIVE)] == sorted(newer.entries)
     assert {v.record.node_id: v.state for v in newer.views(NOW + 100_000, LIVE)} == {
         ALICE.peer_id: "Dead", bob.peer_id: "Ready", carol.peer_id: "Dead"}
+
+
+def _heal_facts(table: Table, model: str, now_ms: int) -> list[tuple[object, ...]]:
+    """What healing reads of ``model``'s views at ``now_ms``."""
+    return [(v.record.node_id, *(getattr(v.record, f) for f in HEAL_FIELDS), v.state)
+            for v in table.views(now_ms, LIVE) if v.record.model_id == model]  # fmt: skip
+
+
+def test_heal_key_stands_through_heartbeats_and_changes_with_what_healing_reads() -> None:
+    """The healer looks each second and a swarm's heartbeats change the table about as
+    often: a heartbeat (counters, freshness) keeps the model's key, so the look is skipped;
+    a change healing reads (draining, layers, a node added or removed) changes it, and
+    another model's changes do not."""
+    bob, carol, dave = Identity.generate(), Identity.generate(), Identity.generate()
+    table = Table()
+    for rec in (signed(ALICE, 0, 10), signed(bob, 10, 20), signed(carol, 20, 30), signed(dave, 0, 30, model_id="m:2")):
+        table, _ = apply(table, rec, NOW, LIVE)
+    key = table.heal_key(MODEL, NOW, LIVE)
+    other = table.heal_key("m:2", NOW, LIVE)
+    at = NOW + 1000
+    table, _ = apply(table, signed(ALICE, 0, 10, seq=2, ts_ms=at, uptime_s=9, vram_mb=99), at, LIVE)
+    assert table.heal_key(MODEL, at, LIVE) == key  # a heartbeat
+    table, _ = apply(table, signed(dave, 0, 30, model_id="m:2", seq=2, ts_ms=at, draining=True), at, LIVE)
+    assert table.heal_key(MODEL, at, LIVE) == key and table.heal_key("m:2", at, LIVE) != other
+    for change in ({"draining": True}, {"start_layer": 12}, {"state": "Joining"}, {"idle": True}, {"relayed": True}):
+        at += 1
+        changed, _ = apply(table, signed(bob, 10, 20, seq=at, ts_ms=at, **change), at, LIVE)
+        assert changed.heal_key(MODEL, at, LIVE) != key, change
+    newcomer, _ = apply(table, signed(Identity.generate(), 0, 10, ts_ms=at), at, LIVE)
+    assert newcomer.heal_key(MODEL, at, LIVE) != key
+    assert remove(table, bob.peer_id).heal_key(MODEL, at, LIVE) != key
+    assert table.heal_key(MODEL, at, LIVE) == key  # the table they were built from still stands
+
+
+def test_heal_key_changes_when_a_silent_node_turns_and_not_before() -> None:
+    """A node ageing into Degraded, then Dead, changes what healing reads with no record
+    arriving: the key changes at the first look after each turn, and at no other (the
+    others beat every 2 s, which moves their own turns out of the way)."""
+    bob, carol = Identity.generate(), Identity.generate()
+    table = Table()
+    for rec in (signed(ALICE, 0, 10), signed(bob, 10, 20), signed(carol, 20, 30)):
+        table, _ = apply(table, rec, NOW, LIVE)
+    keys = {}
+    for ms in range(0, 14_001, 100):
+        if ms and ms % 2000 == 0:
+            for who, start in ((ALICE, 0), (bob, 10)):
+                table, verdict = apply(table, signed(who, start, start + 10, seq=NOW + ms, ts_ms=NOW + ms), NOW + ms, LIVE)
+                assert verdict is Verdict.ACCEPTED
+        keys[ms] = table.heal_key(MODEL, NOW + ms, LIVE)
+    changed = [ms for ms in keys if ms and keys[ms] != keys[ms - 100]]
+    assert changed == [6100, 12100]  # carol Degraded after 6 s of silence, Dead after 12 s
+    assert table.view(carol.peer_id, NOW + 12_100, LIVE).state == "Dead"  # type: ignore[union-attr]
+
+
+def test_equal_heal_keys_mean_equal_views_whatever_happens() -> None:
+    """Random heartbeats, changes, new nodes, removals, ageing and expiry, with the clock
+    moving by up to 7 s (a silent node turns meanwhile) and sometimes back: whenever a key
+    comes back, what healing reads of the model's views is what it was then."""
+    import random
+
+    rng = random.Random(11)
+    ids = [Identity.generate() for _ in range(6)]
+    held: dict[str, dict[str, object]] = {}
+    table, now, seen = Table(), NOW, {}
+    repeats = 0
+    for _ in range(1500):
+        roll = rng.random()
+        if roll < 0.35:
+            now += rng.choice([1, 100, 1000, 3000, 7000]) if rng.random() < 0.95 else -rng.randrange(1, 2000)
+        elif roll < 0.9:
+            who = rng.choice(ids)
+            fields = held.setdefault(who.peer_id, {"start": 0, "end": 10})
+            if rng.random() < 0.3:
+                key = rng.choice(["draining", "idle", "state", "layers", "model_id", "heartbeat_ms"])
+                fields[key] = {"draining": lambda: rng.random() < 0.5, "idle": lambda: rng.random() < 0.5,
+                               "state": lambda: rng.choice(["Ready", "Joining", "Dead", "Degraded"]),
+                               "layers": lambda: rng.choice([(0, 10), (10, 20), (20, 30), (0, 30)]),
+                               "model_id": lambda: rng.choice([MODEL, "m:2"]),
+                               "heartbeat_ms": lambda: rng.choice([0, 1000, 4000])}[key]()  # fmt: skip
+            start, end = fields.get("layers", (0, 10))  # type: ignore[misc]
+            extra = {k: v for k, v in fields.items() if k not in ("start", "end", "layers", "seq")}
+            seq = max(now, int(fields.get("seq", 0)) + 1)  # type: ignore[call-overload]
+            fields["seq"] = seq
+            table, _ = apply(table, signed(who, start, end, seq=seq, ts_ms=now - rng.choice([0, 0, 3000]), uptime_s=seq % 97, **extra),
+                             now, LIVE, via=rng.choice(["gossip", "sync"]))  # fmt: skip
+        elif roll < 0.95:
+            table = remove(table, rng.choice(ids).peer_id)
+        else:
+            table = expire(table, now, LIVE)
+        for model in (MODEL, "m:2"):
+            key, facts = (model, table.heal_key(model, now, LIVE)), _heal_facts(table, model, now)
+            if key in seen:
+                repeats += 1
+                assert seen[key] == facts
+            seen[key] = facts
+    assert repeats > 1000  # most looks found nothing to do
+
+
+def test_heal_key_changes_when_a_node_turned_before_its_next_record_came() -> None:
+    """Alice turns Degraded by silence with nobody looking; then a neighbour's sync hands us
+    a newer record of hers, signed long ago (slow beats: still Degraded, and Dead only
+    later). At that moment old and new read the same, yet the last look saw her Ready: the
+    record came after the bound the key stood on, so the key changes."""
+    carol = Identity.generate()
+    table = Table()
+    for rec in (signed(ALICE, 0, 10), signed(carol, 10, 30)):
+        table, _ = apply(table, rec, NOW, LIVE)
+    key = table.heal_key(MODEL, NOW, LIVE)
+    for ms in (2000, 4000, 6000):
+        table, _ = apply(table, signed(carol, 10, 30, seq=NOW + ms, ts_ms=NOW + ms), NOW + ms, LIVE)
+    late = signed(ALICE, 0, 10, seq=NOW + 6500, ts_ms=NOW - 12_500, heartbeat_ms=4000)
+    table, verdict = apply(table, late, NOW + 6500, LIVE, via="sync")
+    assert verdict is Verdict.ACCEPTED
+    assert table.view(ALICE.peer_id, NOW + 6600, LIVE).state == "Degraded"  # type: ignore[union-attr]
+    assert table.heal_key(MODEL, NOW + 6600, LIVE) != key
+
+
+def test_heal_marks_stay_bounded_by_the_table() -> None:
+    """A stranger cycling model ids (a node of a new model each time, then gone) leaves a
+    row per model behind; the rows are rebuilt once they outnumber twice the table."""
+    table, stranger = Table(), Identity.generate()
+    table, _ = apply(table, signed(ALICE, 0, 10), NOW, LIVE)
+    key = table.heal_key(MODEL, NOW, LIVE)
+    for i in range(1, 500):
+        table, verdict = apply(table, signed(stranger, 0, 10, model_id=f"m:x{i}", seq=i, ts_ms=NOW), NOW, LIVE)
+        assert verdict is Verdict.ACCEPTED
+        table = remove(table, stranger.peer_id)
+        assert len(table.__dict__["_heal"].marks) <= 2 * len(table) + 8 + 1
+    assert table.heal_key(MODEL, NOW, LIVE) != key  # rebuilt: new tokens (a look lists once)
