@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from functools import partial
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import IO
 
@@ -409,10 +409,15 @@ class Peer:
     async def _run_healer(self) -> None:
         healer = Healer(
             me=NodeId(self.peer_id), n_layers=self._n_layers, capacity=self._capacity, views=self._model_views,
-            can_move=self._can_move, move=self._heal_move, config=self.config.heal,
+            can_move=self._can_move, move=self._heal_move, config=self.config.heal, version=self._heal_key,
         )  # fmt: skip
         with trio.CancelScope() as self._heal_scope:
             await healer.run()
+
+    def _heal_key(self) -> Hashable:
+        """What the healer's last look depends on in the registry (:meth:`p2p.gossip.Registry.heal_key`)."""
+        assert self.registry is not None
+        return self.registry.heal_key(self.config.model_id)
 
     def _can_move(self) -> bool:
         record = self._own_record()

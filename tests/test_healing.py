@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import trio
-from registry_helpers import record, view
+from registry_helpers import MODEL, record, signed, view
 
 from inclavate.healer import HealConfig, Healer
 from inclavate.types import LayerRange, NodeId
@@ -16,7 +16,9 @@ from p2p.healing import HealPlan, Settle, heal_target, plan_heal
 from p2p.identity import Identity
 from p2p.placement import choose_range, holders
 from p2p.records import NodeRecord, SignedRecord
-from p2p.registry import NodeView
+from p2p.registry import Liveness, NodeView, Table, Verdict, apply
+
+LIVENESS = Liveness()
 
 
 def _swarm(d_state: str = "Dead") -> list[NodeView]:
@@ -250,3 +252,120 @@ def test_gaps_mark_each_distinct_range_once(monkeypatch: pytest.MonkeyPatch) -> 
     views = [v for v in views if v.record.layers != LayerRange(0, 3)] + [view("lone", 0, 3, state="Degraded")]
     plan = plan_heal(views, 30)
     assert plan == HealPlan(LayerRange(0, 3), plan.mover) and max(handed) <= 10
+
+
+class _Gossip:
+    """A registry table fed as gossip would feed it, on a clock the test moves (ms)."""
+
+    def __init__(self, now_ms: int = 1_000_000) -> None:
+        self.now_ms, self.table = now_ms, Table()
+        self.layers: dict[str, dict[str, object]] = {}
+        self.listings = 0
+
+    def beat(self, who: Identity, start: int | None = None, end: int | None = None, **changes: object) -> None:
+        """``who`` publishes (a heartbeat, or with ``changes``)."""
+        held = self.layers.setdefault(who.peer_id, {})
+        held.update(changes, **({"start_layer": start, "end_layer": end} if start is not None else {}))
+        held["seq"] = max(self.now_ms, int(held.get("seq", 0)) + 1)  # type: ignore[call-overload]
+        fields = {k: v for k, v in held.items() if k not in ("start_layer", "end_layer")}
+        rec = signed(who, held["start_layer"], held["end_layer"], ts_ms=self.now_ms,  # type: ignore[arg-type]
+                     uptime_s=self.now_ms // 1000 % 1000, **fields)  # fmt: skip
+        self.table, verdict = apply(self.table, rec, self.now_ms, LIVENESS)
+        assert verdict is Verdict.ACCEPTED, verdict
+
+    def views(self) -> list[NodeView]:
+        self.listings += 1
+        return list(self.table.views(self.now_ms, LIVENESS))
+
+    def key(self) -> object:
+        return self.table.heal_key(MODEL, self.now_ms, LIVENESS)
+
+
+def _healer(gossip: _Gossip, me: str, *, keyed: bool) -> Healer:
+    return Healer(NodeId(me), 30, 10, gossip.views, lambda: True, _never_moves, HealConfig(settle_s=4.0),
+                  version=gossip.key if keyed else None)  # fmt: skip
+
+
+def test_a_look_on_an_unchanged_registry_lists_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The healer looks each second: while the registry's heal key stands (only heartbeats
+    arrive) a look lists no views and runs no election, yet its timers run: the peer
+    elected and never moving is still passed over at ``stuck_s``, and a change (a peer
+    draining) is seen at the next look."""
+    gossip = _Gossip()
+    a, b, c, d = (Identity.generate() for _ in range(4))
+    for who, start in ((a, 0), (b, 10), (c, 10), (d, 20)):
+        gossip.beat(who, start, start + 10)
+    gossip.beat(d, state="Dead")  # 20-30: a gap; b or c is elected, and never moves here
+    healer, settle = _healer(gossip, "observer", keyed=True), Settle(4.0)
+    elected = plan_heal(gossip.views(), 30)
+    assert elected is not None and elected.gap == LayerRange(20, 30)
+    gossip.listings = 0
+    import inclavate.healer as healer_module
+
+    elections: list[frozenset[str]] = []
+
+    def counted(views, n_layers, passed_over=frozenset()):  # type: ignore[no-untyped-def]
+        elections.append(passed_over)
+        return plan_heal(views, n_layers, passed_over)
+
+    monkeypatch.setattr(healer_module, "plan_heal", counted)
+    for second in range(1, 71):
+        gossip.now_ms += 1000
+        if second % 2 == 0:
+            for who in (a, b, c):
+                gossip.beat(who)
+        assert healer.check(settle, float(second)) is None  # the observer is never the mover
+        if second == 59:
+            assert gossip.listings == 1 and len(elections) == 1, "looked again on an unchanged registry"
+    assert healer.passed_over(70.0) == {elected.mover}, "stuck_s passed and nobody was passed over"
+    assert elections == [frozenset(), frozenset({elected.mover})]  # elected again without it, once
+    assert gossip.listings == 1  # from the same listing: the registry did not change
+    gossip.beat(c if elected.mover == b.peer_id else b, draining=True)
+    healer.check(settle, 71.0)
+    assert gossip.listings == 2 and len(elections) == 3
+
+
+def test_a_keyed_healer_decides_as_one_that_lists_every_look() -> None:
+    """Random heartbeats, drains, layer changes, joins, deaths and silences (nodes ageing
+    into Degraded and Dead with no record arriving) over 10 minutes: the healer keyed by
+    the registry's heal key and one that lists the registry at every look act on the same
+    plans at the same seconds and wait on, and pass over, the same peers; the keyed one
+    lists far less."""
+    rng = random.Random(5)
+    gossip = _Gossip()
+    peers = [Identity.generate() for _ in range(7)]
+    silent: set[int] = set()
+    for i, who in enumerate(peers):
+        gossip.beat(who, i % 3 * 10, i % 3 * 10 + 10)
+    keyed, listing = _healer(gossip, peers[0].peer_id, keyed=True), _healer(gossip, peers[0].peer_id, keyed=False)
+    settles = Settle(4.0), Settle(4.0)
+    looks, plans, aged, last = 0, set(), 0, {}
+    for second in range(1, 601):
+        gossip.now_ms += 1000
+        for i, who in enumerate(peers):
+            if i not in silent and (second + i) % 2 == 0:
+                gossip.beat(who)
+        changed = rng.random() < 0.1
+        if changed:
+            i = rng.randrange(len(peers))
+            who = peers[i]
+            change = rng.choice(["silent", "back", "drain", "stay", "move", "dead"])
+            if change == "silent":
+                silent.add(i)
+            elif change in ("back", "drain", "stay", "dead", "move"):
+                silent.discard(i)
+                start = rng.choice([0, 10, 20])
+                gossip.beat(who, **{"back": {}, "drain": {"draining": True}, "stay": {"draining": False},
+                                    "dead": {"state": "Dead"}, "move": {"start": start, "end": start + 10, "state": "Ready"}}[change])  # type: ignore[arg-type]  # fmt: skip
+        before = gossip.listings
+        first = keyed.check(settles[0], float(second))
+        looks += gossip.listings - before
+        assert first == listing.check(settles[1], float(second)), second
+        assert keyed._waiting == listing._waiting and keyed._passed_over == listing._passed_over, second
+        answers = {name: answer for name, (_, answer) in keyed._answers.items()}
+        assert answers == {name: answer for name, (_, answer) in listing._answers.items()}, second
+        plans.add(answers["plan"])
+        aged += not changed and answers != last
+        last = answers
+    assert looks < 600 / 3, looks
+    assert len(plans) >= 3 and aged >= 3, (plans, aged)  # several elections, some by silence alone
