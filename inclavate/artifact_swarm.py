@@ -16,8 +16,8 @@ asked for the rows of its own on it (a contiguous run of its order: after the ke
 it). Keys are at most ~61 bytes whatever the row; shipping whole rows for the merge needed
 ``offset + limit`` rows from each peer, up to 20 KiB each, where only ``limit`` are
 served; ``truncated`` is true when any peer had more. The order is total (ids are unique),
-so offsets stay stable across requests. A peer that does not answer within
-:data:`PEER_TIMEOUT_S` (at either step) is left out of that page (logged), rather than
+so offsets stay stable across requests. A peer that has not answered both steps within
+:data:`PEER_TIMEOUT_S` of the listing's start is left out of that page (logged), rather than
 failing the whole listing; a row deleted between the steps is left out too. Usage sums the peers' COUNT/SUM totals; its ceilings are the
 sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer has none.
 """
@@ -146,8 +146,9 @@ class SwarmArtifacts:
                 "narrow it with kind, or delete what is no longer needed"
             )
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
+        deadline = trio.current_time() + PEER_TIMEOUT_S  # both steps: a peer slow at each must not double it
         own = self.store.list(per_peer)
-        keyed = await self._gather(peers, lambda p: _paired(p, self._remote_().keys(p, per_peer)))
+        keyed = await self._gather(peers, lambda p: _paired(p, self._remote_().keys(p, per_peer)), deadline)
         sources: list[tuple[str | None, list[SortKey]]] = [(None, [m.sort_key() for m in own.artifacts])]
         sources += [(peer, page.keys) for peer, page in keyed]
         merged = list(heapq.merge(*([(key, i) for key in keys] for i, (_, keys) in enumerate(sources)),
@@ -156,7 +157,7 @@ class SwarmArtifacts:
         rows = {(m.sort_key(), 0): m for m in own.artifacts}
         source_of = {peer: i for i, (peer, _) in enumerate(sources) if peer is not None}
         asks = {peer: q for peer, keys in sources if peer and (q := self._rows_query(per_peer, keys, chosen, source_of[peer]))}
-        for peer, page in await self._gather(list(asks), lambda p: _paired(p, self._remote_().list(p, asks[p]))):
+        for peer, page in await self._gather(list(asks), lambda p: _paired(p, self._remote_().list(p, asks[p])), deadline):
             rows.update(((m.sort_key(), source_of[peer]), m) for m in page.artifacts)
         truncated = len(merged) > window or own.truncated or any(page.truncated for _, page in keyed)
         return ArtifactPage([rows[entry] for entry in chosen if entry in rows], truncated)
@@ -175,7 +176,8 @@ class SwarmArtifacts:
 
     async def usage(self) -> Usage:
         own = self.store.usage()
-        others = await self._gather(self._other_live_peers(), lambda p: self._remote_().usage(p))
+        others = await self._gather(self._other_live_peers(), lambda p: self._remote_().usage(p),
+                                    trio.current_time() + PEER_TIMEOUT_S)  # fmt: skip
         total = own
         for u in others:
             total = Usage(
@@ -186,18 +188,21 @@ class SwarmArtifacts:
             )  # fmt: skip
         return total
 
-    async def _gather(self, peers: list[str], ask: Callable[[str], Awaitable[T]]) -> list[T]:
-        """Ask every peer at once; those that fail or time out are left out (logged)."""
+    async def _gather(self, peers: list[str], ask: Callable[[str], Awaitable[T]], deadline: float) -> list[T]:
+        """Ask every peer at once; those that fail or have not answered by ``deadline`` (on
+        trio's clock) are left out (logged). A listing gives both its steps one deadline:
+        with :data:`PEER_TIMEOUT_S` each, a peer answering each just in time held every
+        listing for twice that (tests/test_artifact_swarm.py::test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s)."""
         results: list[T] = []
 
         async def one(peer: str) -> None:
-            with trio.move_on_after(PEER_TIMEOUT_S):
+            with trio.move_on_at(deadline):
                 try:
                     results.append(await ask(peer))
                 except InclavateError as exc:  # nothing may escape the nursery as a group
                     log.warning("artifact listing: peer %s left out: %s", peer, exc)
                 return
-            log.warning("artifact listing: peer %s left out: no answer within %.0f s", peer, PEER_TIMEOUT_S)
+            log.warning("artifact listing: peer %s left out: no answer within %.0f s", peer, PEER_TIMEOUT_S)  # of the listing's start
 
         async with trio.open_nursery() as nursery:
             for peer in peers:

@@ -16,15 +16,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_swarm import PEER_TIMEOUT_S, SwarmArtifacts
 from inclavate.artifact_types import (
     MAX_FILENAME_CHARS,
     ArtifactConfig,
     ArtifactMeta,
     ArtifactNotFound,
     ArtifactNotReady,
+    ArtifactPage,
     ArtifactUnavailable,
     BadArtifactRequest,
+    KeyPage,
     ListQuery,
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactStore
@@ -979,3 +981,70 @@ async def test_an_oversized_answer_on_a_direct_link_is_cut_off_on_its_prefix(tmp
                 await b.swarm.open(real.id)
             assert b.remote._links is not None and b.remote._links.dialed == 1 and len(b.remote._links) == 0
             assert b.remote.relayed_reads == 0
+
+
+class _FakeRemotes:
+    """Other peers' stores, in process: each peer's rows (newest first), answered after
+    ``delay`` seconds at each step, its row answers rewritten by ``rows_lie``."""
+
+    def __init__(self, rows: dict[str, list[ArtifactMeta]], delay: dict[str, float] | None = None,
+                 rows_lie: dict[str, list[ArtifactMeta]] | None = None) -> None:  # fmt: skip
+        self.rows, self.delay, self.rows_lie = rows, delay or {}, rows_lie or {}
+
+    def _page(self, peer: str, query: ListQuery) -> list[ArtifactMeta]:
+        ordered = sorted(self.rows[peer], key=ArtifactMeta.sort_key, reverse=not query.ascending)
+        if query.after is not None:
+            ordered = [m for m in ordered if (m.sort_key() > query.after) == query.ascending]
+        return ordered[: query.limit]
+
+    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+        await trio.sleep(self.delay.get(peer, 0))
+        return KeyPage([m.sort_key() for m in self._page(peer, query)], False)
+
+    async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
+        await trio.sleep(self.delay.get(peer, 0))
+        return ArtifactPage(self.rows_lie.get(peer, self._page(peer, query)), False)
+
+
+def _fake_rows(owner: str, count: int, start_ms: int) -> list[ArtifactMeta]:
+    return [ArtifactMeta(id=new_id(owner), media_type="text/plain", size_bytes=1, digest="0" * 64, state="ready",
+                         kind="uploaded", created_at_ms=start_ms + i, filename=f"{owner}.txt", purpose="user_data")
+            for i in range(count)]  # fmt: skip
+
+
+async def test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:  # fmt: skip
+    """A hostile peer answers its keys just inside PEER_TIMEOUT_S, then its rows just inside
+    it again: the listing still ends PEER_TIMEOUT_S after it began (the peer's rows left out,
+    the honest peer's shown). Before, each step had PEER_TIMEOUT_S of its own, so one such
+    peer held every swarm-wide listing for twice that."""
+    store = ArtifactStore(tmp_path, Identity.generate().peer_id)
+    try:
+        honest, slow = _fake_rows("honest", 3, 1000), _fake_rows("slow", 2, 2000)
+        remote = _FakeRemotes({"honest": honest, "slow": slow}, delay={"slow": PEER_TIMEOUT_S - 0.5})
+        swarm = SwarmArtifacts(store, remote, lambda: ["honest", "slow"], lambda: ["honest", "slow"])
+        began = trio.current_time()
+        page = await swarm.list(ListQuery())
+        assert trio.current_time() - began <= PEER_TIMEOUT_S
+        assert page.artifacts == honest[::-1]
+    finally:
+        store.close()
+
+
+async def test_rows_that_disagree_with_a_peer_s_keys_are_never_shown_nor_doubled(tmp_path: Path) -> None:
+    """A hostile peer places three keys, then answers its rows step with one of them twice,
+    a row it never placed, and another in the wrong order: only rows it placed are shown,
+    each once and where its key placed it; the honest peer's rows are all there, and the
+    listing neither fails nor waits."""
+    store = ArtifactStore(tmp_path, Identity.generate().peer_id)
+    try:
+        honest, placed = _fake_rows("honest", 3, 1000), _fake_rows("liar", 3, 1001)
+        unplaced = _fake_rows("liar", 1, 5000)[0]
+        lie = [placed[0], unplaced, placed[2], placed[0]]
+        remote = _FakeRemotes({"honest": honest, "liar": placed}, rows_lie={"liar": lie})
+        swarm = SwarmArtifacts(store, remote, lambda: ["honest", "liar"], lambda: ["honest", "liar"])
+        page = await swarm.list(ListQuery())
+        expected = sorted(honest + [placed[0], placed[2]], key=ArtifactMeta.sort_key, reverse=True)
+        assert page.artifacts == expected
+    finally:
+        store.close()
