@@ -270,7 +270,9 @@ def decode_page(answer: dict[str, Any], peer: str, limit: int) -> ArtifactPage:
 
 def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery) -> KeyPage:
     """A ``keys`` listing: at most ``query.limit`` keys of ids carrying ``peer``'s owner tag
-    (a peer places only its own rows), strictly in ``query``'s order (the merge relies on it)."""
+    (a peer places only its own rows), strictly in ``query``'s order (the merge relies on it)
+    and after its cursor: keys before it would lead the page, and its last row would walk a
+    client's cursor back over rows it was already shown."""
     raw = answer.get("keys")
     if not isinstance(raw, list) or len(raw) > query.limit:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed key listing")
@@ -278,6 +280,9 @@ def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery) -> KeyPage:
     ordered = all((a < b) if query.ascending else (a > b) for a, b in zip(keys, keys[1:]))
     if not ordered:
         raise ArtifactUnavailable(f"peer {peer} listed keys out of order")
+    after = query.after
+    if keys and after is not None and not ((keys[0] > after) if query.ascending else (keys[0] < after)):
+        raise ArtifactUnavailable(f"peer {peer} listed keys that are not after the listing's cursor")
     return KeyPage(keys, truncated=answer.get("truncated") is True)
 
 

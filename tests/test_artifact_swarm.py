@@ -1048,3 +1048,32 @@ async def test_rows_that_disagree_with_a_peer_s_keys_are_never_shown_nor_doubled
         assert page.artifacts == expected
     finally:
         store.close()
+
+
+async def test_keys_before_a_listing_s_cursor_leave_their_peer_out(tmp_path: Path) -> None:
+    """Files are walked by cursor: a page after the last row seen. A hostile peer answers
+    with keys (and rows) before the cursor: they would lead the page, its last row's key
+    would walk the cursor back, and the client would be shown rows it already saw, again
+    and again. A key listing that does not start after its cursor is malformed: the peer is
+    left out and the page is the other rows after the cursor."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            mine = _insert_rows(a.store, 4, "a.txt", start_ms=5000)
+            behind = _fake_rows(b.host.peer_id, 2, 1)
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                rows = behind if request["ascending"] else behind[::-1]  # in the order asked
+                if request["keys"]:
+                    answer = {"ok": True, "keys": [[m.created_at_ms, m.id] for m in rows], "truncated": False}
+                else:
+                    answer = {"ok": True, "artifacts": [m.to_record() for m in rows], "truncated": False}
+                await stream.send(encode(answer), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, liar)
+            cursor = ListQuery(limit=3, files_only=True, after=mine[1].sort_key(), ascending=True)
+            with pytest.raises(ArtifactUnavailable, match="cursor"):
+                await a.remote.keys(b.host.peer_id, cursor)
+            assert (await a.swarm.list(cursor)).artifacts == mine[2:]
+            with pytest.raises(ArtifactUnavailable, match="cursor"):  # newest first: keys not below it
+                await a.remote.keys(b.host.peer_id, ListQuery(limit=3, after=(0, behind[0].id)))
