@@ -1077,3 +1077,31 @@ async def test_keys_before_a_listing_s_cursor_leave_their_peer_out(tmp_path: Pat
             assert (await a.swarm.list(cursor)).artifacts == mine[2:]
             with pytest.raises(ArtifactUnavailable, match="cursor"):  # newest first: keys not below it
                 await a.remote.keys(b.host.peer_id, ListQuery(limit=3, after=(0, behind[0].id)))
+
+
+async def test_a_peer_answering_full_row_pages_forever_is_asked_only_for_the_rows_wanted(tmp_path: Path) -> None:
+    """Rows are asked for 1 000 at a time, each next ask after the last row got. A hostile
+    peer answers every ask with the same full 1 000 rows (never moving past the cursor):
+    the asker stops once it holds the rows it wanted (3 asks for 2 500), and a swarm-wide
+    page shows each of those rows once, where its keys placed it."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            same = _fake_rows(b.host.peer_id, 1000, 1)
+            asked: list[dict] = []
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                asked.append(request)
+                rows = same[::-1][: request["limit"]]
+                if request["keys"]:
+                    answer = {"ok": True, "keys": [[m.created_at_ms, m.id] for m in rows], "truncated": True}
+                else:
+                    answer = {"ok": True, "artifacts": [m.to_record() for m in rows], "truncated": True}
+                await stream.send(encode(answer), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, liar)
+            page = await a.remote.list(b.host.peer_id, ListQuery(limit=2500))
+            assert len(asked) == 3 and len(page.artifacts) == 2500
+            asked.clear()
+            listed = await a.swarm.list(ListQuery(limit=1000))
+            assert listed.artifacts == same[::-1] and [r["keys"] for r in asked] == [True, False]
