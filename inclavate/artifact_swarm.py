@@ -16,8 +16,9 @@ asked for the rows of its own on it (a contiguous run of its order: after the ke
 it). Keys are at most ~61 bytes whatever the row; shipping whole rows for the merge needed
 ``offset + limit`` rows from each peer, up to 20 KiB each, where only ``limit`` are
 served; ``truncated`` is true when any peer had more. The order is total (ids are unique),
-so offsets stay stable across requests. A peer that has not answered both steps within
-:data:`PEER_TIMEOUT_S` of the listing's start is left out of that page (logged), rather than
+so offsets stay stable across requests. A peer that has not answered its keys within
+:data:`KEYS_SHARE_S` of the listing's start, or its rows within :data:`PEER_TIMEOUT_S`, is
+left out of that page (logged), rather than
 failing the whole listing; a row deleted between the steps is left out too. Usage sums the peers' COUNT/SUM totals; its ceilings are the
 sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer has none.
 """
@@ -51,6 +52,13 @@ from inclavate.owner_ids import owner_candidates, owner_tag, parse_id, tag_of
 log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 5.0
+"""The longest a peer may hold a listing (both its steps) or a usage total."""
+KEYS_SHARE_S = PEER_TIMEOUT_S / 2
+"""A listing's first step (the keys) ends this long after the listing began, however
+late some peer is: the rows step then has the rest, at least as long. With one deadline
+for both, a peer answering its keys just in time left the honest peers no time for their
+rows; with ``PEER_TIMEOUT_S`` each, it held every listing twice that
+(tests/test_artifact_swarm.py::test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s)."""
 
 T = TypeVar("T")
 
@@ -146,9 +154,9 @@ class SwarmArtifacts:
                 "narrow it with kind, or delete what is no longer needed"
             )
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
-        deadline = trio.current_time() + PEER_TIMEOUT_S  # both steps: a peer slow at each must not double it
+        began = trio.current_time()
         own = self.store.list(per_peer)
-        keyed = await self._gather(peers, lambda p: _paired(p, self._remote_().keys(p, per_peer)), deadline)
+        keyed = await self._gather(peers, lambda p: _paired(p, self._remote_().keys(p, per_peer)), began + KEYS_SHARE_S)
         sources: list[tuple[str | None, list[SortKey]]] = [(None, [m.sort_key() for m in own.artifacts])]
         sources += [(peer, page.keys) for peer, page in keyed]
         merged = list(heapq.merge(*([(key, i) for key in keys] for i, (_, keys) in enumerate(sources)),
@@ -157,7 +165,8 @@ class SwarmArtifacts:
         rows = {(m.sort_key(), 0): m for m in own.artifacts}
         source_of = {peer: i for i, (peer, _) in enumerate(sources) if peer is not None}
         asks = {peer: q for peer, keys in sources if peer and (q := self._rows_query(per_peer, keys, chosen, source_of[peer]))}
-        for peer, page in await self._gather(list(asks), lambda p: _paired(p, self._remote_().list(p, asks[p])), deadline):
+        for peer, page in await self._gather(list(asks), lambda p: _paired(p, self._remote_().list(p, asks[p])),
+                                             began + PEER_TIMEOUT_S):  # fmt: skip
             rows.update(((m.sort_key(), source_of[peer]), m) for m in page.artifacts)
         truncated = len(merged) > window or own.truncated or any(page.truncated for _, page in keyed)
         return ArtifactPage([rows[entry] for entry in chosen if entry in rows], truncated)
@@ -190,9 +199,7 @@ class SwarmArtifacts:
 
     async def _gather(self, peers: list[str], ask: Callable[[str], Awaitable[T]], deadline: float) -> list[T]:
         """Ask every peer at once; those that fail or have not answered by ``deadline`` (on
-        trio's clock) are left out (logged). A listing gives both its steps one deadline:
-        with :data:`PEER_TIMEOUT_S` each, a peer answering each just in time held every
-        listing for twice that (tests/test_artifact_swarm.py::test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s)."""
+        trio's clock) are left out (logged)."""
         results: list[T] = []
 
         async def one(peer: str) -> None:
@@ -202,7 +209,7 @@ class SwarmArtifacts:
                 except InclavateError as exc:  # nothing may escape the nursery as a group
                     log.warning("artifact listing: peer %s left out: %s", peer, exc)
                 return
-            log.warning("artifact listing: peer %s left out: no answer within %.0f s", peer, PEER_TIMEOUT_S)  # of the listing's start
+            log.warning("artifact listing: peer %s left out: no answer in time", peer)
 
         async with trio.open_nursery() as nursery:
             for peer in peers:
