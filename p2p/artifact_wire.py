@@ -283,7 +283,9 @@ def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery) -> KeyPage:
     after = query.after
     if keys and after is not None and not ((keys[0] > after) if query.ascending else (keys[0] < after)):
         raise ArtifactUnavailable(f"peer {peer} listed keys that are not after the listing's cursor")
-    return KeyPage(keys, truncated=answer.get("truncated") is True)
+    # "More past these" only from a peer that filled the limit: a store says it no other way,
+    # and believed from one that did not, it kept a swarm's last page "truncated" for ever.
+    return KeyPage(keys, truncated=answer.get("truncated") is True and len(keys) == query.limit)
 
 
 def _sort_key(item: object, peer: str) -> SortKey:

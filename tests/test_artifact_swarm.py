@@ -1108,3 +1108,31 @@ async def test_a_peer_answering_full_row_pages_forever_is_asked_only_for_the_row
             asked.clear()
             listed = await a.swarm.list(ListQuery(limit=1000))
             assert listed.artifacts == same[::-1] and [r["keys"] for r in asked] == [True, False]
+
+
+async def test_a_peer_claiming_more_rows_than_it_listed_does_not_make_a_listing_truncated(tmp_path: Path) -> None:
+    """``truncated`` means "walk on": a store says it only when it filled the ``limit`` asked
+    and had more. A hostile peer listing two keys (or none) of a window of 20 says it has
+    more: the listing is not truncated on its word (a Files client would be told
+    ``has_more`` on its last page, for ever)."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            mine = _insert_rows(a.store, 2, "a.txt")
+            few = _fake_rows(b.host.peer_id, 2, 1)
+            listed: list[list] = [[[m.created_at_ms, m.id] for m in few[::-1]], []]
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                rows = few[::-1][: request["limit"]]
+                answer = ({"ok": True, "keys": listed[0], "truncated": True} if request["keys"]
+                          else {"ok": True, "artifacts": [m.to_record() for m in rows], "truncated": True})  # fmt: skip
+                await stream.send(encode(answer), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, liar)
+            for keys in ([[m.created_at_ms, m.id] for m in few[::-1]], []):
+                listed[0] = keys
+                page = await a.swarm.list(ListQuery(limit=20))
+                assert page.artifacts == sorted(mine + few[: len(keys)], key=ArtifactMeta.sort_key, reverse=True)
+                assert not page.truncated
+            listed[0] = [[m.created_at_ms, m.id] for m in few[::-1]]
+            assert (await a.remote.keys(b.host.peer_id, ListQuery(limit=2))).truncated  # it filled the limit
