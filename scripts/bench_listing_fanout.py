@@ -1,0 +1,94 @@
+"""What one swarm-wide listing costs the peer that serves it when the registry holds many
+identities that each answer a full window of keys: PEERS in-process fake peers (no
+network: each answers after RTT with its keys, JSON-encoded once, that the asker parses
+and decodes with the real codec, ``p2p.artifact_wire.decode_keys``), one ``limit=100``
+page at ``offset = WINDOW - 100``. Prints the listing's wall time and CPU (this is all
+event-loop time: nothing here runs in a thread), the most asks in flight at once, and
+the peak of memory allocated during the listing (tracemalloc, in a second run).
+
+Run with ``taskset -c N`` and ``PYTHONSAFEPATH=1`` (so ``PYTHONPATH`` picks the tree):
+``PYTHONPATH=TREE python scripts/bench_listing_fanout.py [--peers 200] [--window 5000]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import trio
+
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_types import ArtifactMeta, ArtifactPage, KeyPage, ListQuery, Usage
+from inclavate.artifacts import ArtifactStore
+from inclavate.owner_ids import new_id
+from p2p.artifact_wire import decode_keys, encode
+from p2p.identity import Identity
+
+
+class FakePeers:
+    """Each peer lists ``window`` keys, newest first, answered after ``rtt`` seconds."""
+
+    def __init__(self, peers: int, window: int, rtt: float) -> None:
+        self.rtt, self.in_flight, self.most_in_flight = rtt, 0, 0
+        self.names = [f"peer-{i:04}" for i in range(peers)]
+        self.listed = {name: [(1_700_000_000_000 + window * i + j, new_id(name)) for j in range(window)][::-1]
+                     for i, name in enumerate(self.names)}  # fmt: skip
+        self.wire = {name: encode({"ok": True, "keys": [list(k) for k in keys], "truncated": True})
+                     for name, keys in self.listed.items()}  # fmt: skip
+
+    async def _wait(self) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await trio.sleep(self.rtt)
+        finally:
+            self.in_flight -= 1
+
+    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+        await self._wait()
+        return decode_keys(json.loads(self.wire[peer]), peer, query)
+
+    async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
+        await self._wait()
+        keys = [k for k in self.listed[peer] if query.after is None or k < query.after][: query.limit]
+        return ArtifactPage([ArtifactMeta(id=i, media_type="text/plain", size_bytes=1, digest="0" * 64, state="ready",
+                                          kind="uploaded", created_at_ms=ms, filename="x.txt", purpose="user_data")
+                             for ms, i in keys], False)  # fmt: skip
+
+    async def usage(self, peer: str) -> Usage:
+        await self._wait()
+        return Usage()
+
+
+async def one_listing(swarm: SwarmArtifacts, query: ListQuery) -> tuple[int, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    page = await swarm.list(query)
+    return len(page.artifacts), time.perf_counter() - wall, time.process_time() - cpu
+
+
+async def main(peers: int, window: int, rtt: float) -> None:
+    fakes = FakePeers(peers, window, rtt)
+    with tempfile.TemporaryDirectory() as d:
+        store = ArtifactStore(Path(d), Identity.generate().peer_id)
+        swarm = SwarmArtifacts(store, fakes, lambda: fakes.names, lambda: fakes.names)  # type: ignore[arg-type]
+        query = ListQuery(limit=100, offset=window - 100)
+        listed, wall, cpu = await one_listing(swarm, query)
+        tracemalloc.start()
+        await one_listing(swarm, query)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        store.close()
+    print(f"peers={peers} window={window} rtt={rtt * 1000:.0f} ms listed={listed} wall={wall * 1000:.0f} ms "
+          f"cpu={cpu * 1000:.0f} ms most_in_flight={fakes.most_in_flight} peak_alloc={peak / 2**20:.0f} MiB")  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--peers", type=int, default=200)
+    parser.add_argument("--window", type=int, default=5000)
+    parser.add_argument("--rtt", type=float, default=0.005, help="seconds each fake peer takes to answer")
+    args = parser.parse_args()
+    trio.run(main, args.peers, args.window, args.rtt)
