@@ -19,15 +19,20 @@ served; ``truncated`` is true when any peer had more. The order is total (ids ar
 so offsets stay stable across requests. A peer that has not answered its keys within
 :data:`KEYS_SHARE_S` of the listing's start, or its rows within :data:`PEER_TIMEOUT_S`, is
 left out of that page (logged), rather than
-failing the whole listing; a row deleted between the steps is left out too. Usage sums the peers' COUNT/SUM totals; its ceilings are the
+failing the whole listing; a row deleted between the steps is left out too. Peers are
+asked a bounded number at a time, and their keys merged into the best ``offset + limit``
+as they arrive (:class:`KeyWindow`): what a listing holds does not grow with the number of
+identities in the registry; which peers are asked first when not all can be is
+:meth:`SwarmArtifacts._ask_order`. Usage sums the peers' COUNT/SUM totals; its ceilings are the
 sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer has none.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
 import logging
+import random
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
@@ -60,6 +65,22 @@ for both, a peer answering its keys just in time left the honest peers no time f
 rows; with ``PEER_TIMEOUT_S`` each, it held every listing twice that
 (tests/test_artifact_swarm.py::test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s)."""
 
+MAX_ASKS_PER_FANOUT = 16
+"""A listing (or usage total) asks at most this many peers at a time; the rest wait their
+turn (:meth:`SwarmArtifacts._ask_order`). Asking every live peer at once let a registry
+of free identities (up to 4 096 records) each answering 20 000 keys (~1.2 MB) make one
+listing hold gigabytes."""
+MAX_ASKS_IN_FLIGHT = 32
+"""All of this peer's listings and usage totals together ask at most this many peers at a
+time: several listings at once (any HTTP client may start one) share these, so what this
+peer receives at once is at most this many answers (keys ~1.2 MB; rows ~20 MB)."""
+ASK_PATIENCE_S = 1.0
+"""How long an ask may take while other peers still wait for a turn: peers that stall
+cannot hold every turn until the deadline (with 16 at a time, at least ~40 peers are
+asked in a listing's keys step). The last asks of a fan-out wait until its deadline."""
+RECENT_PEERS = 64
+"""How many peers that had rows on recent pages are remembered, to be asked first."""
+
 T = TypeVar("T")
 
 
@@ -89,6 +110,8 @@ class SwarmArtifacts:
         self._known = known_peers
         self._live = live_peers
         self._own_tag = owner_tag(store.owner)
+        self._in_flight = trio.Semaphore(MAX_ASKS_IN_FLIGHT)
+        self._recent: OrderedDict[str, None] = OrderedDict()
 
     # -- one artifact, wherever it lives ------------------------------------------------
 
@@ -139,9 +162,28 @@ class SwarmArtifacts:
     # -- the whole swarm ---------------------------------------------------------------
 
     def _other_live_peers(self) -> list[str]:
+        """Every other live peer, in the order a fan-out asks them (:meth:`_ask_order`)."""
         if self._remote is None:
             return []
-        return sorted(set(self._live()) - {self.store.owner})
+        return self._ask_order(set(self._live()) - {self.store.owner})
+
+    def _ask_order(self, peers: set[str]) -> list[str]:
+        """Peers that had rows on a recent page first (most recent first), then the rest in
+        a fresh random order: when a flood of identities leaves no time to ask them all, the
+        peers asked are neither the flood's choice (a sorted order is one it can grind ids
+        for) nor the same ones every time."""
+        recent = [p for p in reversed(self._recent) if p in peers]
+        rest = list(peers.difference(recent))
+        _shuffle(rest)
+        return recent + rest
+
+    def _remember(self, peers: list[str]) -> None:
+        """Note peers that had rows on a page, most recent last, at most :data:`RECENT_PEERS`."""
+        for peer in peers:
+            self._recent[peer] = None
+            self._recent.move_to_end(peer)
+        while len(self._recent) > RECENT_PEERS:
+            self._recent.popitem(last=False)
 
     async def list(self, query: ListQuery) -> ArtifactPage:
         peers = self._other_live_peers()
@@ -156,69 +198,139 @@ class SwarmArtifacts:
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
         began = trio.current_time()
         own = self.store.list(per_peer)
-        keyed = await self._gather(peers, lambda p: _paired(p, self._remote_().keys(p, per_peer)), began + KEYS_SHARE_S)
-        sources: list[tuple[str | None, list[SortKey]]] = [(None, [m.sort_key() for m in own.artifacts])]
-        sources += [(peer, page.keys) for peer, page in keyed]
-        merged = list(heapq.merge(*([(key, i) for key in keys] for i, (_, keys) in enumerate(sources)),
-                                  reverse=not query.ascending))  # fmt: skip
-        chosen = merged[query.offset : window]
-        rows = {(m.sort_key(), 0): m for m in own.artifacts}
-        source_of = {peer: i for i, (peer, _) in enumerate(sources) if peer is not None}
-        asks = {peer: q for peer, keys in sources if peer and (q := self._rows_query(per_peer, keys, chosen, source_of[peer]))}
-        for peer, page in await self._gather(list(asks), lambda p: _paired(p, self._remote_().list(p, asks[p])),
-                                             began + PEER_TIMEOUT_S):  # fmt: skip
-            rows.update(((m.sort_key(), source_of[peer]), m) for m in page.artifacts)
-        truncated = len(merged) > window or own.truncated or any(page.truncated for _, page in keyed)
-        return ArtifactPage([rows[entry] for entry in chosen if entry in rows], truncated)
+        kept = KeyWindow(window, descending=not query.ascending)
+        kept.add([m.sort_key() for m in own.artifacts], None)
+        truncated = own.truncated
 
-    @staticmethod
-    def _rows_query(per_peer: ListQuery, keys: list[SortKey], chosen: list[tuple[SortKey, int]], source: int) -> ListQuery | None:
-        """What to ask source ``source`` (whose listed ``keys`` are in order) for its rows on
-        the page ``chosen``: a contiguous run of its own order, so ``limit`` rows after the
-        key before the first (or after ``per_peer``'s own cursor); None if it has none there."""
-        mine = [key for key, i in chosen if i == source]
-        if not mine:
-            return None
-        first = keys.index(mine[0])
-        after = keys[first - 1] if first else per_peer.after
-        return ListQuery(len(mine), 0, per_peer.kind, per_peer.files_only, per_peer.purpose, after, per_peer.ascending)
+        def take_keys(peer: str, page: KeyPage) -> None:
+            nonlocal truncated
+            truncated = truncated or page.truncated
+            kept.add(page.keys, peer)
+
+        await self._fan_out(peers, lambda p: self._remote_().keys(p, per_peer), take_keys, began + KEYS_SHARE_S)
+        chosen = kept.entries[query.offset :]
+        rows = {(m.sort_key(), 0): m for m in own.artifacts}
+        asks = kept.row_queries(query.offset, per_peer)
+
+        answered: set[str] = set()
+
+        def take_rows(peer: str, page: ArtifactPage) -> None:
+            source = kept.source_of[peer]
+            rows.update(((m.sort_key(), source), m) for m in page.artifacts)
+            answered.add(peer)
+
+        await self._fan_out(list(asks), lambda p: self._remote_().list(p, asks[p]), take_rows, began + PEER_TIMEOUT_S)
+        # Peers that answered rows on this page (placing keys costs nothing), the page's
+        # first rows' peers remembered last, so asked first.
+        self._remember([p for p in reversed(asks) if p in answered])
+        return ArtifactPage([rows[entry] for entry in chosen if entry in rows], truncated or kept.overflow)
 
     async def usage(self) -> Usage:
-        own = self.store.usage()
-        others = await self._gather(self._other_live_peers(), lambda p: self._remote_().usage(p),
-                                    trio.current_time() + PEER_TIMEOUT_S)  # fmt: skip
-        total = own
-        for u in others:
+        total = own = self.store.usage()
+
+        def take(peer: str, u: Usage) -> None:
+            nonlocal total
             total = Usage(
                 generated=total.generated + u.generated, uploaded=total.uploaded + u.uploaded,
                 max_bytes=total.max_bytes + u.max_bytes if total.max_bytes and u.max_bytes else 0,
                 max_objects=total.max_objects + u.max_objects if total.max_objects and u.max_objects else 0,
                 default_ttl_hours=own.default_ttl_hours,
             )  # fmt: skip
+
+        await self._fan_out(self._other_live_peers(), lambda p: self._remote_().usage(p), take,
+                            trio.current_time() + PEER_TIMEOUT_S)  # fmt: skip
         return total
 
-    async def _gather(self, peers: list[str], ask: Callable[[str], Awaitable[T]], deadline: float) -> list[T]:
-        """Ask every peer at once; those that fail or have not answered by ``deadline`` (on
-        trio's clock) are left out (logged)."""
-        results: list[T] = []
+    async def _fan_out(self, peers: list[str], ask: Callable[[str], Awaitable[T]],
+                       take: Callable[[str, T], None], deadline: float) -> None:  # fmt: skip
+        """Ask ``peers`` in their order, at most :data:`MAX_ASKS_PER_FANOUT` at a time and
+        this peer's fan-outs together at most :data:`MAX_ASKS_IN_FLIGHT`, handing each
+        answer to ``take`` as it arrives (none is kept here): what a listing holds of answers
+        at once is that many answers, however many identities the registry holds. An ask
+        begun while other peers still wait gets :data:`ASK_PATIENCE_S`, so peers that stall
+        cannot hold every slot until ``deadline``. Peers that fail, answer late, or are not
+        reached by ``deadline`` (on trio's clock) are left out (logged)."""
+        waiting = deque(peers)
 
-        async def one(peer: str) -> None:
-            with trio.move_on_at(deadline):
-                try:
-                    results.append(await ask(peer))
-                except InclavateError as exc:  # nothing may escape the nursery as a group
-                    log.warning("artifact listing: peer %s left out: %s", peer, exc)
-                return
-            log.warning("artifact listing: peer %s left out: no answer in time", peer)
+        async def worker(peer: str) -> None:
+            while True:
+                await self._ask_one(peer, ask, take, deadline, patient=bool(waiting))
+                if not waiting or trio.current_time() >= deadline:
+                    return
+                peer = waiting.popleft()
 
         async with trio.open_nursery() as nursery:
-            for peer in peers:
-                nursery.start_soon(one, peer)
-        return results
+            for _ in range(min(MAX_ASKS_PER_FANOUT, len(peers))):  # each its first peer now: "others wait" is then true
+                nursery.start_soon(worker, waiting.popleft())
+        if waiting:
+            log.warning("artifact listing: %d peers left out: not asked before the deadline", len(waiting))
+
+    async def _ask_one(self, peer: str, ask: Callable[[str], Awaitable[T]], take: Callable[[str, T], None],
+                       deadline: float, patient: bool) -> None:  # fmt: skip
+        with trio.move_on_at(deadline):
+            async with self._in_flight:
+                until = min(deadline, trio.current_time() + ASK_PATIENCE_S) if patient else deadline
+                with trio.move_on_at(until):
+                    try:
+                        answer = await ask(peer)
+                    except InclavateError as exc:  # nothing may escape the nursery as a group
+                        log.warning("artifact listing: peer %s left out: %s", peer, exc)
+                        return
+                    take(peer, answer)
+                    return
+        log.warning("artifact listing: peer %s left out: no answer in time", peer)
 
 
-async def _paired(peer: str, answer: Awaitable[T]) -> tuple[str, T]:
-    return peer, await answer
+class KeyWindow:
+    """The best ``size`` sort keys of a listing so far, each with the peer that listed it
+    (None: this peer), merged in as each answer arrives: a listing holds O(``size``) keys
+    whatever the number of peers answering, where keeping every answer until the merge held
+    ``size`` per peer."""
+
+    def __init__(self, size: int, descending: bool) -> None:
+        self.size, self.descending = size, descending
+        self.entries: list[tuple[SortKey, int]] = []
+        """In the listing's order; the int names the source (0: this peer)."""
+        self.source_of: dict[str, int] = {}
+        self._peers: list[str | None] = []
+        self.overflow = False
+        """Whether a key fell past ``size``: there are more rows than the window."""
+
+    def add(self, keys: list[SortKey], peer: str | None) -> None:
+        """Merge one source's ``keys`` (in the listing's order) in, keeping the best ``size``."""
+        source = len(self._peers)
+        self._peers.append(peer)
+        if peer is not None:
+            self.source_of[peer] = source
+        self.entries.extend((key, source) for key in keys)
+        self.entries.sort(reverse=self.descending)  # two sorted runs: one merge pass
+        if len(self.entries) > self.size:
+            self.overflow = True
+            del self.entries[self.size :]
+
+    def row_queries(self, offset: int, per_peer: ListQuery) -> dict[str, ListQuery]:
+        """What to ask each peer with rows on the page (the entries from ``offset``): a
+        contiguous run of its own order, its count of rows after the key it listed just
+        before them (all its keys ahead of the page are kept too: they rank higher), or
+        after ``per_peer``'s own cursor; the page's first rows' peers first."""
+        before: dict[int, SortKey] = {}
+        for key, source in self.entries[:offset]:
+            before[source] = key
+        counts: dict[int, int] = {}
+        for _, source in self.entries[offset:]:
+            counts[source] = counts.get(source, 0) + 1
+        asks: dict[str, ListQuery] = {}
+        for source, count in counts.items():
+            peer = self._peers[source]
+            if peer is not None:
+                after = before.get(source, per_peer.after)
+                asks[peer] = ListQuery(count, 0, per_peer.kind, per_peer.files_only, per_peer.purpose, after,
+                                       per_peer.ascending)  # fmt: skip
+        return asks
+
+
+def _shuffle(peers: list[str]) -> None:
+    random.SystemRandom().shuffle(peers)
 
 
 async def _async(fn: Callable[[str], T], arg: str) -> T:
