@@ -116,12 +116,14 @@ class SwarmArtifacts:
     # -- one artifact, wherever it lives ------------------------------------------------
 
     async def meta(self, id_: str) -> ArtifactMeta:
-        return await self._at_owner(id_, lambda: _async(self.store.meta, id_), lambda p: self._remote_().meta(p, id_))
+        return await self._at_owner(
+            id_, lambda id_: _async(self.store.meta, id_), lambda p, id_: self._remote_().meta(p, id_)
+        )
 
     async def open(self, id_: str, range_header: str | None = None) -> ArtifactRead:
         """A ready artifact's bytes (ArtifactNotReady, Range errors, ArtifactNotFound)."""
         return await self._at_owner(
-            id_, lambda: self.store.open(id_, range_header), lambda p: self._remote_().open(p, id_, range_header)
+            id_, lambda id_: self.store.open(id_, range_header), lambda p, id_: self._remote_().open(p, id_, range_header)
         )
 
     async def read_all(self, id_: str, max_bytes: int) -> tuple[ArtifactMeta, bytes]:
@@ -130,19 +132,22 @@ class SwarmArtifacts:
         return read.meta, await read_whole(read, max_bytes)
 
     async def delete(self, id_: str) -> None:
-        async def local() -> None:
+        async def local(id_: str) -> None:
             await self.store.delete(id_)
 
-        await self._at_owner(id_, local, lambda p: self._remote_().delete(p, id_))
+        await self._at_owner(id_, local, lambda p, id_: self._remote_().delete(p, id_))
 
     async def _at_owner(
-        self, id_: str, local: Callable[[], Awaitable[T]], remote: Callable[[str], Awaitable[T]]
+        self, id_: str, local: Callable[[str], Awaitable[T]], remote: Callable[[str, str], Awaitable[T]]
     ) -> T:
+        """``local(id)`` or ``remote(peer, id)`` with the canonical id: a UUID is case-insensitive,
+        and an owner describes its artifact by the canonical id, which the asker checks against
+        the id it asked about (an uppercase id through another peer was a 503)."""
         id_ = parse_id(id_)
         me = self.store.owner
         others = [p for p in owner_candidates(id_, self._known()) if p != me] if self._remote else []
-        attempts: list[Callable[[], Awaitable[T]]] = [local] if tag_of(id_) == self._own_tag else []
-        attempts += [functools.partial(remote, p) for p in others]
+        attempts: list[Callable[[], Awaitable[T]]] = [functools.partial(local, id_)] if tag_of(id_) == self._own_tag else []
+        attempts += [functools.partial(remote, p, id_) for p in others]
         unreachable: ArtifactUnavailable | None = None
         for attempt in attempts:
             try:

@@ -138,6 +138,22 @@ async def test_every_operation_through_the_other_peer(tmp_path: Path) -> None:
                 await b.swarm.delete(meta.id)
 
 
+async def test_an_uppercase_id_reads_through_the_other_peer_as_through_the_owner(tmp_path: Path) -> None:
+    """A UUID is case-insensitive and the owner answers ``F0508D13-...`` as ``f0508d13-...``;
+    through any other peer the asker sent the id as typed, the owner described the canonical
+    id, and the asker took that for a lie: 503 "held by a peer that does not answer now"."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            meta = await a.store.create(chunks(b"shouted"), media_type="text/plain")
+            upper = meta.id.upper()
+            assert await a.swarm.meta(upper) == meta
+            assert await b.swarm.meta(upper) == meta
+            assert await read(b.swarm, upper, "bytes=0-2") == b"sho"
+            await b.swarm.delete(upper)
+            with pytest.raises(ArtifactNotFound):
+                await b.swarm.meta(meta.id)
+
+
 async def test_states_and_unknown_owners(tmp_path: Path) -> None:
     with trio.fail_after(60):
         async with two_peers(tmp_path) as (a, b):
