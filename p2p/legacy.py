@@ -174,8 +174,9 @@ class LegacyNodes:
             raise NodeMismatch(f"unknown model {model_id!r}")
         n_layers, d_model = facts
         for key, expected in (("n_total_layers", n_layers), ("d_model", d_model)):
-            if key in body and body[key] != expected:
-                raise NodeMismatch(f"{key} {body[key]} does not match {model_id} ({expected})")
+            # A wrong type is malformed (400), not a shape that does not match (422).
+            if (claimed := read_int(body, key, lo=0, default=expected)) != expected:
+                raise NodeMismatch(f"{key} {claimed} does not match {model_id} ({expected})")
         previous = self._nodes.get(node_id)
         if previous is not None and not previous.owns(body.get("relay_token") if isinstance(body.get("relay_token"), str) else None):
             raise DuplicateNode(f"node {local_id} is already registered")

@@ -278,6 +278,20 @@ async def test_a_layer_range_is_made_of_integers(node_server: Any, field: str, v
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("field, value", [("n_total_layers", "30"), ("d_model", "576"), ("n_total_layers", True),
+                                          ("d_model", None), ("n_total_layers", [30])])  # fmt: skip
+async def test_the_model_shape_is_made_of_integers(node_server: Any, field: str, value: Any) -> None:
+    """``"n_total_layers": "30"`` was a 422 "n_total_layers 30 does not match smollm2:135m (30)":
+    a wrong type is a malformed request (400, naming the field), not a model mismatch."""
+    _, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        with pytest.raises(BadRegistration, match=field):
+            await nodes.register(_body("n1", node_server.url, **{field: value}), assign=False)
+        assert not nodes._nodes
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_refused_probe_says_nothing_of_what_answered() -> None:
     """A registration probes the URL it names: its refusal named what it found ("connection
     refused", "answered 404"), so any HTTP client could map the services on the peer's
