@@ -140,10 +140,10 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         "status": ...}`` frames; the connection stays open for the next request, and is
         closed after ``websocket_idle_s`` without one (an idle one held a descriptor for ever)."""
         while True:
-            raw = None
-            with trio.move_on_after(ctx.limits.websocket_idle_s):
-                raw = await websocket.receive()
-            if raw is None:
+            with trio.move_on_after(ctx.limits.websocket_idle_s) as idle:
+                # Quart gives an empty binary frame as None: an empty body, not the deadline.
+                raw = await websocket.receive() or b""
+            if idle.cancelled_caught:
                 await websocket.close(1000, "idle: no request for a while")
                 return
             try:

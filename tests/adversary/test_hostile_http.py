@@ -241,6 +241,23 @@ async def _chat_and_ws(url: str, body: bytes) -> tuple[httpx.Response, dict[str,
     return response, frame
 
 
+async def test_an_empty_websocket_frame_is_a_400_frame_not_an_idle_close(local_chat) -> None:
+    """Quart hands an empty binary frame to the handler as ``None``, which ``/ws/chat`` took
+    for its idle deadline: the connection was closed at once as "idle: no request for a
+    while", with no error. It is now an empty body (400), and the connection serves on."""
+    from trio_websocket import open_websocket_url
+
+    url, _ = local_chat
+    with trio.fail_after(60):
+        async with open_websocket_url(url.replace("http://", "ws://") + "/ws/chat") as ws:
+            for empty in (b"", ""):
+                await ws.send_message(empty)
+                frame = json.loads(await ws.get_message())
+                assert frame["status"] == 400 and "JSON" in frame["error"], frame
+            await ws.send_message(json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}))
+            assert "choices" in json.loads(await ws.get_message())
+
+
 async def test_a_content_part_type_that_is_not_a_string_is_a_media_400(local_chat) -> None:
     """``"type": ["x"]`` reached a dict lookup and raised ``TypeError: unhashable`` (500)."""
     url, _ = local_chat
