@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, has_request_context, jsonify, request
 from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIWebsocketConnection
 from werkzeug.exceptions import HTTPException
 
 from api import (
@@ -65,6 +67,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions.for_limits(ctx.limits)
     install_request_class(app)  # upload routes raise their own body ceilings
+    app.asgi_websocket_class = HandOverWebsocket
     request_guard.install(app, hosts)
     responses.install(app)  # a 204 carries no Content-Type
     for install in INSTALLERS:
@@ -87,6 +90,19 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
         return _closing_if_body_unread(response)
 
     return app
+
+
+class HandOverWebsocket(TrioASGIWebsocketConnection):
+    """A websocket whose frames are handed to the handler, not queued for it.
+
+    ``/ws/chat`` reads its next request once the current one is answered. quart-trio queued
+    ten frames meanwhile (and hypercorn ten more, see :func:`serve_api`), each up to 16 MiB:
+    one client held ~330 MB of a peer per connection. Unbuffered, the frames the handler has
+    not asked for wait in the client's socket."""
+
+    def __init__(self, app: QuartTrio, scope: Any) -> None:
+        super().__init__(app, scope)
+        self.send_channel, self.receive_channel = trio.open_memory_channel[bytes | str](0)
 
 
 def _closing_if_body_unread(response: Response) -> Response:
@@ -114,4 +130,8 @@ async def serve_api(
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 2.0
     config.keep_alive_timeout = 30.0
+    # One ASGI message queued per connection: a websocket message is up to 16 MiB (see
+    # HandOverWebsocket); an HTTP body's messages are socket reads, and streamed bodies have
+    # their own backpressure (api.uploads).
+    config.max_app_queue_size = 1
     await hypercorn_serve(app, config, shutdown_trigger=shutdown, task_status=task_status)

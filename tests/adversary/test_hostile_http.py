@@ -413,6 +413,60 @@ async def test_an_idle_chat_websocket_is_closed(smollm2, slice_cache) -> None:
         ctx.close()
 
 
+async def test_frames_sent_while_a_chat_websocket_is_busy_wait_in_the_socket(smollm2, slice_cache) -> None:
+    """``/ws/chat`` reads the next request once the current one is answered. Frames a client
+    sent meanwhile were queued in the peer, ten in hypercorn and ten in quart-trio, each up to
+    16 MiB: a client held ~330 MB of a peer per connection (measured on a 2-peer swarm). Now
+    one frame waits in each queue and the rest wait in the client's socket. The request here
+    waits for a turn that the test holds, so the handler reads nothing while frames arrive."""
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
+
+    from api.app import create_app, serve_api
+    from inclavate.types import SessionId
+
+    ctx = LocalContext(MODEL, smollm2.path, slice_cache, context_length=256)
+    ctx.limits = RequestLimits(max_generations=1)
+    client, sent = WSConnection(ConnectionType.CLIENT), [0]
+    try:
+        app = create_app(ctx)
+        port = free_port()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, app, "127.0.0.1", port)
+            async with app.extensions["inclavate.sessions"].track(SessionId("held-by-the-test")):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                try:
+                    await stream.send_all(client.send(Request(host=f"127.0.0.1:{port}", target="/ws/chat")))
+                    with trio.fail_after(10):
+                        while not any(isinstance(e, AcceptConnection) for e in (client.receive_data(await stream.receive_some()) or client.events())):
+                            pass
+                    request = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+                    await stream.send_all(client.send(TextMessage(json.dumps(request))))
+                    frame = client.send(BytesMessage(b"x" * (4 * 1024 * 1024)))  # one masked frame, sent again and again
+
+                    async def flood() -> None:
+                        for _ in range(40):
+                            await stream.send_all(frame)
+                            sent[0] += 1
+
+                    with trio.move_on_after(60):
+                        async with trio.open_nursery() as senders:
+                            senders.start_soon(flood)
+                            while True:  # until the sends stop getting through
+                                before = sent[0]
+                                await trio.sleep(1.0)
+                                if sent[0] == before:
+                                    senders.cancel_scope.cancel()
+                                    break
+                finally:
+                    await stream.aclose()
+                # the kernel's socket buffers take a few more on loopback
+                assert sent[0] <= 8, f"the peer took {sent[0]} frames of 4 MiB while it read none"
+            nursery.cancel_scope.cancel()
+    finally:
+        ctx.close()
+
+
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
     """``GET /api/models`` used to fetch the GGUF of any model in the registry, from whoever
     claimed to hold it, and compile its Jinja template."""
