@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 
 from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle
 from api.context import PeerContext
-from api.errors import NotFound, error_response_parts
+from api.errors import Conflict, NotFound, error_response_parts
 from api.generation import GenerationResult
 from api.reasoning_split import Delta
 from api.relay import Offer, relay
@@ -32,6 +32,10 @@ from inclavate.types import SessionId
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-dppan-session-id"
+
+
+class RequestInFlight(Conflict):
+    """A ``/ws/chat`` request frame sent before the previous request's ``"[DONE]"`` (409)."""
 
 
 def _sse(obj: Any) -> bytes:
@@ -155,9 +159,27 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
                 status, body = error_response_parts(exc)
                 await websocket.send(json.dumps({**body, "status": status}))
                 continue
-            async for item in _events(app, job, tracking):
+            await _answer_frames(_events(app, job, tracking))
+
+    async def _answer_frames(items: AsyncIterator[dict[str, Any]]) -> None:
+        """Send a request's chunks, then ``"[DONE]"``, reading the connection meanwhile: a
+        frame that arrives before ``"[DONE]"`` is refused with a 409 frame. Unread, such frames
+        stood in front of the client's close, so a client that left mid-answer (having sent
+        more) left its generation running to ``max_tokens``, then the frames it had sent
+        were answered as requests of their own, to nobody."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_refuse_frames_meanwhile)
+            async for item in items:
                 await websocket.send(json.dumps(item, separators=(",", ":")))
             await websocket.send("[DONE]")
+            nursery.cancel_scope.cancel()
+
+    async def _refuse_frames_meanwhile() -> None:
+        while True:
+            await websocket.receive()
+            status, body = error_response_parts(RequestInFlight(
+                "this connection is answering a request: send the next one after its \"[DONE]\""))  # fmt: skip
+            await websocket.send(json.dumps({**body, "status": status}))  # the write is atomic (api.confined_server)
 
     @app.get("/sessions/<session_id>")
     async def session_route(session_id: str):  # type: ignore[no-untyped-def]

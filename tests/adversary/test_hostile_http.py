@@ -413,58 +413,76 @@ async def test_an_idle_chat_websocket_is_closed(smollm2, slice_cache) -> None:
         ctx.close()
 
 
-async def test_frames_sent_while_a_chat_websocket_is_busy_wait_in_the_socket(smollm2, slice_cache) -> None:
-    """``/ws/chat`` reads the next request once the current one is answered. Frames a client
-    sent meanwhile were queued in the peer, ten in hypercorn and ten in quart-trio, each up to
-    16 MiB: a client held ~330 MB of a peer per connection (measured on a 2-peer swarm). Now
-    one frame waits in each queue and the rest wait in the client's socket. The request here
-    waits for a turn that the test holds, so the handler reads nothing while frames arrive."""
-    from wsproto import ConnectionType, WSConnection
-    from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
-
+@contextlib.asynccontextmanager
+async def _held_turn(smollm2, slice_cache) -> AsyncIterator[tuple[int, Any]]:
+    """A peer whose only generation turn the test holds: a chat request waits for it, and
+    the handler reads nothing while it waits (unless it watches the connection)."""
     from api.app import create_app, serve_api
     from inclavate.types import SessionId
 
     ctx = LocalContext(MODEL, smollm2.path, slice_cache, context_length=256)
     ctx.limits = RequestLimits(max_generations=1)
-    client, sent = WSConnection(ConnectionType.CLIENT), [0]
     try:
         app = create_app(ctx)
         port = free_port()
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_api, app, "127.0.0.1", port)
-            async with app.extensions["inclavate.sessions"].track(SessionId("held-by-the-test")):
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-                try:
-                    await stream.send_all(client.send(Request(host=f"127.0.0.1:{port}", target="/ws/chat")))
-                    with trio.fail_after(10):
-                        while not any(isinstance(e, AcceptConnection) for e in (client.receive_data(await stream.receive_some()) or client.events())):
-                            pass
-                    request = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
-                    await stream.send_all(client.send(TextMessage(json.dumps(request))))
-                    frame = client.send(BytesMessage(b"x" * (4 * 1024 * 1024)))  # one masked frame, sent again and again
-
-                    async def flood() -> None:
-                        for _ in range(40):
-                            await stream.send_all(frame)
-                            sent[0] += 1
-
-                    with trio.move_on_after(60):
-                        async with trio.open_nursery() as senders:
-                            senders.start_soon(flood)
-                            while True:  # until the sends stop getting through
-                                before = sent[0]
-                                await trio.sleep(1.0)
-                                if sent[0] == before:
-                                    senders.cancel_scope.cancel()
-                                    break
-                finally:
-                    await stream.aclose()
-                # the kernel's socket buffers take a few more on loopback
-                assert sent[0] <= 8, f"the peer took {sent[0]} frames of 4 MiB while it read none"
+            sessions = app.extensions["inclavate.sessions"]
+            async with sessions.track(SessionId("held-by-the-test")):
+                yield port, sessions
             nursery.cancel_scope.cancel()
     finally:
         ctx.close()
+
+
+async def test_frames_sent_while_a_chat_websocket_answers_are_refused_and_a_close_is_seen(smollm2, slice_cache) -> None:
+    """``/ws/chat`` read the next frame only once the current request was answered. Frames a
+    client sent meanwhile queued in the peer, ten in hypercorn and ten in quart-trio, up to
+    16 MiB each (~330 MB a connection), and its close queued behind them: a client that left
+    mid-answer after sending more left its generation running to ``max_tokens`` (or its
+    wait for a turn to 120 s), then the frames it sent ran as requests, to nobody. Frames
+    before ``"[DONE]"`` are now read and refused (409), and a close is seen at once."""
+    from trio_websocket import open_websocket_url
+
+    request = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    frame = b"x" * (4 * 1024 * 1024)
+    with trio.fail_after(60):
+        async with _held_turn(smollm2, slice_cache) as (port, sessions):
+            async with open_websocket_url(f"ws://127.0.0.1:{port}/ws/chat", max_message_size=1 << 20) as ws:
+                await ws.send_message(request)
+                for _ in range(30):
+                    await ws.send_message(frame)
+                answers = [json.loads(await ws.get_message()) for _ in range(31)]
+                refused = [a for a in answers if "error" in a]
+                assert len(refused) == 30 and all(a["status"] == 409 and "[DONE]" in a["error"] for a in refused), refused[:2]
+                assert len(sessions) == 2  # the test's turn and the request waiting for it
+                stream = ws._stream  # noqa: SLF001 - leave without a close handshake, as a crash would
+                await ws.send_message(frame)
+                await stream.aclose()
+            while len(sessions) > 1:  # the waiting request left with its client
+                await trio.sleep(0.05)
+
+
+async def test_a_chat_websocket_serves_the_next_request_after_refusing_one(local_chat) -> None:
+    """The refusal is for frames sent before ``"[DONE]"``; the next request is served."""
+    from trio_websocket import open_websocket_url
+
+    url, _ = local_chat
+    request = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+    with trio.fail_after(60):
+        async with open_websocket_url(url.replace("http://", "ws://") + "/ws/chat") as ws:
+            await ws.send_message(request)
+            await ws.send_message(request)
+            frames = []
+            while (frames[-1] if frames else None) != "[DONE]":
+                frames.append(await ws.get_message())
+            # the second frame waited while the first was prepared, and was read once its answer began
+            assert [json.loads(f)["status"] for f in frames if '"error"' in f] == [409], frames
+            await ws.send_message(request)
+            answer = [await ws.get_message()]
+            while answer[-1] != "[DONE]":
+                answer.append(await ws.get_message())
+            assert all("error" not in f for f in answer), answer
 
 
 def test_listing_models_never_downloads_a_strangers_vocabulary(live, expected, baseline) -> None:
