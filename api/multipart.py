@@ -43,12 +43,12 @@ class MultipartError(BadRequest):
     """The body is not a well-formed multipart/form-data body (400)."""
 
 
-def boundary_of(content_type: str | None) -> bytes:
-    """The boundary of a ``multipart/form-data`` Content-Type, or 400."""
+def boundary_of(content_type: str | None, fields: str = "purpose, file") -> bytes:
+    """The boundary of a ``multipart/form-data`` Content-Type, or 400 naming the form's ``fields``."""
     mimetype, options = parse_options_header(content_type or "")
     boundary = options.get("boundary", "")
     if mimetype != "multipart/form-data" or not boundary:
-        raise MultipartError("the body must be multipart/form-data with a boundary (fields: purpose, file)")
+        raise MultipartError(f"the body must be multipart/form-data with a boundary (fields: {fields})")
     if len(boundary) > 70 or not boundary.isascii():  # RFC 2046: 1-70 characters
         raise MultipartError("malformed multipart boundary")
     return boundary.encode()

@@ -21,6 +21,7 @@ from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
 from api.media_headers import UnreadableHeader, audio_duration, sniff_audio
+from api.multipart import boundary_of
 from api.routes_generations import service
 from api.uploads import set_body_limit
 from api.request_guard import takes_any_body
@@ -217,6 +218,8 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         length = request.content_length
         if length is not None and length > MAX_CLIP_BYTES + MULTIPART_OVERHEAD:
             raise PayloadTooLarge(f"the upload is {length} bytes; a clip may be at most 64 MiB")
+        # Quart parses any other body as an empty form: "model is required" to a JSON body with a model.
+        boundary_of(request.headers.get("Content-Type"), fields="model, file")
         form = await request.form
         files = await request.files
         model = form.get("model", "").strip()

@@ -207,6 +207,18 @@ async def test_transcription_errors(served: Served, speech_generators: dict) -> 
     assert big.status_code == 413
 
 
+async def test_a_transcription_body_that_is_not_multipart_says_so(served: Served) -> None:
+    """A JSON body (``{"model": ..., "file": ...}``) or a multipart type without a boundary
+    was parsed as an empty form: 400 "model is required", to a client that sent the model."""
+    async with client(served) as http:
+        for content_type, body in (("application/json", b'{"model": "whisper:tiny.en", "file": "x"}'),
+                                   ("multipart/form-data", b"--x--"), (None, b"model=whisper:tiny.en")):  # fmt: skip
+            headers = {"content-type": content_type} if content_type else {}
+            refused = await http.post("/v1/audio/transcriptions", content=body, headers=headers)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"] == "the body must be multipart/form-data with a boundary (fields: model, file)"
+
+
 async def test_refused_transcriptions_leave_no_clip_behind(tmp_path: Path, speech_generators: dict) -> None:
     """A clip may be 64 MiB and the quota may be unlimited: a refusal that kept the clip would
     let a client fill the disk with requests that all fail. Params the generator refuses are
