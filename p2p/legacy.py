@@ -191,15 +191,19 @@ class LegacyNodes:
         # concurrent ones passed while each waited for its URL (50 at once made 50 nodes).
         if len(self._nodes.keys() | self._registering) - (previous is not None) >= MAX_LEGACY_NODES:
             raise NoRangeAvailable(f"this peer already vouches for {MAX_LEGACY_NODES} legacy nodes; register with another peer")
+        # The fields a node describes itself with, before a range is chosen: with every layer
+        # held, a malformed one was a 503 "every layer is already covered", not a 400 naming it.
+        # (A missing relay_token stays after: the spec's own join body has none, and its
+        # statuses, 409 taken and 503 covered, come first.)
+        http_url = check_node_url(_text(body, "http_url"))
+        vram_mb = read_int(body, "vram_mb", lo=0, hi=1 << 40, default=0)
+        hardware = _hardware(body.get("hardware"))
         layers = self._requested_layers(body, n_layers) or (self._assign(ModelId(model_id), n_layers, body) if assign else None)
         if layers is None:
             raise BadRegistration("start_layer and end_layer are required")
-        http_url = check_node_url(_text(body, "http_url"))
         token = read_str(body, "relay_token", max_len=256, default="")
         if len(token) < MIN_TOKEN_CHARS:
             raise BadRegistration(f"relay_token is required: a secret of at least {MIN_TOKEN_CHARS} characters")
-        vram_mb = read_int(body, "vram_mb", lo=0, hi=1 << 40, default=0)
-        hardware = _hardware(body.get("hardware"))
         self._registering.add(node_id)  # no await since the checks above
         try:
             await self._probe(http_url)

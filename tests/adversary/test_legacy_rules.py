@@ -292,6 +292,20 @@ async def test_the_model_shape_is_made_of_integers(node_server: Any, field: str,
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("field, value", [("http_url", "file:///etc/passwd"), ("vram_mb", -5), ("hardware", "x")])
+async def test_a_malformed_join_is_a_400_even_when_no_range_is_free(node_server: Any, field: str, value: Any) -> None:
+    """The range was assigned before the rest of the body was read: with every layer held,
+    ``"http_url": "file:///etc/passwd"`` was a 503 "every layer ... is already covered"."""
+    _, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        await nodes.register(_body("n1", node_server.url, start_layer=0, end_layer=N_LAYERS), assign=False)
+        body = {k: v for k, v in _body("n2", node_server.url, token="u" * 16).items() if not k.endswith("_layer")}
+        with pytest.raises(BadRegistration, match=field):
+            await nodes.register({**body, field: value}, assign=True)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_refused_probe_says_nothing_of_what_answered() -> None:
     """A registration probes the URL it names: its refusal named what it found ("connection
     refused", "answered 404"), so any HTTP client could map the services on the peer's
