@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 import time
 from functools import partial
 from collections.abc import Callable, Hashable
@@ -148,14 +149,14 @@ class Peer:
 
     async def run(self, *, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
         # Before the API port: the same command run again while the last run still drains
         # must say so, not send the user to another --api-port (another default data dir).
         lock = hold_data_dir(cfg.data_dir)
         try:
             busy = port_in_use(cfg.api_host, cfg.api_port)
             if busy is not None:
-                raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} (choose another --api-port)")
+                fix = "check --api-host" if isinstance(busy, socket.gaierror) else "choose another --api-port"
+                raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} ({fix})")
             await self._run(task_status)
         finally:
             lock.close()
@@ -816,13 +817,17 @@ DATA_DIR_LOCK = "peer.lock"
 
 
 def hold_data_dir(data_dir: Path) -> IO[str]:
-    """Take ``data_dir`` for this process (an exclusive ``flock`` on ``peer.lock``, which the
+    """Create ``data_dir`` if need be and take it for this process (an exclusive ``flock`` on ``peer.lock``, which the
     kernel releases however the process ends, ``kill -9`` included); close the file to free it.
 
     A data directory is a peer's identity: two peers running on one would publish records of
     one PeerID, each replacing the other's in the registry, and write into each other's stores
     and peer book. The second is refused with :class:`ConfigError` naming the holder's pid."""
-    lock = open(data_dir / DATA_DIR_LOCK, "a+")  # noqa: SIM115 (held for the peer's life)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(data_dir / DATA_DIR_LOCK, "a+")  # noqa: SIM115 (held for the peer's life)
+    except OSError as exc:  # a path under /proc, a file, no permission: a usage error, not a traceback
+        raise ConfigError(f"cannot use {data_dir} as the data dir: {exc} (choose another --data-dir)") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -15,6 +15,7 @@ from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.peer import Peer
 from inclavate.peer_config import PeerConfig
+from inclavate.ports import port_arg
 from inclavate.tensors import WIRE_DTYPES
 from inclavate.types import LayerRange, ModelId
 from node.engine import EngineConfig, default_threads
@@ -42,9 +43,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-layers", type=int, help="hold at most this many layers (default: what memory allows)")
     p.add_argument("--memory-mb", type=int, help="memory budget for weights and KV cache (default: half of what is free)")
     p.add_argument("--api-host", default="127.0.0.1", help="REST API bind address (default 127.0.0.1)")
-    p.add_argument("--api-port", type=int, default=8001, help="REST API port (default 8001)")
+    p.add_argument("--api-port", type=port_arg(), default=8001, help="REST API port (default 8001)")
     p.add_argument("--p2p-host", default="0.0.0.0", help="libp2p listen address (default 0.0.0.0)")
-    p.add_argument("--p2p-port", type=int, default=0,
+    p.add_argument("--p2p-port", type=port_arg(), default=0,
                    help="libp2p port (default: the port of this data dir's last run where free, else any)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", type=_bootstrap,
                    help="a peer to join through (its /health lists its multiaddrs); repeatable")  # fmt: skip
@@ -81,7 +82,7 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
                    help="hidden-state precision on outgoing links (default f16; f32 is bit-exact)")  # fmt: skip
-    p.add_argument("--direct-port", type=int, default=0, metavar="PORT",
+    p.add_argument("--direct-port", type=port_arg(lowest=-1), default=0, metavar="PORT",
                    help="TCP port for direct, sealed links to neighbours (default: any free port; -1: "
                    "forward over libp2p streams only, 5-10x the CPU per hop)")  # fmt: skip
     p.add_argument("--decode-lanes", type=int, default=PeerConfig.decode_lanes, metavar="N",

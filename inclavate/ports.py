@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
+from collections.abc import Callable
+
+MAX_PORT = 65535
+
+
+def port_arg(*, lowest: int = 0) -> Callable[[str], int]:
+    """An argparse ``type`` for a TCP port, ``lowest``..65535: a port out of range is a usage
+    error naming the flag, where it was a bind's ``OverflowError`` traceback (or, for
+    ``--direct-port``, a peer that quietly ran without its direct links)."""
+
+    def parse(text: str) -> int:
+        try:
+            port = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+        if not lowest <= port <= MAX_PORT:
+            raise argparse.ArgumentTypeError(f"{port} is not a port: use {lowest}..{MAX_PORT}")
+        return port
+
+    return parse
 
 
 def port_in_use(host: str, port: int) -> OSError | None:

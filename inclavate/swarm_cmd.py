@@ -22,7 +22,7 @@ from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError
 from inclavate.generate_cmd import split_evenly
 from inclavate.local_swarm import LocalSwarm, PeerProcess, SwarmError, split_cores
-from inclavate.ports import port_in_use
+from inclavate.ports import MAX_PORT, port_arg, port_in_use
 from inclavate.progress import Progress
 from inclavate.store import ModelStore
 from inclavate.tensors import WIRE_DTYPES
@@ -47,7 +47,7 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                    help="peers holding each range (default 1); with 2 or more the swarm outlives its "
                         "peers: kill one (the pids are printed) and its streams carry on through the "
                         "others; kill every holder of a range and a spare moves there")  # fmt: skip
-    p.add_argument("--api-port", type=int, default=8001, help="API port of the first peer (default 8001)")
+    p.add_argument("--api-port", type=port_arg(lowest=1), default=8001, help="API port of the first peer (default 8001)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f32",
                    help="hidden-state precision between the local peers (default f32: loopback has "
                         "bandwidth to spare, and f32 reproduces the whole model exactly)")  # fmt: skip
@@ -59,6 +59,10 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _swarm(args: argparse.Namespace) -> int:
+    count = args.peers * args.replicas
+    if args.api_port + count - 1 > MAX_PORT:
+        raise ConfigError(f"{count} peers need API ports {args.api_port}..{args.api_port + count - 1}: "
+                          f"choose an --api-port of at most {MAX_PORT - count + 1}")  # fmt: skip
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
     ModelStore(home).pull(spec, Progress(sys.stderr))  # once, before the peers race for it
@@ -66,7 +70,6 @@ def _swarm(args: argparse.Namespace) -> int:
     # user could read it in `ps`.
     env = {ADMIN_TOKEN_ENV: args.admin_token} if args.admin_token else {}
     workdir = home / "swarm"
-    count = args.peers * args.replicas
     print(f"starting {count} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
     with open_swarm(workdir, count, args.wire_dtype, env, exact_steps=args.exact_steps) as swarm:
         try:

@@ -32,6 +32,17 @@ def test_a_busy_api_port_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_an_api_host_that_does_not_resolve_points_at_the_host_not_the_port(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = peer("--model", "smollm2:135m", "--api-port", str(port), "--api-host", "no-such-host.invalid", tmp_path=tmp_path)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot serve the API on no-such-host.invalid:{port}"), last
+    assert last.endswith("(check --api-host)"), last
+
+
 def test_an_unknown_model_is_one_line(tmp_path: Path) -> None:
     result = peer("--model", "no:such", "--api-port", "0", tmp_path=tmp_path)
     assert result.returncode == 1 and "error: unknown model 'no:such'" in result.stderr
@@ -44,6 +55,37 @@ def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
         assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
     result = peer("--model", "smollm2:135m", "--decode-lanes", "0", tmp_path=tmp_path)
     assert result.returncode == 1 and "error: --decode-lanes must be between 1 and 16" in result.stderr, result.stderr
+
+
+def test_a_port_out_of_range_is_a_usage_error_naming_its_flag(tmp_path: Path) -> None:
+    """Before: ``--api-port 70000`` died in a bind's ``OverflowError`` traceback, and
+    ``--direct-port 99999`` ran a peer without direct links (every hop over libp2p)."""
+    for flag, value in (("--api-port", "70000"), ("--p2p-port", "-1"), ("--direct-port", "99999"),
+                        ("--direct-port", "-2"), ("--api-port", "http")):  # fmt: skip
+        result = peer("--model", "smollm2:135m", flag, value, tmp_path=tmp_path)
+        assert result.returncode == 2, (flag, value, result.stderr)
+        assert f"argument {flag}: " in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_swarm_whose_ports_would_pass_65535_is_refused_before_any_work(tmp_path: Path) -> None:
+    env = {**os.environ, "INCLAVATE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "inclavate", "swarm", "--api-port", "65534", "--peers", "3"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "error: 3 peers need API ports 65534..65536: choose an --api-port of at most 65533" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "home").exists()
+
+
+def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    """Before: a ``FileNotFoundError`` (or ``NotADirectoryError``) traceback."""
+    (tmp_path / "a-file").write_text("")
+    for data_dir in ("/proc/no-such-dir", str(tmp_path / "a-file" / "d")):
+        result = peer("--model", "smollm2:135m", "--api-port", "0", "--data-dir", data_dir, tmp_path=tmp_path)
+        assert result.returncode == 1, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: cannot use {data_dir} as the data dir: "), last
+        assert "Traceback" not in result.stderr
 
 
 def test_a_bootstrap_that_names_no_peer_is_a_usage_error(tmp_path: Path) -> None:
