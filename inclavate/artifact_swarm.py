@@ -23,7 +23,7 @@ failing the whole listing; a row deleted between the steps is left out too. Peer
 asked a bounded number at a time, and their keys merged into the best ``offset + limit``
 as they arrive (:class:`KeyWindow`): what a listing holds does not grow with the number of
 identities in the registry; which peers are asked first when not all can be is
-:meth:`SwarmArtifacts._ask_order`. Usage sums the peers' COUNT/SUM totals; its ceilings are the
+:meth:`inclavate.fan_out.FanOut.order`. Usage sums the peers' COUNT/SUM totals; its ceilings are the
 sum of the peers' own (a store's quota guards its owner's disk), 0 if any peer has none.
 """
 
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
-from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
@@ -51,7 +49,7 @@ from inclavate.artifact_types import (
     Usage,
 )
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
-from inclavate.errors import InclavateError
+from inclavate.fan_out import FanOut, keep_best
 from inclavate.owner_ids import owner_candidates, owner_tag, parse_id, tag_of
 
 log = logging.getLogger(__name__)
@@ -64,22 +62,6 @@ late some peer is: the rows step then has the rest, at least as long. With one d
 for both, a peer answering its keys just in time left the honest peers no time for their
 rows; with ``PEER_TIMEOUT_S`` each, it held every listing twice that
 (tests/test_artifact_swarm.py::test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s)."""
-
-MAX_ASKS_PER_FANOUT = 16
-"""A listing (or usage total) asks at most this many peers at a time; the rest wait their
-turn (:meth:`SwarmArtifacts._ask_order`). Asking every live peer at once let a registry
-of free identities (up to 4 096 records) each answering 20 000 keys (~1.2 MB) make one
-listing hold gigabytes."""
-MAX_ASKS_IN_FLIGHT = 32
-"""All of this peer's listings and usage totals together ask at most this many peers at a
-time: several listings at once (any HTTP client may start one) share these, so what this
-peer receives at once is at most this many answers (keys ~1.2 MB; rows ~20 MB)."""
-ASK_PATIENCE_S = 1.0
-"""How long an ask may take while other peers still wait for a turn: peers that stall
-cannot hold every turn until the deadline (with 16 at a time, at least ~40 peers are
-asked in a listing's keys step). The last asks of a fan-out wait until its deadline."""
-RECENT_PEERS = 64
-"""How many peers that had rows on recent pages are remembered, to be asked first."""
 
 T = TypeVar("T")
 
@@ -110,8 +92,8 @@ class SwarmArtifacts:
         self._known = known_peers
         self._live = live_peers
         self._own_tag = owner_tag(store.owner)
-        self._in_flight = trio.Semaphore(MAX_ASKS_IN_FLIGHT)
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.fan_out = FanOut("artifact listing")
+        """Asks peers in turns; :meth:`FanOut.sibling` shares its asks-in-flight limit."""
 
     # -- one artifact, wherever it lives ------------------------------------------------
 
@@ -167,28 +149,10 @@ class SwarmArtifacts:
     # -- the whole swarm ---------------------------------------------------------------
 
     def _other_live_peers(self) -> list[str]:
-        """Every other live peer, in the order a fan-out asks them (:meth:`_ask_order`)."""
+        """Every other live peer, in the order a fan-out asks them (:meth:`FanOut.order`)."""
         if self._remote is None:
             return []
-        return self._ask_order(set(self._live()) - {self.store.owner})
-
-    def _ask_order(self, peers: set[str]) -> list[str]:
-        """Peers that had rows on a recent page first (most recent first), then the rest in
-        a fresh random order: when a flood of identities leaves no time to ask them all, the
-        peers asked are neither the flood's choice (a sorted order is one it can grind ids
-        for) nor the same ones every time."""
-        recent = [p for p in reversed(self._recent) if p in peers]
-        rest = list(peers.difference(recent))
-        _shuffle(rest)
-        return recent + rest
-
-    def _remember(self, peers: list[str]) -> None:
-        """Note peers that had rows on a page, most recent last, at most :data:`RECENT_PEERS`."""
-        for peer in peers:
-            self._recent[peer] = None
-            self._recent.move_to_end(peer)
-        while len(self._recent) > RECENT_PEERS:
-            self._recent.popitem(last=False)
+        return self.fan_out.order(set(self._live()) - {self.store.owner})
 
     async def list(self, query: ListQuery) -> ArtifactPage:
         peers = self._other_live_peers()
@@ -212,7 +176,7 @@ class SwarmArtifacts:
             truncated = truncated or page.truncated
             kept.add(page.keys, peer)
 
-        await self._fan_out(peers, lambda p: self._remote_().keys(p, per_peer), take_keys, began + KEYS_SHARE_S)
+        await self.fan_out.ask(peers, lambda p: self._remote_().keys(p, per_peer), take_keys, began + KEYS_SHARE_S)
         chosen = kept.entries[query.offset :]
         rows = {(m.sort_key(), 0): m for m in own.artifacts}
         asks = kept.row_queries(query.offset, per_peer)
@@ -224,10 +188,10 @@ class SwarmArtifacts:
             rows.update(((m.sort_key(), source), m) for m in page.artifacts)
             answered.add(peer)
 
-        await self._fan_out(list(asks), lambda p: self._remote_().list(p, asks[p]), take_rows, began + PEER_TIMEOUT_S)
+        await self.fan_out.ask(list(asks), lambda p: self._remote_().list(p, asks[p]), take_rows, began + PEER_TIMEOUT_S)
         # Peers that answered rows on this page (placing keys costs nothing), the page's
         # first rows' peers remembered last, so asked first.
-        self._remember([p for p in reversed(asks) if p in answered])
+        self.fan_out.remember([p for p in reversed(asks) if p in answered])
         return ArtifactPage([rows[entry] for entry in chosen if entry in rows], truncated or kept.overflow)
 
     async def usage(self) -> Usage:
@@ -242,49 +206,9 @@ class SwarmArtifacts:
                 default_ttl_hours=own.default_ttl_hours,
             )  # fmt: skip
 
-        await self._fan_out(self._other_live_peers(), lambda p: self._remote_().usage(p), take,
+        await self.fan_out.ask(self._other_live_peers(), lambda p: self._remote_().usage(p), take,
                             trio.current_time() + PEER_TIMEOUT_S)  # fmt: skip
         return total
-
-    async def _fan_out(self, peers: list[str], ask: Callable[[str], Awaitable[T]],
-                       take: Callable[[str, T], None], deadline: float) -> None:  # fmt: skip
-        """Ask ``peers`` in their order, at most :data:`MAX_ASKS_PER_FANOUT` at a time and
-        this peer's fan-outs together at most :data:`MAX_ASKS_IN_FLIGHT`, handing each
-        answer to ``take`` as it arrives (none is kept here): what a listing holds of answers
-        at once is that many answers, however many identities the registry holds. An ask
-        begun while other peers still wait gets :data:`ASK_PATIENCE_S`, so peers that stall
-        cannot hold every slot until ``deadline``. Peers that fail, answer late, or are not
-        reached by ``deadline`` (on trio's clock) are left out (logged)."""
-        waiting = deque(peers)
-
-        async def worker(peer: str) -> None:
-            while True:
-                await self._ask_one(peer, ask, take, deadline, patient=bool(waiting))
-                if not waiting or trio.current_time() >= deadline:
-                    return
-                peer = waiting.popleft()
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(MAX_ASKS_PER_FANOUT, len(peers))):  # each its first peer now: "others wait" is then true
-                nursery.start_soon(worker, waiting.popleft())
-        if waiting:
-            log.warning("artifact listing: %d peers left out: not asked before the deadline", len(waiting))
-
-    async def _ask_one(self, peer: str, ask: Callable[[str], Awaitable[T]], take: Callable[[str, T], None],
-                       deadline: float, patient: bool) -> None:  # fmt: skip
-        with trio.move_on_at(deadline):
-            async with self._in_flight:
-                until = min(deadline, trio.current_time() + ASK_PATIENCE_S) if patient else deadline
-                with trio.move_on_at(until):
-                    try:
-                        answer = await ask(peer)
-                    except InclavateError as exc:  # nothing may escape the nursery as a group
-                        log.warning("artifact listing: peer %s left out: %s", peer, exc)
-                        return
-                    take(peer, answer)
-                    return
-        log.warning("artifact listing: peer %s left out: no answer in time", peer)
-
 
 class KeyWindow:
     """The best ``size`` sort keys of a listing so far, each with the peer that listed it
@@ -307,11 +231,8 @@ class KeyWindow:
         self._peers.append(peer)
         if peer is not None:
             self.source_of[peer] = source
-        self.entries.extend((key, source) for key in keys)
-        self.entries.sort(reverse=self.descending)  # two sorted runs: one merge pass
-        if len(self.entries) > self.size:
+        if keep_best(self.entries, ((key, source) for key in keys), self.size, descending=self.descending):
             self.overflow = True
-            del self.entries[self.size :]
 
     def row_queries(self, offset: int, per_peer: ListQuery) -> dict[str, ListQuery]:
         """What to ask each peer with rows on the page (the entries from ``offset``): a
@@ -332,10 +253,6 @@ class KeyWindow:
                 asks[peer] = ListQuery(count, 0, per_peer.kind, per_peer.files_only, per_peer.purpose, after,
                                        per_peer.ascending)  # fmt: skip
         return asks
-
-
-def _shuffle(peers: list[str]) -> None:
-    random.SystemRandom().shuffle(peers)
 
 
 async def _async(fn: Callable[[str], T], arg: str) -> T:

@@ -17,14 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from inclavate.artifact_swarm import (
-    ASK_PATIENCE_S,
-    KEYS_SHARE_S,
-    MAX_ASKS_IN_FLIGHT,
-    MAX_ASKS_PER_FANOUT,
-    PEER_TIMEOUT_S,
-    SwarmArtifacts,
-)
+from inclavate.artifact_swarm import KEYS_SHARE_S, PEER_TIMEOUT_S, SwarmArtifacts
 from inclavate.artifact_types import (
     MAX_FILENAME_CHARS,
     ArtifactConfig,
@@ -40,6 +33,7 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactStore
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+from inclavate.fan_out import ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_FANOUT
 from inclavate.owner_ids import MalformedId, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
