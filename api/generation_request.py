@@ -15,15 +15,11 @@ from api.errors import BadRequest
 from api.query_params import list_page
 from inclavate.generation_settings import MAX_DEADLINE_S
 from inclavate.generations import LIST_MAX_LIMIT
-from inclavate.jobs import NewJob
+from inclavate.jobs import MAX_INPUT_ARTIFACTS, MAX_MODEL_CHARS, MAX_PARAMS_BYTES, NewJob
 from inclavate.owner_ids import MalformedId, parse_id
 
 MODALITIES = ("audio", "image", "video", "text")
-MAX_INPUT_ARTIFACTS = 16
 MAX_KEY_CHARS = 255
-MAX_MODEL_CHARS = 200
-MAX_PARAMS_BYTES = 64 * 1024
-"""``params`` is stored with the job and returned by every read and listing: kept small."""
 LIST_DEFAULT_LIMIT = 100
 
 

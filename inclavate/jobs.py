@@ -48,6 +48,22 @@ TERMINAL: tuple[JobState, ...] = ("completed", "failed", "cancelled", "expired")
 MAX_ATTEMPTS = 2
 """Starts a job gets across restarts before it is failed as ``interrupted``."""
 
+# What a job record holds at most. The API refuses a submission whose model, params or
+# inputs exceed theirs (``api/generation_request.py``), the store clips the texts a generator or an exception
+# writes, and another peer's listing rows are held to all of them
+# (:mod:`inclavate.job_rows`), so an honest peer's row always passes there.
+MAX_MODEL_CHARS = 200
+MAX_PARAMS_BYTES = 64 * 1024
+"""``params`` is stored with the job and returned by every read and listing: kept small
+(measured as ``len(json.dumps(params))``)."""
+MAX_INPUT_ARTIFACTS = 16
+MAX_OUTPUT_ARTIFACTS = 16
+"""A job publishes one output today; room for generators that publish a few."""
+MAX_STAGE_CHARS = 200
+MAX_ERROR_CODE_CHARS = 64
+MAX_ERROR_MESSAGE_CHARS = 4096
+"""An error message is often ``str(exc)``: clipped here rather than left unbounded."""
+
 
 class JobStoreError(InclavateError):
     """The job database cannot be opened, read or written."""
@@ -128,6 +144,10 @@ def rfc3339(ms: int | None) -> str | None:
     if ms is None:
         return None
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+
+
+def _clip(text: str | None, limit: int) -> str | None:
+    return text if text is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def now_ms() -> int:
@@ -249,13 +269,15 @@ class JobStore:
                             attempts_inc=True, progress_stage="loading", progress_fraction=0.0)  # fmt: skip
 
     def progress(self, job_id: str, stage: str, fraction: float) -> Job | None:
-        return self._update(job_id, "state = 'running'", progress_stage=stage, progress_fraction=round(fraction, 4))
+        return self._update(job_id, "state = 'running'", progress_stage=stage[:MAX_STAGE_CHARS],
+                            progress_fraction=round(fraction, 4))  # fmt: skip
 
     def finish(self, job_id: str, state: JobState, now: int, *, outputs: tuple[str, ...] = (),
                error_code: str | None = None, error_message: str | None = None) -> Job | None:  # fmt: skip
         """Into a terminal state, once: a job already finished is left as it is (None)."""
         changes: dict[str, Any] = {"state": state, "completed_ms": now, "error_code": error_code,
-                                   "error_message": error_message, "output_artifacts": json.dumps(list(outputs))}  # fmt: skip
+                                   "error_message": _clip(error_message, MAX_ERROR_MESSAGE_CHARS),
+                                   "output_artifacts": json.dumps(list(outputs))}  # fmt: skip
         if state == "completed":
             changes.update(progress_stage="publishing", progress_fraction=1.0)
         return self._update(job_id, "state IN ('queued', 'running')", **changes)
