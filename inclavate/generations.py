@@ -11,7 +11,8 @@ peer's artifact store. This service, on every peer, answers for all of them:
   same peer and finds its first job);
 - **read / cancel / events**: here when the id's tag is ours, else forwarded to the owner
   (:mod:`inclavate.peer_http`; one hop at most);
-- **list**: this peer's jobs merged with every other live peer's, newest first.
+- **list**: this peer's jobs merged with every other live peer's, newest first (peers
+  asked in turns, :mod:`inclavate.fan_out`; their rows checked, :mod:`inclavate.job_rows`).
 
 A request that arrived forwarded (``local_only``) is answered from this peer alone.
 """
@@ -27,12 +28,15 @@ import trio
 
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound
-from inclavate.errors import InclavateError, RelayedError
+from inclavate.errors import InclavateError
+from inclavate.fan_out import keep_best
 from inclavate.generation_settings import GenerationSettings
+from inclavate.job_rows import decode_job_page
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, Job, NewJob
-from inclavate.owner_ids import owner_candidates, parse_id
+from inclavate.owner_ids import owner_candidates, owner_tag, parse_id
 from inclavate.peer_http import PeerBusy, PeerHttp, PeerUnreachable
+from inclavate.untrusted import DropCounter, Malformed
 from node.generators.base import InputMedia
 from p2p.registry import NodeView
 
@@ -42,6 +46,10 @@ POLL_S = 0.5
 """How often a sync adapter polls a job that runs on another peer."""
 BUSY_POLL_S = 1.0
 """How often an event stream polls the owner when no relayed stream was free."""
+LIST_TIMEOUT_S = 10.0
+"""The longest a swarm-wide job listing waits for other peers (each ask
+:data:`~inclavate.fan_out.ASK_PATIENCE_S` while others wait their turn); peers not heard
+from by then are left out of the page (logged)."""
 
 EraseRemote = Callable[[str, str, bool], Awaitable[dict[str, Any]]]
 """``(owner peer id, job id, artifacts) -> answer``: an admin erase signed by this peer."""
@@ -74,6 +82,9 @@ class GenerationService:
         self.http = http
         self._erase_remote = erase_remote
         self._pending_keys: set[str] = set()
+        self._fan_out = artifacts.fan_out.sibling("job listing")
+        self.listing_drops = DropCounter()
+        """Other peers' listing answers left out as malformed, by reason."""
 
     # -- discovery -----------------------------------------------------------------------
 
@@ -225,7 +236,10 @@ class GenerationService:
 
         Another peer sends its newest ``offset + limit`` rows (one page: see
         :data:`LIST_MAX_LIMIT`, past which the listing is :class:`ListingTooDeep`), and says
-        whether it has more, which makes the whole listing ``truncated``."""
+        whether it has more, which makes the whole listing ``truncated``. Peers are asked in
+        turns (:class:`~inclavate.fan_out.FanOut`, shared with artifact listings), each
+        answer's rows checked (:mod:`inclavate.job_rows`: a peer lists only its own jobs, in
+        the spec's shape) and merged into the best ``offset + limit`` as it arrives."""
         peers = [] if local_only else self._live_peers()
         if not peers:
             jobs = self.runner.store.list(limit + 1, offset)
@@ -236,26 +250,32 @@ class GenerationService:
                 f"offset + limit may reach at most {LIST_MAX_LIMIT} jobs in a swarm-wide listing "
                 f"({len(peers)} other peers each send their newest {LIST_MAX_LIMIT} at most)"
             )
-        rows = [self._listed(job) for job in self.runner.store.list(window + 1, 0)]
-        more_elsewhere = False
+        kept = _JobWindow(window)
+        own = self.runner.store.list(window + 1, 0)
+        kept.add([self._listed(job) for job in own], None)
+        truncated = False  # kept.overflow says whether this peer has more
+        urls = {view.record.peer_id: view.record.api_url for view in peers}
 
-        async def fetch(url: str) -> None:
-            nonlocal more_elsewhere
+        async def ask(peer: str) -> Any:
+            _, body = await self.http.json(urls[peer], "GET", "/v1/generations", params={"limit": window})
+            return body
+
+        def take(peer: str, body: Any) -> None:
+            nonlocal truncated
             try:
-                with trio.move_on_after(10):
-                    _, body = await self.http.json(url, "GET", "/v1/generations", params={"limit": window})
-                    if isinstance(body, dict) and isinstance(body.get("generations"), list):
-                        rows.extend(r for r in body["generations"] if isinstance(r, dict) and "created_at" in r)
-                        more_elsewhere |= body.get("truncated") is True
-            except (PeerUnreachable, RelayedError) as exc:
-                log.info("listing jobs: %s skipped (%s)", url, exc)
+                page = decode_job_page(body, owner_tag(peer), window)
+            except Malformed as exc:
+                self.listing_drops.count(exc.reason)
+                log.warning("job listing: peer %s left out: %s", peer, exc)
+                return
+            truncated = truncated or page.truncated
+            kept.add(page.rows, peer)
 
-        async with trio.open_nursery() as nursery:
-            for view in peers:
-                nursery.start_soon(fetch, view.record.api_url)
-        unique = {str(r.get("id")): r for r in rows}
-        ordered = sorted(unique.values(), key=lambda r: (str(r["created_at"]), str(r["id"])), reverse=True)
-        return ordered[offset:window], more_elsewhere or len(ordered) > window
+        deadline = trio.current_time() + LIST_TIMEOUT_S
+        await self._fan_out.ask(self._fan_out.order(urls), ask, take, deadline)
+        rows = kept.entries[offset:]
+        self._fan_out.remember(kept.peers_of(rows))
+        return [row for _, row, _ in rows], truncated or kept.overflow
 
     def _listed(self, job: Job) -> dict[str, Any]:
         body = job.to_json()
@@ -374,6 +394,32 @@ class GenerationService:
             await self.artifacts.store.delete(artifact_id)
         except (ArtifactError, OSError) as exc:
             log.warning("could not delete the refused upload %s: %s", artifact_id, exc)
+
+
+class _JobWindow:
+    """The best ``size`` rows of a swarm-wide job listing so far (newest first), each with
+    the peer that listed it (None: this peer), merged in as each answer arrives: a listing
+    holds O(``size``) rows whatever the number of peers answering. An id already kept is
+    not taken again (the first to list it wins: this peer's own rows come first)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: list[tuple[tuple[str, str], dict[str, Any], str | None]] = []
+        self.overflow = False
+        """Whether a row fell past ``size``: there are more rows than the window."""
+
+    def add(self, rows: list[dict[str, Any]], peer: str | None) -> None:
+        held = {row["id"] for _, row, _ in self.entries}
+        new = [((row["created_at"], row["id"]), row, peer) for row in rows if row["id"] not in held]
+        if keep_best(self.entries, new, self.size, descending=True, key=lambda entry: entry[0]):
+            self.overflow = True
+
+    @staticmethod
+    def peers_of(entries: list[tuple[tuple[str, str], dict[str, Any], str | None]]) -> list[str]:
+        """The peers with rows among ``entries``, the first rows' peers last (remembered
+        last, so asked first next time)."""
+        peers = list(dict.fromkeys(peer for _, _, peer in entries if peer is not None))
+        return peers[::-1]
 
 
 def _submission(new: NewJob) -> dict[str, Any]:

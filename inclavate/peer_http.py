@@ -89,8 +89,8 @@ class PeerHttp:
                     raw += chunk
                     if len(raw) > MAX_ANSWER_BYTES:
                         raise PeerUnreachable(f"peer {base_url} answered more than {MAX_ANSWER_BYTES} bytes")
-        except httpx.HTTPError as exc:
-            raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # the URL is the peer's own claim
+            raise PeerUnreachable(f"peer {base_url!r} did not answer: {type(exc).__name__}") from exc
         _raise_for_error(response.status_code, bytes(raw))
         try:
             return response.status_code, parse_json(raw, max_bytes=MAX_ANSWER_BYTES) if raw else None
@@ -109,7 +109,7 @@ class PeerHttp:
                     _raise_for_error(response.status_code, await response.aread())
                 async with aclosing(response.aiter_lines()) as lines:
                     yield lines
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
             self._streams -= 1

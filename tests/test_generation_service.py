@@ -15,7 +15,7 @@ from inclavate.artifacts import ArtifactStore
 from inclavate.errors import RelayedError
 from inclavate.generations import LIST_MAX_LIMIT, GenerationService, ListingTooDeep, NoGenerator
 from inclavate.job_runner import JobNotFound, JobRunner
-from inclavate.jobs import IdempotencyConflict, JobStore, NewJob
+from inclavate.jobs import IdempotencyConflict, Job, JobStore, NewJob
 from inclavate.owner_ids import new_id
 from inclavate.peer_http import PeerUnreachable
 
@@ -94,12 +94,21 @@ async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
         await service.get(new_id("12D3KooWdead"), local_only=False)
 
 
+def job_row(owner: str, created_ms: int, **fields: Any) -> dict[str, Any]:
+    """A row as ``owner`` lists it: a job record (``Job.to_json``) with an id it minted."""
+    job = Job(id=new_id(owner), state="queued", modality="audio", model="piper:joe", params={"text": "hi"},
+              seed=None, input_artifacts=(), output_artifacts=(), progress_stage=None, progress_fraction=None,
+              error_code=None, error_message=None, created_ms=created_ms, started_ms=None, completed_ms=None,
+              expires_ms=created_ms + 600_000, idempotency_key=None, attempts=0, cancel_requested=False, version=1)  # fmt: skip
+    return {**job.to_json(), **fields}
+
+
 class PagingPeer:
     """Another peer holding ``n`` jobs, answering ``GET /v1/generations`` as the route does:
     its newest ``limit`` (at most LIST_MAX_LIMIT, else 400) and whether it has more."""
 
     def __init__(self, n: int) -> None:
-        self.rows = [{"id": f"job-{i:05d}", "created_at": f"2026-01-01T{n - i:08d}"} for i in range(n)]
+        self.rows = [job_row(OTHER, 1_000_000 - i) for i in range(n)]
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None) -> tuple[int, Any]:
         limit = params["limit"]
