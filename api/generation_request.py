@@ -17,8 +17,8 @@ from inclavate.generation_settings import MAX_DEADLINE_S
 from inclavate.generations import LIST_MAX_LIMIT
 from inclavate.jobs import MAX_INPUT_ARTIFACTS, MAX_MODEL_CHARS, MAX_PARAMS_BYTES, NewJob
 from inclavate.owner_ids import MalformedId, parse_id
+from node.generators.base import MODALITIES
 
-MODALITIES = ("audio", "image", "video", "text")
 MAX_KEY_CHARS = 255
 LIST_DEFAULT_LIMIT = 100
 
