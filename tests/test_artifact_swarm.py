@@ -1031,6 +1031,13 @@ def _fake_rows(owner: str, count: int, start_ms: int) -> list[ArtifactMeta]:
             for i in range(count)]  # fmt: skip
 
 
+def _listing_answer(request: dict, rows: list[ArtifactMeta], truncated: bool) -> bytes:
+    """What an owner answers a ``list`` request with ``rows``: their keys or their records."""
+    if request["keys"]:
+        return encode({"ok": True, "keys": [[m.created_at_ms, m.id] for m in rows], "truncated": truncated})
+    return encode({"ok": True, "artifacts": [m.to_record() for m in rows], "truncated": truncated})
+
+
 @pytest.mark.parametrize("slow", [(PEER_TIMEOUT_S - 0.1, PEER_TIMEOUT_S - 0.1), (PEER_TIMEOUT_S / 2 - 0.1, PEER_TIMEOUT_S / 2 - 0.1),
                                   (PEER_TIMEOUT_S - 0.1, 0), (PEER_TIMEOUT_S / 2 - 0.1, 0)])  # fmt: skip
 async def test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s(
@@ -1086,11 +1093,7 @@ async def test_keys_before_a_listing_s_cursor_leave_their_peer_out(tmp_path: Pat
             async def liar(stream: FramedStream, remote: PeerId) -> None:
                 request = json.loads(await stream.receive(timeout=5))
                 rows = behind if request["ascending"] else behind[::-1]  # in the order asked
-                if request["keys"]:
-                    answer = {"ok": True, "keys": [[m.created_at_ms, m.id] for m in rows], "truncated": False}
-                else:
-                    answer = {"ok": True, "artifacts": [m.to_record() for m in rows], "truncated": False}
-                await stream.send(encode(answer), timeout=5)
+                await stream.send(_listing_answer(request, rows, False), timeout=5)
 
             b.host.set_stream_handler(PROTOCOL, liar)
             cursor = ListQuery(limit=3, files_only=True, after=mine[1].sort_key(), ascending=True)
@@ -1115,11 +1118,7 @@ async def test_a_peer_answering_full_row_pages_forever_is_asked_only_for_the_row
                 request = json.loads(await stream.receive(timeout=5))
                 asked.append(request)
                 rows = same[::-1][: request["limit"]]
-                if request["keys"]:
-                    answer = {"ok": True, "keys": [[m.created_at_ms, m.id] for m in rows], "truncated": True}
-                else:
-                    answer = {"ok": True, "artifacts": [m.to_record() for m in rows], "truncated": True}
-                await stream.send(encode(answer), timeout=5)
+                await stream.send(_listing_answer(request, rows, True), timeout=5)
 
             b.host.set_stream_handler(PROTOCOL, liar)
             page = await a.remote.list(b.host.peer_id, ListQuery(limit=2500))
