@@ -66,7 +66,8 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
     app.config["MAX_CONTENT_LENGTH"] = ctx.limits.max_body_bytes
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["inclavate.sessions"] = sessions or ActiveSessions.for_limits(ctx.limits)
-    install_request_class(app)  # upload routes raise their own body ceilings
+    # upload routes raise their own body ceilings; all bodies share one budget
+    app.extensions["inclavate.body_budget"] = install_request_class(app, ctx.limits.max_buffered_body_bytes)
     app.asgi_websocket_class = HandOverWebsocket
     request_guard.install(app, hosts)
     responses.install(app)  # a 204 carries no Content-Type

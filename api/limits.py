@@ -23,6 +23,9 @@ class RequestLimits:
 
     max_body_bytes: int = 24 * MIB
     """Raw request body; the server checks it before decoding JSON."""
+    max_buffered_body_bytes: int = 256 * MIB
+    """Request bodies this peer holds at once, over all requests (``api.body_budget``):
+    ten bodies of the largest size, sixteen chats with 16 MiB of media each."""
     max_content_parts: int = 64
     """Content-array elements over all messages (string content counts none)."""
     max_media_items: int = 16
@@ -60,6 +63,8 @@ class RequestLimits:
                 raise ConfigError(
                     f"request limit {f.name} must be a positive number, got {value!r}"
                 )
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ConfigError("request limit max_buffered_body_bytes must hold one body of max_body_bytes")
 
     def check_body_size(self, nbytes: int) -> None:
         """Refuse a body before reading it into JSON, so a huge upload costs no parsing."""

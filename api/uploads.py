@@ -16,6 +16,11 @@ The app's connection class here waits, after each message, while a handler that 
 the body (:class:`RequestChunks`) is more than :data:`HIGH_WATER_BYTES` behind, so the
 socket (and the client) slow down instead. A handler that reads the body whole never
 streams, so it is never waited for.
+
+Budget. Every body reserves its bytes in the app's :class:`~api.body_budget.BodyBudget` as
+they arrive, gives back what a streaming reader takes, and the rest when its request ends
+(:meth:`BackpressureConnection.__call__`): the bytes of all bodies a peer holds are bounded,
+not only each body's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from quart_trio.wrappers.request import TrioBody, TrioRequest
 
+from api.body_budget import BodyBudget, BodyBudgetFull
 from api.errors import ApiError
 
 HIGH_WATER_BYTES = 4 * 1024 * 1024
@@ -36,19 +42,48 @@ HIGH_WATER_BYTES = 4 * 1024 * 1024
 
 
 class StreamedBody(TrioBody):
-    """Quart's body buffer, plus a wait for a streaming reader to catch up."""
+    """Quart's body buffer, plus a wait for a streaming reader to catch up, and its bytes
+    reserved in the app's budget (none for a class without one, as in unit tests)."""
+
+    budget: ClassVar[BodyBudget | None] = None
 
     def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
         super().__init__(expected_content_length, max_content_length)
         self.streaming = False
+        self.held = 0
         self._taken = trio.Event()
+
+    def append(self, data: bytes) -> None:
+        if data and self._must_raise is None and self.budget is not None and not self.budget.reserve(self, len(data)):
+            self.refuse(self.budget.full_error())
+            return
+        super().append(data)
 
     async def __anext__(self) -> bytes:
         self.streaming = True
         try:
-            return await super().__anext__()
+            data = await super().__anext__()
         finally:
             self._taken.set()
+        if self.budget is not None:
+            self.budget.release(self, len(data))  # a streaming reader took them on
+        return data
+
+    def arriving(self) -> bool:
+        """Whether the body is still coming in (only then can refusing it free anything)."""
+        return not self._complete.is_set()
+
+    def refuse(self, error: BodyBudgetFull) -> None:
+        """Drop what is buffered; the handler's next read raises ``error``."""
+        self._must_raise = error
+        self._data.clear()
+        self.set_complete()
+        self._taken.set()
+
+    def release_all(self) -> None:
+        """Give the body's bytes back to the budget: its request has ended."""
+        if self.budget is not None:
+            self.budget.release(self)
 
     async def caught_up(self) -> None:
         """Return once a streaming reader holds at most HIGH_WATER_BYTES unread."""
@@ -58,6 +93,17 @@ class StreamedBody(TrioBody):
 
 
 class BackpressureConnection(TrioASGIHTTPConnection):
+    async def __call__(self, receive: Any, send: Any) -> None:
+        # quart-trio's, plus giving the body's budget back however the request ends
+        request = self._create_request_from_scope(send)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.handle_messages, nursery, request, receive)
+                nursery.start_soon(self.handle_request, nursery, request, send)
+        finally:
+            if isinstance(request.body, StreamedBody):
+                request.body.release_all()
+
     async def handle_messages(  # type: ignore[override]
         self, nursery: trio.Nursery, request: TrioRequest, receive: Any
     ) -> None:
@@ -84,11 +130,15 @@ class BodyLimitedRequest(TrioRequest):
         super().__init__(method, scheme, path, *args, max_content_length=limit, **kwargs)
 
 
-def install_request_class(app: QuartTrio) -> None:
-    """Give ``app`` its own request class (with its own table of route ceilings), and the
-    connection class that applies backpressure to streamed bodies."""
-    app.request_class = type("InclavateRequest", (BodyLimitedRequest,), {"body_limits": {}})
+def install_request_class(app: QuartTrio, budget_bytes: int) -> BodyBudget:
+    """Give ``app`` its own request class (with its own table of route ceilings and its own
+    budget of ``budget_bytes`` buffered over all requests), and the connection class that
+    applies backpressure to streamed bodies and gives budgets back. Returns the budget."""
+    budget = BodyBudget(budget_bytes)
+    body_class = type("InclavateBody", (StreamedBody,), {"budget": budget})
+    app.request_class = type("InclavateRequest", (BodyLimitedRequest,), {"body_limits": {}, "body_class": body_class})
     app.asgi_http_class = BackpressureConnection
+    return budget
 
 
 def set_body_limit(app: QuartTrio, method: str, path: str, limit: int) -> None:

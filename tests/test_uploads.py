@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
+from api.body_budget import BodyBudget, BodyBudgetFull
 from api.uploads import HIGH_WATER_BYTES, StreamedBody
 
 
@@ -40,3 +42,45 @@ async def test_a_body_read_whole_never_waits() -> None:
         await body.caught_up()
     body.set_complete()
     assert len(await body) == HIGH_WATER_BYTES * 2
+
+
+def _budgeted(limit: int) -> tuple[BodyBudget, type[StreamedBody]]:
+    budget = BodyBudget(limit)
+    return budget, type("Body", (StreamedBody,), {"budget": budget})
+
+
+async def test_bodies_share_one_budget_and_a_newcomer_past_it_is_refused() -> None:
+    budget, body_class = _budgeted(100)
+    first, second = body_class(None, None), body_class(None, None)
+    first.append(b"a" * 60)
+    second.append(b"b" * 60)  # as large as the first: refused, the first keeps its bytes
+    with pytest.raises(BodyBudgetFull):
+        await second
+    assert (budget.held, budget.peak, budget.refused) == (60, 60, 1)
+    first.set_complete()
+    assert await first == b"a" * 60
+    first.release_all()  # its request ended
+    assert budget.held == 0
+
+
+async def test_a_smaller_body_displaces_the_largest_still_arriving() -> None:
+    budget, body_class = _budgeted(100)
+    large, small = body_class(None, None), body_class(None, None)
+    large.append(b"L" * 90)
+    small.append(b"s" * 20)
+    with pytest.raises(BodyBudgetFull):
+        await large
+    small.set_complete()
+    assert await small == b"s" * 20 and budget.held == 20 and budget.peak <= 100
+    small.release_all()
+    large.release_all()
+    assert budget.held == 0
+
+
+async def test_a_streaming_reader_gives_back_what_it_takes() -> None:
+    budget, body_class = _budgeted(100)
+    body = body_class(None, None)
+    for _ in range(10):  # 500 bytes through a budget of 100
+        body.append(b"x" * 50)
+        assert await body.__anext__() == b"x" * 50
+    assert budget.held == 0 and budget.peak == 50

@@ -385,6 +385,80 @@ async def test_a_flood_of_chats_past_the_entrys_turns_is_a_429_before_any_work(s
         ctx.close()
 
 
+async def _send_quietly(stream: trio.SocketStream, data: bytes) -> None:
+    """Send what the peer takes: one that refused the body may close while it comes."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send_all(data)
+
+
+async def _answer(stream: trio.SocketStream) -> tuple[int | None, bytes]:
+    """The status and body of one HTTP/1.1 answer on ``stream`` (None: closed without one)."""
+    received = b""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        while b"\r\n\r\n" not in received and (chunk := await stream.receive_some()):
+            received += chunk
+        head, _, body = received.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length and (chunk := await stream.receive_some()):
+            body += chunk
+    if not received.startswith(b"HTTP/1.1 "):
+        return None, received
+    return int(received.split(b" ")[1]), received.partition(b"\r\n\r\n")[2]
+
+
+async def test_request_bodies_a_peer_buffers_at_once_are_bounded_over_all_connections(smollm2, slice_cache) -> None:
+    """Each body had its ceiling (24 MiB for JSON routes), but Quart buffers a body as it
+    arrives and nothing bounded them together: 40 connections sending most of a 24 MiB body
+    to ``POST /v1/chat/completions`` raised a peer's RSS by ~940 MB (to ``POST /nodes``
+    ~1.2 GB), more connections more. Bodies now share one budget (``max_buffered_body_bytes``,
+    ``api.body_budget``): past it a body is refused with a 503 in the spec's shape, a
+    smaller one displacing the largest still arriving, so an honest chat gets in through
+    the flood; every request gives its bytes back when it ends."""
+    from api.app import create_app, serve_api
+
+    mib = 1024 * 1024
+    ctx = LocalContext(MODEL, smollm2.path, slice_cache, context_length=256)
+    ctx.limits = RequestLimits(max_body_bytes=4 * mib, max_buffered_body_bytes=16 * mib, max_generations=4)  # its 4 slots
+    chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        app = create_app(ctx)
+        port = free_port()
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve_api, app, "127.0.0.1", port)
+                flood = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(12)]
+                for stream in flood:  # 12 x 3 MiB of 4 MiB bodies, held unfinished
+                    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                            f"Content-Type: application/json\r\nContent-Length: {4 * mib}\r\n\r\n")  # fmt: skip
+                    await _send_quietly(stream, head.encode() + b" " * (3 * mib))
+                async with httpx.AsyncClient(timeout=60) as client:
+                    honest = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat)
+                    assert honest.status_code == 200, honest.text  # through the flood
+                    for stream in flood:
+                        await _send_quietly(stream, b" " * mib)  # the rest: whole bodies of spaces are 400s
+                    answers = [await _answer(stream) for stream in flood]
+                    for stream in flood:
+                        await stream.aclose()
+                    refused = [json.loads(body) for status, body in answers if status == 503]
+                    assert refused and all("request bodies" in r["error"] for r in refused), answers
+                    assert {status for status, _ in answers} <= {400, 503, None}, answers
+                    budget = app.extensions["inclavate.body_budget"]
+                    assert budget.peak <= 16 * mib and budget.refused >= len(refused)
+                    chats = [None] * 16  # sixteen honest chats at once, after it
+
+                    async def ask(i: int) -> None:
+                        chats[i] = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat)
+
+                    async with trio.open_nursery() as asking:
+                        for i in range(16):
+                            asking.start_soon(ask, i)
+                    assert all(r is not None and r.status_code == 200 for r in chats), chats
+                assert budget.held == 0  # every request gave its bytes back
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.close()
+
+
 async def test_an_idle_chat_websocket_is_closed(smollm2, slice_cache) -> None:
     """A ``/ws/chat`` connection that never sent a request stayed open for ever (checked to
     120 s): 2,000 of them held 2,000 descriptors and 64 MB of a peer, and nothing ever gave
