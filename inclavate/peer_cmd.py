@@ -180,10 +180,37 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     )
 
 
+OPEN_FILES_CEILING = 65536
+"""The soft descriptor limit a peer raises itself to, at most (its hard limit may be lower)."""
+
+
+def raise_open_files_limit(ceiling: int = OPEN_FILES_CEILING) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` towards the hard one; returns the soft limit now.
+
+    Desktops often start processes at 1,024 descriptors with a far higher hard limit, and a
+    peer's descriptors are shared by libp2p, direct links, stores, model files and the HTTP
+    API (which takes at most a quarter: ``api.connection_table``). Raising is what the hard
+    limit is for; the ceiling keeps the API's share, and its tasks, reasonable."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):  # a sandbox may refuse: the limit stays what it was
+            log.info("could not raise the open-files limit from %d", soft)
+    return soft
+
+
 def run_peer_command(args: argparse.Namespace) -> int:
     if logging.getLogger().level > logging.INFO:
         logging.getLogger().setLevel(logging.INFO)  # a long-running service narrates its life
     config = config_from_args(args)
+    raise_open_files_limit()
     try:
         if args.legacy:
             if not args.orchestrator:

@@ -204,3 +204,19 @@ def test_a_data_dir_a_running_peer_holds_is_refused_with_one_line(tmp_path: Path
         first.process.wait(10)
         again = swarm.start("a")  # the same data directory, after a kill -9: free
         swarm.multiaddr(again)
+
+
+def test_a_peer_raises_its_open_files_limit_towards_the_hard_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A desktop's 1,024 descriptors are shared by libp2p, stores, models and the API."""
+    import resource
+
+    from inclavate.peer_cmd import raise_open_files_limit
+
+    limits = {"now": (1024, 524288)}
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda _which, value: limits.update(now=value))
+    assert raise_open_files_limit(ceiling=65536) == 65536 and limits["now"] == (65536, 524288)
+    limits["now"] = (1024, 4096)
+    assert raise_open_files_limit(ceiling=65536) == 4096 and limits["now"] == (4096, 4096)
+    limits["now"] = (100000, 524288)  # already above the ceiling: never lowered
+    assert raise_open_files_limit(ceiling=65536) == 100000 and limits["now"] == (100000, 524288)
