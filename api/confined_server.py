@@ -14,6 +14,10 @@ hypercorn's own write takes a lock and then trio's ``send_all``, and each ends t
 turn even when nothing waits: two scheduler turns for every SSE chunk. Writing in place cut
 the event loop's CPU per batched step, 8 sessions streaming, by about an eighth
 (docs/ARCHITECTURE.md, "What a batched step waits for outside the engine").
+
+It also counts connections (:mod:`api.connection_table`): past the bound a connection of
+the source holding the most is ended, and a connection that sends no whole request within
+:data:`FIRST_REQUEST_S` is closed (hypercorn gave it its keep-alive, 30 s).
 """
 
 from __future__ import annotations
@@ -24,18 +28,57 @@ import sys
 
 import hypercorn.trio.run as hypercorn_run
 import trio
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
+
+from api.connection_table import ConnectionTable, source_of
 
 log = logging.getLogger(__name__)
 
 
 class ConfinedTCPServer(TCPServer):
+    idle = True
+    """No request under way (read by :class:`ConnectionTable`)."""
+    _requested = False
+    _evicted = False
+    _scope: trio.CancelScope | None = None
+
     async def run(self) -> None:
+        key = CONNECTIONS.admit(self._source(), self)
         try:
-            await super().run()
+            with trio.CancelScope() as self._scope:
+                if self._evicted:  # its own source's surplus, taken and ended at once
+                    self._scope.cancel()
+                await super().run()
         except Exception:  # noqa: BLE001 - any failure of one connection stays with it
             log.warning("an HTTP connection failed and was closed", exc_info=True)
+        finally:
+            CONNECTIONS.release(key)  # hypercorn's own ``finally`` closed the socket
+
+    def evict(self) -> None:
+        """End this connection to make room for a newcomer (``CONNECTIONS``): its task is
+        cancelled, and hypercorn's ``finally`` closes the socket (shielded: :meth:`_close`)."""
+        self._evicted = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _source(self) -> str:
+        sock = getattr(self.stream, "socket", None) or getattr(getattr(self.stream, "transport_stream", None), "socket", None)
+        try:
+            return source_of(sock.getpeername()[0])
+        except (AttributeError, OSError, IndexError, TypeError):
+            return "?"
+
+    async def _idle_timeout(self) -> None:
+        """Before its first request a connection has :data:`FIRST_REQUEST_S` to send it
+        whole (request line and headers); after, hypercorn's keep-alive."""
+        if self._requested:
+            await super()._idle_timeout()
+            return
+        with trio.move_on_after(FIRST_REQUEST_S):
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
 
     async def _close(self) -> None:
         """Close the connection, shielded. After a response that ends it (``Connection:
@@ -47,6 +90,9 @@ class ConfinedTCPServer(TCPServer):
             await super()._close()
 
     async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):
+            self.idle = event.idle
+            self._requested = self._requested or not event.idle
         if isinstance(event, RawData) and event.data:
             written = self._write_in_place(event.data)
             if written == len(event.data):
@@ -86,6 +132,12 @@ class ConfinedTCPServer(TCPServer):
         except OSError:  # BlockingIOError (the kernel's buffer is full), a closed peer
             return 0
 
+
+FIRST_REQUEST_S = 10.0
+"""Seconds a new connection has to send its first request's line and headers."""
+
+CONNECTIONS = ConnectionTable()
+"""Every HTTP connection of the process: descriptors are the process's, whatever the server."""
 
 WRITE_STALL_S = 60.0
 """Seconds one write of a response (at most a download's read chunk) may wait for its client."""

@@ -11,7 +11,12 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
+import resource
 import secrets
+import select
+import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -457,6 +462,84 @@ async def test_request_bodies_a_peer_buffers_at_once_are_bounded_over_all_connec
                 nursery.cancel_scope.cancel()
     finally:
         ctx.close()
+
+
+def _connect_quietly(port: int, source: str, n: int) -> list[socket.socket]:
+    """``n`` connections that send nothing, opened 50 at a time, each batch in the peer's
+    listen queue (100) before the next: past it the kernel drops a handshake, and its
+    retries back off for a minute."""
+    opened: list[socket.socket] = []
+    for start in range(0, n, 50):
+        batch = [socket.socket() for _ in range(min(50, n - start))]
+        opened += batch
+        for sock in batch:
+            sock.bind((source, 0))
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        poller = select.poll()
+        for sock in batch:
+            poller.register(sock, select.POLLOUT)
+        waiting = {sock.fileno() for sock in batch}
+        deadline = time.monotonic() + 30
+        while waiting and time.monotonic() < deadline:
+            waiting -= {fd for fd, _ in poller.poll(1000)}
+    return opened
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, OSError):  # not yet connected, or connected and open
+        return False
+
+
+def _health_on(sock: socket.socket) -> bytes:
+    """``GET /health`` on a keep-alive connection: the answer's status line."""
+    sock.setblocking(True)
+    sock.settimeout(10)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {answer!r}"
+        answer += chunk
+    return answer.split(b"\r\n")[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the peer's descriptors in /proc")
+def test_a_flood_of_idle_connections_leaves_the_peer_its_descriptors_and_its_clients(tmp_path) -> None:
+    """Nothing counted HTTP connections: 1,100 connections that sent nothing took every
+    descriptor of a peer limited to 1,024 for 30 s at a time (its keep-alive); the API
+    answered nobody (``accept returned EMFILE`` ten times a second) and a peer bootstrapping
+    through it found nobody answering its dial. Here 300 from 127.0.0.2 against a peer
+    limited to 256 (the API's share 64): each newcomer ends the flood's oldest, so the peer
+    never reaches its limit, a keep-alive client on 127.0.0.1 keeps its connection and a
+    new one is answered (before: 256 descriptors held, ``EMFILE``, the new client unanswered)."""
+    with Swarm(tmp_path) as s:
+        peer = s.start("a")
+        s.wait_ready(peer)
+        resource.prlimit(peer.process.pid, resource.RLIMIT_NOFILE, (256, 256))
+        honest = socket.create_connection(("127.0.0.1", peer.api_port), timeout=10)
+        flood: list[socket.socket] = []
+        try:
+            assert _health_on(honest) == b"HTTP/1.1 200 "
+            flood = _connect_quietly(peer.api_port, "127.0.0.2", 300)
+            most = 0
+
+            def flood_ended() -> bool:
+                nonlocal most
+                most = max(most, len(os.listdir(f"/proc/{peer.process.pid}/fd")))
+                return sum(map(_closed_by_peer, flood)) >= 300 - 64
+
+            s.wait(flood_ended, 60, "the peer to end the flood's surplus", peer)
+            assert most < 256, f"the peer held {most} descriptors, its limit 256"
+            assert _health_on(honest) == b"HTTP/1.1 200 "  # kept through the flood
+            assert peer.get("/health")["ok"]  # and a newcomer is answered
+            assert "EMFILE" not in peer.log_path.read_text(errors="replace")
+        finally:
+            honest.close()
+            for sock in flood:
+                sock.close()
 
 
 async def test_an_idle_chat_websocket_is_closed(smollm2, slice_cache) -> None:
