@@ -44,7 +44,8 @@ class ConfinedTCPServer(TCPServer):
     _scope: trio.CancelScope | None = None
 
     async def run(self) -> None:
-        key = CONNECTIONS.admit(self._source(), self)
+        table = CONNECTIONS  # released where admitted, whatever replaces the global meanwhile
+        key = table.admit(self._source(), self)
         try:
             with trio.CancelScope() as self._scope:
                 if self._evicted:  # its own source's surplus, taken and ended at once
@@ -53,7 +54,7 @@ class ConfinedTCPServer(TCPServer):
         except Exception:  # noqa: BLE001 - any failure of one connection stays with it
             log.warning("an HTTP connection failed and was closed", exc_info=True)
         finally:
-            CONNECTIONS.release(key)  # hypercorn's own ``finally`` closed the socket
+            table.release(key)  # hypercorn's own ``finally`` closed the socket
 
     def evict(self) -> None:
         """End this connection to make room for a newcomer (``CONNECTIONS``): its task is
