@@ -94,37 +94,16 @@ async def test_a_response_that_ends_its_connection_closes_it() -> None:
     """``Connection: close`` (or HTTP/1.0): hypercorn closed the socket from a task being
     cancelled, and it stayed open, a descriptor and a task of the peer for as long as the
     client kept it (a client that waits for the server's close waited for ever)."""
-    confined_server.install()
-    app = QuartTrio("close")
-
-    @app.get("/")
-    async def root() -> dict[str, bool]:
-        return {"ok": True}
-
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve, app, config)
+        async with _server() as port:
             for request in (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"GET / HTTP/1.0\r\n\r\n"):
-                while True:
-                    try:
-                        client = await trio.open_tcp_stream("127.0.0.1", port)
-                        break
-                    except OSError:
-                        await trio.sleep(0.05)  # the server is starting
-                async with client:
+                async with await trio.open_tcp_stream("127.0.0.1", port) as client:
                     await client.send_all(request)
                     answer = b""
                     with trio.fail_after(5):  # before: no end, ever
                         while chunk := await client.receive_some(65536):
                             answer += chunk
                     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"ok":true}\n')
-            nursery.cancel_scope.cancel()
 
 
 class _Held:
