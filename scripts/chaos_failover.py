@@ -1,0 +1,298 @@
+"""Chaos for failover: greedy streams keep running while random peers die, hang and come back.
+
+A loopback swarm of smollm2:135m (127.0.0.1 only, no mDNS): two entries, ``a`` 0-10 and
+``c`` 20-30, replicas ``a2`` 0-10, ``b1``/``b2`` 10-20, ``c2`` 20-30, and a spare ``s``
+choosing its own layers. ``--streams`` workers keep greedy (temperature 0) streamed chat
+completions going in a loop, alternating entries and prompts. Meanwhile each round picks a
+random non-entry peer and either kills it (SIGKILL), stops it politely (SIGTERM) or hangs it
+(SIGSTOP for a few seconds, then SIGCONT); a stopped or killed peer is restarted on its data
+dir after a few seconds, and the next round waits until every peer is Ready again.
+
+Every completed stream is checked against the same prompt's undisturbed text (greedy output
+must not depend on the route or on failovers: docs/ARCHITECTURE.md, "Failover"): it must
+open with 200, end with a finish_reason and ``[DONE]``, carry no error event and give the
+same text. After the chaos, no peer may hold a KV session (``/health`` ``sessions``) and
+every process must be gone. The summary counts streams, failovers (the entries' logs),
+mismatches, errors and leftover sessions; the workdir keeps every peer's log.
+
+Run (pinned to one core, as the tests are)::
+
+    taskset -c 1 env PYTHONPATH=. INCLAVATE_HOME=... python scripts/chaos_failover.py --minutes 20 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inclavate.config import inclavate_home
+from inclavate.local_swarm import LocalSwarm, PeerProcess, SwarmError
+
+MODEL = "smollm2:135m"
+ENTRIES = {"a": "0-10", "c": "20-30"}
+REPLICAS = {"a2": "0-10", "b1": "10-20", "b2": "10-20", "c2": "20-30", "s": ""}
+PROMPTS = [
+    "Tell me a short story about a lighthouse keeper.",
+    "Explain how a bicycle works to a child.",
+    "Write a poem about the sea at night.",
+    "What are three good reasons to learn to cook?",
+    "Describe a walk through a forest in autumn.",
+    "Why is the sky blue? Answer in a few sentences.",
+]
+
+
+@dataclass
+class Outcome:
+    """One streamed chat as the client saw it."""
+
+    prompt: int
+    entry: str
+    status: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+    session_id: str = ""
+    started: float = field(default_factory=time.time)
+    ended: float = 0.0
+
+    def problem(self, expected: str) -> str | None:
+        """Why this stream broke the product's promise, or None."""
+        if self.status != 200:
+            return f"status {self.status}: {self.error}"
+        if self.error is not None:
+            return f"error event: {self.error}"
+        if not self.done or self.finish_reason is None:
+            return f"cut stream (done={self.done}, finish_reason={self.finish_reason})"
+        if self.text != expected:
+            return "mismatch"
+        return None
+
+
+def body(prompt: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[prompt]}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+
+
+def stream(peer: PeerProcess, prompt: int, max_tokens: int, timeout: float = 300.0) -> Outcome:
+    """POST a streamed chat and read it to the end, noting everything a client could see go wrong."""
+    out = Outcome(prompt, peer.name)
+    req = urllib.request.Request(peer.url + "/v1/chat/completions", data=json.dumps(body(prompt, max_tokens)).encode(),
+                                 headers={"content-type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            out.status = resp.status
+            out.session_id = resp.headers.get("x-dppan-session-id", "")
+            for raw in resp:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    out.done = True
+                elif line.startswith("data: "):
+                    read_event(out, json.loads(line[6:]))
+    except urllib.error.HTTPError as exc:
+        out.status, out.error = exc.code, exc.read().decode(errors="replace")[:300]
+    except (OSError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        out.status = out.status or -1
+    out.ended = time.time()
+    return out
+
+
+def read_event(out: Outcome, event: dict[str, Any]) -> None:
+    if "error" in event:
+        out.error = json.dumps(event)[:300]
+        return
+    for choice in event.get("choices", []):
+        out.finish_reason = choice.get("finish_reason") or out.finish_reason
+        out.text += choice.get("delta", {}).get("content") or ""
+
+
+class Chaos:
+    """The swarm, the stream workers and the disturbances, with everything they saw."""
+
+    def __init__(self, swarm: LocalSwarm, args: argparse.Namespace) -> None:
+        self.swarm, self.args = swarm, args
+        self.rng = random.Random(args.seed)
+        self.peers: dict[str, PeerProcess] = {}
+        self.expected: dict[int, str] = {}
+        self.outcomes: list[Outcome] = []
+        self.events: list[str] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the swarm
+
+    def start_peer(self, name: str) -> PeerProcess:
+        layers = {**ENTRIES, **REPLICAS}[name]
+        args = ("--layers", layers) if layers else ()
+        boot = None if name == "a" else self.peers["a" if name in ("c", "a2", "b1") else "c"]
+        peer = self.swarm.start(name, MODEL, *args, bootstrap=boot)
+        self.peers[name] = peer
+        return peer
+
+    def start_swarm(self) -> None:
+        for name in [*ENTRIES, *REPLICAS]:
+            self.swarm.wait_ready(self.start_peer(name), timeout=180)
+        self.wait_all_ready(60)
+
+    def wait_all_ready(self, timeout: float) -> None:
+        """Until both entries list every peer Ready (a restarted one under its old id)."""
+        want = len(self.peers)
+
+        def ready() -> bool:
+            return all(sum(n["state"] == "Ready" for n in self.peers[e].get("/nodes")) == want for e in ENTRIES)
+
+        self.swarm.wait(ready, timeout, f"{want} Ready peers on both entries")
+
+    # ------------------------------------------------------------------ streams
+
+    def reference(self) -> None:
+        """Every prompt undisturbed, through each entry: greedy text must not depend on the route."""
+        for i in range(len(PROMPTS)):
+            texts = {e: stream(self.peers[e], i, self.args.max_tokens) for e in ENTRIES}
+            for e, o in texts.items():
+                if o.problem(o.text) is not None:
+                    raise SwarmError(f"reference run of prompt {i} through {e} failed: {o}")
+            if len({o.text for o in texts.values()}) != 1:
+                raise SwarmError(f"undisturbed texts of prompt {i} differ between entries: {texts}")
+            self.expected[i] = texts["a"].text
+
+    def worker(self, n: int) -> None:
+        k = n
+        while not self.stop.is_set():
+            entry = list(ENTRIES)[k % len(ENTRIES)]
+            out = stream(self.peers[entry], k % len(PROMPTS), self.args.max_tokens)
+            problem = out.problem(self.expected[out.prompt])
+            with self.lock:
+                self.outcomes.append(out)
+                if problem:
+                    self.log(f"STREAM FAILED via {entry} prompt {out.prompt} session {out.session_id}: {problem}"
+                             + (f"\n  got:      {out.text!r}\n  expected: {self.expected[out.prompt]!r}"
+                                if problem == "mismatch" else ""))  # fmt: skip
+            k += 1
+
+    # ------------------------------------------------------------------ disturbances
+
+    def log(self, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self.events.append(f"{stamp} {line}")
+        print(f"{stamp} {line}", flush=True)
+
+    def round(self, r: int) -> None:
+        name = self.rng.choice(list(REPLICAS))
+        peer = self.peers[name]
+        action = self.rng.choices(["kill", "term", "stop"], weights=[6, 2, 2])[0]
+        pause = self.rng.uniform(2.0, 6.0)
+        self.log(f"round {r}: {action} {name} (down {pause:.1f} s)")
+        if action == "stop":
+            peer.process.send_signal(signal.SIGSTOP)
+            time.sleep(pause)
+            peer.process.send_signal(signal.SIGCONT)
+        else:
+            peer.process.send_signal(signal.SIGKILL if action == "kill" else signal.SIGTERM)
+            try:
+                code = peer.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.log(f"  {name} did not exit within 60 s of SIGTERM: killing it")
+                peer.process.kill()
+                code = peer.process.wait(10)
+            if action == "term" and code != 0:
+                self.log(f"  {name} exited {code} after SIGTERM")
+            time.sleep(pause)
+            self.swarm.wait_ready(self.start_peer(name), timeout=180)
+        self.wait_all_ready(90)
+        time.sleep(self.rng.uniform(0.5, 3.0))
+
+    def run(self) -> None:
+        workers = [threading.Thread(target=self.worker, args=(n,), daemon=True) for n in range(self.args.streams)]
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 60 * self.args.minutes
+        r = 0
+        try:
+            while r < self.args.rounds and time.monotonic() < deadline:
+                r += 1
+                self.round(r)
+        except SwarmError as exc:
+            self.log(f"CHAOS STOPPED in round {r}: {exc}")
+        finally:
+            self.rounds = r
+            self.stop.set()
+            for w in workers:
+                w.join(320)
+
+    # ------------------------------------------------------------------ after
+
+    def leftover_sessions(self, wait_s: float) -> dict[str, dict[str, int]]:
+        """Sessions still held on each peer after ``wait_s`` of quiet (none is the promise)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            held = {}
+            for name, peer in self.peers.items():
+                try:
+                    sessions = peer.get("/health")["sessions"]
+                except (OSError, SwarmError) as exc:
+                    sessions = {"unanswered": 1, "why": str(exc)[:80]}  # type: ignore[dict-item]
+                if any(v for v in sessions.values()):
+                    held[name] = sessions
+            if not held or time.monotonic() > deadline:
+                return held
+            time.sleep(1)
+
+    def failovers(self) -> int:
+        pattern = re.compile(r"failover \d+/\d+")
+        return sum(len(pattern.findall(p.log_path.read_text(errors="replace"))) for p in self.peers.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0, help="how long to disturb the swarm")
+    parser.add_argument("--rounds", type=int, default=10_000, help="at most this many disturbances")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--wire-dtype", default="f32", choices=("f16", "bf16", "f32"))
+    parser.add_argument("--workdir", type=Path, help="keep the peers' data and logs here (default: a temp dir, kept)")
+    args = parser.parse_args()
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-failover-"))
+    common = ["--p2p-host", "127.0.0.1", "--no-mdns", "--threads", "1", "--context", "1024", "--max-sessions", "8",
+              "--wire-dtype", args.wire_dtype, "--drain-timeout", "10"]  # fmt: skip
+    print(f"command: {' '.join(sys.argv)}\nworkdir (peer logs): {workdir}", flush=True)
+    with LocalSwarm(workdir, common, {"INCLAVATE_HOME": str(inclavate_home())}) as swarm:
+        chaos = Chaos(swarm, args)
+        chaos.start_swarm()
+        chaos.reference()
+        chaos.log("reference texts taken; chaos begins")
+        chaos.run()
+        leftovers = chaos.leftover_sessions(40)
+        failovers = chaos.failovers()
+    alive = [p.name for p in swarm.peers if p.alive()]
+    problems = [(o, o.problem(chaos.expected[o.prompt])) for o in chaos.outcomes]
+    mismatches = sum(p == "mismatch" for _, p in problems)
+    errors = [f"{o.entry}/{o.prompt}: {p}" for o, p in problems if p and p != "mismatch"]
+    print(f"\n===== summary (seed {args.seed}) =====")
+    print(f"rounds {chaos.rounds}; streams completed {len(chaos.outcomes)}; failovers seen in logs {failovers}")
+    print(f"mismatches {mismatches}; errors {len(errors)}")
+    for e in errors:
+        print(f"  {e}")
+    print(f"leftover sessions: {leftovers or 'none'}; processes still alive: {alive or 'none'}")
+    print(f"workdir: {workdir}")
+    return 0 if not (mismatches or errors or leftovers or alive) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
