@@ -4,9 +4,10 @@ A loopback swarm of smollm2:135m (127.0.0.1 only, no mDNS): two entries, ``a`` 0
 ``c`` 20-30, replicas ``a2`` 0-10, ``b1``/``b2`` 10-20, ``c2`` 20-30, and a spare ``s``
 choosing its own layers. ``--streams`` workers keep greedy (temperature 0) streamed chat
 completions going in a loop, alternating entries and prompts. Meanwhile each round picks a
-random non-entry peer and either kills it (SIGKILL), stops it politely (SIGTERM) or hangs it
-(SIGSTOP for a few seconds, then SIGCONT); a stopped or killed peer is restarted on its data
-dir after a few seconds, and the next round waits until every peer is Ready again.
+random non-entry peer and either kills it (SIGKILL), stops it politely (SIGTERM), stalls it
+(SIGSTOP for 2-6 s, then SIGCONT), hangs it past the step deadline (SIGSTOP for 7-12 s), or
+kills two replicas of different spans at once; a stopped or killed peer is restarted on its
+data dir after a few seconds, and the next round waits until every peer is Ready again.
 
 Every completed stream is checked against the same prompt's undisturbed text (greedy output
 must not depend on the route or on failovers: docs/ARCHITECTURE.md, "Failover"): it must
@@ -192,29 +193,40 @@ class Chaos:
         print(f"{stamp} {line}", flush=True)
 
     def round(self, r: int) -> None:
-        name = self.rng.choice(list(REPLICAS))
-        peer = self.peers[name]
-        action = self.rng.choices(["kill", "term", "stop"], weights=[6, 2, 2])[0]
-        pause = self.rng.uniform(2.0, 6.0)
-        self.log(f"round {r}: {action} {name} (down {pause:.1f} s)")
-        if action == "stop":
-            peer.process.send_signal(signal.SIGSTOP)
-            time.sleep(pause)
-            peer.process.send_signal(signal.SIGCONT)
+        action = self.rng.choices(["kill", "term", "stop", "hang", "double"], weights=[5, 2, 2, 1, 1])[0]
+        if action == "double":  # two replicas of different spans at once
+            first = self.rng.choice(list(REPLICAS))
+            names = [first, self.rng.choice([n for n in REPLICAS if n != first and (REPLICAS[n] != REPLICAS[first] or not REPLICAS[n])])]
         else:
-            peer.process.send_signal(signal.SIGKILL if action == "kill" else signal.SIGTERM)
-            try:
-                code = peer.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.log(f"  {name} did not exit within 60 s of SIGTERM: killing it")
-                peer.process.kill()
-                code = peer.process.wait(10)
-            if action == "term" and code != 0:
-                self.log(f"  {name} exited {code} after SIGTERM")
+            names = [self.rng.choice(list(REPLICAS))]
+        pause = self.rng.uniform(7.0, 12.0) if action == "hang" else self.rng.uniform(2.0, 6.0)
+        self.log(f"round {r}: {action} {' '.join(names)} (down {pause:.1f} s)")
+        if action in ("stop", "hang"):  # hang: past the step deadline (5 s), so a failover
+            self.peers[names[0]].process.send_signal(signal.SIGSTOP)
             time.sleep(pause)
-            self.swarm.wait_ready(self.start_peer(name), timeout=180)
+            self.peers[names[0]].process.send_signal(signal.SIGCONT)
+        else:
+            for name in names:
+                self.peers[name].process.send_signal(signal.SIGTERM if action == "term" else signal.SIGKILL)
+            for name in names:
+                self.reap(name, action)
+            time.sleep(pause)
+            for name in names:
+                self.swarm.wait_ready(self.start_peer(name), timeout=180)
         self.wait_all_ready(90)
         time.sleep(self.rng.uniform(0.5, 3.0))
+
+    def reap(self, name: str, action: str) -> None:
+        """Wait for a signalled peer to exit (a polite stop drains first)."""
+        peer = self.peers[name]
+        try:
+            code = peer.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.log(f"  {name} did not exit within 60 s of SIG{action.upper()}: killing it")
+            peer.process.kill()
+            code = peer.process.wait(10)
+        if action == "term" and code != 0:
+            self.log(f"  {name} exited {code} after SIGTERM")
 
     def run(self) -> None:
         workers = [threading.Thread(target=self.worker, args=(n,), daemon=True) for n in range(self.args.streams)]
