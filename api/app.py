@@ -39,6 +39,7 @@ from api.context import PeerContext
 from api.errors import error_response_parts
 from api.request_guard import HostPolicy
 from api.sessions import ActiveSessions
+from api.heap_trim import trim_after_floods
 from api.uploads import install_request_class
 
 log = logging.getLogger(__name__)
@@ -135,4 +136,9 @@ async def serve_api(
     # HandOverWebsocket); an HTTP body's messages are socket reads, and streamed bodies have
     # their own backpressure (api.uploads).
     config.max_app_queue_size = 1
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown, task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        budget = app.extensions.get("inclavate.body_budget")
+        if budget is not None:
+            nursery.start_soon(trim_after_floods, budget)  # the heap a flood of bodies left
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown, task_status=task_status)
+        nursery.cancel_scope.cancel()

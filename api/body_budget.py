@@ -40,7 +40,9 @@ class Holder(Protocol):
 
 class BodyBudget:
     """Bytes reserved by request bodies; ``peak`` is the most ever held at once (for tests
-    and metrics). Trio-only: every call runs on the event loop, so no lock is needed."""
+    and metrics), ``high_since_trim`` the most since the heap was last trimmed
+    (:mod:`api.heap_trim`), ``trims`` how often it was. Trio-only: every call runs on the
+    event loop, so no lock is needed."""
 
     def __init__(self, limit: int) -> None:
         if limit <= 0:
@@ -49,6 +51,8 @@ class BodyBudget:
         self.held = 0
         self.peak = 0
         self.refused = 0
+        self.high_since_trim = 0
+        self.trims = 0
         self._holders: set[Holder] = set()
 
     def reserve(self, holder: Holder, nbytes: int) -> bool:
@@ -61,6 +65,7 @@ class BodyBudget:
         holder.held += nbytes
         self.held += nbytes
         self.peak = max(self.peak, self.held)
+        self.high_since_trim = max(self.high_since_trim, self.held)
         self._holders.add(holder)
         return True
 

@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+from body_flood import flood, rss_mb
 from forward_frames import attack, forward, hop, peer_id
 from hostile_peer import HostilePeer, hostile_peer, honest_record
 from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, honest_nodes, three_peers
@@ -462,6 +463,29 @@ async def test_request_bodies_a_peer_buffers_at_once_are_bounded_over_all_connec
                 nursery.cancel_scope.cancel()
     finally:
         ctx.close()
+
+
+def test_memory_a_flood_of_bodies_left_goes_back_once_it_is_over(tmp_path) -> None:
+    """The body budget bounds what a peer holds at once, not what glibc keeps after: it
+    raises its mmap threshold to the largest block freed, so later bodies come from the heap
+    and stay there. Two floods of 40 connections x 23 of 24 MiB left a real peer ~530 MB
+    above its start, for good (``scripts/bench_body_flood.py``); the peer now trims its heap
+    once a flood is over (``api.heap_trim``). Memory, not time: RSS is polled for up to 20 s
+    and must come back within 150 MB of where it started."""
+    with Swarm(tmp_path) as s:
+        peer = s.start("a")
+        s.wait_ready(peer)
+        chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        assert request_json("POST", peer.url + "/v1/chat/completions", chat, timeout=60)[0] == 200
+        pid = peer.process.pid
+        start = rss_mb(pid)
+        peaks = [trio.run(lambda: flood(peer.api_port, connections=40, pid=pid)) for _ in range(2)]
+        assert max(peaks) > start + 200, (start, peaks)  # the flood did raise it
+        deadline = time.monotonic() + 20
+        while (now := rss_mb(pid)) > start + 150 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert now <= start + 150, f"RSS {now:.0f} MB after the floods, {start:.0f} MB before (peaks {peaks})"
+        assert request_json("POST", peer.url + "/v1/chat/completions", chat, timeout=60)[0] == 200
 
 
 def _connect_quietly(port: int, source: str, n: int) -> list[socket.socket]:
