@@ -8,8 +8,13 @@ memory (the store writes it to disk as it comes). Bounds, since every byte is ho
 * text fields are read whole but capped (:data:`MAX_FIELD_BYTES`), as are the number of
   parts (:data:`MAX_PARTS`) and the bytes the decoder may hold undecided (part headers,
   a partial boundary: :data:`MAX_PENDING_BYTES`);
-* malformed framing (no boundary, missing Content-Disposition, undecodable headers, a
-  body that ends mid-part) is :class:`MultipartError` (400).
+* malformed framing (no boundary, missing Content-Disposition, undecodable headers) is
+  :class:`MultipartError` (400), and so is a body that ends before its closing boundary
+  (:data:`TRUNCATED`: a client cut off, a chunked body whose last chunk came early), which
+  Quart's own form parser took as a whole form of the parts that had arrived.
+
+:func:`read_form` reads a small form whole (its text fields and one file, in memory) for
+routes that need every field before acting; :class:`MultipartReader` streams.
 
 Usage::
 
@@ -31,12 +36,13 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.http import parse_options_header
 from werkzeug.sansio.multipart import Data, Epilogue, Event, Field, File, MultipartDecoder, NeedData
 
-from api.errors import BadRequest
+from api.errors import BadRequest, PayloadTooLarge
 
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 16
 MAX_PENDING_BYTES = 64 * 1024
 _SLICE = 64 * 1024
+TRUNCATED = "the multipart body is truncated or malformed: it ended before its closing boundary"
 
 
 class MultipartError(BadRequest):
@@ -96,8 +102,8 @@ class Part:
 class MultipartReader:
     """The parts of a body, in order (``async for part in reader``)."""
 
-    def __init__(self, body: AsyncIterable[bytes], content_type: str | None) -> None:
-        self._decoder = MultipartDecoder(boundary_of(content_type), max_parts=MAX_PARTS)
+    def __init__(self, body: AsyncIterable[bytes], content_type: str | None, *, fields: str = "purpose, file") -> None:
+        self._decoder = MultipartDecoder(boundary_of(content_type, fields), max_parts=MAX_PARTS)
         self._body = body.__aiter__()
         self._pending = memoryview(b"")
         self._ended = False
@@ -130,6 +136,8 @@ class MultipartReader:
             try:
                 event = self._decoder.next_event()
             except (ValueError, RequestEntityTooLarge) as exc:  # includes UnicodeDecodeError
+                if self._ended:  # the decoder wanted more: the body stopped short
+                    raise MultipartError(TRUNCATED) from exc
                 raise MultipartError(f"malformed multipart body: {exc}") from exc
             if not isinstance(event, NeedData):
                 return event
@@ -140,7 +148,7 @@ class MultipartReader:
     async def _feed(self) -> None:
         if not self._pending:
             if self._ended:
-                raise MultipartError("malformed multipart body: it ended before the closing boundary")
+                raise MultipartError(TRUNCATED)
             try:
                 self._pending = memoryview(await self._body.__anext__())
             except StopAsyncIteration:
@@ -150,3 +158,48 @@ class MultipartReader:
         # A memoryview, so slicing a large buffered chunk copies each slice once.
         piece, self._pending = self._pending[:_SLICE], self._pending[_SLICE:]
         self._decoder.receive_data(bytes(piece))
+
+
+@dataclass(frozen=True)
+class UploadedFile:
+    """The file part of a form read by :func:`read_form`."""
+
+    filename: str
+    content_type: str | None
+    """The part's own Content-Type header; None when it has none."""
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Form:
+    fields: dict[str, str]
+    """Text fields by name (the first of each name)."""
+    file: UploadedFile | None
+
+
+async def read_form(body: AsyncIterable[bytes], content_type: str | None, *, file_field: str,
+                    max_file_bytes: int, field_limit: int = MAX_FIELD_BYTES,
+                    fields: str = "purpose, file") -> Form:  # fmt: skip
+    """A whole form: text fields (each at most ``field_limit`` bytes) and the first file part
+    named ``file_field`` (413 past ``max_file_bytes``); other file parts are skipped.
+    Unlike Quart's ``request.form``, a body that stops before its closing boundary is a 400
+    (:data:`TRUNCATED`), not a form of whatever parts had arrived."""
+    values: dict[str, str] = {}
+    upload: UploadedFile | None = None
+    async for part in MultipartReader(body, content_type, fields=fields):
+        if part.filename is None:
+            values.setdefault(part.name, await part.text(field_limit))
+        elif part.name == file_field and upload is None:
+            upload = UploadedFile(part.filename, part.content_type, await _file_bytes(part, max_file_bytes))
+        else:
+            await part.drain()
+    return Form(values, upload)
+
+
+async def _file_bytes(part: Part, limit: int) -> bytes:
+    data = bytearray()
+    async for chunk in part:
+        data += chunk
+        if len(data) > limit:
+            raise PayloadTooLarge(f"the file is over {limit // (1024 * 1024)} MiB")
+    return bytes(data)

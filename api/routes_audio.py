@@ -16,14 +16,15 @@ from typing import Any
 import trio
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
+from werkzeug.http import parse_options_header
 
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
 from api.media_headers import UnreadableHeader, audio_duration, sniff_audio
-from api.multipart import boundary_of
+from api.multipart import read_form
 from api.routes_generations import service
-from api.uploads import set_body_limit
+from api.uploads import RequestChunks, set_body_limit
 from api.request_guard import takes_any_body
 from inclavate.generations import GenerationService, NoGenerator
 from inclavate.jobs import NewJob
@@ -42,6 +43,8 @@ REFUSED_FORMATS = ("verbose_json", "srt", "vtt")
 DEFAULT_TRANSCRIPTION_PROMPT = "Transcribe this audio."
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 MAX_SPEECH_BYTES = 256 * 1024 * 1024
+MAX_FIELD_BYTES = 64 * 1024
+"""A form field's ceiling (a prompt longer than the generator takes gets its own message)."""
 
 
 def _capability(generations: GenerationService, model: str, want: str) -> dict[str, Any]:
@@ -137,7 +140,7 @@ def _headers(job: dict[str, Any]) -> dict[str, str]:
 
 
 def install(app: QuartTrio, ctx: PeerContext) -> None:
-    # A clip may be 64 MiB, above the app-wide (chat) body limit; multipart arrives whole.
+    # A clip may be 64 MiB, above the app-wide (chat) body limit; the form is read as it streams.
     set_body_limit(app, "POST", "/v1/audio/transcriptions", MAX_CLIP_BYTES + MULTIPART_OVERHEAD)
 
     @app.errorhandler(_TimedOut)
@@ -218,10 +221,12 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         length = request.content_length
         if length is not None and length > MAX_CLIP_BYTES + MULTIPART_OVERHEAD:
             raise PayloadTooLarge(f"the upload is {length} bytes; a clip may be at most 64 MiB")
-        # Quart parses any other body as an empty form: "model is required" to a JSON body with a model.
-        boundary_of(request.headers.get("Content-Type"), fields="model, file")
-        form = await request.form
-        files = await request.files
+        # Not Quart's request.form: it parsed any other body as an empty form ("model is
+        # required" to a JSON body with a model), and a body cut before its closing boundary as
+        # the parts that had arrived ("file is required"). read_form refuses both (400).
+        received = await read_form(RequestChunks(), request.headers.get("Content-Type"), file_field="file",
+                                   max_file_bytes=MAX_CLIP_BYTES, field_limit=MAX_FIELD_BYTES, fields="model, file")
+        form, upload = received.fields, received.file
         model = form.get("model", "").strip()
         if not model:
             raise BadRequest("model is required: an understanding generator that reads audio")
@@ -235,17 +240,14 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             # Ignored, the SDK read the JSON answer as an event stream and handed back no
             # events at all: the transcript was lost without an error.
             raise BadRequest("stream is not supported: the transcript comes back whole; leave stream out (or false)")
-        upload = files.get("file")
         if upload is None:
             raise BadRequest("file is required: the clip to transcribe")
-        media_type = (upload.mimetype or "").lower()
-        if not media_type or "content-type" not in {k.lower() for k in upload.headers.keys()}:
+        media_type = parse_options_header(upload.content_type or "")[0].lower()
+        if not media_type:
             raise BadRequest("the file part needs a Content-Type (audio/wav or audio/mpeg)")
         if media_type not in AUDIO_TYPES:
             raise BadRequest(f"audio format {media_type!r} is not accepted; use one of {', '.join(AUDIO_TYPES)}")
-        data = upload.read(MAX_CLIP_BYTES + 1)
-        if len(data) > MAX_CLIP_BYTES:
-            raise PayloadTooLarge("the clip is over 64 MiB")
+        data = upload.data
         _check_container(data, media_type)
         _capability(generations, model, "transcribe")
         params: dict[str, Any] = {"prompt": form.get("prompt") or DEFAULT_TRANSCRIPTION_PROMPT}

@@ -57,6 +57,7 @@ class Served:
     runner: JobRunner
     artifacts: ArtifactStore
     jobs: JobStore
+    app: Any = None
 
 
 def build_service(data_dir: Path, generators: dict, config: RunnerConfig,
@@ -87,8 +88,9 @@ async def serve_generations(data_dir: Path, generators: dict, *, config: RunnerC
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(service.runner.run)
-            await nursery.start(serve_api, create_app(GenerationContext(service, admin_token)), "127.0.0.1", port)
-            yield Served(f"http://127.0.0.1:{port}", service, service.runner, service.runner.artifacts, service.runner.store)
+            app = create_app(GenerationContext(service, admin_token))
+            await nursery.start(serve_api, app, "127.0.0.1", port)
+            yield Served(f"http://127.0.0.1:{port}", service, service.runner, service.runner.artifacts, service.runner.store, app)
             nursery.cancel_scope.cancel()
     finally:
         await service.http.aclose()

@@ -144,6 +144,23 @@ async def test_malformed_uploads_are_400(tmp_path: Path) -> None:
         assert not any((tmp_path / "artifacts" / "tmp").iterdir())
 
 
+async def test_a_truncated_upload_says_so_and_keeps_nothing(tmp_path: Path) -> None:
+    """A body that stops before its closing boundary (inside the file, or after whole parts)
+    was a 400 naming the decoder's state ("cannot parse beyond State.PART"); it now says the
+    body is truncated, as transcriptions do (one reader, ``api.multipart``), and the file
+    written meanwhile is dropped."""
+    whole = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nuser_data\r\n'
+             b'--b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n' + b"d" * 300_000 + b"\r\n--b--\r\n")  # fmt: skip
+    async with serve_store(tmp_path) as (base, _):
+        headers = {"Content-Type": "multipart/form-data; boundary=b"}
+        for cut in (whole[:200_000], whole[: whole.rindex(b"--b--")], whole[: whole.rindex(b"\r\n--b--")]):
+            response = await in_thread(lambda c=cut: httpx.post(f"{base}/v1/files", content=c, headers=headers))
+            assert response.status_code == 400 and "truncated" in response.json()["error"], response.text
+        assert (await in_thread(lambda: httpx.get(f"{base}/v1/files"))).json()["data"] == []
+        assert not any((tmp_path / "artifacts" / "tmp").iterdir())
+        assert not any((tmp_path / "artifacts" / "objects").iterdir())
+
+
 async def test_control_characters_leave_filenames(tmp_path: Path) -> None:
     body = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nuser_data\r\n'
             b'--b\r\nContent-Disposition: form-data; name="file"; filename="a\x07b\x1b[31m.wav"\r\n\r\ndata\r\n--b--\r\n')  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -217,6 +217,33 @@ async def test_a_transcription_body_that_is_not_multipart_says_so(served: Served
             refused = await http.post("/v1/audio/transcriptions", content=body, headers=headers)
             assert refused.status_code == 400, refused.text
             assert refused.json()["error"] == "the body must be multipart/form-data with a boundary (fields: model, file)"
+
+
+async def test_a_truncated_transcription_body_says_so_and_leaves_nothing(served: Served) -> None:
+    """Quart's form parser took a body that stopped before its closing boundary as the parts
+    that had arrived: cut inside the clip it answered "file is required", and a whole clip
+    without the closing boundary was transcribed. Both are now a 400 saying the body is
+    truncated, with nothing stored, no job, and the body budget given back."""
+    async with client(served) as http:
+        whole = httpx.Request("POST", "http://peer/v1/audio/transcriptions", files={"file": ("a.wav", pcm_wav(), "audio/wav")},
+                              data={"model": "whisper:tiny.en"}).read()  # fmt: skip
+        boundary = whole[2:whole.index(b"\r\n")]
+        headers = {"content-type": f"multipart/form-data; boundary={boundary.decode()}"}
+        cuts = (whole[: len(whole) // 2],  # inside the clip
+                whole[: whole.rindex(b"--" + boundary)])  # every part whole, no closing boundary
+
+        async def chunked(body: bytes) -> AsyncIterator[bytes]:  # a chunked body whose last chunk came early
+            yield body
+
+        for body in (*cuts, chunked(cuts[0])):
+            refused = await http.post("/v1/audio/transcriptions", content=body, headers=headers)
+            assert "truncated" in assert_error_shape(refused, 400)
+        assert (await http.get("/v1/generations")).json()["generations"] == []
+        assert await uploaded_objects(http) == 0
+    budget = served.app.extensions["inclavate.body_budget"]
+    with trio.fail_after(5):  # given back as the connection's request ends
+        while budget.held:
+            await trio.sleep(0.01)
 
 
 async def test_refused_transcriptions_leave_no_clip_behind(tmp_path: Path, speech_generators: dict) -> None:
