@@ -6,6 +6,7 @@ import pytest
 from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, wav_facts, word_error_rate
 
 from node.generators.base import GenerationCancelled, GenerationFailed, GenerationTask, InputMedia, InvalidParams
+from node.generators.piper_speech import MAX_PIECE_PHONEMES, pieces
 
 TWO_SENTENCES = "The first sentence is short. The second sentence follows it."
 
@@ -65,6 +66,58 @@ def test_piper_stops_between_sentences_when_cancelled(speech_generators: dict) -
     with pytest.raises(GenerationCancelled):
         speech_generators["piper:joe"].run(task, lambda: bool([c for c in calls if c > 0]), progress)
     assert calls and max(calls) < 1.0  # stopped after the first sentence, not at the end
+
+
+LONG_UNPUNCTUATED = " ".join(["the quick brown fox jumps over the lazy dog while the river runs past the old mill"] * 25)
+"""One sentence of 400 words, no punctuation: Piper's phonemizer gives it as one run of
+~2,300 phonemes, one ONNX call of tens of seconds with no cancel check inside."""
+
+
+def _synthesized(monkeypatch: pytest.MonkeyPatch, generators: dict) -> tuple[object, list[list[str]]]:
+    """The real voice, and the phoneme runs it is asked to speak from now on."""
+    voice = generators["piper:joe"]._loaded()
+    runs: list[list[str]] = []
+    real = voice.phonemes_to_ids
+
+    def recording(phonemes: list[str]) -> list[int]:
+        runs.append(list(phonemes))
+        return real(phonemes)
+
+    monkeypatch.setattr(voice, "phonemes_to_ids", recording)
+    return voice, runs
+
+
+def test_normal_sentences_are_spoken_as_piper_splits_them(speech_generators: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    voice, runs = _synthesized(monkeypatch, speech_generators)
+    speak(speech_generators, TWO_SENTENCES)
+    assert runs == [s for s in voice.phonemize(TWO_SENTENCES) if s]  # the same calls Piper's synthesize makes
+
+
+def test_a_long_sentence_is_spoken_in_bounded_pieces(speech_generators: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancel is checked between synthesis calls, so no call may be long: the sentence is cut
+    between words (after a comma when there is one), nothing lost but the spaces at cuts."""
+    voice, runs = _synthesized(monkeypatch, speech_generators)
+    (sentence,) = voice.phonemize(LONG_UNPUNCTUATED)
+    assert len(sentence) > 10 * MAX_PIECE_PHONEMES
+    cut = pieces(sentence)
+    assert all(0 < len(p) <= MAX_PIECE_PHONEMES for p in cut)
+    assert "".join("".join(p) for p in cut).replace(" ", "") == "".join(sentence).replace(" ", "")
+    assert all(p[0] != " " and p[-1] != " " for p in cut)
+    assert pieces([" "]) == [] and pieces(list("x" * 25), 10) == [list("x" * 10)] * 2 + [list("x" * 5)]
+    with_comma = pieces(list("abc def, gh ij"), 12)
+    assert ["".join(p) for p in with_comma] == ["abc def,", "gh ij"]
+    speak(speech_generators, LONG_UNPUNCTUATED, max_duration_seconds=6.0)
+    assert 1 < len(runs) < 10 and all(len(r) <= MAX_PIECE_PHONEMES for r in runs)
+
+
+def test_cancel_takes_effect_within_a_long_sentence(speech_generators: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the check came only between sentences: a cancel during this one waited for
+    the whole of it. Now it is seen after the piece under way."""
+    _, runs = _synthesized(monkeypatch, speech_generators)
+    task = GenerationTask("job", "piper:joe", "audio", {"text": LONG_UNPUNCTUATED})
+    with pytest.raises(GenerationCancelled):
+        speech_generators["piper:joe"].run(task, lambda: bool(runs), lambda stage, fraction: None)
+    assert len(runs) == 1  # one bounded piece spoken, then the cancel
 
 
 @pytest.mark.parametrize(
