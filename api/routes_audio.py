@@ -224,7 +224,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         # Not Quart's request.form: it parsed any other body as an empty form ("model is
         # required" to a JSON body with a model), and a body cut before its closing boundary as
         # the parts that had arrived ("file is required"). read_form refuses both (400).
-        received = await read_form(RequestChunks(), request.headers.get("Content-Type"), file_field="file",
+        received = await read_form(RequestChunks(kept=True), request.headers.get("Content-Type"), file_field="file",
                                    max_file_bytes=MAX_CLIP_BYTES, field_limit=MAX_FIELD_BYTES, fields="model, file")
         form, upload = received.fields, received.file
         model = form.get("model", "").strip()

@@ -18,7 +18,8 @@ socket (and the client) slow down instead. A handler that reads the body whole n
 streams, so it is never waited for.
 
 Budget. Every body reserves its bytes in the app's :class:`~api.body_budget.BodyBudget` as
-they arrive, gives back what a streaming reader takes, and the rest when its request ends
+they arrive, gives back what a streaming reader takes (unless it keeps them in memory:
+``RequestChunks(kept=True)``), and the rest when its request ends
 (:meth:`BackpressureConnection.__call__`): the bytes of all bodies a peer holds are bounded,
 not only each body's.
 """
@@ -50,6 +51,9 @@ class StreamedBody(TrioBody):
     def __init__(self, expected_content_length: int | None, max_content_length: int | None) -> None:
         super().__init__(expected_content_length, max_content_length)
         self.streaming = False
+        self.keeps_what_it_takes = False
+        """Set by a reader that keeps the chunks it takes in memory (a form read whole): its
+        bytes stay reserved until the request ends, as a body read whole does."""
         self.held = 0
         self._taken = trio.Event()
 
@@ -65,7 +69,7 @@ class StreamedBody(TrioBody):
             data = await super().__anext__()
         finally:
             self._taken.set()
-        if self.budget is not None:
+        if self.budget is not None and not self.keeps_what_it_takes:
             self.budget.release(self, len(data))  # a streaming reader took them on
         return data
 
@@ -162,7 +166,12 @@ class RequestChunks:
     """The request body as it arrives, never buffered whole (an async iterator; a class
     rather than a generator so that abandoning it half way leaves nothing to finalize)."""
 
-    def __init__(self, idle_timeout: float | None = None) -> None:
+    def __init__(self, idle_timeout: float | None = None, *, kept: bool = False) -> None:
+        """``kept``: the caller keeps what it reads in memory, so the bytes stay in the body
+        budget until the request ends (a streaming reader passing them on to disk gives them
+        back as it takes them)."""
+        if kept and isinstance(request.body, StreamedBody):
+            request.body.keeps_what_it_takes = True
         self._body = request.body.__aiter__()
         self._idle_timeout = UPLOAD_IDLE_TIMEOUT_S if idle_timeout is None else idle_timeout
 

@@ -84,3 +84,18 @@ async def test_a_streaming_reader_gives_back_what_it_takes() -> None:
         body.append(b"x" * 50)
         assert await body.__anext__() == b"x" * 50
     assert budget.held == 0 and budget.peak == 50
+
+
+async def test_a_reader_keeping_what_it_takes_leaves_it_in_the_budget_until_the_request_ends() -> None:
+    budget, body_class = _budgeted(100)
+    body = body_class(None, None)
+    body.keeps_what_it_takes = True  # a form read whole into memory (transcriptions)
+    for _ in range(2):
+        body.append(b"x" * 40)
+        assert await body.__anext__() == b"x" * 40
+    assert budget.held == 80
+    body.append(b"y" * 40)  # past the budget: refused, as a body read whole would be
+    with pytest.raises(BodyBudgetFull):
+        await body.__anext__()
+    body.release_all()
+    assert budget.held == 0
