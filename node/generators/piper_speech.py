@@ -45,6 +45,7 @@ MAX_TEXT_CHARS = 4096
 """OpenAI's own ``input`` limit for speech; longer text belongs in several jobs."""
 
 MAX_DURATION_S = 600.0
+"""Ceiling on ``max_duration_seconds`` (ten minutes of 22 kHz int16 is ~26 MB)."""
 
 MAX_PIECE_PHONEMES = 80
 """The longest run of phonemes synthesized in one call (so between two cancel checks):
@@ -52,7 +53,6 @@ MAX_PIECE_PHONEMES = 80
 
 _CLAUSE_ENDS = frozenset(",;:")
 """Phonemes after which a long sentence is best cut (Piper keeps punctuation as phonemes)."""
-"""Ceiling on ``max_duration_seconds`` (ten minutes of 22 kHz int16 is ~26 MB)."""
 
 
 class PiperSpeech:
