@@ -3,7 +3,7 @@
 
 Where an id lives: its owner tag (:mod:`inclavate.owner_ids`) names the peer, so a read,
 a meta or a delete goes straight to the owner: locally when the tag is ours, else to the
-registry peer(s) carrying that tag. No lookup protocol, no replicated index. An id whose
+registry peer(s) carrying that tag (its whole 60 bits; a legacy id's 32 when none does). No lookup protocol, no replicated index. An id whose
 tag matches no known peer is 404; an owner that is known but does not answer is 503 (the
 artifact may well exist; a 404 would tell a client it is gone for good).
 
@@ -50,7 +50,7 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
 from inclavate.fan_out import FanOut, keep_best
-from inclavate.owner_ids import owner_candidates, owner_tag, parse_id, tag_of
+from inclavate.owner_ids import Owners, owner_candidates, parse_id
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ class RemoteStores(Protocol):
     async def meta(self, peer: str, id_: str) -> ArtifactMeta: ...
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead: ...
     async def delete(self, peer: str, id_: str) -> None: ...
-    async def list(self, peer: str, query: ListQuery) -> ArtifactPage: ...
-    async def keys(self, peer: str, query: ListQuery) -> KeyPage: ...
+    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage: ...
+    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage: ...
     async def usage(self, peer: str) -> Usage: ...
 
 
@@ -91,7 +91,6 @@ class SwarmArtifacts:
         self._remote = remote
         self._known = known_peers
         self._live = live_peers
-        self._own_tag = owner_tag(store.owner)
         self.fan_out = FanOut("artifact listing")
         """Asks peers in turns; :meth:`FanOut.sibling` shares its asks-in-flight limit."""
 
@@ -127,9 +126,10 @@ class SwarmArtifacts:
         the id it asked about (an uppercase id through another peer was a 503)."""
         id_ = parse_id(id_)
         me = self.store.owner
-        others = [p for p in owner_candidates(id_, self._known()) if p != me] if self._remote else []
-        attempts: list[Callable[[], Awaitable[T]]] = [functools.partial(local, id_)] if tag_of(id_) == self._own_tag else []
-        attempts += [functools.partial(remote, p, id_) for p in others]
+        candidates = owner_candidates(id_, [me, *self._known()])
+        attempts: list[Callable[[], Awaitable[T]]] = [functools.partial(local, id_)] if me in candidates else []
+        if self._remote is not None:
+            attempts += [functools.partial(remote, p, id_) for p in candidates if p != me]
         unreachable: ArtifactUnavailable | None = None
         for attempt in attempts:
             try:
@@ -166,6 +166,7 @@ class SwarmArtifacts:
             )
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
         began = trio.current_time()
+        owners = Owners([self.store.owner, *self._known(), *peers])  # whose ids a peer may list
         own = self.store.list(per_peer)
         kept = KeyWindow(window, descending=not query.ascending)
         kept.add([m.sort_key() for m in own.artifacts], None)
@@ -176,7 +177,7 @@ class SwarmArtifacts:
             truncated = truncated or page.truncated
             kept.add(page.keys, peer)
 
-        await self.fan_out.ask(peers, lambda p: self._remote_().keys(p, per_peer), take_keys, began + KEYS_SHARE_S)
+        await self.fan_out.ask(peers, lambda p: self._remote_().keys(p, per_peer, owners), take_keys, began + KEYS_SHARE_S)
         chosen = kept.entries[query.offset :]
         rows = {(m.sort_key(), 0): m for m in own.artifacts}
         asks = kept.row_queries(query.offset, per_peer)
@@ -188,7 +189,7 @@ class SwarmArtifacts:
             rows.update(((m.sort_key(), source), m) for m in page.artifacts)
             answered.add(peer)
 
-        await self.fan_out.ask(list(asks), lambda p: self._remote_().list(p, asks[p]), take_rows, began + PEER_TIMEOUT_S)
+        await self.fan_out.ask(list(asks), lambda p: self._remote_().list(p, asks[p], owners), take_rows, began + PEER_TIMEOUT_S)
         # Peers that answered rows on this page (placing keys costs nothing), the page's
         # first rows' peers remembered last, so asked first.
         self.fan_out.remember([p for p in reversed(asks) if p in answered])

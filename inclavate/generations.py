@@ -19,6 +19,7 @@ A request that arrived forwarded (``local_only``) is answered from this peer alo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +35,7 @@ from inclavate.generation_settings import GenerationSettings
 from inclavate.job_rows import decode_job_page
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
 from inclavate.jobs import IdempotencyConflict, Job, NewJob
-from inclavate.owner_ids import owner_candidates, owner_tag, parse_id
+from inclavate.owner_ids import Owners, owner_candidates, parse_id
 from inclavate.peer_http import PeerBusy, PeerHttp, PeerUnreachable
 from inclavate.untrusted import DropCounter, Malformed
 from node.generators.base import InputMedia
@@ -176,15 +177,18 @@ class GenerationService:
     def _owner_url(self, job_id: str) -> str | None:
         """None when the id is ours; the owner's API URL otherwise. An id whose tag names no
         peer in the registry is JobNotFound (404); an owner the registry knows but believes
-        Dead is PeerUnreachable (503: the job may well exist)."""
+        Dead is PeerUnreachable (503: the job may well exist). Relayed peers count when
+        choosing the owner (their whole tag wins over another peer's 32 bits) but are not
+        asked: an id of theirs is 404 here, as before."""
+        views = self._views()
         known: dict[str, NodeView] = {}
-        for view in self._views():
+        for view in views:
             if not view.record.relayed and view.record.peer_id != self.me:
                 known.setdefault(view.record.peer_id, view)
-        candidates = owner_candidates(job_id, [self.me, *known])
+        candidates = owner_candidates(job_id, [self.me, *(view.record.peer_id for view in views)])
         if self.me in candidates and (self.runner.store.get(job_id) is not None or len(candidates) == 1):
             return None
-        others = [known[p] for p in candidates if p != self.me]
+        others = [known[p] for p in candidates if p in known]
         for view in others:
             if view.state != "Dead" and view.record.api_url.startswith(("http://", "https://")):
                 return view.record.api_url
@@ -255,6 +259,7 @@ class GenerationService:
         kept.add([self._listed(job) for job in own], None)
         truncated = False  # kept.overflow says whether this peer has more
         urls = {view.record.peer_id: view.record.api_url for view in peers}
+        owners = Owners([self.me, *(view.record.peer_id for view in self._views())])  # whose ids a peer may list
 
         async def ask(peer: str) -> Any:
             _, body = await self.http.json(urls[peer], "GET", "/v1/generations", params={"limit": window})
@@ -263,7 +268,7 @@ class GenerationService:
         def take(peer: str, body: Any) -> None:
             nonlocal truncated
             try:
-                page = decode_job_page(body, owner_tag(peer), window)
+                page = decode_job_page(body, functools.partial(owners.carries_owner, peer=peer), window)
             except Malformed as exc:
                 self.listing_drops.count(exc.reason)
                 log.warning("job listing: peer %s left out: %s", peer, exc)

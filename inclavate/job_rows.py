@@ -5,7 +5,8 @@ A swarm-wide job listing hands other peers' rows to the HTTP client, so a row is
 when it is one this peer could have produced: every field of the spec's job record with its
 type and bound (:mod:`inclavate.jobs`' ``MAX_*``), timestamps in the spec's one format
 (``2026-08-06T09:14:22.981Z``, so they sort as text), and an id (and output artifact ids)
-carrying the answering peer's owner tag: a peer speaks only for its own jobs, as in artifact
+the answering peer owns (:meth:`inclavate.owner_ids.Owners.carries_owner`: its whole owner
+tag, or a legacy id's 32 bits): a peer speaks only for its own jobs, as in artifact
 listings (``p2p/artifact_wire.py::decode_page``). Fields the spec does not name are dropped.
 An answer with one bad row, more rows than asked, or an id twice is :class:`Malformed` as a
 whole (the peer is left out of the page), so what a client sees is never a blob a peer chose.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ from inclavate.jobs import (
     MAX_PARAMS_BYTES,
     MAX_STAGE_CHARS,
 )
-from inclavate.owner_ids import MalformedId, parse_id, tag_of
+from inclavate.owner_ids import MalformedId, parse_id
 from inclavate.untrusted import (
     INT64_MAX,
     Malformed,
@@ -38,6 +40,9 @@ from inclavate.untrusted import (
     as_str,
 )
 from node.generators.base import MODALITIES
+
+Owns = Callable[[str], bool]
+"""Whether the answering peer owns a (canonical) id: ``functools.partial(Owners.carries_owner, peer=...)``."""
 
 STATES = frozenset({"queued", "running", "completed", "failed", "cancelled", "expired"})
 _TIMESTAMP = re.compile(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d:[0-5]\d\.\d{3}Z")
@@ -52,12 +57,12 @@ class PeerJobPage:
     """The peer filled the window and says it has more (a claim with fewer rows is ignored)."""
 
 
-def decode_job_page(body: object, peer_tag: int, window: int) -> PeerJobPage:
+def decode_job_page(body: object, owns: Owns, window: int) -> PeerJobPage:
     """A peer's listing of at most ``window`` rows of its own jobs, or :class:`Malformed`."""
     if not isinstance(body, dict):
         raise Malformed(Reason.WRONG_TYPE, "listing", "must be an object")
     raw = as_list(body.get("generations"), "generations", max_len=window)
-    rows = [decode_job_row(item, peer_tag) for item in raw]
+    rows = [decode_job_row(item, owns) for item in raw]
     if len({row["id"] for row in rows}) != len(rows):
         raise Malformed(Reason.BAD_VALUE, "generations", "lists one job twice")
     # "More past these" only from a peer that filled the window: believed from one that did
@@ -65,14 +70,14 @@ def decode_job_page(body: object, peer_tag: int, window: int) -> PeerJobPage:
     return PeerJobPage(rows, truncated=body.get("truncated") is True and len(rows) == window)
 
 
-def decode_job_row(item: object, peer_tag: int) -> dict[str, Any]:
+def decode_job_row(item: object, owns: Owns) -> dict[str, Any]:
     """One row, rebuilt from the spec's fields only, each checked (:class:`Malformed`)."""
     if not isinstance(item, dict):
         raise Malformed(Reason.WRONG_TYPE, "generation", "must be an object")
     state = as_str(item.get("state"), "state", max_len=16, choices=STATES)
-    outputs = _ids(item.get("output_artifacts"), "output_artifacts", MAX_OUTPUT_ARTIFACTS, peer_tag)
+    outputs = _ids(item.get("output_artifacts"), "output_artifacts", MAX_OUTPUT_ARTIFACTS, owns)
     row = {
-        "id": _own_id(item.get("id"), "id", peer_tag),
+        "id": _own_id(item.get("id"), "id", owns),
         "state": state,
         "modality": as_str(item.get("modality"), "modality", max_len=16, choices=frozenset(MODALITIES)),
         "model": as_str(item.get("model"), "model", max_len=MAX_MODEL_CHARS),
@@ -96,19 +101,19 @@ def decode_job_row(item: object, peer_tag: int) -> dict[str, Any]:
     return row
 
 
-def _own_id(value: object, field: str, peer_tag: int | None) -> str:
-    """A UUID, canonical; with ``peer_tag``, one the answering peer minted (its owner tag)."""
+def _own_id(value: object, field: str, owns: Owns | None) -> str:
+    """A UUID, canonical; with ``owns``, one the answering peer minted."""
     try:
         id_ = parse_id(as_str(value, field, max_len=36))
     except MalformedId:
         raise Malformed(Reason.BAD_VALUE, field, "must be a UUID") from None
-    if peer_tag is not None and tag_of(id_) != peer_tag:
+    if owns is not None and not owns(id_):
         raise Malformed(Reason.BAD_VALUE, field, "names an id the answering peer does not own")
     return id_
 
 
-def _ids(value: object, field: str, max_len: int, peer_tag: int | None) -> list[str]:
-    return [_own_id(item, field, peer_tag) for item in as_list(value, field, max_len=max_len)]
+def _ids(value: object, field: str, max_len: int, owns: Owns | None) -> list[str]:
+    return [_own_id(item, field, owns) for item in as_list(value, field, max_len=max_len)]
 
 
 def _params(value: object) -> dict[str, Any]:

@@ -67,7 +67,7 @@ from inclavate.artifact_types import (
 from inclavate.artifact_reads import READ_CHUNK
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.errors import InclavateError
-from inclavate.owner_ids import MalformedId, owner_tag, parse_id, tag_of
+from inclavate.owner_ids import MalformedId, Owners, parse_id
 from inclavate.untrusted import Malformed, parse_json
 
 PROTOCOL = "/inclavate/artifacts/2"
@@ -244,40 +244,49 @@ def decode_answer(raw: bytes, peer: str) -> dict[str, Any]:
     raise cls(message)
 
 
-def decode_meta(record: object, peer: str, id_: str | None = None) -> ArtifactMeta:
-    """An artifact's metadata from ``peer``: of ``id_`` when given (the one asked about),
-    else of an id carrying ``peer``'s owner tag (a listing row). A peer speaks only for its
-    own artifacts: a listing's rows used to be taken whatever their ids, so a peer could
-    list another owner's artifact under a forged filename, size and digest beside the real
-    one in every swarm-wide listing."""
-    try:
-        if not isinstance(record, dict):
-            raise ValueError("not an object")
-        meta = ArtifactMeta.from_record(record)
-    except ValueError as exc:
-        raise ArtifactUnavailable(f"peer {peer} sent malformed artifact metadata: {exc}") from exc
-    if (meta.id != id_) if id_ is not None else (tag_of(meta.id) != owner_tag(peer)):
-        raise ArtifactUnavailable(f"peer {peer} described an artifact it was not asked about or does not own")
+def decode_meta(record: object, peer: str, id_: str) -> ArtifactMeta:
+    """The metadata ``peer`` sent of ``id_``, the artifact it was asked about."""
+    meta = _meta(record, peer)
+    if meta.id != id_:
+        raise ArtifactUnavailable(f"peer {peer} described an artifact it was not asked about")
     return meta
 
 
-def decode_page(answer: dict[str, Any], peer: str, limit: int) -> ArtifactPage:
+def decode_page(answer: dict[str, Any], peer: str, limit: int, owners: Owners) -> ArtifactPage:
+    """A ``list`` answer: at most ``limit`` rows, each of an id ``peer`` owns among ``owners``
+    (:meth:`~inclavate.owner_ids.Owners.carries_owner`). A peer speaks only for its own
+    artifacts: a listing's rows used to be taken whatever their ids, so a peer could list
+    another owner's artifact under a forged filename, size and digest beside the real one
+    in every swarm-wide listing; then whatever their ids past the first 32 bits, so could
+    a peer whose identity was ground to that owner's 32-bit tag."""
     rows = answer.get("artifacts")
     if not isinstance(rows, list) or len(rows) > limit:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed listing")
-    return ArtifactPage([decode_meta(r, peer) for r in rows], truncated=answer.get("truncated") is True)
+    metas = [_meta(r, peer) for r in rows]
+    if not all(owners.carries_owner(m.id, peer) for m in metas):
+        raise ArtifactUnavailable(f"peer {peer} listed an artifact it does not own")
+    return ArtifactPage(metas, truncated=answer.get("truncated") is True)
 
 
-def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery) -> KeyPage:
-    """A ``keys`` listing: at most ``query.limit`` keys of ids carrying ``peer``'s owner tag
+
+def _meta(record: object, peer: str) -> ArtifactMeta:
+    try:
+        if not isinstance(record, dict):
+            raise ValueError("not an object")
+        return ArtifactMeta.from_record(record)
+    except ValueError as exc:
+        raise ArtifactUnavailable(f"peer {peer} sent malformed artifact metadata: {exc}") from exc
+
+
+def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery, owners: Owners) -> KeyPage:
+    """A ``keys`` listing: at most ``query.limit`` keys of ids ``peer`` owns among ``owners``
     (a peer places only its own rows), strictly in ``query``'s order (the merge relies on it)
     and after its cursor: keys before it would lead the page, and its last row would walk a
     client's cursor back over rows it was already shown."""
     raw = answer.get("keys")
     if not isinstance(raw, list) or len(raw) > query.limit:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed key listing")
-    tag = owner_tag(peer)  # once: hashing it per key was half of decoding 20 000 keys
-    keys = [_sort_key(item, peer, tag) for item in raw]
+    keys = [_sort_key(item, peer, owners) for item in raw]
     ordered = all((a < b) if query.ascending else (a > b) for a, b in zip(keys, keys[1:]))
     if not ordered:
         raise ArtifactUnavailable(f"peer {peer} listed keys out of order")
@@ -289,14 +298,14 @@ def decode_keys(answer: dict[str, Any], peer: str, query: ListQuery) -> KeyPage:
     return KeyPage(keys, truncated=answer.get("truncated") is True and len(keys) == query.limit)
 
 
-def _sort_key(item: object, peer: str, tag: int) -> SortKey:
+def _sort_key(item: object, peer: str, owners: Owners) -> SortKey:
     try:
         if not (isinstance(item, list) and len(item) == 2):
             raise BadArtifactRequest("a key is [created_at_ms, id]")
         key = (_whole(item[0], 0, 2**63 - 1, "created_at_ms"), parse_id(_str(item[1], 36, "id")))
     except (BadArtifactRequest, MalformedId) as exc:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed key: {exc}") from exc
-    if tag_of(key[1]) != tag:
+    if not owners.carries_owner(key[1], peer):
         raise ArtifactUnavailable(f"peer {peer} listed an artifact it does not own")
     return key
 

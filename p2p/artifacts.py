@@ -57,7 +57,7 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactRead
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
-from inclavate.owner_ids import MalformedId
+from inclavate.owner_ids import MalformedId, Owners
 from inclavate.types import PeerId
 from p2p.artifact_wire import (
     MAX_ANSWER_BYTES,
@@ -461,21 +461,22 @@ class RemoteArtifacts:
     async def usage(self, peer: str) -> Usage:
         return decode_usage(await self._call(peer, {"op": "usage"}), peer)
 
-    async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
         """``query``'s rows on ``peer``, asked :data:`MAX_LIST_ROWS` at a time (each next ask
-        after the last row got), so no answer outgrows its bound however long the rows."""
+        after the last row got), so no answer outgrows its bound however long the rows; each
+        row's id one ``peer`` owns among ``owners`` (the registry)."""
         rows: list[ArtifactMeta] = []
         while True:
             part = replace(query, limit=min(query.limit - len(rows), MAX_LIST_ROWS))
-            page = decode_page(await self._call(peer, list_request(part)), peer, part.limit)
+            page = decode_page(await self._call(peer, list_request(part)), peer, part.limit, owners)
             rows += page.artifacts
             if len(rows) >= query.limit or len(page.artifacts) < part.limit:
                 return ArtifactPage(rows, page.truncated)
             query = replace(query, after=rows[-1].sort_key())
 
-    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         """The sort keys of ``query``'s rows on ``peer`` (at most ~61 bytes each on the wire)."""
-        return decode_keys(await self._call(peer, list_request(query, keys=True)), peer, query)
+        return decode_keys(await self._call(peer, list_request(query, keys=True)), peer, query, owners)
 
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead:
         """Open a read on the owner: its meta decides the range (as the owner's store would),

@@ -23,7 +23,7 @@ import trio
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactMeta, ArtifactPage, KeyPage, ListQuery, Usage
 from inclavate.artifacts import ArtifactStore
-from inclavate.owner_ids import new_id
+from inclavate.owner_ids import Owners, new_id
 from p2p.artifact_wire import decode_keys, encode
 from p2p.identity import Identity
 
@@ -47,11 +47,11 @@ class FakePeers:
         finally:
             self.in_flight -= 1
 
-    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         await self._wait()
-        return decode_keys(json.loads(self.wire[peer]), peer, query)
+        return decode_keys(json.loads(self.wire[peer]), peer, query, owners)
 
-    async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
         await self._wait()
         keys = [k for k in self.listed[peer] if query.after is None or k < query.after][: query.limit]
         return ArtifactPage([ArtifactMeta(id=i, media_type="text/plain", size_bytes=1, digest="0" * 64, state="ready",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from owner_grinding import ground
 
 from inclavate.artifact_swarm import KEYS_SHARE_S, PEER_TIMEOUT_S, SwarmArtifacts
 from inclavate.artifact_types import (
@@ -34,7 +35,7 @@ from inclavate.artifact_types import (
 from inclavate.artifacts import READ_CHUNK, ArtifactStore
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 from inclavate.fan_out import ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_FANOUT
-from inclavate.owner_ids import MalformedId, new_id
+from inclavate.owner_ids import MalformedId, Owners, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
 from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, list_answer_limit, read_request
@@ -82,6 +83,11 @@ async def two_peers(tmp_path: Path, config: ArtifactConfig | None = None, direct
         await hosts[0].connect(hosts[1].multiaddrs()[0])
         yield nodes[0], nodes[1]
 
+
+
+def pair(a: Node, b: Node) -> Owners:
+    """The owners of the two peers' ids, as a listing on either knows them."""
+    return Owners([a.host.peer_id, b.host.peer_id])
 
 async def read(swarm: SwarmArtifacts, id_: str, range_header: str | None = None) -> bytes:
     opened = await swarm.open(id_, range_header)
@@ -454,7 +460,7 @@ async def test_a_listing_answer_over_its_bound_is_refused_on_its_prefix(tmp_path
 
             a.host.set_stream_handler(PROTOCOL, liar)
             with pytest.raises(ArtifactUnavailable, match="exceeds the limit"):
-                await (b.remote.keys if keys else b.remote.list)(a.host.peer_id, ListQuery(limit=1000))
+                await (b.remote.keys if keys else b.remote.list)(a.host.peer_id, ListQuery(limit=1000), pair(a, b))
             assert (await b.swarm.list(ListQuery())).artifacts == mine[::-1]
 
 
@@ -580,7 +586,7 @@ async def test_a_peer_cannot_list_or_describe_another_owner_s_artifacts(tmp_path
             assert all(m.filename != "invoice.pdf" for m in rows)
             place_a_s = True
             with pytest.raises(ArtifactUnavailable, match="does not own"):  # nor place another owner's row
-                await a.remote.keys(b.host.peer_id, ListQuery())
+                await a.remote.keys(b.host.peer_id, ListQuery(), pair(a, b))
             with pytest.raises(ArtifactUnavailable):
                 await a.swarm.meta(theirs.id)
 
@@ -1016,11 +1022,11 @@ class _FakeRemotes:
             ordered = [m for m in ordered if m.sort_key() != query.after and (m.sort_key() > query.after) == query.ascending]
         return ordered[: query.limit]
 
-    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         await trio.sleep(self.delay.get(peer, (0, 0))[0])
         return KeyPage([m.sort_key() for m in self._page(peer, query)], False)
 
-    async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
         await trio.sleep(self.delay.get(peer, (0, 0))[1])
         return ArtifactPage(self.rows_lie.get(peer, self._page(peer, query)), False)
 
@@ -1098,10 +1104,10 @@ async def test_keys_before_a_listing_s_cursor_leave_their_peer_out(tmp_path: Pat
             b.host.set_stream_handler(PROTOCOL, liar)
             cursor = ListQuery(limit=3, files_only=True, after=mine[1].sort_key(), ascending=True)
             with pytest.raises(ArtifactUnavailable, match="cursor"):
-                await a.remote.keys(b.host.peer_id, cursor)
+                await a.remote.keys(b.host.peer_id, cursor, pair(a, b))
             assert (await a.swarm.list(cursor)).artifacts == mine[2:]
             with pytest.raises(ArtifactUnavailable, match="cursor"):  # newest first: keys not below it
-                await a.remote.keys(b.host.peer_id, ListQuery(limit=3, after=(0, behind[0].id)))
+                await a.remote.keys(b.host.peer_id, ListQuery(limit=3, after=(0, behind[0].id)), pair(a, b))
 
 
 async def test_a_peer_answering_full_row_pages_forever_is_asked_only_for_the_rows_wanted(tmp_path: Path) -> None:
@@ -1121,7 +1127,7 @@ async def test_a_peer_answering_full_row_pages_forever_is_asked_only_for_the_row
                 await stream.send(_listing_answer(request, rows, True), timeout=5)
 
             b.host.set_stream_handler(PROTOCOL, liar)
-            page = await a.remote.list(b.host.peer_id, ListQuery(limit=2500))
+            page = await a.remote.list(b.host.peer_id, ListQuery(limit=2500), pair(a, b))
             assert len(asked) == 3 and len(page.artifacts) == 2500
             asked.clear()
             listed = await a.swarm.list(ListQuery(limit=1000))
@@ -1153,7 +1159,7 @@ async def test_a_peer_claiming_more_rows_than_it_listed_does_not_make_a_listing_
                 assert page.artifacts == sorted(mine + few[: len(keys)], key=ArtifactMeta.sort_key, reverse=True)
                 assert not page.truncated
             listed[0] = [[m.created_at_ms, m.id] for m in few[::-1]]
-            assert (await a.remote.keys(b.host.peer_id, ListQuery(limit=2))).truncated  # it filled the limit
+            assert (await a.remote.keys(b.host.peer_id, ListQuery(limit=2), pair(a, b))).truncated  # it filled the limit
 
 
 class _TrackedKeys(list):
@@ -1186,7 +1192,7 @@ class _CountingRemotes(_FakeRemotes):
         finally:
             self.in_flight -= 1
 
-    async def keys(self, peer: str, query: ListQuery) -> KeyPage:
+    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         self.keys_asked.append(peer)
         self.keys_asked_at[peer] = trio.current_time()
         async with self._asked(peer):
@@ -1195,7 +1201,7 @@ class _CountingRemotes(_FakeRemotes):
             self._count_alive()
             return KeyPage(keys, len(keys) == query.limit)
 
-    async def list(self, peer: str, query: ListQuery) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
         self._count_alive()
         async with self._asked(peer):
             return ArtifactPage(self._page(peer, query), False)
@@ -1299,3 +1305,68 @@ async def test_peers_that_stall_do_not_keep_an_honest_peer_out_of_a_listing(
         page = await swarm.list(ListQuery())
         assert trio.current_time() - began <= PEER_TIMEOUT_S
     assert page.artifacts == honest[::-1] and ASK_PATIENCE_S * 2 < KEYS_SHARE_S
+
+
+class _TwoOwners:
+    """Two peers answering for one id: ``honest`` with the real record, ``hostile`` with a
+    forged one (its own bytes under another owner's id); deletes are recorded."""
+
+    def __init__(self, honest: str, real: ArtifactMeta) -> None:
+        self.honest, self.real = honest, real
+        self.asked: list[tuple[str, str]] = []
+
+    async def meta(self, peer: str, id_: str) -> ArtifactMeta:
+        self.asked.append(("meta", peer))
+        if peer == self.honest:
+            return self.real
+        return ArtifactMeta(id=id_, media_type="application/pdf", size_bytes=999, digest="0" * 64, state="ready",
+                            kind="uploaded", created_at_ms=1, filename="invoice.pdf", purpose="user_data")  # fmt: skip
+
+    async def delete(self, peer: str, id_: str) -> None:
+        self.asked.append(("delete", peer))
+
+
+async def test_a_peer_ground_to_an_owners_32_bit_tag_cannot_answer_for_its_artifacts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """An identity ground to the honest owner's 32-bit tag (2^32 / N key generations) was a
+    candidate owner of all its artifacts, asked first when its PeerID sorts first: its forged
+    record was served for the honest id, and a delete went to it (and stopped there). Now
+    the id's 60-bit tag names the honest owner alone, and only it is asked."""
+    honest, hostile = "12D3KooWBhonest", "12D3KooWAhostile"
+    ground(monkeypatch, honest, hostile)
+    real = _fake_rows(honest, 1, 1000)[0]
+    owners = _TwoOwners(honest, real)
+    store = ArtifactStore(tmp_path, Identity.generate().peer_id)
+    try:
+        swarm = SwarmArtifacts(store, owners, lambda: [hostile, honest], lambda: [hostile, honest])  # type: ignore[arg-type]
+        assert await swarm.meta(real.id) == real
+        await swarm.delete(real.id)
+        assert owners.asked == [("meta", honest), ("delete", honest)]
+    finally:
+        store.close()
+
+
+async def test_a_peer_ground_to_an_owners_32_bit_tag_cannot_list_its_artifacts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """B's identity ground to A's 32-bit tag: it places A's artifact in its keys and lists a
+    forged record of it (another filename, size, digest). Before, the rows carried B's
+    32-bit tag, so they were taken, and the forged row shown beside the real one; now a row
+    must carry B's whole 60-bit tag, and B is left out of the page."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            ground(monkeypatch, a.host.peer_id, b.host.peer_id)
+            real = await a.store.create(chunks(b"12345"), filename="report.txt", purpose="assistants")
+            forged = {**real.to_record(), "filename": "invoice.pdf", "size_bytes": 999, "digest": "0" * 64}
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                if request["op"] == "list" and request["keys"]:
+                    answer = {"ok": True, "keys": [list(real.sort_key())], "truncated": False}
+                else:
+                    answer = {"ok": True, "artifacts": [forged], "truncated": False}
+                await stream.send(json.dumps(answer).encode(), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, liar)
+            rows = (await a.swarm.list(ListQuery())).artifacts
+            assert [m.filename for m in rows] == ["report.txt"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+from owner_grinding import ground
 from registry_helpers import view
 from test_generation_service import job_row
 
@@ -23,7 +24,7 @@ from inclavate.generations import LIST_TIMEOUT_S, GenerationService
 from inclavate.job_rows import decode_job_row
 from inclavate.job_runner import JobRunner
 from inclavate.jobs import MAX_ERROR_MESSAGE_CHARS, JobStore, NewJob
-from inclavate.owner_ids import new_id, owner_tag
+from inclavate.owner_ids import Owners, new_id
 from inclavate.peer_http import PeerHttp, PeerUnreachable
 from inclavate.untrusted import Reason
 
@@ -144,6 +145,21 @@ async def test_a_peer_cannot_list_or_override_another_owners_jobs(tmp_path: Path
         assert page == [real] and service.listing_drops[Reason.BAD_VALUE] == 1
 
 
+
+async def test_a_peer_ground_to_an_owners_32_bit_tag_cannot_list_its_jobs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """An identity ground to the honest peer's 32-bit tag lists a job the honest peer never
+    ran, under an id carrying the honest peer's tag. Before, a row had to carry only the
+    answering peer's 32 bits, so it was taken; now it must carry its whole 60-bit tag (an id
+    whose tag names another known peer is not a legacy id), and the peer is left out."""
+    ground(monkeypatch, "honest", "hostile")
+    real = job_row("honest", 1000)
+    invented = job_row("honest", 2000, state="failed", error_message="forged")
+    peers = FakePeers({"honest": listing_of([real]), "hostile": listing_of([invented])}, delay=0)
+    with service_with(tmp_path, peers) as service:
+        page, _ = await service.list(10, 0, local_only=False)
+        assert page == [real] and service.listing_drops[Reason.BAD_VALUE] == 1
+
 def _mutated(field: str, value: Any) -> Answer:
     row = job_row("odd", 2000)
     return listing_of([{**row, field: value}, job_row("odd", 1000)])
@@ -207,4 +223,5 @@ def test_every_row_this_peer_writes_is_one_another_peer_takes(tmp_path: Path) ->
     job, _ = jobs.create(new_id(ME), NewJob("audio", "piper:joe", {"text": "hi"}), max_active=10, now=1000)
     jobs.finish(job.id, "failed", 2000, error_code="inference_failed", error_message="x" * 100_000)
     failed = jobs.get(job.id)
-    assert failed is not None and decode_job_row(failed.to_json(), owner_tag(ME)) == failed.to_json()
+    owns = functools.partial(Owners([ME]).carries_owner, peer=ME)
+    assert failed is not None and decode_job_row(failed.to_json(), owns) == failed.to_json()

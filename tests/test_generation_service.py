@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+from owner_grinding import ground
 from registry_helpers import view
 
 from inclavate.artifact_swarm import SwarmArtifacts
@@ -93,6 +94,25 @@ async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
     with pytest.raises(PeerUnreachable):  # its owner is known but Dead: the job may exist
         await service.get(new_id("12D3KooWdead"), local_only=False)
 
+
+
+async def test_a_peer_ground_to_an_owners_32_bit_tag_is_not_asked_for_its_jobs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """An identity ground to OTHER's 32-bit tag, whose PeerID sorts first: a request for
+    OTHER's job went to it (the first live candidate's API), which could answer any record
+    it liked, or cancel nothing. Now the job's 60-bit tag names OTHER alone."""
+    hostile = "12D3KooWAhostile"
+    ground(monkeypatch, OTHER, hostile)
+    store = ArtifactStore(tmp_path, ME)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, ME, read_input=None)  # type: ignore[arg-type]
+    views = [view(hostile, 0, 30, api_url="http://hostile"), view(OTHER, 0, 30, api_url="http://other")]
+    http = FakeHttp()
+    service = GenerationService(ME, runner, SwarmArtifacts(store), lambda: views, http)  # type: ignore[arg-type]
+    theirs = new_id(OTHER)
+    await service.get(theirs, local_only=False)
+    await service.cancel(theirs, local_only=False)
+    assert [c[0] for c in http.calls] == ["http://other", "http://other"]
+    store.close()
 
 def job_row(owner: str, created_ms: int, **fields: Any) -> dict[str, Any]:
     """A row as ``owner`` lists it: a job record (``Job.to_json``) with an id it minted."""
