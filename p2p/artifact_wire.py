@@ -263,10 +263,18 @@ def decode_page(answer: dict[str, Any], peer: str, limit: int, owners: Owners) -
     if not isinstance(rows, list) or len(rows) > limit:
         raise ArtifactUnavailable(f"peer {peer} sent a malformed listing")
     metas = [_meta(r, peer) for r in rows]
-    if not all(owners.carries_owner(m.id, peer) for m in metas):
-        raise ArtifactUnavailable(f"peer {peer} listed an artifact it does not own")
+    if not all(_canonical(m.id) and owners.carries_owner(m.id, peer) for m in metas):
+        raise ArtifactUnavailable(f"peer {peer} listed an artifact it does not own, or under no UUID")
     return ArtifactPage(metas, truncated=answer.get("truncated") is True)
 
+
+def _canonical(id_: str) -> bool:
+    """Whether a row's id is a UUID as this peer writes it (lowercase): a row's id was taken
+    as any 36 characters, and one that was not hex escaped the listing as a ValueError."""
+    try:
+        return parse_id(id_) == id_
+    except MalformedId:
+        return False
 
 
 def _meta(record: object, peer: str) -> ArtifactMeta:

@@ -1370,3 +1370,27 @@ async def test_a_peer_ground_to_an_owners_32_bit_tag_cannot_list_its_artifacts(
             b.host.set_stream_handler(PROTOCOL, liar)
             rows = (await a.swarm.list(ListQuery())).artifacts
             assert [m.filename for m in rows] == ["report.txt"]
+
+
+@pytest.mark.parametrize("bad_id", ["z" * 36, "NOT-A-UUID" + "0" * 26, "upper"])
+async def test_a_listing_row_under_no_uuid_leaves_its_peer_out(tmp_path: Path, bad_id: str) -> None:
+    """A row's id was taken as any 36 characters, its owner tag read as hex: one that was
+    not hex raised a ValueError out of the listing (a 500 for every swarm-wide listing
+    while that peer answered). Now the peer is left out and the page is the others' rows."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            mine = await a.store.create(chunks(b"12345"), filename="report.txt")
+            theirs = await b.store.create(chunks(b"abc"))
+
+            async def liar(stream: FramedStream, remote: PeerId) -> None:
+                request = json.loads(await stream.receive(timeout=5))
+                stream.max_frame_size = 1 << 20
+                if request["op"] == "list" and request["keys"]:
+                    answer = {"ok": True, "keys": [list(theirs.sort_key())], "truncated": False}
+                else:
+                    listed = theirs.id.upper() if bad_id == "upper" else bad_id
+                    answer = {"ok": True, "artifacts": [{**theirs.to_record(), "id": listed}], "truncated": False}
+                await stream.send(json.dumps(answer).encode(), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, liar)
+            assert [m.id for m in (await a.swarm.list(ListQuery())).artifacts] == [mine.id]
