@@ -114,6 +114,24 @@ async def test_a_peer_ground_to_an_owners_32_bit_tag_is_not_asked_for_its_jobs(
     assert [c[0] for c in http.calls] == ["http://other", "http://other"]
     store.close()
 
+
+async def test_a_relayed_owner_s_jobs_do_not_fall_back_to_its_ground_twin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A relayed owner is not asked (its ids are 404 here), but it still counts when choosing
+    the owner: left out of the choice, its new ids matched no known whole tag and fell back
+    to a peer carrying their first 32 bits, its ground twin."""
+    hostile = "12D3KooWAhostile"
+    ground(monkeypatch, OTHER, hostile)
+    store = ArtifactStore(tmp_path, ME)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, ME, read_input=None)  # type: ignore[arg-type]
+    views = [view(hostile, 0, 30, api_url="http://hostile"), view(OTHER, 0, 30, api_url="http://other", relayed=True)]
+    http = FakeHttp()
+    service = GenerationService(ME, runner, SwarmArtifacts(store), lambda: views, http)  # type: ignore[arg-type]
+    with pytest.raises(JobNotFound):
+        await service.get(new_id(OTHER), local_only=False)
+    assert http.calls == []
+    store.close()
+
 def job_row(owner: str, created_ms: int, **fields: Any) -> dict[str, Any]:
     """A row as ``owner`` lists it: a job record (``Job.to_json``) with an id it minted."""
     job = Job(id=new_id(owner), state="queued", modality="audio", model="piper:joe", params={"text": "hi"},

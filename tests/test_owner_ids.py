@@ -93,7 +93,7 @@ def test_a_peer_ground_to_an_owners_32_bit_tag_is_no_candidate_for_its_ids(monke
     assert owner_candidates(new_id(HOSTILE), [HOSTILE, HONEST]) == [HOSTILE]
 
 
-def test_the_whole_tag_wins_over_a_32_bit_match(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lookup_preference_the_whole_tag_wins_over_a_32_bit_match(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lookup preference: a peer carrying the whole tag is the only candidate, whatever
     else shares the first 32 bits; an owner this peer does not know leaves the 32-bit
     match (the grinder) as the candidate, as for a legacy id."""
