@@ -3,9 +3,10 @@
 
 Where an id lives: its owner tag (:mod:`inclavate.owner_ids`) names the peer, so a read,
 a meta or a delete goes straight to the owner: locally when the tag is ours, else to the
-registry peer(s) carrying that tag (its whole 60 bits; a legacy id's 32 when none does). No lookup protocol, no replicated index. An id whose
-tag matches no known peer is 404; an owner that is known but does not answer is 503 (the
-artifact may well exist; a 404 would tell a client it is gone for good).
+registry peer(s) carrying that tag (its whole 60 bits; a legacy id's 32 when none does).
+No lookup protocol, no replicated index. An id whose tag matches no known peer is 404; an
+owner that is known but does not answer is 503 (the artifact may well exist; a 404 would
+tell a client it is gone for good).
 
 Listing and usage are swarm-wide, as the spec's semantics ask: with no accounts every
 request is the single local principal, and "the caller's own artifacts" are all of them,
