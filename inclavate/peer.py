@@ -218,6 +218,7 @@ class Peer:
                 async with trio.open_nursery() as nursery:
                     self.registry = RegistryService(host, self.identity, cfg.liveness)
                     self.registry.refresh = self._refresh_record
+                    host.connection_guard.valued = lambda peer: bool(self._signed_by(peer))
                     await nursery.start(self.registry.run)
                     await nursery.start(run_metrics, self.metrics, self.metrics_store, self.views)
                     await nursery.start(partial(run_discovery, host, list(cfg.bootstrap), book=self.peer_book))

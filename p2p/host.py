@@ -59,6 +59,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from inclavate.types import PeerId
+from p2p.connection_guard import HANDSHAKE_S, ConnectionGuard
 from p2p.errors import DialError, ListenError, P2PError, PublishRejected
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from inclavate.ports import port_in_use
@@ -199,8 +200,8 @@ def _dial_failure_kept_quiet(record: logging.LogRecord) -> bool:
     return True
 
 
-def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr,
-                       dial_timeout: float, inbound: InboundStreams) -> BasicHost:
+def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr, dial_timeout: float,
+                       inbound: InboundStreams, guard: ConnectionGuard) -> BasicHost:
     yamux_credit.install()
     yamux_window.install()
     tcp_log = logging.getLogger(libp2p_tcp.__name__)
@@ -223,10 +224,14 @@ def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr,
             # connection after its 250th, however many are open. Measured with a cap of
             # 3: the 4th sequential connect fails. Live connections stay bounded by the
             # pruner's high watermark (300); this only pushes the leak out of reach
-            # (a million accepted connections) until the library is fixed.
+            # (a million accepted connections) until the library is fixed. The guard's
+            # handler below replaces the one that holds the slots: inbound connections
+            # are bounded there (p2p.connection_guard), from the descriptor limit.
             max_connections=_INBOUND_CONNECTIONS_PER_LIFETIME,
+            inbound_upgrade_timeout=HANDSHAKE_S,
         ),
     )
+    guard.install(swarm)
     # Connectivity policy belongs to p2p.discovery. The library's auto-connector would
     # dial every peer in the peerstore up to 150 connections (a full mesh in our swarm,
     # ignoring the target degree), and its dial deadlines cancel handshakes midway,
@@ -254,8 +259,10 @@ class P2PHost:
     def __init__(self, identity: Identity, host: BasicHost, pubsub: SwarmPubsub,
                  gossip: GossipConfig, topics: dict[str, Broadcast],
                  connection_events: Broadcast, dial_timeout: float, inbound: InboundStreams,
-                 listen_host: str = "127.0.0.1") -> None:
+                 listen_host: str = "127.0.0.1", connection_guard: ConnectionGuard | None = None) -> None:
         self.identity = identity
+        self.connection_guard = connection_guard or ConnectionGuard()
+        """Bounds inbound connections; set its ``valued`` to keep known peers' longest."""
         self.listen_host = listen_host
         """The interface the host listens on (the direct data plane listens there too)."""
         self.peer_id: PeerId = identity.peer_id
@@ -569,12 +576,13 @@ async def open_host(
     listen = _listen_multiaddr(listen_host, listen_port)
     _ensure_port_free(listen_host, listen_port)
     inbound = InboundStreams()
-    libp2p_host = _build_libp2p_host(identity, listen, dial_timeout, inbound)
+    guard = ConnectionGuard()
+    libp2p_host = _build_libp2p_host(identity, listen, dial_timeout, inbound, guard)
     topics: dict[str, Broadcast] = {}
     pubsub, router = build_gossip(libp2p_host, gossip, topics, inbound)
     events = Broadcast("connection events")
     libp2p_host.get_network().register_notifee(_ConnectionNotifee(events))
-    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout, inbound, listen_host)
+    host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout, inbound, listen_host, guard)
     try:
         async with libp2p_host.run([listen]):
             try:
