@@ -1,0 +1,120 @@
+"""A stranger's floods of a peer's libp2p port, for the adversarial tests and
+``scripts/probe_p2p_flood.py``.
+
+Three kinds, cheapest first: TCP connections that send nothing; connections that start the
+negotiation (multistream header, ``/noise``, Noise's first message) and stall; and
+connections that finish Noise and yamux, each under a fresh identity (an Ed25519 key costs
+microseconds), then sit idle. All of them open from a chosen source address on 127.0.0.0/8,
+so a test can tell the flood's address from an honest one.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+
+import trio
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.transport.tcp.tcp import TrioTCPStream
+from libp2p.transport.upgrader import TransportUpgrader
+
+from p2p.identity import Identity
+
+_MULTISTREAM = b"\x13/multistream/1.0.0\n"
+_NOISE = b"\x07/noise\n"
+STALLED_HELLO = _MULTISTREAM + _NOISE + b"\x00\x20" + os.urandom(32)
+"""What a stalled connection sends: the multistream header, ``/noise``, and Noise XX's first
+message (an ephemeral key); the peer answers with its second and waits for the third."""
+
+
+def open_quietly(port: int, source: str, n: int, hello: bytes = b"") -> list[socket.socket]:
+    """``n`` connections to 127.0.0.1:``port`` from ``source``, each sending ``hello`` (maybe
+    nothing) and then nothing more; opened 50 at a time, each batch in the peer's listen
+    queue before the next (past the queue the kernel drops a handshake, and its retries back
+    off for a minute)."""
+    opened: list[socket.socket] = []
+    for start in range(0, n, 50):
+        batch = [socket.socket() for _ in range(min(50, n - start))]
+        opened += batch
+        for sock in batch:
+            sock.bind((source, 0))
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        poller = select.poll()
+        for sock in batch:
+            poller.register(sock, select.POLLOUT)
+        waiting = {sock.fileno() for sock in batch}
+        deadline = time.monotonic() + 30
+        while waiting and time.monotonic() < deadline:
+            waiting -= {fd for fd, _ in poller.poll(1000)}
+        if hello:
+            for sock in batch:
+                try:
+                    sock.send(hello)
+                except OSError:
+                    pass  # refused or reset: counted as closed by the caller
+    return opened
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """The peer closed (or reset) ``sock``; bytes it sent are read and dropped."""
+    try:
+        while True:
+            chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+            if not chunk:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset, or never connected
+        return True
+
+
+async def open_with_fresh_identity(port: int, target: str, source: str) -> tuple[object, socket.socket]:
+    """One connection through Noise and yamux as a new identity; the muxer is never run, so
+    the peer's streams get no answer (an idle, unhelpful neighbour). Returns the muxed
+    connection (keep a reference: it holds the socket) and a duplicate of its socket, for
+    :func:`closed_by_peer`."""
+    identity = Identity.generate()
+    upgrader = TransportUpgrader(
+        {NOISE_PROTOCOL_ID: NoiseTransport(identity.key_pair, noise_privkey=create_x25519_key_pair().private_key)},
+        {YAMUX_PROTOCOL_ID: Yamux},
+    )
+    sock = trio.socket.socket()
+    await sock.bind((source, 0))
+    await sock.connect(("127.0.0.1", port))
+    raw = RawConnection(TrioTCPStream(trio.SocketStream(sock)), True)
+    peer = ID.from_base58(target)
+    secured = await upgrader.upgrade_security(raw, True, peer)
+    muxed = await upgrader.upgrade_connection(secured, peer)
+    return muxed, socket.socket(fileno=os.dup(sock.fileno()))
+
+
+async def fresh_identity_flood(port: int, target: str, source: str, n: int, concurrency: int = 20,
+                               timeout: float = 10.0) -> tuple[list[tuple[object, socket.socket]], int]:  # fmt: skip
+    """``n`` connections under as many identities, ``concurrency`` at a time; returns the
+    ones that got through and how many failed (refused, reset or past ``timeout``)."""
+    done: list[tuple[object, socket.socket]] = []
+    failed = 0
+    limiter = trio.CapacityLimiter(concurrency)
+
+    async def one() -> None:
+        nonlocal failed
+        async with limiter:
+            try:
+                with trio.fail_after(timeout):
+                    done.append(await open_with_fresh_identity(port, target, source))
+            except (OSError, trio.TooSlowError, Exception):  # noqa: BLE001 - any failure counts
+                failed += 1
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+    return done, failed
