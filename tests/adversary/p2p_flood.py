@@ -80,21 +80,21 @@ def closed_by_peer(sock: socket.socket) -> bool:
 async def open_with_fresh_identity(port: int, target: str, source: str) -> tuple[object, socket.socket]:
     """One connection through Noise and yamux as a new identity; the muxer is never run, so
     the peer's streams get no answer (an idle, unhelpful neighbour). Returns the muxed
-    connection (keep a reference: it holds the socket) and a duplicate of its socket, for
-    :func:`closed_by_peer`."""
+    connection and its socket (for :func:`closed_by_peer`; closing it ends the connection)."""
     identity = Identity.generate()
     upgrader = TransportUpgrader(
         {NOISE_PROTOCOL_ID: NoiseTransport(identity.key_pair, noise_privkey=create_x25519_key_pair().private_key)},
         {YAMUX_PROTOCOL_ID: Yamux},
     )
-    sock = trio.socket.socket()
-    await sock.bind((source, 0))
+    plain = socket.socket()  # the caller's handle on the one descriptor (no duplicate to leak)
+    plain.bind((source, 0))
+    sock = trio.socket.from_stdlib_socket(plain)
     await sock.connect(("127.0.0.1", port))
     raw = RawConnection(TrioTCPStream(trio.SocketStream(sock)), True)
     peer = ID.from_base58(target)
     secured = await upgrader.upgrade_security(raw, True, peer)
     muxed = await upgrader.upgrade_connection(secured, peer)
-    return muxed, socket.socket(fileno=os.dup(sock.fileno()))
+    return muxed, plain
 
 
 async def fresh_identity_flood(port: int, target: str, source: str, n: int, concurrency: int = 20,

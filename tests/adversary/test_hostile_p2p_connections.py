@@ -1,0 +1,112 @@
+"""A stranger's connections to a peer's libp2p port (``p2p.connection_guard``).
+
+A real peer limited to 256 descriptors (its inbound libp2p share 32, handshakes 8) on
+127.0.0.1; the flood comes from 127.0.0.2, the honest peer from 127.0.0.1. Before the guard
+(``scripts/probe_p2p_flood.py``): 400 silent or stalled connections took all 256 descriptors
+until the library's 10 s handshake deadline closed them (``accept returned EMFILE``), and
+fresh identities through Noise and yamux were kept for as long as they stayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import trio
+from p2p_flood import STALLED_HELLO, closed_by_peer, fresh_identity_flood, open_quietly
+from swarm import PeerProcess, Swarm
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the peer's descriptors in /proc")
+
+_NOFILE = 256
+_INBOUND, _HANDSHAKES = 32, 8
+"""``p2p.connection_guard``'s bounds at 256 descriptors (written out: the test states them)."""
+
+
+@contextlib.contextmanager
+def _most_descriptors(pid: int) -> Iterator[list[int]]:
+    """The most descriptors ``pid`` held, sampled every 0.1 s while the block runs."""
+    most = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            with contextlib.suppress(OSError):
+                most[0] = max(most[0], len(os.listdir(f"/proc/{pid}/fd")))
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield most
+    finally:
+        done.set()
+        thread.join()
+
+
+def _limited_peer(s: Swarm) -> tuple[PeerProcess, int, str]:
+    """A ready peer under a 256-descriptor limit: it, its libp2p port and its peer id."""
+    peer = s.start("a")
+    health = s.wait_ready(peer)
+    resource.prlimit(peer.process.pid, resource.RLIMIT_NOFILE, (_NOFILE, _NOFILE))
+    return peer, int(health["multiaddrs"][0].split("/tcp/")[1].split("/")[0]), health["peer_id"]
+
+
+def _assert_an_honest_peer_joins(s: Swarm, a: PeerProcess, a_id: str) -> None:
+    """A second peer bootstraps through ``a`` while the flood is held; each lists the other."""
+    b = s.start("b", bootstrap=a)
+    b_id = s.wait(lambda: b.get("/health")["peer_id"], 60, "b to answer", b)
+    s.wait(lambda: b_id in {n["node_id"] for n in a.get("/nodes")}, 90, "a to list b", a)
+    s.wait(lambda: a_id in {n["node_id"] for n in b.get("/nodes")}, 90, "b to list a", b)
+
+
+@pytest.mark.parametrize("hello", [b"", STALLED_HELLO], ids=["silent", "stalled_in_noise"])
+def test_a_flood_of_unfinished_handshakes_leaves_the_peer_its_descriptors(tmp_path, hello: bytes) -> None:
+    """400 connections that send nothing, or stall after Noise's first message: the peer
+    keeps at most 8 of them in the handshake (each newcomer closes the flood's oldest), so
+    it never nears its limit, ``/health`` answers and an honest peer joins through it.
+    Before: all 256 descriptors held, ``EMFILE`` ten times a second, each kept 10 s."""
+    with Swarm(tmp_path) as s:
+        a, port, a_id = _limited_peer(s)
+        flood = []
+        try:
+            with _most_descriptors(a.process.pid) as most:
+                flood = open_quietly(port, "127.0.0.2", 400, hello)
+                s.wait(lambda: sum(map(closed_by_peer, flood)) >= 400 - _HANDSHAKES, 60, "the flood's surplus closed", a)
+                assert a.get("/health")["ok"]
+                _assert_an_honest_peer_joins(s, a, a_id)
+            assert most[0] < _NOFILE - 64, f"the peer held {most[0]} descriptors, its limit {_NOFILE}"
+            assert "EMFILE" not in a.log_path.read_text(errors="replace")
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+def test_idle_neighbours_under_fresh_identities_are_bounded(tmp_path) -> None:
+    """80 connections through Noise and yamux, each a new identity (free to make), that then
+    sit idle: the peer keeps at most 32 inbound connections, the source holding the most
+    losing its oldest, so the flood rotates its own and an honest peer still joins.
+    Before: every one kept for as long as the stranger liked (230 took all 256 descriptors;
+    ``/health`` and the honest peer's dial went unanswered)."""
+    with Swarm(tmp_path) as s:
+        a, port, a_id = _limited_peer(s)
+        held: list = []
+
+        async def flood() -> None:
+            done, _failed = await fresh_identity_flood(port, a_id, "127.0.0.2", 80, concurrency=4)
+            held.extend(done)
+
+        try:
+            trio.run(flood)
+            socks = [sock for _, sock in held]
+            assert len(socks) > _INBOUND  # enough got through to pass the bound
+            s.wait(lambda: len(socks) - sum(map(closed_by_peer, socks)) <= _INBOUND, 30, "the surplus closed", a)
+            assert a.get("/health")["ok"]
+            _assert_an_honest_peer_joins(s, a, a_id)
+        finally:
+            for _, sock in held:
+                sock.close()
