@@ -31,7 +31,7 @@ import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
-from api.connection_table import ConnectionTable, source_of
+from api.connection_table import ConnectionTable, capacity, source_of
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class ConfinedTCPServer(TCPServer):
 FIRST_REQUEST_S = 10.0
 """Seconds a new connection has to send its first request's line and headers."""
 
-CONNECTIONS = ConnectionTable()
+CONNECTIONS = ConnectionTable(capacity)
 """Every HTTP connection of the process: descriptors are the process's, whatever the server."""
 
 WRITE_STALL_S = 60.0

@@ -11,7 +11,7 @@ connections, reopened as the peer's 10 s handshake deadline closed them, kept it
 limit (``accept returned EMFILE`` 400-500 times in 30 s) and delayed an honest join 3x.
 
 :class:`ConnectionGuard` replaces the swarm's inbound handler (TCP: our only transport)
-with one that counts. Two tables, both :class:`~api.connection_table.ConnectionTable`
+with one that counts. Two tables, both :class:`~inclavate.source_table.ConnectionTable`
 (a newcomer is always taken; past the bound the source, IPv4 address or IPv6 /64, holding
 the most loses its oldest):
 
@@ -37,7 +37,7 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
 from multiaddr import Multiaddr
 
-from api.connection_table import ConnectionTable, source_of
+from inclavate.source_table import ConnectionTable, source_of
 from inclavate.types import PeerId
 
 try:
