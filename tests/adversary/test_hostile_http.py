@@ -14,7 +14,6 @@ import json
 import os
 import resource
 import secrets
-import select
 import socket
 import sys
 import threading
@@ -30,6 +29,7 @@ import trio
 from body_flood import flood, rss_mb
 from forward_frames import attack, forward, hop, peer_id
 from hostile_peer import HostilePeer, hostile_peer, honest_record
+from p2p_flood import open_quietly
 from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, honest_nodes, three_peers
 from local_context import LocalContext, serve
 from reference import whole_model_text
@@ -488,28 +488,6 @@ def test_memory_a_flood_of_bodies_left_goes_back_once_it_is_over(tmp_path) -> No
         assert request_json("POST", peer.url + "/v1/chat/completions", chat, timeout=60)[0] == 200
 
 
-def _connect_quietly(port: int, source: str, n: int) -> list[socket.socket]:
-    """``n`` connections that send nothing, opened 50 at a time, each batch in the peer's
-    listen queue (100) before the next: past it the kernel drops a handshake, and its
-    retries back off for a minute."""
-    opened: list[socket.socket] = []
-    for start in range(0, n, 50):
-        batch = [socket.socket() for _ in range(min(50, n - start))]
-        opened += batch
-        for sock in batch:
-            sock.bind((source, 0))
-            sock.setblocking(False)
-            sock.connect_ex(("127.0.0.1", port))
-        poller = select.poll()
-        for sock in batch:
-            poller.register(sock, select.POLLOUT)
-        waiting = {sock.fileno() for sock in batch}
-        deadline = time.monotonic() + 30
-        while waiting and time.monotonic() < deadline:
-            waiting -= {fd for fd, _ in poller.poll(1000)}
-    return opened
-
-
 def _closed_by_peer(sock: socket.socket) -> bool:
     try:
         return sock.recv(1, socket.MSG_DONTWAIT) == b""
@@ -547,7 +525,7 @@ def test_a_flood_of_idle_connections_leaves_the_peer_its_descriptors_and_its_cli
         flood: list[socket.socket] = []
         try:
             assert _health_on(honest) == b"HTTP/1.1 200 "
-            flood = _connect_quietly(peer.api_port, "127.0.0.2", 300)
+            flood = open_quietly(peer.api_port, "127.0.0.2", 300)
             most = 0
 
             def flood_ended() -> bool:
