@@ -18,14 +18,10 @@ them busy, is the one closed: it is the only idle one).
 
 from __future__ import annotations
 
+from inclavate.descriptors import share
 from inclavate.source_table import ConnectionTable, Held, source_of
 
 __all__ = ["ConnectionTable", "Held", "capacity", "source_of"]
-
-try:
-    import resource
-except ImportError:  # Windows: no descriptor limit to read
-    resource = None  # type: ignore[assignment]
 
 MAX_CONNECTIONS = 4096
 """At most this many, whatever the descriptors allow: each costs a task and its buffers."""
@@ -42,10 +38,5 @@ UNKNOWN_LIMIT_CONNECTIONS = 512
 
 def capacity() -> int:
     """Connections the API may hold now, from the process's soft descriptor limit (read at
-    each newcomer: ``prlimit`` may change it while the peer runs)."""
-    if resource is None:
-        return UNKNOWN_LIMIT_CONNECTIONS
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, soft // SHARE_OF_DESCRIPTORS))
+    each newcomer: ``prlimit`` may change it while the peer runs; ``inclavate/descriptors.py``)."""
+    return share(SHARE_OF_DESCRIPTORS, MIN_CONNECTIONS, MAX_CONNECTIONS, unknown=UNKNOWN_LIMIT_CONNECTIONS)

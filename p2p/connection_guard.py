@@ -37,13 +37,9 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
 from multiaddr import Multiaddr
 
+from inclavate.descriptors import share
 from inclavate.source_table import ConnectionTable, source_of
 from inclavate.types import PeerId
-
-try:
-    import resource
-except ImportError:  # Windows: no descriptor limit to read
-    resource = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +60,10 @@ _CLOSE_S = 1.0
 """Budget for closing one evicted or failed connection."""
 
 
-def _soft_limit() -> int | None:
-    if resource is None:
-        return None
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
 def inbound_capacity() -> int:
-    """Established inbound connections held at once, from the soft descriptor limit now."""
-    soft = _soft_limit()
-    if soft is None:
-        return MAX_INBOUND // 4
-    return max(MIN_INBOUND, min(MAX_INBOUND, soft // SHARE_OF_DESCRIPTORS))
+    """Established inbound connections held at once, from the soft descriptor limit now
+    (``inclavate/descriptors.py``)."""
+    return share(SHARE_OF_DESCRIPTORS, MIN_INBOUND, MAX_INBOUND, unknown=MAX_INBOUND // 4)
 
 
 def handshake_capacity() -> int:

@@ -45,6 +45,7 @@ from typing import TypeVar
 
 import trio
 
+from inclavate.descriptors import share
 from inclavate.types import PeerId
 from p2p.errors import DialError, LinkLimitReached, ListenError, P2PError, ProtocolError
 from p2p.framing import FramedStream
@@ -62,6 +63,18 @@ _CONTROL_FRAME_BYTES = 256
 _AT_LIMIT = b"limit"
 """The acceptor's first sealed frame instead of its empty proof: this peer's links of the
 protocol are at their bound, none idle (:class:`~p2p.errors.LinkLimitReached`)."""
+
+def _links_share() -> int:
+    """Live inbound links of one protocol, at most, whatever its table says: a 32nd of the
+    descriptors (``inclavate/descriptors.py``; the fixed 512 + 64 links and 64 hellos took
+    every descriptor of a peer limited to 1,024)."""
+    return share(32, 16, 512)
+
+
+def _hellos_share() -> int:
+    """Connections awaiting their ticket, at most: a 64th of the descriptors."""
+    return share(64, 4, 64)
+
 
 DirectHandler = Callable[[SealedStream, PeerId], Awaitable[None]]
 _K = TypeVar("_K")
@@ -192,8 +205,8 @@ class DirectLinks:
         """``protocol``'s links per peer, links in all, and its table of live links."""
         if protocol in self._tables:
             table, links = self._tables[protocol]
-            return table.links_per_peer, table.max_links, links
-        return self.limits.links_per_peer, self.limits.max_links, self._links
+            return table.links_per_peer, min(table.max_links, _links_share()), links
+        return self.limits.links_per_peer, min(self.limits.max_links, _links_share()), self._links
 
     @contextmanager
     def idle(self, stream: SealedStream) -> Iterator[None]:
@@ -268,10 +281,11 @@ class DirectLinks:
             source: str = tcp.socket.getpeername()[0]
         except OSError:  # reset before we got to it
             source = ""
-        if not source or self.limits.max_unauthenticated < 1:
+        waiting_bound = min(self.limits.max_unauthenticated, _hellos_share())
+        if not source or waiting_bound < 1:
             self.refused += 1
             return
-        while len(self._pending) >= self.limits.max_unauthenticated:
+        while len(self._pending) >= waiting_bound:
             self._evict_pending()
         ticket = None
         waiting = trio.CancelScope()
