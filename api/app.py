@@ -36,7 +36,7 @@ from api import (
     routes_system,
 )
 from api.context import PeerContext
-from api.errors import error_response_parts
+from api.errors import error_headers, error_response_parts
 from api.request_guard import HostPolicy
 from api.sessions import ActiveSessions
 from api.heap_trim import trim_after_floods
@@ -89,6 +89,7 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
             log.error("request failed: %s", exc, exc_info=status == 500)
         response = jsonify(body)
         response.status_code = status
+        response.headers.update(error_headers(exc))
         return _closing_if_body_unread(response)
 
     return app

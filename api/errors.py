@@ -44,6 +44,7 @@ __all__ = [
     "GatewayTimeout",
     "Unauthorized",
     "UnknownModel",
+    "error_headers",
     "error_response_parts",
     "register",
 ]
@@ -185,6 +186,7 @@ def _register_lower_layers() -> None:
         QuotaExceeded,
     )
     from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+    from inclavate.fan_out import ListingsBusy
     from inclavate.owner_ids import MalformedId
     from inclavate.metrics_store import MetricsStoreError
     from inclavate.store import StoreError
@@ -228,6 +230,7 @@ def _register_lower_layers() -> None:
         (QuotaExceeded, 507),
         (ArtifactUnavailable, 503),
         (P2PError, 503),
+        (ListingsBusy, 503),  # with Retry-After (error_headers): this peer runs its listings at once
     ]:
         register(exc_type, status)
 
@@ -260,6 +263,15 @@ def _register_generation_errors() -> None:
 
 
 _register_generation_errors()
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """Headers an error's answer carries: ``Retry-After`` for one that says when to retry
+    (a ``retry_after_s`` attribute, whole seconds)."""
+    retry = getattr(exc, "retry_after_s", None)
+    if isinstance(retry, int) and not isinstance(retry, bool):
+        return {"Retry-After": str(retry)}
+    return {}
 
 
 def error_response_parts(exc: BaseException) -> tuple[int, dict[str, Any]]:

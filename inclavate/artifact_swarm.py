@@ -50,7 +50,7 @@ from inclavate.artifact_types import (
     Usage,
 )
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
-from inclavate.fan_out import FanOut, keep_best
+from inclavate.fan_out import AskBudget, FanOut, keep_best, listing_budget
 from inclavate.owner_ids import Owners, owner_candidates, parse_id
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,9 @@ class SwarmArtifacts:
         return self.fan_out.order(set(self._live()) - {self.store.owner})
 
     async def list(self, query: ListQuery) -> ArtifactPage:
+        """One page of the swarm's artifacts (the module's docstring), in one of this peer's
+        listing turns (:meth:`FanOut.gate`: :class:`~inclavate.fan_out.ListingsBusy` when
+        none comes free in time)."""
         peers = self._other_live_peers()
         if not peers:
             return self.store.list(query)
@@ -165,6 +168,10 @@ class SwarmArtifacts:
                 f"offset + limit may reach at most {SWARM_LIST_WINDOW} rows in a swarm-wide listing; "
                 "narrow it with kind, or delete what is no longer needed"
             )
+        async with self.fan_out.gate.turn():
+            return await self._list_swarm(query, peers, window)
+
+    async def _list_swarm(self, query: ListQuery, peers: list[str], window: int) -> ArtifactPage:
         per_peer = ListQuery(window, 0, query.kind, query.files_only, query.purpose, query.after, query.ascending)
         began = trio.current_time()
         owners = Owners([self.store.owner, *self._known(), *peers])  # whose ids a peer may list
@@ -178,7 +185,9 @@ class SwarmArtifacts:
             truncated = truncated or page.truncated
             kept.add(page.keys, peer)
 
-        await self.fan_out.ask(peers, lambda p: self._remote_().keys(p, per_peer, owners), take_keys, began + KEYS_SHARE_S)
+        budget: AskBudget[KeyPage] = AskBudget(listing_budget(window), window, lambda page: len(page.keys))
+        await self.fan_out.ask(peers, lambda p: self._remote_().keys(p, per_peer, owners), take_keys,
+                               began + KEYS_SHARE_S, budget)  # fmt: skip
         chosen = kept.entries[query.offset :]
         rows = {(m.sort_key(), 0): m for m in own.artifacts}
         asks = kept.row_queries(query.offset, per_peer)

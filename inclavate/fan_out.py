@@ -14,24 +14,36 @@ asks in flight. A :class:`FanOut` asks peers in turns instead:
   (:meth:`FanOut.order`), so a flood can neither choose (by grinding ids) nor fix which
   honest peers are left out when not all can be asked in time;
 - an ask begun while others wait for a turn has :data:`ASK_PATIENCE_S`, so peers that stall
-  cannot hold every turn until the deadline.
+  cannot hold every turn until the deadline;
+- what one fan-out takes in is bounded by an :class:`AskBudget` (keys or rows in all): each
+  ask reserves the most its answer may hold before it is sent, so fast peers answering full
+  windows cannot keep the event loop decoding for the whole deadline;
+- at most :data:`MAX_LISTINGS_AT_ONCE` listings of this peer run at once (a
+  :class:`ListingGate` shared by siblings); a few more wait a short while, the rest are
+  refused with :class:`ListingsBusy` (503 with ``Retry-After``).
 
 Used by :mod:`inclavate.artifact_swarm` and :mod:`inclavate.generations`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, Generic, TypeVar
 
 import trio
 
 from inclavate.errors import InclavateError
+from inclavate.untrusted import DropCounter
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+E = TypeVar("E")
 
 MAX_ASKS_PER_FANOUT = 16
 """A fan-out asks at most this many peers at a time; the rest wait their turn. Asking every
@@ -46,25 +58,143 @@ ASK_PATIENCE_S = 1.0
 cannot hold every turn until the deadline. The last asks of a fan-out wait until its deadline."""
 RECENT_PEERS = 64
 """How many peers that had rows on recent pages are remembered, to be asked first."""
+MAX_LISTINGS_AT_ONCE = 4
+"""Swarm-wide listings (artifacts, Files, jobs together) this peer runs at once. Two
+listings already fill :data:`MAX_ASKS_IN_FLIGHT`; four leave an honest dashboard and a
+client room, while a client starting listings in parallel keeps at most four listings'
+decoding (each bounded by its :class:`AskBudget`) on the event loop."""
+MAX_LISTINGS_WAITING = 16
+"""Listings that may wait for a turn (four per turn); one more is refused at once, so
+waiting requests cannot pile up either."""
+LISTING_WAIT_S = 5.0
+"""How long a listing waits for a turn: an artifact listing holds one at most
+``PEER_TIMEOUT_S`` (5 s), so one behind four of them at their slowest still gets a turn."""
+LISTING_RETRY_AFTER_S = 5
+"""The ``Retry-After`` of a listing refused for want of a turn."""
+MIN_LISTING_BUDGET = 65_536
+"""The fewest keys (or rows) a listing may take in, whatever its window: a small page of a
+swarm of a few hundred honest peers with full windows is still exact."""
 
-T = TypeVar("T")
-E = TypeVar("E")
+
+class LeftOut(enum.Enum):
+    """Why a peer was left out of a fan-out without an answer of its being refused."""
+
+    DEADLINE = "deadline"
+    """Not asked, or not answered, before the fan-out's deadline."""
+    BUDGET = "budget"
+    """Not asked: the fan-out had taken in its budget of keys or rows."""
+
+
+class ListingsBusy(InclavateError):
+    """This peer runs :data:`MAX_LISTINGS_AT_ONCE` listings and no turn came free in time
+    (503 with ``Retry-After``: another peer, or this one in a moment, can answer)."""
+
+    retry_after_s = LISTING_RETRY_AFTER_S
+
+
+class ListingGate:
+    """Turns for swarm-wide listings: at most ``at_once`` run, at most ``waiting`` wait (each
+    at most ``wait_s``), any other is refused at once. Any HTTP client may start listings;
+    unbounded, parallel ones kept the event loop decoding keys the whole time."""
+
+    def __init__(self, at_once: int = MAX_LISTINGS_AT_ONCE, waiting: int = MAX_LISTINGS_WAITING,
+                 wait_s: float = LISTING_WAIT_S) -> None:  # fmt: skip
+        self._turns = trio.Semaphore(at_once)
+        self._at_once = at_once
+        self._most_waiting, self._wait_s = waiting, wait_s
+        self.waiting = 0
+        self.refused = 0
+
+    @property
+    def running(self) -> int:
+        """Listings holding a turn now."""
+        return self._at_once - self._turns.value
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold a turn for one listing, or raise :class:`ListingsBusy`."""
+        try:
+            self._turns.acquire_nowait()
+        except trio.WouldBlock:
+            await self._wait_for_turn()
+        try:
+            yield
+        finally:
+            self._turns.release()
+
+    async def _wait_for_turn(self) -> None:
+        if self.waiting >= self._most_waiting:
+            self._refuse(f"{self.waiting} more wait for a turn")
+        self.waiting += 1
+        try:
+            with trio.move_on_after(self._wait_s) as waited:
+                await self._turns.acquire()
+        finally:
+            self.waiting -= 1
+        if waited.cancelled_caught:
+            self._refuse(f"no turn came free in {self._wait_s:g} s")
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        raise ListingsBusy(f"this peer is busy listing ({self.running} swarm-wide listings at once, {why}); "
+                           f"retry in {LISTING_RETRY_AFTER_S} s or ask another peer")  # fmt: skip
+
+
+class AskBudget(Generic[T]):
+    """What one fan-out may take in: ``units`` (keys or rows) in all. Each ask reserves
+    ``per_ask`` (the most one answer may hold: its size is bounded by its request) before it
+    is sent; ``used`` says how many an answer held, and the rest is given back. A peer whose
+    turn finds the budget spent is left out, as one the deadline leaves out. An answer that
+    failed counts in full (it may have been decoded); one cut off by a deadline counts none
+    (decoding has no checkpoint, so it never began)."""
+
+    def __init__(self, units: int, per_ask: int, used: Callable[[T], int]) -> None:
+        self.units, self.per_ask, self.used = units, per_ask, used
+        self.spent = self.reserved = 0
+        self._changed = trio.Event()
+
+    async def reserve(self) -> bool:
+        """Room for one more answer (waiting for asks in flight to give theirs back); False
+        once the budget is spent."""
+        while self.spent + self.reserved + self.per_ask > self.units:
+            if self.reserved == 0:
+                return False
+            await self._changed.wait()
+        self.reserved += self.per_ask
+        return True
+
+    def settle(self, used: int) -> None:
+        """An ask ended having taken in ``used`` units."""
+        self.reserved -= self.per_ask
+        self.spent += min(used, self.per_ask)
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+def listing_budget(window: int) -> int:
+    """The keys (or rows) a listing of ``window`` per peer takes in at most: as many full
+    answers as one fan-out asks at once, at least :data:`MIN_LISTING_BUDGET`."""
+    return max(MAX_ASKS_PER_FANOUT * window, MIN_LISTING_BUDGET)
 
 
 class FanOut:
     """One kind of swarm-wide question: its own memory of the peers that had rows on recent
     pages, and this peer's shared limit on asks in flight."""
 
-    def __init__(self, what: str, in_flight: trio.Semaphore | None = None) -> None:
-        """``what`` names the question in logs; ``in_flight`` is shared by siblings."""
+    def __init__(self, what: str, in_flight: trio.Semaphore | None = None, gate: ListingGate | None = None) -> None:
+        """``what`` names the question in logs; ``in_flight`` and ``gate`` are shared by siblings."""
         self.what = what
         self._in_flight = in_flight if in_flight is not None else trio.Semaphore(MAX_ASKS_IN_FLIGHT)
+        self.gate = gate if gate is not None else ListingGate()
+        """Turns for this peer's listings (artifacts, Files, jobs): :meth:`ListingGate.turn`."""
         self._recent: OrderedDict[str, None] = OrderedDict()
+        self.left_out = DropCounter()
+        """Peers left out without an answer, by :class:`LeftOut` reason."""
 
     def sibling(self, what: str) -> FanOut:
-        """Another question of this peer's: the same asks-in-flight limit, its own memory
-        (peers with rows on recent job pages say nothing about artifact pages)."""
-        return FanOut(what, self._in_flight)
+        """Another question of this peer's: the same asks-in-flight limit and listing turns,
+        its own memory (peers with rows on recent job pages say nothing about artifact pages)."""
+        return FanOut(what, self._in_flight, self.gate)
 
     def order(self, peers: Iterable[str]) -> list[str]:
         """Peers that had rows on a recent page first (most recent first), then the rest in
@@ -86,18 +216,24 @@ class FanOut:
             self._recent.popitem(last=False)
 
     async def ask(self, peers: list[str], ask: Callable[[str], Awaitable[T]],
-                  take: Callable[[str, T], None], deadline: float) -> None:  # fmt: skip
+                  take: Callable[[str, T], None], deadline: float, budget: AskBudget[T] | None = None) -> None:  # fmt: skip
         """Ask ``peers`` in their order, at most :data:`MAX_ASKS_PER_FANOUT` at a time and
         this peer's fan-outs together at most :data:`MAX_ASKS_IN_FLIGHT`, handing each
         answer to ``take`` as it arrives (none is kept here). Peers that fail (any
-        :class:`InclavateError`, from ``ask`` or ``take``), answer late, or are not reached
-        by ``deadline`` (on trio's clock) are left out (logged)."""
+        :class:`InclavateError`, from ``ask`` or ``take``), answer late, are not reached by
+        ``deadline`` (on trio's clock), or find ``budget`` spent are left out (logged;
+        counted in :attr:`left_out` unless they failed)."""
         waiting = deque(peers)
+        spent = False
 
         async def worker(peer: str) -> None:
+            nonlocal spent
             while True:
-                await self._ask_one(peer, ask, take, deadline, patient=bool(waiting))
-                if not waiting or trio.current_time() >= deadline:
+                if not await self._ask_one(peer, ask, take, deadline, patient=bool(waiting), budget=budget):
+                    spent = True
+                    waiting.appendleft(peer)
+                    return
+                if not waiting or trio.current_time() >= deadline or spent:
                     return
                 peer = waiting.popleft()
 
@@ -105,20 +241,36 @@ class FanOut:
             for _ in range(min(MAX_ASKS_PER_FANOUT, len(peers))):  # each its first peer now: "others wait" is then true
                 nursery.start_soon(worker, waiting.popleft())
         if waiting:
-            log.warning("%s: %d peers left out: not asked before the deadline", self.what, len(waiting))
+            reason = LeftOut.BUDGET if spent else LeftOut.DEADLINE
+            for _ in waiting:
+                self.left_out.count(reason)
+            log.warning("%s: %d peers left out: not asked (%s)", self.what, len(waiting), reason.value)
 
     async def _ask_one(self, peer: str, ask: Callable[[str], Awaitable[T]], take: Callable[[str, T], None],
-                       deadline: float, patient: bool) -> None:  # fmt: skip
+                       deadline: float, patient: bool, budget: AskBudget[T] | None) -> bool:  # fmt: skip
+        """One peer asked; False (nothing asked) when ``budget`` is spent."""
         with trio.move_on_at(deadline):
             async with self._in_flight:
+                if budget is not None and not await budget.reserve():
+                    return False
+                used = 0
                 until = min(deadline, trio.current_time() + ASK_PATIENCE_S) if patient else deadline
-                with trio.move_on_at(until):
-                    try:
-                        take(peer, await ask(peer))
-                    except InclavateError as exc:  # nothing may escape the nursery as a group
-                        log.warning("%s: peer %s left out: %s", self.what, peer, exc)
-                    return
+                try:
+                    with trio.move_on_at(until):
+                        try:
+                            answer = await ask(peer)
+                            used = budget.used(answer) if budget is not None else 0
+                            take(peer, answer)
+                        except InclavateError as exc:  # nothing may escape the nursery as a group
+                            used = budget.per_ask if budget is not None else 0  # it may have been decoded
+                            log.warning("%s: peer %s left out: %s", self.what, peer, exc)
+                        return True
+                finally:
+                    if budget is not None:
+                        budget.settle(used)
+        self.left_out.count(LeftOut.DEADLINE)
         log.warning("%s: peer %s left out: no answer in time", self.what, peer)
+        return True
 
 
 def keep_best(kept: list[E], new: Iterable[E], size: int, *, descending: bool,

@@ -30,7 +30,7 @@ import trio
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound
 from inclavate.errors import InclavateError
-from inclavate.fan_out import keep_best
+from inclavate.fan_out import AskBudget, keep_best, listing_budget
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_rows import decode_job_page
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
@@ -254,6 +254,11 @@ class GenerationService:
                 f"offset + limit may reach at most {LIST_MAX_LIMIT} jobs in a swarm-wide listing "
                 f"({len(peers)} other peers each send their newest {LIST_MAX_LIMIT} at most)"
             )
+        async with self._fan_out.gate.turn():  # shared with artifact and Files listings
+            return await self._list_swarm(peers, limit, offset, window)
+
+    async def _list_swarm(self, peers: list[NodeView], limit: int, offset: int,
+                          window: int) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
         kept = _JobWindow(window)
         own = self.runner.store.list(window + 1, 0)
         kept.add([self._listed(job) for job in own], None)
@@ -277,7 +282,8 @@ class GenerationService:
             kept.add(page.rows, peer)
 
         deadline = trio.current_time() + LIST_TIMEOUT_S
-        await self._fan_out.ask(self._fan_out.order(urls), ask, take, deadline)
+        budget: AskBudget[Any] = AskBudget(listing_budget(window), window, _rows_in)
+        await self._fan_out.ask(self._fan_out.order(urls), ask, take, deadline, budget)
         rows = kept.entries[offset:]
         self._fan_out.remember(kept.peers_of(rows))
         return [row for _, row, _ in rows], truncated or kept.overflow
@@ -425,6 +431,13 @@ class _JobWindow:
         last, so asked first next time)."""
         peers = list(dict.fromkeys(peer for _, _, peer in entries if peer is not None))
         return peers[::-1]
+
+
+def _rows_in(body: Any) -> int:
+    """The rows another peer's listing answer holds, as far as a glance can tell (its
+    budget's use; :func:`decode_job_page` checks the rest)."""
+    data = body.get("generations") if isinstance(body, dict) else None
+    return len(data) if isinstance(data, list) else 0
 
 
 def _submission(new: NewJob) -> dict[str, Any]:

@@ -34,7 +34,9 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactStore
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
-from inclavate.fan_out import ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_FANOUT
+import inclavate.fan_out
+from inclavate.fan_out import (ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_FANOUT, MAX_LISTINGS_AT_ONCE,
+                               MAX_LISTINGS_WAITING, LeftOut, ListingGate, ListingsBusy, listing_budget)  # fmt: skip
 from inclavate.owner_ids import MalformedId, Owners, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
@@ -1174,7 +1176,9 @@ class _CountingRemotes(_FakeRemotes):
     def __init__(self, rows: dict[str, list[ArtifactMeta]], delay: float = 0.1, stall: frozenset[str] = frozenset()) -> None:
         super().__init__(rows)
         self.pause, self.stall = delay, stall
-        self.in_flight = self.most_in_flight = self.most_keys_alive = 0
+        self.in_flight = self.most_in_flight = self.most_keys_alive = self.keys_answered = 0
+        self.most_listings: int | None = None  # set to 0 to count a gate's listings at once
+        self.gate: ListingGate | None = None
         self.keys_asked: list[str] = []
         self.keys_asked_at: dict[str, float] = {}
         self._pages: list[weakref.ref[_TrackedKeys]] = []
@@ -1195,8 +1199,11 @@ class _CountingRemotes(_FakeRemotes):
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         self.keys_asked.append(peer)
         self.keys_asked_at[peer] = trio.current_time()
+        if self.gate is not None:
+            self.most_listings = max(self.most_listings or 0, self.gate.running)
         async with self._asked(peer):
             keys = _TrackedKeys(m.sort_key() for m in self._page(peer, query))
+            self.keys_answered += len(keys)
             self._pages.append(weakref.ref(keys))
             self._count_alive()
             return KeyPage(keys, len(keys) == query.limit)
@@ -1394,3 +1401,62 @@ async def test_a_listing_row_under_no_uuid_leaves_its_peer_out(tmp_path: Path, b
 
             b.host.set_stream_handler(PROTOCOL, liar)
             assert [m.id for m in (await a.swarm.list(ListQuery())).artifacts] == [mine.id]
+
+
+async def test_a_peer_runs_a_bounded_number_of_listings_and_refuses_the_rest_in_bounded_time(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:  # fmt: skip
+    """A client starting listings in parallel (over peers that stall, so each listing holds
+    its turn to its deadline): at most MAX_LISTINGS_AT_ONCE run, MAX_LISTINGS_WAITING wait
+    (here 1 s) and are then refused, any more are refused at once, all with ListingsBusy
+    (503, Retry-After). Before, every listing ran at once, each decoding for its whole
+    keys step. Job listings share the turns (a sibling's gate is the same)."""
+    stalling = {f"s{i:03}": _fake_rows(f"s{i:03}", 1, 5000) for i in range(40)}
+    remote = _CountingRemotes(stalling, stall=frozenset(stalling))
+    outcomes: list[str] = []
+    async with _swarm_of(tmp_path, remote) as swarm:
+        swarm.fan_out.gate = remote.gate = ListingGate(wait_s=1.0)
+        assert swarm.fan_out.sibling("job listing").gate is swarm.fan_out.gate
+
+        async def one() -> None:
+            began = trio.current_time()
+            try:
+                await swarm.list(ListQuery())
+                outcomes.append("listed")
+            except ListingsBusy:
+                outcomes.append("busy now" if trio.current_time() == began else "busy after a wait")
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(MAX_LISTINGS_AT_ONCE + MAX_LISTINGS_WAITING + 5):
+                nursery.start_soon(one)
+        assert swarm.fan_out.gate.refused == MAX_LISTINGS_WAITING + 5 and swarm.fan_out.gate.running == 0
+    assert outcomes.count("listed") == MAX_LISTINGS_AT_ONCE and remote.most_listings == MAX_LISTINGS_AT_ONCE
+    assert outcomes.count("busy now") == 5 and outcomes.count("busy after a wait") == MAX_LISTINGS_WAITING
+
+
+def test_a_busy_peer_s_listing_refusal_is_a_503_with_retry_after() -> None:
+    from api.errors import error_headers, error_response_parts
+
+    exc = ListingsBusy("this peer is busy listing")
+    assert error_response_parts(exc) == (503, {"error": "this peer is busy listing"})
+    assert error_headers(exc) == {"Retry-After": str(inclavate.fan_out.LISTING_RETRY_AFTER_S)}
+
+
+async def test_a_listing_takes_in_a_bounded_number_of_keys_however_many_peers_answer(
+        tmp_path: Path, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """100 identities each answer a full window of keys (200), fast: the listing takes in at
+    most its budget (16 full answers here, the floor set to 0) and leaves the rest out,
+    counted; before, it decoded all 20 000 keys (at 200 x 5 000: ~2.6 s of event loop).
+    Peers that answer few keys give the rest back: 100 honest peers of 5 rows are all shown."""
+    monkeypatch.setattr(inclavate.fan_out, "MIN_LISTING_BUDGET", 0)
+    remote = _CountingRemotes({f"p{i:03}": _fake_rows(f"p{i:03}", 200, 1000 * i) for i in range(100)}, delay=0.001)
+    async with _swarm_of(tmp_path, remote) as swarm:
+        page = await swarm.list(ListQuery(limit=100, offset=100))
+        assert len(page.artifacts) == 100
+        assert remote.keys_answered <= listing_budget(200) == MAX_ASKS_PER_FANOUT * 200
+        assert swarm.fan_out.left_out[LeftOut.BUDGET] == 100 - len(remote.keys_asked) > 0
+    few = {f"p{i:03}": _fake_rows(f"p{i:03}", 5, 1000 * i) for i in range(100)}
+    remote = _CountingRemotes(few, delay=0.001)
+    newest = sorted((m for rows in few.values() for m in rows), key=ArtifactMeta.sort_key, reverse=True)
+    async with _swarm_of(tmp_path / "few", remote) as swarm:
+        assert (await swarm.list(ListQuery(limit=100, offset=100))).artifacts == newest[100:200]
+        assert len(remote.keys_asked) == 100 and swarm.fan_out.left_out.total() == 0
