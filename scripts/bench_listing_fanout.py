@@ -4,7 +4,8 @@ network: each answers after RTT with its keys, JSON-encoded once, that the asker
 and decodes with the real codec, ``p2p.artifact_wire.decode_keys``), one ``limit=100``
 page at ``offset = WINDOW - 100``. Prints the listing's wall time and CPU (this is all
 event-loop time: nothing here runs in a thread), the most asks in flight at once, and
-the peak of memory allocated during the listing (tracemalloc, in a second run).
+the peak of memory allocated during the listing (tracemalloc, in a second run), and of the
+first run the keys decoded and the peers left out unasked, by reason.
 
 Run with ``taskset -c N`` and ``PYTHONSAFEPATH=1`` (so ``PYTHONPATH`` picks the tree):
 ``PYTHONPATH=TREE python scripts/bench_listing_fanout.py [--peers 200] [--window 5000]``."""
@@ -32,7 +33,7 @@ class FakePeers:
     """Each peer lists ``window`` keys, newest first, answered after ``rtt`` seconds."""
 
     def __init__(self, peers: int, window: int, rtt: float) -> None:
-        self.rtt, self.in_flight, self.most_in_flight = rtt, 0, 0
+        self.rtt, self.in_flight, self.most_in_flight, self.keys_decoded = rtt, 0, 0, 0
         self.names = [f"peer-{i:04}" for i in range(peers)]
         self.listed = {name: [(1_700_000_000_000 + window * i + j, new_id(name)) for j in range(window)][::-1]
                      for i, name in enumerate(self.names)}  # fmt: skip
@@ -49,7 +50,9 @@ class FakePeers:
 
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         await self._wait()
-        return decode_keys(json.loads(self.wire[peer]), peer, query, owners)
+        page = decode_keys(json.loads(self.wire[peer]), peer, query, owners)
+        self.keys_decoded += len(page.keys)
+        return page
 
     async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
         await self._wait()
@@ -61,6 +64,12 @@ class FakePeers:
     async def usage(self, peer: str) -> Usage:
         await self._wait()
         return Usage()
+
+
+def left_out(swarm: SwarmArtifacts) -> str:
+    """Peers left out without an answer, by reason (a tree without the counter: "-")."""
+    counter = getattr(swarm.fan_out, "left_out", None)
+    return "-" if counter is None else str(counter.snapshot())
 
 
 async def one_listing(swarm: SwarmArtifacts, query: ListQuery) -> tuple[int, float, float]:
@@ -76,13 +85,15 @@ async def main(peers: int, window: int, rtt: float) -> None:
         swarm = SwarmArtifacts(store, fakes, lambda: fakes.names, lambda: fakes.names)  # type: ignore[arg-type]
         query = ListQuery(limit=100, offset=window - 100)
         listed, wall, cpu = await one_listing(swarm, query)
+        decoded, dropped = fakes.keys_decoded, left_out(swarm)
         tracemalloc.start()
         await one_listing(swarm, query)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         store.close()
     print(f"peers={peers} window={window} rtt={rtt * 1000:.0f} ms listed={listed} wall={wall * 1000:.0f} ms "
-          f"cpu={cpu * 1000:.0f} ms most_in_flight={fakes.most_in_flight} peak_alloc={peak / 2**20:.0f} MiB")  # fmt: skip
+          f"cpu={cpu * 1000:.0f} ms keys_decoded={decoded} left_out={dropped} most_in_flight={fakes.most_in_flight} "
+          f"peak_alloc={peak / 2**20:.0f} MiB")  # fmt: skip
 
 
 if __name__ == "__main__":
