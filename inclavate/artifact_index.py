@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
-from inclavate.artifact_types import ArtifactMeta, ArtifactPage, ArtifactUnavailable, ListQuery, Totals
+from inclavate.artifact_types import ArtifactMeta, ArtifactPage, ArtifactUnavailable, ListQuery, Totals, error_text
 from inclavate.sqlite_errors import sqlite_errors_as
 
 SCHEMA_VERSION = 2
@@ -114,7 +114,7 @@ class ArtifactIndex:
         return self._settle(id_, size_bytes, "state = 'ready', size_bytes = ?, digest = ?", [size_bytes, digest])
 
     def mark_failed(self, id_: str, error: str) -> bool:
-        return self._settle(id_, 0, "state = 'failed', size_bytes = 0, digest = NULL, error = ?", [error[:1000]])
+        return self._settle(id_, 0, "state = 'failed', size_bytes = 0, digest = NULL, error = ?", [error_text(error)])
 
     def _settle(self, id_: str, size_bytes: int, sets: str, params: list[object]) -> bool:
         """A pending row's ``UPDATE ... SET sets``, and its kind's bytes moved to ``size_bytes``."""

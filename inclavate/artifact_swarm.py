@@ -52,6 +52,7 @@ from inclavate.artifact_types import (
 from inclavate.artifacts import ArtifactRead, ArtifactStore, read_whole
 from inclavate.fan_out import AskBudget, FanOut, keep_best, listing_budget
 from inclavate.owner_ids import Owners, owner_candidates, parse_id
+from p2p.artifact_wire import row_allowance
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,12 @@ for both, a peer answering its keys just in time left the honest peers no time f
 rows; with ``PEER_TIMEOUT_S`` each, it held every listing twice that
 (tests/test_artifact_swarm.py::test_a_peer_slow_at_both_steps_of_a_listing_holds_it_at_most_peer_timeout_s)."""
 
+ROW_BYTES_PER_LISTING = 32 * 2**20
+"""The rows one listing's rows step may hold, all peers together: each peer's rows request
+allows its count of rows on the page times its share (:func:`p2p.artifact_wire.row_allowance`,
+never less than the longest honest row). Allowing each row ``MAX_ROW_BYTES`` (~20 KiB),
+a Files page of 10 000 rows could hold 200 MB per listing."""
+
 T = TypeVar("T")
 
 
@@ -73,7 +80,7 @@ class RemoteStores(Protocol):
     async def meta(self, peer: str, id_: str) -> ArtifactMeta: ...
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead: ...
     async def delete(self, peer: str, id_: str) -> None: ...
-    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage: ...
+    async def list(self, peer: str, query: ListQuery, owners: Owners, row_bytes: int = ...) -> ArtifactPage: ...
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage: ...
     async def usage(self, peer: str) -> Usage: ...
 
@@ -191,6 +198,7 @@ class SwarmArtifacts:
         chosen = kept.entries[query.offset :]
         rows = {(m.sort_key(), 0): m for m in own.artifacts}
         asks = kept.row_queries(query.offset, per_peer)
+        row_bytes = row_allowance(len(chosen), ROW_BYTES_PER_LISTING)
 
         answered: set[str] = set()
 
@@ -199,7 +207,8 @@ class SwarmArtifacts:
             rows.update(((m.sort_key(), source), m) for m in page.artifacts)
             answered.add(peer)
 
-        await self.fan_out.ask(list(asks), lambda p: self._remote_().list(p, asks[p], owners), take_rows, began + PEER_TIMEOUT_S)
+        await self.fan_out.ask(list(asks), lambda p: self._remote_().list(p, asks[p], owners, row_bytes), take_rows,
+                               began + PEER_TIMEOUT_S)  # fmt: skip
         # Peers that answered rows on this page (placing keys costs nothing), the page's
         # first rows' peers remembered last, so asked first.
         self.fan_out.remember([p for p in reversed(asks) if p in answered])

@@ -39,6 +39,8 @@ DEFAULT_MEDIA_TYPE = "application/octet-stream"
 MAX_FILENAME_CHARS = 255
 MAX_PURPOSE_CHARS = 64
 MAX_MEDIA_TYPE_CHARS = 255
+MAX_ERROR_CHARS = 1000
+"""A failed row's error text, as the store keeps it (:func:`error_text`)."""
 LIST_DEFAULT_LIMIT = 100
 LIST_MAX_LIMIT = 1000
 SWARM_LIST_WINDOW = 20_000
@@ -174,7 +176,7 @@ class ArtifactMeta:
                 state=row["state"], kind=row["kind"], created_at_ms=_count(row["created_at_ms"]),
                 expires_at_ms=_optional_count(row.get("expires_at_ms")),
                 filename=_optional_text(row.get("filename"), MAX_FILENAME_CHARS),
-                purpose=_optional_text(row.get("purpose"), MAX_PURPOSE_CHARS), error=_optional_text(row.get("error"), 1000),
+                purpose=_optional_text(row.get("purpose"), MAX_PURPOSE_CHARS), error=_optional_text(row.get("error"), MAX_ERROR_CHARS),
             )  # fmt: skip
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not an artifact record: {exc}") from exc
@@ -366,3 +368,11 @@ def safe_filename(name: str | None) -> str:
     if cleaned in ("", ".", ".."):
         cleaned = "file"
     return cleaned[:MAX_FILENAME_CHARS]
+
+
+def error_text(error: str) -> str:
+    """A failed artifact's error as the store keeps it: printable ASCII (others escaped as
+    ``\\uXXXX``, control characters a space), at most :data:`MAX_ERROR_CHARS`, so a row's
+    JSON stays within ``p2p.artifact_wire.HONEST_ROW_BYTES`` whatever an exception's message held."""
+    escaped = error.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(ch if " " <= ch <= "~" else " " for ch in escaped)[:MAX_ERROR_CHARS]

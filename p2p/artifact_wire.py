@@ -46,6 +46,7 @@ from typing import Any
 from inclavate.artifact_types import (
     KINDS,
     LIST_MAX_LIMIT,
+    MAX_ERROR_CHARS,
     MAX_FILENAME_CHARS,
     MAX_MEDIA_TYPE_CHARS,
     MAX_PURPOSE_CHARS,
@@ -83,6 +84,12 @@ MAX_ROW_BYTES = 12 * (36 + MAX_MEDIA_TYPE_CHARS + 64 + MAX_FILENAME_CHARS + MAX_
 filename, purpose, error) in at most 12 bytes a character (an astral character escaped as
 two ``\\uXXXX``), plus keys and numbers (~20 KiB; a 255-character filename of emoji alone
 is 3 KiB)."""
+HONEST_ROW_BYTES = 36 + MAX_MEDIA_TYPE_CHARS + 64 + 12 * (MAX_FILENAME_CHARS + MAX_PURPOSE_CHARS) + 2 * MAX_ERROR_CHARS + 512
+"""The longest record this version's store writes, as JSON (~6.5 KiB): a media type is
+ASCII (``media_type_of``), a filename of 255 emoji is 3 KiB, and an error is printable ASCII
+(:func:`~inclavate.artifact_types.error_text`: 2 bytes a character at most, a backslash or
+a quote escaped). A swarm-wide listing allows each row at least this (:func:`row_allowance`); :data:`MAX_ROW_BYTES` stays what one
+row may be on the wire (older stores kept any error text)."""
 MAX_RECORD_ANSWER_BYTES = MAX_ROW_BYTES + 512
 """Any answer but a listing (``meta``, ``delete``, ``usage``, a read's header, a refusal): at
 most one artifact record, plus the header's keys and range. ~20 KiB, where a listing's 20 MB
@@ -94,10 +101,18 @@ KEY_BYTES = 60
 """One sort key as JSON, at its longest: ``[`` 19 digits ``,"`` 36-character id ``"]``."""
 
 
-def list_answer_limit(limit: int, keys: bool) -> int:
-    """The largest honest answer to a ``list`` of ``limit`` rows (or keys), commas and the
-    frame's keys included: an owner's answer can never need more, an asker refuses more."""
-    return limit * ((KEY_BYTES if keys else MAX_ROW_BYTES) + 1) + 256
+def list_answer_limit(limit: int, keys: bool, row_bytes: int = MAX_ROW_BYTES) -> int:
+    """The largest answer to a ``list`` of ``limit`` rows (or keys) an asker takes, commas and
+    the frame's keys included: with the default ``row_bytes`` an honest owner's answer can
+    never need more; a swarm-wide listing may allow its rows less (:func:`row_allowance`)."""
+    return limit * ((KEY_BYTES if keys else row_bytes) + 1) + 256
+
+
+def row_allowance(rows: int, budget: int) -> int:
+    """Bytes a listing of ``rows`` rows allows each (on average over a peer's answer) when it
+    may hold ``budget`` bytes of rows in all: its share, never less than the longest honest
+    row (:data:`HONEST_ROW_BYTES`: honest rows always fit) nor more than :data:`MAX_ROW_BYTES`."""
+    return min(MAX_ROW_BYTES, max(budget // max(rows, 1), HONEST_ROW_BYTES))
 
 
 MAX_ANSWER_BYTES = max(list_answer_limit(MAX_LIST_ROWS, False), list_answer_limit(SWARM_LIST_WINDOW, True))

@@ -65,6 +65,7 @@ from p2p.artifact_wire import (
     MAX_PIECE,
     MAX_RECORD_ANSWER_BYTES,
     MAX_REQUEST_BYTES,
+    MAX_ROW_BYTES,
     PROTOCOL,
     answer_limit,
     decode_answer,
@@ -75,6 +76,7 @@ from p2p.artifact_wire import (
     decode_request,
     decode_usage,
     encode,
+    list_answer_limit,
     list_request,
     piece_header,
     read_request,
@@ -461,14 +463,16 @@ class RemoteArtifacts:
     async def usage(self, peer: str) -> Usage:
         return decode_usage(await self._call(peer, {"op": "usage"}), peer)
 
-    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners, row_bytes: int = MAX_ROW_BYTES) -> ArtifactPage:
         """``query``'s rows on ``peer``, asked :data:`MAX_LIST_ROWS` at a time (each next ask
         after the last row got), so no answer outgrows its bound however long the rows; each
+        answer at most ``row_bytes`` a row (its frame refused on its prefix past that), each
         row's id one ``peer`` owns among ``owners`` (the registry)."""
         rows: list[ArtifactMeta] = []
         while True:
             part = replace(query, limit=min(query.limit - len(rows), MAX_LIST_ROWS))
-            page = decode_page(await self._call(peer, list_request(part)), peer, part.limit, owners)
+            most = list_answer_limit(part.limit, False, row_bytes)
+            page = decode_page(await self._call(peer, list_request(part), most), peer, part.limit, owners)
             rows += page.artifacts
             if len(rows) >= query.limit or len(page.artifacts) < part.limit:
                 return ArtifactPage(rows, page.truncated)
@@ -570,12 +574,14 @@ class RemoteArtifacts:
         except P2PError as exc:
             raise ArtifactUnavailable(f"the owner peer {peer} is not reachable: {exc}") from exc
 
-    async def _call(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, peer: str, request: dict[str, Any], max_answer: int | None = None) -> dict[str, Any]:
+        """``request``'s answer, its frame at most ``max_answer`` bytes (default: what an
+        honest owner may need, :func:`answer_limit`)."""
         async with self._small_slots.hold(peer, BUSY_WAIT_S):
-            return await self._call_once(peer, request)
+            return await self._call_once(peer, request, answer_limit(request) if max_answer is None else max_answer)
 
-    async def _call_once(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
-        stream = await self._open_stream(peer, answer_limit(request))
+    async def _call_once(self, peer: str, request: dict[str, Any], max_answer: int) -> dict[str, Any]:
+        stream = await self._open_stream(peer, max_answer)
         try:
             async with stream:
                 await stream.send(encode(request), timeout=_REQUEST_TIMEOUT)

@@ -54,7 +54,7 @@ class FakePeers:
         self.keys_decoded += len(page.keys)
         return page
 
-    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners, row_bytes: int = 0) -> ArtifactPage:
         await self._wait()
         keys = [k for k in self.listed[peer] if query.after is None or k < query.after][: query.limit]
         return ArtifactPage([ArtifactMeta(id=i, media_type="text/plain", size_bytes=1, digest="0" * 64, state="ready",

@@ -18,7 +18,8 @@ import pytest
 import trio
 from owner_grinding import ground
 
-from inclavate.artifact_swarm import KEYS_SHARE_S, PEER_TIMEOUT_S, SwarmArtifacts
+import inclavate.artifact_swarm
+from inclavate.artifact_swarm import KEYS_SHARE_S, PEER_TIMEOUT_S, ROW_BYTES_PER_LISTING, SwarmArtifacts
 from inclavate.artifact_types import (
     MAX_FILENAME_CHARS,
     ArtifactConfig,
@@ -33,6 +34,7 @@ from inclavate.artifact_types import (
     Usage,
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactStore
+from inclavate.artifact_types import MAX_ERROR_CHARS, error_text
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
 import inclavate.fan_out
 from inclavate.fan_out import (ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_FANOUT, MAX_LISTINGS_AT_ONCE,
@@ -40,7 +42,8 @@ from inclavate.fan_out import (ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_
 from inclavate.owner_ids import MalformedId, Owners, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
-from p2p.artifact_wire import MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, encode, list_answer_limit, read_request
+from p2p.artifact_wire import (HONEST_ROW_BYTES, MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, MAX_ROW_BYTES, encode,
+                               list_answer_limit, read_request)  # fmt: skip
 from p2p.artifacts import DIRECT_PROTOCOL, MAX_READS_PER_PEER, PROTOCOL, RemoteArtifacts, serve_artifacts
 from p2p.direct import MAGIC, TICKET_BYTES, DirectLinks, LinkTable
 from p2p.errors import P2PError
@@ -1028,7 +1031,7 @@ class _FakeRemotes:
         await trio.sleep(self.delay.get(peer, (0, 0))[0])
         return KeyPage([m.sort_key() for m in self._page(peer, query)], False)
 
-    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners, row_bytes: int = MAX_ROW_BYTES) -> ArtifactPage:
         await trio.sleep(self.delay.get(peer, (0, 0))[1])
         return ArtifactPage(self.rows_lie.get(peer, self._page(peer, query)), False)
 
@@ -1177,6 +1180,7 @@ class _CountingRemotes(_FakeRemotes):
         super().__init__(rows)
         self.pause, self.stall = delay, stall
         self.in_flight = self.most_in_flight = self.most_keys_alive = self.keys_answered = 0
+        self.row_bytes_allowed = 0  # what the rows asks allowed, all together
         self.most_listings: int | None = None  # set to 0 to count a gate's listings at once
         self.gate: ListingGate | None = None
         self.keys_asked: list[str] = []
@@ -1208,7 +1212,8 @@ class _CountingRemotes(_FakeRemotes):
             self._count_alive()
             return KeyPage(keys, len(keys) == query.limit)
 
-    async def list(self, peer: str, query: ListQuery, owners: Owners) -> ArtifactPage:
+    async def list(self, peer: str, query: ListQuery, owners: Owners, row_bytes: int = MAX_ROW_BYTES) -> ArtifactPage:
+        self.row_bytes_allowed += query.limit * row_bytes
         self._count_alive()
         async with self._asked(peer):
             return ArtifactPage(self._page(peer, query), False)
@@ -1460,3 +1465,73 @@ async def test_a_listing_takes_in_a_bounded_number_of_keys_however_many_peers_an
     async with _swarm_of(tmp_path / "few", remote) as swarm:
         assert (await swarm.list(ListQuery(limit=100, offset=100))).artifacts == newest[100:200]
         assert len(remote.keys_asked) == 100 and swarm.fan_out.left_out.total() == 0
+
+
+@pytest.mark.parametrize("limit", [5000, 10_000])
+async def test_a_listing_s_rows_step_allows_a_bounded_number_of_bytes(
+        tmp_path: Path, autojump_clock: trio.abc.Clock, limit: int) -> None:  # fmt: skip
+    """The rows asks of one listing, all peers together, allow at most ROW_BYTES_PER_LISTING
+    (32 MiB) or, for a page so long that its share is below the longest honest row, that
+    row per row on the page (10 000 rows: ~67 MB). Before, each row was allowed
+    MAX_ROW_BYTES: 103 MB for 5 000 rows, 206 MB for a Files page of 10 000 (1 000 rows:
+    20 MB, then and now)."""
+    rows = {f"p{i}": _fake_rows(f"p{i}", limit // 10, 1000 * i) for i in range(10)}
+    remote = _CountingRemotes(rows, delay=0.001)
+    async with _swarm_of(tmp_path, remote) as swarm:
+        page = await swarm.list(ListQuery(limit=limit, files_only=True))
+    assert len(page.artifacts) == limit
+    assert remote.row_bytes_allowed <= max(ROW_BYTES_PER_LISTING, limit * HONEST_ROW_BYTES) < limit * MAX_ROW_BYTES
+
+
+def _store_failed_rows(store: ArtifactStore, count: int, error: str) -> list[ArtifactMeta]:
+    """``count`` failed rows whose error is ``error`` as it is, written past the store's
+    own cleaning (what a hostile or old store may hold)."""
+    rows = [ArtifactMeta(id=new_id(store.owner), media_type="text/plain", size_bytes=0, digest=None, state="failed",
+                         kind="uploaded", created_at_ms=1_700_000_000_000 + i, filename="f.txt", purpose="user_data",
+                         error=error) for i in range(count)]  # fmt: skip
+    db = store.index._db
+    with db.conn:
+        db["artifacts"].insert_all([m.to_record() for m in rows])  # type: ignore[union-attr]
+    return rows
+
+
+async def test_a_peer_whose_rows_exceed_the_listing_s_share_is_left_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Rows the store never writes (an error of 1 000 emoji: 12 KiB each, within
+    MAX_ROW_BYTES) are more than a listing's share of its bytes (set to the longest honest
+    row here): that peer's answer is refused on its prefix and the peer left out, as a
+    malformed one. Before, any answer up to MAX_ROW_BYTES a row was taken. The store's
+    own failed rows, with the longest error it keeps and 255-emoji filenames, fit."""
+    monkeypatch.setattr(inclavate.artifact_swarm, "ROW_BYTES_PER_LISTING", 0)
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            mine = _insert_rows(b.store, 2, "b.txt", start_ms=1)
+            _store_failed_rows(a.store, 100, "\U0001F600" * 1000)
+            assert (await b.swarm.list(ListQuery(limit=200))).artifacts == mine[::-1]
+        async with two_peers(tmp_path / "honest") as (a, b):
+            worst = error_text("\U0001F600\x00\"" * 1000)
+            assert len(json.dumps(worst)) <= 2 * len(worst) + 2 <= 2002
+            failed = _store_failed_rows(a.store, 100, worst)
+            longest = _insert_rows(a.store, 100, "\U0001F600" * 255, start_ms=1_800_000_000_000)
+            page = await b.swarm.list(ListQuery(limit=200))
+            assert page.artifacts == (failed + longest)[::-1]
+            assert max(len(encode(m.to_record())) for m in page.artifacts) <= HONEST_ROW_BYTES
+
+
+async def test_the_store_keeps_a_failed_artifact_s_error_as_printable_ascii(tmp_path: Path) -> None:
+    """Whatever an exception's message holds, the error kept is at most MAX_ERROR_CHARS of
+    printable ASCII (2 JSON bytes a character at most), so honest rows stay within
+    HONEST_ROW_BYTES; before, 1 000 emoji were kept as they were (12 KiB of JSON)."""
+    store = ArtifactStore(tmp_path, Identity.generate().peer_id)
+    try:
+        pending = ArtifactMeta(id=new_id(store.owner), media_type="text/plain", size_bytes=0, digest=None,
+                               state="pending", kind="uploaded", created_at_ms=1, filename="f.txt")  # fmt: skip
+        db = store.index._db
+        with db.conn:
+            db["artifacts"].insert(pending.to_record())  # type: ignore[union-attr]
+        store.fail(pending.id, "OSError: " + "\U0001F600\n" * 1000)  # what ArtifactWriter.abort passes
+        error = store.meta(pending.id).error
+        assert error is not None and len(error) == MAX_ERROR_CHARS and error.isascii() and error.isprintable()
+        assert error.startswith("OSError: \\U0001f600 ")
+    finally:
+        store.close()
