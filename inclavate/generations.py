@@ -34,9 +34,9 @@ from inclavate.fan_out import AskBudget, keep_best, listing_budget
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_rows import decode_job_page
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
-from inclavate.jobs import IdempotencyConflict, Job, NewJob
+from inclavate.jobs import MAX_RECORD_BYTES, IdempotencyConflict, Job, NewJob
 from inclavate.owner_ids import Owners, owner_candidates, parse_id
-from inclavate.peer_http import PeerBusy, PeerHttp, PeerUnreachable
+from inclavate.peer_http import MAX_ANSWER_BYTES, PeerBusy, PeerHttp, PeerUnreachable
 from inclavate.untrusted import DropCounter, Malformed
 from node.generators.base import InputMedia
 from p2p.registry import NodeView
@@ -60,6 +60,13 @@ LIST_MAX_LIMIT = 1000
 """The most jobs one ``GET /v1/generations`` answers (the spec's largest ``limit``). A
 swarm-wide listing asks every other peer for one such page, so this is also the deepest row
 (offset + limit) it can serve without missing one of theirs."""
+
+
+def listing_answer_bytes(window: int) -> int:
+    """The most bytes another peer's answer to a listing of ``window`` rows may take: what
+    that many of the largest records an honest peer writes take, within the forwarded
+    answer's ceiling. A 20-row page was held to 32 MiB a peer, up to 16 peers at once."""
+    return min(MAX_ANSWER_BYTES, window * MAX_RECORD_BYTES + 1024)
 
 
 class NoGenerator(InclavateError):
@@ -267,7 +274,8 @@ class GenerationService:
         owners = Owners([self.me, *(view.record.peer_id for view in self._views())])  # whose ids a peer may list
 
         async def ask(peer: str) -> Any:
-            _, body = await self.http.json(urls[peer], "GET", "/v1/generations", params={"limit": window})
+            _, body = await self.http.json(urls[peer], "GET", "/v1/generations", params={"limit": window},
+                                           max_bytes=listing_answer_bytes(window))
             return body
 
         def take(peer: str, body: Any) -> None:

@@ -63,6 +63,13 @@ MAX_STAGE_CHARS = 200
 MAX_ERROR_CODE_CHARS = 64
 MAX_ERROR_MESSAGE_CHARS = 4096
 """An error message is often ``str(exc)``: clipped here rather than left unbounded."""
+MAX_RECORD_BYTES = (MAX_PARAMS_BYTES
+                    + 12 * (MAX_MODEL_CHARS + MAX_STAGE_CHARS + MAX_ERROR_CODE_CHARS + MAX_ERROR_MESSAGE_CHARS)
+                    + 40 * (MAX_INPUT_ARTIFACTS + MAX_OUTPUT_ARTIFACTS) + 1024)  # fmt: skip
+"""The most bytes one job record takes in JSON (``Job.to_json`` as the API sends it): the
+params as measured, each text character at most 12 bytes (a surrogate pair escaped), each
+artifact id quoted, and the fixed fields. A listing's answer is held to its row count times
+this (``inclavate.generations``), so an honest peer's answer always fits."""
 
 
 class JobStoreError(InclavateError):

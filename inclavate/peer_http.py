@@ -77,23 +77,26 @@ class PeerHttp:
                 await client.aclose()
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None,
-                   params: Mapping[str, Any] | None = None, timeout: float | None = None) -> tuple[int, Any]:  # fmt: skip
+                   params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                   max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, Any]:  # fmt: skip
         """A forwarded JSON request; ``(status, decoded body)`` for 2xx, else raises. The
-        answer is read up to :data:`MAX_ANSWER_BYTES` (a peer's answer is hostile input too)."""
+        answer is read up to ``max_bytes`` (a peer's answer is hostile input too; a caller that
+        knows how large an honest answer can be passes that)."""
         try:
             async with self._http().stream(
                 method, base_url + path, json=body, params=params, timeout=timeout or httpx.USE_CLIENT_DEFAULT
             ) as response:
                 raw = bytearray()
-                async for chunk in response.aiter_bytes():
-                    raw += chunk
-                    if len(raw) > MAX_ANSWER_BYTES:
-                        raise PeerUnreachable(f"peer {base_url} answered more than {MAX_ANSWER_BYTES} bytes")
+                async with aclosing(response.aiter_bytes()) as chunks:  # closed at once on an early raise
+                    async for chunk in chunks:
+                        raw += chunk
+                        if len(raw) > max_bytes:
+                            raise PeerUnreachable(f"peer {base_url} answered more than {max_bytes} bytes")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # the URL is the peer's own claim
             raise PeerUnreachable(f"peer {base_url!r} did not answer: {type(exc).__name__}") from exc
         _raise_for_error(response.status_code, bytes(raw))
         try:
-            return response.status_code, parse_json(raw, max_bytes=MAX_ANSWER_BYTES) if raw else None
+            return response.status_code, parse_json(raw, max_bytes=max_bytes) if raw else None
         except Malformed as exc:
             raise PeerUnreachable(f"peer {base_url} answered something that is not JSON ({exc})") from exc
 

@@ -5,6 +5,7 @@ hostile one might. What the asking peer keeps, asks at once, and hands its clien
 from __future__ import annotations
 
 import functools
+import json
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,12 +21,13 @@ from test_generation_service import job_row
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifacts import ArtifactStore
 from inclavate.fan_out import MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_FANOUT
-from inclavate.generations import LIST_TIMEOUT_S, GenerationService
+from inclavate.generations import LIST_TIMEOUT_S, GenerationService, listing_answer_bytes
 from inclavate.job_rows import decode_job_row
 from inclavate.job_runner import JobRunner
-from inclavate.jobs import MAX_ERROR_MESSAGE_CHARS, JobStore, NewJob
+from inclavate.jobs import (MAX_ERROR_MESSAGE_CHARS, MAX_MODEL_CHARS, MAX_PARAMS_BYTES, MAX_RECORD_BYTES, MAX_STAGE_CHARS,
+                            JobStore, NewJob)
 from inclavate.owner_ids import Owners, new_id
-from inclavate.peer_http import PeerHttp, PeerUnreachable
+from inclavate.peer_http import MAX_ANSWER_BYTES, PeerHttp, PeerUnreachable
 from inclavate.untrusted import Reason
 
 ME = "12D3KooWme"
@@ -44,11 +46,15 @@ class FakePeers:
     def __init__(self, answers: dict[str, Answer], delay: float = 0.1, stall: frozenset[str] = frozenset()) -> None:
         self.answers, self.delay, self.stall = answers, delay, stall
         self.in_flight = self.most_in_flight = self.most_rows_alive = 0
+        self.max_bytes: dict[str, int] = {}
+        """The answer size each peer was last held to (``PeerHttp.json`` enforces it)."""
         self._rows: list[weakref.ref[_Row]] = []
 
-    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None) -> tuple[int, Any]:
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
+                   max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, Any]:  # fmt: skip
         peer = base_url.removeprefix("http://")
         assert (method, path) == ("GET", "/v1/generations")
+        self.max_bytes[peer] = max_bytes
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -225,3 +231,66 @@ def test_every_row_this_peer_writes_is_one_another_peer_takes(tmp_path: Path) ->
     failed = jobs.get(job.id)
     owns = functools.partial(Owners([ME]).carries_owner, peer=ME)
     assert failed is not None and decode_job_row(failed.to_json(), owns) == failed.to_json()
+
+
+async def test_a_peer_s_listing_answer_is_held_to_what_its_rows_can_take(tmp_path: Path) -> None:
+    """A 10-row page asked each peer for up to 32 MiB, parsed whole, 16 peers at once; the
+    answer is now held to 10 of the largest records an honest peer writes."""
+    honest = [job_row(new_id("12D3KooWhonest"), i) for i in range(3)]
+    peers = FakePeers({"12D3KooWhonest": listing_of(honest)})
+    with service_with(tmp_path, peers) as service:
+        await service.list(10, 0, local_only=False)
+    assert peers.max_bytes["12D3KooWhonest"] == listing_answer_bytes(10) == 10 * MAX_RECORD_BYTES + 1024
+    assert listing_answer_bytes(10) < MAX_ANSWER_BYTES // 20
+
+
+def test_the_largest_record_this_peer_writes_fits_its_bound(tmp_path: Path) -> None:
+    """Every text at its limit, in characters JSON escapes the longest (a surrogate pair: 12
+    bytes), the params at their measured limit: the record still fits ``MAX_RECORD_BYTES``."""
+    jobs = JobStore.in_dir(tmp_path)
+    wide = "\U0001f600"
+    params = {"text": wide * ((MAX_PARAMS_BYTES - 16) // 12)}
+    assert len(json.dumps(params)) <= MAX_PARAMS_BYTES
+    inputs = tuple(new_id(ME) for _ in range(16))
+    job, _ = jobs.create(new_id(ME), NewJob("audio", wide * MAX_MODEL_CHARS, params, seed=2**63 - 1, input_artifacts=inputs),
+                         max_active=10, now=1000)  # fmt: skip
+    jobs.start(job.id, 1500)
+    jobs.progress(job.id, wide * MAX_STAGE_CHARS, 0.5)
+    jobs.finish(job.id, "failed", 2000, error_code="e" * 64, error_message=wide * 100_000)
+    record = jobs.get(job.id)
+    assert record is not None
+    assert len(json.dumps(record.to_json())) <= MAX_RECORD_BYTES
+
+
+# httpx's nested body generators are finalized by the collector when a read stops early
+# (the response, and its connection, are closed by ``stream``'s context): a warning, not a leak.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_peer_http_refuses_an_answer_past_the_bound_its_caller_gives(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    class Bloated(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = json.dumps({"generations": [], "junk": "x" * 100_000}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bloated)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    http_client = PeerHttp()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with trio.fail_after(10):
+            with pytest.raises(PeerUnreachable, match="more than 50000 bytes"):
+                await http_client.json(url, "GET", "/v1/generations", max_bytes=50_000)
+            assert (await http_client.json(url, "GET", "/v1/generations"))[0] == 200  # the default ceiling
+    finally:
+        await http_client.aclose()
+        server.shutdown()
+        server.server_close()

@@ -30,7 +30,8 @@ class FakeHttp:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str, Any]] = []
 
-    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None) -> tuple[int, Any]:
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
+                   max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
         self.calls.append((base_url, method, path, body))
         await trio.sleep(0.2)
         return 202, {"id": new_id(OTHER), "state": "queued"}
@@ -148,7 +149,8 @@ class PagingPeer:
     def __init__(self, n: int) -> None:
         self.rows = [job_row(OTHER, 1_000_000 - i) for i in range(n)]
 
-    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None) -> tuple[int, Any]:
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
+                   max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
         limit = params["limit"]
         if limit > LIST_MAX_LIMIT:
             raise RelayedError(400, {"error": "limit must be 1-1000"})
