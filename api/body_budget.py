@@ -25,7 +25,10 @@ MIB = 1024 * 1024
 
 class BodyBudgetFull(ServiceUnavailable):
     """The peer holds its limit of request bodies; a client can retry (a smaller body gets
-    in first)."""
+    in first). ``Retry-After: 1``: bodies arrive at network speed, so the budget frees in
+    seconds, and the ``openai`` SDK's automatic retry waits what the header says."""
+
+    retry_after_s = 1
 
 
 class Holder(Protocol):

@@ -77,7 +77,10 @@ class JobStoreError(InclavateError):
 
 
 class QueueFull(JobStoreError):
-    """As many jobs are queued or running as the peer accepts; retry later."""
+    """As many jobs are queued or running as the peer accepts; retry later (429 with
+    ``Retry-After: 5``: a generation runs for seconds at least)."""
+
+    retry_after_s = 5
 
 
 class IdempotencyConflict(JobStoreError):

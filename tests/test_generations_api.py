@@ -451,6 +451,7 @@ async def test_queue_full_is_429(tmp_path: Path, speech_generators: dict) -> Non
             full = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio",
                                                             "params": {"text": "hi"}})  # fmt: skip
             assert full.status_code == 429
+            assert full.headers["retry-after"] == "5"  # the openai SDK's retry waits this long
             await http.delete(f"/v1/generations/{first['id']}")
 
 

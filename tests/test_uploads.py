@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from api.body_budget import BodyBudget, BodyBudgetFull
+from api.errors import error_headers, error_response_parts
 from api.uploads import HIGH_WATER_BYTES, StreamedBody
 
 
@@ -99,3 +100,10 @@ async def test_a_reader_keeping_what_it_takes_leaves_it_in_the_budget_until_the_
         await body.__anext__()
     body.release_all()
     assert budget.held == 0
+
+
+def test_a_full_budget_says_when_to_retry() -> None:
+    """503 with ``Retry-After: 1``: the SDK's automatic retry waits for the budget to free."""
+    refused = BodyBudget(10).full_error()
+    assert error_response_parts(refused)[0] == 503
+    assert error_headers(refused) == {"Retry-After": "1"}
