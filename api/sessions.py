@@ -30,9 +30,12 @@ class SessionClosed(Conflict):
 
 
 class Busy(ApiError):
-    """Every turn and waiting place of this entry is taken (429: retry, or ask another peer)."""
+    """Every turn and waiting place of this entry is taken (429: retry, or ask another peer).
+    ``Retry-After: 2``: a generation takes seconds, and the ``openai`` SDK's automatic retry
+    waits what the header says."""
 
     status = 429
+    retry_after_s = 2
 
 
 class ActiveSessions:
