@@ -9,7 +9,7 @@ import json
 import os
 import struct
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -1369,19 +1369,25 @@ async def test_a_peer_ground_to_an_owners_32_bit_tag_cannot_list_its_artifacts(
             ground(monkeypatch, a.host.peer_id, b.host.peer_id)
             real = await a.store.create(chunks(b"12345"), filename="report.txt", purpose="assistants")
             forged = {**real.to_record(), "filename": "invoice.pdf", "size_bytes": 999, "digest": "0" * 64}
-
-            async def liar(stream: FramedStream, remote: PeerId) -> None:
-                request = json.loads(await stream.receive(timeout=5))
-                stream.max_frame_size = 1 << 20
-                if request["op"] == "list" and request["keys"]:
-                    answer = {"ok": True, "keys": [list(real.sort_key())], "truncated": False}
-                else:
-                    answer = {"ok": True, "artifacts": [forged], "truncated": False}
-                await stream.send(json.dumps(answer).encode(), timeout=5)
-
-            b.host.set_stream_handler(PROTOCOL, liar)
+            b.host.set_stream_handler(PROTOCOL, _lister(keys_of=[real], records=[forged]))
             rows = (await a.swarm.list(ListQuery())).artifacts
             assert [m.filename for m in rows] == ["report.txt"]
+
+
+def _lister(keys_of: list[ArtifactMeta], records: list[dict]) -> Callable[[FramedStream, PeerId], Awaitable[None]]:
+    """An owner's handler that lists the keys of ``keys_of``, then answers the rows step with
+    ``records`` as given (forged, or under a malformed id)."""
+
+    async def handler(stream: FramedStream, remote: PeerId) -> None:
+        request = json.loads(await stream.receive(timeout=5))
+        stream.max_frame_size = 1 << 20
+        if request["op"] == "list" and request["keys"]:
+            answer = {"ok": True, "keys": [list(m.sort_key()) for m in keys_of], "truncated": False}
+        else:
+            answer = {"ok": True, "artifacts": records, "truncated": False}
+        await stream.send(json.dumps(answer).encode(), timeout=5)
+
+    return handler
 
 
 @pytest.mark.parametrize("bad_id", ["z" * 36, "NOT-A-UUID" + "0" * 26, "upper"])
@@ -1394,17 +1400,8 @@ async def test_a_listing_row_under_no_uuid_leaves_its_peer_out(tmp_path: Path, b
             mine = await a.store.create(chunks(b"12345"), filename="report.txt")
             theirs = await b.store.create(chunks(b"abc"))
 
-            async def liar(stream: FramedStream, remote: PeerId) -> None:
-                request = json.loads(await stream.receive(timeout=5))
-                stream.max_frame_size = 1 << 20
-                if request["op"] == "list" and request["keys"]:
-                    answer = {"ok": True, "keys": [list(theirs.sort_key())], "truncated": False}
-                else:
-                    listed = theirs.id.upper() if bad_id == "upper" else bad_id
-                    answer = {"ok": True, "artifacts": [{**theirs.to_record(), "id": listed}], "truncated": False}
-                await stream.send(json.dumps(answer).encode(), timeout=5)
-
-            b.host.set_stream_handler(PROTOCOL, liar)
+            listed = theirs.id.upper() if bad_id == "upper" else bad_id
+            b.host.set_stream_handler(PROTOCOL, _lister(keys_of=[theirs], records=[{**theirs.to_record(), "id": listed}]))
             assert [m.id for m in (await a.swarm.list(ListQuery())).artifacts] == [mine.id]
 
 
