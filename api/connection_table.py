@@ -7,13 +7,10 @@ idle connections to the API of a peer limited to 1,024 descriptors took every on
 for 30 s at a time (hypercorn's keep-alive), the API answered nobody, and a peer that
 bootstrapped through it then found nobody answering its dial.
 
-The API holds at most :func:`capacity` connections, a quarter of the descriptors (the rest
-is the peer's own: inbound libp2p connections take at most an eighth,
-``p2p/connection_guard.py``). The table itself is ``inclavate/source_table.py``. A newcomer is always taken; past the bound the source holding the most
-connections (the newcomer's own on a tie) loses its oldest idle one, else its oldest: a
-flood from one address cannot lock out another address's clients, and a client's own
-surplus only rotates its own connections (a newcomer whose source holds the most, all of
-them busy, is the one closed: it is the only idle one).
+The API holds at most :func:`capacity` connections, a quarter of the descriptors (the
+shares of the others: ``inclavate/descriptors.py``). Which connection goes past the bound is
+``inclavate/source_table.py``'s rule (the source holding the most loses its oldest idle one),
+so a flood from one address cannot lock out another address's clients.
 """
 
 from __future__ import annotations

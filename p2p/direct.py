@@ -64,6 +64,7 @@ _AT_LIMIT = b"limit"
 """The acceptor's first sealed frame instead of its empty proof: this peer's links of the
 protocol are at their bound, none idle (:class:`~p2p.errors.LinkLimitReached`)."""
 
+
 def _links_share() -> int:
     """Live inbound links of one protocol, at most, whatever its table says: a 32nd of the
     descriptors (``inclavate/descriptors.py``; the fixed 512 + 64 links and 64 hellos took
