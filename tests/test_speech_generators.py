@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import wave
+
+import numpy as np
 import pytest
 from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, wav_facts, word_error_rate
 
@@ -149,3 +153,95 @@ def test_whisper_job_errors(speech_generators: dict) -> None:
     with pytest.raises(GenerationFailed) as unreadable:
         transcribe(speech_generators, b"RIFF\x00\x00\x00\x00WAVEgarbage" * 10)
     assert unreadable.value.code == "input_unreadable"
+
+
+CLAUSES = ("When the storm finally passed over the valley late on Sunday evening, the farmers walked out into their "
+           "fields, counted the broken fences and the fallen trees and agreed among themselves that the damage could "
+           "be repaired before the spring planting began in earnest.")  # fmt: skip
+"""Cut at commas and, where none falls in a window, between words (scripts/bench_speech_cuts.py's first)."""
+
+
+def _spoken_with_joins(generators: dict, monkeypatch: pytest.MonkeyPatch, text: str) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
+    """The peer's audio for ``text`` (int16), and per join the sample where the piece before
+    it ends, the sample where the next begins, and the kind of cut."""
+    from node.generators import piper_speech
+
+    voice = generators["piper:joe"]._loaded()
+    (sentence,) = voice.phonemize(text)
+    kinds = [before for _, _, before in piper_speech._steps(pieces(sentence))]
+    edges: list[tuple[int, int]] = []
+    real = piper_speech._joinable
+
+    def recording(audio: np.ndarray, rate: int, trim_start: bool, trim_end: bool) -> np.ndarray:
+        out = real(audio, rate, trim_start, trim_end)
+        start = edges[-1][1] if edges else 0
+        if edges and kinds[len(edges) - 1] == "clause":
+            start += int(piper_speech.CLAUSE_PAUSE_S * rate)
+        edges.append((start, start + len(out)))
+        return out
+
+    monkeypatch.setattr(piper_speech, "_joinable", recording)
+    with wave.open(io.BytesIO(speak(generators, text)), "rb") as clip:
+        audio = np.frombuffer(clip.readframes(clip.getnframes()), dtype="<i2")
+    assert edges[-1][1] == len(audio)
+    return audio, [(edges[i][1], edges[i + 1][0], kinds[i]) for i in range(len(edges) - 1)]
+
+
+def _silence_around(audio: np.ndarray, at: int, rate: int = 22050) -> float:
+    """Seconds of -40 dBFS silence (5 ms frames) around sample ``at``."""
+    frame = rate // 200
+    n = len(audio) // frame
+    quiet = np.sqrt(np.mean(audio[: n * frame].astype(np.float64).reshape(n, frame) ** 2, axis=1)) < 327
+    i = min(at // frame, n - 1)
+    lo, hi = i, i
+    while lo > 0 and quiet[lo - 1]:
+        lo -= 1
+    while hi + 1 < n and quiet[hi + 1]:
+        hi += 1
+    return (hi - lo + 1) * frame / rate if quiet[i] else 0.0
+
+
+def test_joins_are_silent_at_the_seam_with_a_comma_pause_or_none(speech_generators: dict,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each piece began and ended in ~0.1 s of Piper's silence, so a cut between words put
+    a 110-250 ms pause inside a phrase, and a cut at a comma 150-315 ms where the whole
+    sentence pauses ~375 ms. Now: no pause but the pieces' 10 ms faded tails between
+    words, CLAUSE_PAUSE_S at a comma, and every seam meets at zero (no click)."""
+    from node.generators.piper_speech import CLAUSE_PAUSE_S, EDGE_KEEP_S
+
+    audio, joins = _spoken_with_joins(speech_generators, monkeypatch, CLAUSES)
+    assert {kind for _, _, kind in joins} == {"clause", "word"}
+    for end, start, kind in joins:
+        assert abs(int(audio[end - 1])) <= 1 and abs(int(audio[start])) <= 1  # faded to zero on both sides
+        pause = _silence_around(audio, end)
+        if kind == "word":
+            assert pause <= 2 * EDGE_KEEP_S + 0.01, (end, pause)
+        else:
+            assert start - end == int(CLAUSE_PAUSE_S * 22050)
+            assert CLAUSE_PAUSE_S <= pause <= CLAUSE_PAUSE_S + 2 * EDGE_KEEP_S + 0.01, (end, pause)
+
+
+def test_a_sentence_in_pieces_lasts_about_as_long_as_spoken_whole(speech_generators: dict) -> None:
+    from piper import SynthesisConfig
+
+    voice = speech_generators["piper:joe"]._loaded()
+    (whole,) = voice.synthesize(CLAUSES, SynthesisConfig(length_scale=1.0))
+    in_pieces = wav_facts(speak(speech_generators, CLAUSES))[3]
+    assert in_pieces == pytest.approx(len(whole.audio_int16_array) / 22050, rel=0.15)
+    assert word_error_rate(CLAUSES, transcribe(speech_generators, speak(speech_generators, CLAUSES))) <= 0.2
+
+
+def test_edges_are_trimmed_only_at_cuts(speech_generators: dict) -> None:
+    """A sentence's own ends keep Piper's silence (its pause between sentences)."""
+    from piper import SynthesisConfig
+
+    from node.generators.piper_speech import EDGE_KEEP_S, _joinable, _spoken
+
+    voice = speech_generators["piper:joe"]._loaded()
+    (sentence,) = voice.phonemize(SENTENCE)
+    audio = _spoken(voice, sentence, SynthesisConfig(length_scale=1.0)).audio_int16_array
+    assert np.array_equal(_joinable(audio, 22050, False, False), audio)
+    trimmed = _joinable(audio, 22050, True, True)
+    assert len(trimmed) < len(audio) and trimmed[0] == 0 and trimmed[-1] == 0
+    assert _silence_around(trimmed, 0) <= EDGE_KEEP_S + 0.005 and _silence_around(trimmed, len(trimmed) - 1) <= EDGE_KEEP_S + 0.005
+    assert np.array_equal(_joinable(np.zeros(1000, np.int16), 22050, True, True), np.zeros(1000, np.int16))

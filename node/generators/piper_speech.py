@@ -8,7 +8,10 @@ Piper's phonemizer splits them, unless it is longer than :data:`MAX_PIECE_PHONEM
 is cut at a comma (or colon, semicolon), else between words (:func:`pieces`). One ONNX call
 per 2,300-phoneme sentence without punctuation took tens of seconds, and a cancel waited for
 all of it; a piece takes about a second on a busy 2-core VM. Sentences within the bound are
-spoken exactly as Piper's own ``synthesize`` speaks them.
+spoken exactly as Piper's own ``synthesize`` speaks them. At a cut, each piece's silent edge
+(~0.1 s) is trimmed to a 10 ms faded tail (:func:`_joinable`), and :data:`CLAUSE_PAUSE_S` of
+silence goes between pieces cut at a clause mark: the pieces' own edges paused ~190 ms
+between two words of a phrase and too briefly at a comma (``scripts/bench_speech_cuts.py``).
 
 Capabilities: the voice is a ``builtin_voice`` (baked into the checkpoint, no speaker clip:
 ``requires_speaker: false``); ``languages`` come from the voice's own ``.onnx.json``;
@@ -53,6 +56,19 @@ MAX_PIECE_PHONEMES = 80
 
 _CLAUSE_ENDS = frozenset(",;:")
 """Phonemes after which a long sentence is best cut (Piper keeps punctuation as phonemes)."""
+
+CLAUSE_PAUSE_S = 0.35
+"""The silence at a join after a comma, colon or semicolon (times ``length_scale``): spoken
+whole, this voice pauses 260-540 ms there (median ~390 ms, ``scripts/bench_speech_cuts.py``),
+while a piece's own edges gave 150-315 ms."""
+
+EDGE_KEEP_S = 0.01
+"""Of a piece's silent edge at a join, this much is kept (the tail of its last sound). Each
+piece starts and ends in ~0.1 s of silence, so a cut between words put a ~190 ms pause in
+the middle of a phrase, where the whole sentence has none."""
+
+_SILENCE = 327
+"""-40 dBFS in int16: a 5 ms frame quieter than this (RMS) is silence."""
 
 
 class PiperSpeech:
@@ -119,18 +135,20 @@ class PiperSpeech:
         config = SynthesisConfig(length_scale=1.0 / float(speed))
         limit_s = params.get("max_duration_seconds")
         limit = frames_for(float(limit_s), self.sample_rate) if limit_s else None
-        todo = [piece for sentence in voice.phonemize(params["text"]) for piece in pieces(sentence)]
+        todo = [step for sentence in voice.phonemize(params["text"]) for step in _steps(pieces(sentence))]
         if not todo:
             raise GenerationFailed("inference_failed", "the text has nothing to speak")
         pcm = bytearray()
         progress("generating", 0.0)
-        for done, piece in enumerate(todo, start=1):
+        for done, (piece, after_cut, before) in enumerate(todo, start=1):
             if cancelled():
                 raise GenerationCancelled()
             chunk = _spoken(voice, piece, config)
             if chunk.sample_rate != self.sample_rate or chunk.sample_width != SAMPLE_WIDTH:
                 raise GenerationFailed("inference_failed", "the voice produced audio in an unexpected format")
-            pcm += chunk.audio_int16_bytes
+            pcm += _joinable(chunk.audio_int16_array, self.sample_rate, after_cut, before is not None).tobytes()
+            if before == "clause":
+                pcm += bytes(frames_for(CLAUSE_PAUSE_S * config.length_scale, self.sample_rate))
             progress("generating", min(done / len(todo), 1.0))
             if limit is not None and len(pcm) >= limit:
                 del pcm[limit:]
@@ -173,6 +191,37 @@ def pieces(sentence: list[str], limit: int = MAX_PIECE_PHONEMES) -> list[list[st
     if any(p != " " for p in rest):
         out.append(rest)
     return out
+
+
+def _steps(cut: list[list[str]]) -> list[tuple[list[str], bool, str | None]]:
+    """Each piece of one sentence with how it joins the pieces around it: whether a cut
+    comes before it, and the cut after it (``"clause"`` after a clause mark, ``"word"``
+    between words, None at the sentence's end, where Piper's own edges stay)."""
+    return [(piece, i > 0, None if i == len(cut) - 1 else "clause" if piece[-1] in _CLAUSE_ENDS else "word")
+            for i, piece in enumerate(cut)]  # fmt: skip
+
+
+def _joinable(audio: Any, rate: int, trim_start: bool, trim_end: bool) -> Any:
+    """``audio`` (int16) with its silent edge at a cut trimmed to :data:`EDGE_KEEP_S`, the
+    kept edge faded to zero so that pieces meet at 0 (no click at a join). Piper's edges
+    are left alone at a sentence's ends, where its own pause between sentences belongs."""
+    import numpy as np
+
+    frame = max(1, int(0.005 * rate))
+    keep = int(EDGE_KEEP_S * rate)
+    n = len(audio) // frame
+    loud = np.sqrt(np.mean(audio[: n * frame].astype(np.float64).reshape(n, frame) ** 2, axis=1)) >= _SILENCE
+    if not loud.any():
+        return audio
+    start = max(0, int(np.argmax(loud)) * frame - keep) if trim_start else 0
+    end = min(len(audio), (n - int(np.argmax(loud[::-1]))) * frame + keep) if trim_end else len(audio)
+    out = audio[start:end].astype(np.float64)
+    if trim_start:
+        out[:keep] *= np.linspace(0.0, 1.0, len(out[:keep]))
+    if trim_end:
+        tail = max(0, len(out) - keep)
+        out[tail:] *= np.linspace(1.0, 0.0, len(out) - tail)
+    return out.astype(np.int16)
 
 
 def _cut(phonemes: list[str], limit: int) -> int:
