@@ -8,7 +8,8 @@ Piper's phonemizer splits them, unless it is longer than :data:`MAX_PIECE_PHONEM
 is cut at a comma (or colon, semicolon), else between words (:func:`pieces`). One ONNX call
 per 2,300-phoneme sentence without punctuation took tens of seconds, and a cancel waited for
 all of it; a piece takes about a second on a busy 2-core VM. Sentences within the bound are
-spoken exactly as Piper's own ``synthesize`` speaks them. At a cut, each piece's silent edge
+spoken exactly as Piper's own ``synthesize`` speaks them; a sentence's pieces are held
+until its last one so that all are normalized to the sentence's peak, as Piper does. At a cut, each piece's silent edge
 (~0.1 s) is trimmed to a 10 ms faded tail (:func:`_joinable`), and :data:`CLAUSE_PAUSE_S` of
 silence goes between pieces cut at a clause mark: the pieces' own edges paused ~190 ms
 between two words of a phrase and too briefly at a comma (``scripts/bench_speech_cuts.py``).
@@ -138,18 +139,19 @@ class PiperSpeech:
         todo = [step for sentence in voice.phonemize(params["text"]) for step in _steps(pieces(sentence))]
         if not todo:
             raise GenerationFailed("inference_failed", "the text has nothing to speak")
+        if voice.config.sample_rate != self.sample_rate:
+            raise GenerationFailed("inference_failed", "the voice produced audio in an unexpected format")
         pcm = bytearray()
+        held: list[tuple[Any, bool, str | None]] = []  # the sentence's pieces so far, raw
         progress("generating", 0.0)
         for done, (piece, after_cut, before) in enumerate(todo, start=1):
             if cancelled():
                 raise GenerationCancelled()
-            chunk = _spoken(voice, piece, config)
-            if chunk.sample_rate != self.sample_rate or chunk.sample_width != SAMPLE_WIDTH:
-                raise GenerationFailed("inference_failed", "the voice produced audio in an unexpected format")
-            pcm += _joinable(chunk.audio_int16_array, self.sample_rate, after_cut, before is not None).tobytes()
-            if before == "clause":
-                pcm += bytes(frames_for(CLAUSE_PAUSE_S * config.length_scale, self.sample_rate))
+            held.append((_raw(voice, piece, config), after_cut, before))
             progress("generating", min(done / len(todo), 1.0))
+            if before is None or (limit is not None and len(pcm) + SAMPLE_WIDTH * sum(len(a) for a, _, _ in held) >= limit):
+                pcm += _sentence(held, config, self.sample_rate)
+                held = []
             if limit is not None and len(pcm) >= limit:
                 del pcm[limit:]
                 break
@@ -233,19 +235,29 @@ def _cut(phonemes: list[str], limit: int) -> int:
     return limit
 
 
-def _spoken(voice: Any, phonemes: list[str], config: Any) -> Any:
-    """One run of phonemes as Piper's ``PiperVoice.synthesize`` speaks a sentence (its
-    per-sentence loop, without alignments): an ``AudioChunk``."""
-    import numpy as np
-    from piper import AudioChunk
+def _raw(voice: Any, phonemes: list[str], config: Any) -> Any:
+    """One run of phonemes through the voice, before any normalization (float samples)."""
+    return voice.phoneme_ids_to_audio(voice.phonemes_to_ids(phonemes), config)
 
-    ids = voice.phonemes_to_ids(phonemes)
-    audio = voice.phoneme_ids_to_audio(ids, config)
-    if config.normalize_audio:
-        peak = np.max(np.abs(audio))
-        audio = np.zeros_like(audio) if peak < 1e-8 else audio / peak
-    if config.volume != 1.0:
-        audio = audio * config.volume
-    audio = np.clip(audio, -1.0, 1.0).astype(np.float32)
-    return AudioChunk(sample_rate=voice.config.sample_rate, sample_width=2, sample_channels=1,
-                      audio_float_array=audio, phonemes=phonemes, phoneme_ids=ids)  # fmt: skip
+
+def _sentence(held: list[tuple[Any, bool, str | None]], config: Any, rate: int) -> bytes:
+    """A sentence's pieces (raw audio, cut before, cut after) as int16 PCM, finished as
+    Piper's ``PiperVoice.synthesize`` finishes a sentence: normalized to the sentence's
+    peak (each piece to its own made the level jump up to 8 dB across a cut), volume,
+    clip; then joined (:func:`_joinable`, with :data:`CLAUSE_PAUSE_S` after a clause mark).
+    A sentence in one piece comes out exactly as Piper speaks it."""
+    import numpy as np
+
+    peak = max((float(np.max(np.abs(audio))) for audio, _, _ in held if len(audio)), default=0.0)
+    out = bytearray()
+    for audio, after_cut, before in held:
+        if config.normalize_audio:
+            audio = np.zeros_like(audio) if peak < 1e-8 else audio / peak
+        if config.volume != 1.0:
+            audio = audio * config.volume
+        audio = np.clip(audio, -1.0, 1.0).astype(np.float32)
+        int16 = np.clip(audio * 32767.0, -32767.0, 32767.0).astype(np.int16)  # AudioChunk.audio_int16_array
+        out += _joinable(int16, rate, after_cut, before is not None).tobytes()
+        if before == "clause":
+            out += bytes(frames_for(CLAUSE_PAUSE_S * config.length_scale, rate))
+    return bytes(out)
