@@ -4,12 +4,14 @@ Since ``MAX_PIECE_PHONEMES`` a sentence over 80 phonemes is spoken in pieces (so
 is seen within a second). Each sentence below is spoken two ways: as the peer speaks it
 (``PiperSpeech.run``, pieces) and whole (Piper's own ``synthesize``: one call per sentence,
 as before the change), and both are transcribed by the peer's Whisper generator. Printed
-per sentence: the word error rate of each against the text; per join: the silence there
-(ms), the sample jump across
-the join against the clip's median jump in speech (a click detector), and the loudness step
-across it (each piece is normalized to its own peak); per sentence, the pauses inside the
+per sentence: the word error rate of each against the text, and the pauses inside the
 sentence in both audios (Piper gives this voice no alignments, so a join's place in the
-whole audio is not known: its pauses are compared as a set, against the clause marks). Piper samples noise, so ``--runs``
+whole audio is not known: the pauses are compared as sets, against the clause marks). Per
+join: the silence there (ms), the sample jump into and out of it against the clip's median
+jump in speech (a click detector), and the loudness step across it (mostly a phrase's own
+rise and fall: the whole is measured at the same share of its length, not at a phrase
+boundary). Last, the gain step that normalizing each piece to its own peak would put at a
+join (the pieces now share their sentence's peak). Piper samples noise, so ``--runs``
 repeats everything::
 
     PYTHONSAFEPATH=1 PYTHONPATH=. INCLAVATE_HOME=... python scripts/bench_speech_cuts.py [--runs 2]
@@ -210,6 +212,16 @@ def inner_pauses(silent: np.ndarray) -> list[float]:
     return [r for r in runs if r >= MIN_PAUSE_MS]
 
 
+def gain_steps(voice: Any, sentence: list[str]) -> list[float]:
+    """|dB| between the gains that normalizing each piece to its own peak (as before the
+    pieces shared their sentence's) would give two neighbours: a step the whole never has."""
+    from piper import SynthesisConfig
+
+    config = SynthesisConfig(length_scale=1.0)
+    peaks = [float(np.max(np.abs(piper_speech._raw(voice, p, config)))) for p in piper_speech.pieces(sentence)]
+    return [abs(20 * float(np.log10(a / b))) for a, b in zip(peaks, peaks[1:])]
+
+
 def cut_positions(sentence: list[str], cut: list[list[str]]) -> list[int]:
     """The index in ``sentence`` of the last phoneme of each piece but the last."""
     positions, at = [], 0
@@ -240,6 +252,7 @@ class Sentence:
     marks: int  # clause marks inside the sentence
     joins: list[Join]
     level_whole_db: list[float]  # loudness steps of the whole at the joins' share of its length
+    gain_steps_db: list[float]  # what per-piece normalization would add at each join
 
 
 def one_sentence(generators: dict, number: int, text: str, rate: int) -> Sentence:
@@ -259,7 +272,7 @@ def one_sentence(generators: dict, number: int, text: str, rate: int) -> Sentenc
     return Sentence(number, word_error_rate(text, transcribe(whisper, cut_audio, rate)),
                     word_error_rate(text, transcribe(whisper, whole_audio, rate)), len(cut_audio) / rate,
                     len(whole_audio) / rate, inner_pauses(silent_cut), inner_pauses(silent_whole),
-                    sum(p in ",;:" for p in sentence[:-1]), joins, level_whole)  # fmt: skip
+                    sum(p in ",;:" for p in sentence[:-1]), joins, level_whole, gain_steps(voice, sentence))  # fmt: skip
 
 
 def show(run: int, text: str, s: Sentence) -> None:
@@ -301,6 +314,10 @@ def report(rows: list[Sentence], runs: int) -> None:
         whole = [abs(d) for r in rows for d in r.level_whole_db if not np.isnan(d)]
         print(f"loudness step across joins |dB|: pieces median {statistics.median(steps):.1f} max {max(steps):.1f}; "
               f"whole at the same share of its length median {statistics.median(whole):.1f} max {max(whole):.1f}")  # fmt: skip
+    gains = [g for r in rows for g in r.gain_steps_db]
+    if gains:
+        print(f"gain step per-piece normalization would put at a join (now one gain per sentence): "
+              f"median {statistics.median(gains):.1f}, max {max(gains):.1f} dB")  # fmt: skip
     print(f"verdict: cuts' WER within {wer_cut - wer_whole:+.3f} of whole's")
 
 
