@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
 from inclavate.types import PeerId
 from p2p.errors import DialError, ListenError, PublishRejected, StreamClosed, StreamTimeout
@@ -447,3 +448,16 @@ def test_a_peer_id_that_is_not_one_is_refused_every_time_it_is_asked_about() -> 
     for _ in range(2):
         with pytest.raises(DialError, match="not a peer id"):
             _parse_peer("not-a-peer-id")
+
+
+async def test_a_protocol_the_peer_refuses_costs_no_replacement_connection() -> None:
+    """A peer answering "na" has a working connection: the stream fails at once, on it.
+    Before, two refusals in a row dialled a replacement connection, so identities refusing
+    the peer exchange and the sync asked on each new connection kept us dialling them."""
+    async with running_hosts(2) as (a, b):
+        await a.connect(b.multiaddrs()[0])
+        network, b_id = a.libp2p_host.get_network(), ID.from_base58(b.peer_id)
+        conn = network.get_connections(b_id)
+        with pytest.raises(DialError, match="cannot open"):
+            await a.new_stream(b.peer_id, "/inclavate/not-served/1", timeout=5)
+        assert network.get_connections(b_id) == conn and not conn[0].is_closed
