@@ -61,6 +61,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 
 from inclavate.types import PeerId
 from p2p.connection_guard import HANDSHAKE_S, ConnectionGuard
+from p2p.outbound_guard import OutboundGuard
 from p2p.errors import DialError, ListenError, P2PError, PublishRejected
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from inclavate.ports import port_in_use
@@ -142,11 +143,13 @@ def parse_peer_addr(addr: str) -> tuple[PeerId, str]:
 class _ConnectionNotifee(INotifee):
     """Turns libp2p's per-connection callbacks into the per-peer :class:`ConnectionEvent`."""
 
-    def __init__(self, events: Broadcast) -> None:
+    def __init__(self, events: Broadcast, on_connected: Callable[[], None] = lambda: None) -> None:
         self._events = events
+        self._on_connected = on_connected
         self._open: dict[ID, set[int]] = {}  # peer -> ids of its connections we saw open
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self._on_connected()
         peer = conn.muxed_conn.peer_id
         self._open.setdefault(peer, set()).add(id(conn))
         self._events.send(ConnectionEvent(_peer_id(peer), connected=True))
@@ -279,6 +282,8 @@ class P2PHost:
         self.identity = identity
         self.connection_guard = connection_guard or ConnectionGuard()
         """Bounds inbound connections; set its ``valued`` to keep known peers' longest."""
+        self.outbound_guard = OutboundGuard(host.get_network(), self._all_mesh_peers)
+        """Bounds idle outbound connections (``p2p.outbound_guard``)."""
         self.listen_host = listen_host
         """The interface the host listens on (the direct data plane listens there too)."""
         self.peer_id: PeerId = identity.peer_id
@@ -552,6 +557,11 @@ class P2PHost:
         heartbeat's gossip, later and not always all of a burst."""
         return [_peer_id(p) for p in self._pubsub.router.mesh.get(topic, ())]  # type: ignore[attr-defined]
 
+    def _all_mesh_peers(self) -> list[PeerId]:
+        """Our gossip mesh neighbours, every topic together."""
+        mesh = self._pubsub.router.mesh  # type: ignore[attr-defined]
+        return [_peer_id(p) for peers in list(mesh.values()) for p in peers]
+
     def _close_channels(self) -> None:
         self._connection_events.close()
         for broadcast in self._topics.values():
@@ -597,8 +607,8 @@ async def open_host(
     topics: dict[str, Broadcast] = {}
     pubsub, router = build_gossip(libp2p_host, gossip, topics, inbound)
     events = Broadcast("connection events")
-    libp2p_host.get_network().register_notifee(_ConnectionNotifee(events))
     host = P2PHost(identity, libp2p_host, pubsub, gossip, topics, events, dial_timeout, inbound, listen_host, guard)
+    libp2p_host.get_network().register_notifee(_ConnectionNotifee(events, host.outbound_guard.wake))
     try:
         async with libp2p_host.run([listen]):
             try:
@@ -607,6 +617,7 @@ async def open_host(
                 async with background_trio_service(pubsub), background_trio_service(router):
                     await pubsub.wait_until_ready()
                     async with trio.open_nursery() as nursery:
+                        nursery.start_soon(host.outbound_guard.run)
                         if enable_mdns:
                             from p2p.discovery import run_mdns  # builds on this module
 
