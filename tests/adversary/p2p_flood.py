@@ -4,7 +4,8 @@
 Three kinds, cheapest first: TCP connections that send nothing; connections that start the
 negotiation (multistream header, ``/noise``, Noise's first message) and stall; and
 connections that finish Noise and yamux, each under a fresh identity (an Ed25519 key costs
-microseconds), then sit idle. All of them open from a chosen source address on 127.0.0.0/8,
+microseconds), then sit idle. And the other way round (:func:`listening_identities`):
+identities the peer is made to dial, each listening in the attacker's process. All of them open from a chosen source address on 127.0.0.0/8,
 so a test can tell the flood's address from an honest one.
 """
 
@@ -14,8 +15,12 @@ import os
 import select
 import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 
 import trio
+from hostile_peer import honest_record, hostile_peer
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
@@ -26,6 +31,11 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.transport.tcp.tcp import TrioTCPStream
 from libp2p.transport.upgrader import TransportUpgrader
 
+from p2p.artifact_wire import PROTOCOL as ARTIFACTS_PROTOCOL
+from p2p.artifact_wire import encode
+from p2p.discovery import PeerAddrs, encode_peers
+from p2p.framing import FramedStream
+from p2p.host import P2PHost, open_host
 from p2p.identity import Identity
 
 _MULTISTREAM = b"\x13/multistream/1.0.0\n"
@@ -118,3 +128,74 @@ async def fresh_identity_flood(port: int, target: str, source: str, n: int, conc
         for _ in range(n):
             nursery.start_soon(one)
     return done, failed
+
+
+# -- identities a peer is made to dial ------------------------------------------------
+
+
+@dataclass
+class Listeners:
+    """Identities listening in the attacker's process, known to a target peer by their
+    records and addresses: each swarm-wide listing the target runs dials every one."""
+
+    hosts: list[P2PHost]
+    asked: set[str] = field(default_factory=set)
+    """The identities the target asked for a listing (at least once)."""
+
+    def ports(self) -> set[int]:
+        """Their listening ports: the target's connections to these are ones it dialled."""
+        return {int(host.multiaddrs()[0].split("/tcp/")[1].split("/")[0]) for host in self.hosts}
+
+
+@asynccontextmanager
+async def listening_identities(target: str, k: int, per_introducer: int = 24) -> AsyncIterator[Listeners]:
+    """``k`` fresh identities, each a libp2p host on 127.0.0.1 answering an empty artifact
+    listing, made known to the peer at multiaddr ``target``: hostile introducers hand it
+    their addresses when it asks for peers (``per_introducer`` each: the exchange takes
+    32), and one publishes a record signed by each (records are free). The caller then
+    starts listings through the target's HTTP API."""
+    victim = target.rsplit("/p2p/", 1)[-1]
+    async with AsyncExitStack() as stack:
+        listeners = Listeners([await stack.enter_async_context(open_host(Identity.generate())) for _ in range(k)])
+
+        def answer_for(host: P2PHost):  # noqa: ANN202
+            async def answer(stream: FramedStream, remote: str) -> None:
+                await stream.receive(timeout=10.0)
+                listeners.asked.add(host.peer_id)
+                await stream.send(encode({"ok": True, "keys": [], "truncated": False}), timeout=10.0)
+
+            return answer
+
+        for host in listeners.hosts:
+            host.set_stream_handler(ARTIFACTS_PROTOCOL, answer_for(host))
+        entries = [PeerAddrs(h.peer_id, tuple(h.multiaddrs())) for h in listeners.hosts]
+        introducers = []
+        for start in range(0, k, per_introducer):
+            reply = encode_peers(entries[start:start + per_introducer])
+            introducers.append(await stack.enter_async_context(hostile_peer(target, peers_reply=reply)))
+        for host in listeners.hosts:
+            await introducers[0].publish_record(honest_record(host.identity), signer=host.identity)
+        assert victim == introducers[0].target
+        yield listeners
+
+
+def sockets_to(pid: int, ports: set[int]) -> int:
+    """Established TCP connections of process ``pid`` to any of ``ports`` on 127.0.0.1 (its
+    own descriptors, from ``/proc``: the ground truth, whatever either side's libp2p thinks)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    count = 0
+    with open(f"/proc/{pid}/net/tcp") as table:
+        next(table)
+        for row in table:
+            fields = row.split()
+            remote_port = int(fields[2].split(":")[1], 16)
+            if fields[3] == "01" and remote_port in ports and fields[9] in inodes:
+                count += 1
+    return count
