@@ -7,7 +7,8 @@ the outbound libp2p connections (and descriptors) each listing leaves behind.
 One peer (``smollm2:135m``, one thread, 127.0.0.1, no mDNS) under a soft and hard
 descriptor limit of ``--nofile``. In this process: ``--identities`` fresh identities, each a
 libp2p host answering an empty artifact listing, made known to the peer by hostile
-introducers (their addresses, on peer exchange) and records signed by each (gossip).
+introducers (their addresses, on peer exchange) and records signed by each (gossip,
+published again before each listing, as a live identity's heartbeat would).
 Then ``--listings`` listings (``GET /v1/artifacts``) one after another, and a quiet
 ``--watch`` seconds. Every listing and every second after: the HTTP status, how many
 identities have been asked, the peer's established TCP connections to their ports (from
@@ -42,6 +43,14 @@ def _fds(pid: int) -> int:
         return -1
 
 
+def _listing(a: PeerProcess) -> str:
+    """One listing's HTTP status, or why none came."""
+    try:
+        return str(request_json("GET", a.url + "/v1/artifacts?limit=10", timeout=30)[0])
+    except Exception as exc:  # noqa: BLE001 - a peer out of descriptors answers nothing
+        return type(exc).__name__
+
+
 async def _probe(swarm: LocalSwarm, a: PeerProcess, args: argparse.Namespace) -> None:
     pid = a.process.pid
     async with listening_identities(swarm.multiaddr(a), args.identities) as listeners:
@@ -56,11 +65,12 @@ async def _probe(swarm: LocalSwarm, a: PeerProcess, args: argparse.Namespace) ->
         most = 0
         started = time.monotonic()
         for i in range(args.listings):
+            await listeners.publish()  # records that stop beating age out of the listings
             t0 = time.monotonic()
-            status, _ = await trio.to_thread.run_sync(lambda: request_json("GET", a.url + "/v1/artifacts?limit=10", timeout=30))
+            status = await trio.to_thread.run_sync(_listing, a)
             held = sockets_to(pid, ports)
             most = max(most, held)
-            print(f"listing {i + 1:3d}: {status} in {time.monotonic() - t0:4.2f} s, asked {len(listeners.asked):4d}, "
+            print(f"listing {i + 1:3d}: {status:>12} in {time.monotonic() - t0:4.2f} s, asked {len(listeners.asked):4d}, "
                   f"to identities {held:4d}, fds {_fds(pid):4d}", flush=True)  # fmt: skip
         elapsed = time.monotonic() - started
         for second in range(int(args.watch)):

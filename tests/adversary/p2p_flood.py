@@ -20,7 +20,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
-from hostile_peer import honest_record, hostile_peer
+from hostile_peer import HostilePeer, honest_record, hostile_peer
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
@@ -141,6 +141,13 @@ class Listeners:
     hosts: list[P2PHost]
     asked: set[str] = field(default_factory=set)
     """The identities the target asked for a listing (at least once)."""
+    publisher: HostilePeer | None = None
+
+    async def publish(self) -> None:
+        """A fresh record signed by each identity (the target ages records that stop beating)."""
+        assert self.publisher is not None
+        for host in self.hosts:
+            await self.publisher.publish_record(honest_record(host.identity), signer=host.identity)
 
     def ports(self) -> set[int]:
         """Their listening ports: the target's connections to these are ones it dialled."""
@@ -173,9 +180,9 @@ async def listening_identities(target: str, k: int, per_introducer: int = 24) ->
         for start in range(0, k, per_introducer):
             reply = encode_peers(entries[start:start + per_introducer])
             introducers.append(await stack.enter_async_context(hostile_peer(target, peers_reply=reply)))
-        for host in listeners.hosts:
-            await introducers[0].publish_record(honest_record(host.identity), signer=host.identity)
-        assert victim == introducers[0].target
+        listeners.publisher = introducers[0]
+        assert victim == listeners.publisher.target
+        await listeners.publish()
         yield listeners
 
 
