@@ -12,13 +12,16 @@ table                           share     bounds       where
 HTTP connections                1/4       16-4,096     ``api/connection_table.py``
 inbound libp2p connections      1/8       16-1,024     ``p2p/connection_guard.py``
 libp2p handshakes under way     1/32      4-64         ``p2p/connection_guard.py``
+idle outbound libp2p            1/8       16-1,024     ``p2p/outbound_guard.py``
 direct links, each protocol     1/32      16-512       ``p2p/direct.py`` (two protocols)
 direct hellos awaiting a ticket 1/64      4-64         ``p2p/direct.py``
 ==============================  ========  ===========  ====================================
 
-At most 1/4 + 1/8 + 1/32 + 2/32 + 1/64 (~49%) of the descriptors go to strangers, and at
-a 1,024 limit 500 stay the peer's own, where the fixed direct-link bounds (1,088 links and
-hellos) could take them all.
+Outbound connections count because strangers choose whom we dial (free records: every
+listing asks each live registry peer). At most 1/4 + 1/8 + 1/32 + 1/8 + 2/32 + 1/64 (~61%)
+of the descriptors go to strangers (outbound: the idle ones; asks in flight, at most 32,
+come on top), and at a 1,024 limit ~400 stay the peer's own, where the fixed direct-link
+bounds (1,088 links and hellos) could take them all.
 """
 
 from __future__ import annotations

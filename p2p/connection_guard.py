@@ -22,7 +22,8 @@ the most loses its oldest):
   (an eighth of ``RLIMIT_NOFILE``: the HTTP API holds a quarter, the rest is outbound
   dials, direct links, the engine, SQLite and model files). Connections to peers whose
   records we hold (:attr:`ConnectionGuard.valued`) go after the source's others.
-  Outbound connections (we dialled them) are not counted and never evicted here.
+  Outbound connections (we dialled them) are not counted and never evicted here: they are
+  bounded apart (``p2p/outbound_guard.py``).
 """
 
 from __future__ import annotations
