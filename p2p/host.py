@@ -444,12 +444,14 @@ class P2PHost:
         """Retries, within the caller's deadline: on a busy machine py-libp2p's protocol
         negotiation on a fresh yamux stream now and then fails at once ("handshake read
         failed") over a connection that is fine, and the second stream goes through; or it
-        leaves the connection unusable, and a fresh connection is dialled for the third."""
+        leaves the connection unusable, and a fresh connection is dialled for the third. A
+        protocol refused ("na") is asked once more on the same connection (a peer may set its
+        handler a moment after it connects), never on a fresh one (:func:`_refused`)."""
         for attempt in range(3):
             try:
                 return await self._host.new_stream(peer_id, [protocol])
             except BaseLibp2pError as exc:
-                if attempt == 2 or _refused(exc) or not self.is_connected(str(peer_id)):
+                if attempt == 2 or (attempt == 1 and _refused(exc)) or not self.is_connected(str(peer_id)):
                     raise
             await trio.sleep(0.05)
             if attempt == 1:
