@@ -7,8 +7,9 @@ long the peer keeps each connection.
 
 One peer (``smollm2:135m``, one thread, 127.0.0.1, no mDNS) under a soft and hard
 descriptor limit of ``--nofile``; the flood comes from 127.0.0.2. Every second: the peer's
-descriptors (``/proc/PID/fd``), RSS, whether ``/health`` answered within 5 s, and how many
-of the flood's connections the peer has closed. Once the flood is open a second peer
+descriptors (``/proc/PID/fd``), RSS, the CPU seconds it used per second (``/proc/PID/stat``,
+user + system: what the flood costs it), whether ``/health`` answered within 5 s, and how
+many of the flood's connections the peer has closed (``--connections 0``: no flood). Once the flood is open a second peer
 bootstraps through the first; "joined" is when each lists the other in ``/nodes``.
 """
 
@@ -47,6 +48,16 @@ def _rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return -1.0
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used (fields 14 and 15 of ``/proc/PID/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _health(peer: PeerProcess) -> bool:
@@ -120,6 +131,9 @@ def main() -> None:
         b_id, joined_at = "", None
         unanswered, first_closed, reopened = 0, None, 0
         t0 = time.monotonic()
+        cpu0 = cpu_last = _cpu_s(pid)
+        tick_last = t0
+        cpu_rates: list[float] = []
         while time.monotonic() - t0 < args.watch:
             ok = _health(a)
             unanswered += not ok
@@ -141,15 +155,20 @@ def main() -> None:
             if b_id and joined_at is None and _lists(a, b_id) and _lists(b, health["peer_id"]):
                 joined_at = time.monotonic() - t0
             fds, rss = samples[-1]
-            print(f"t={time.monotonic() - t0:5.1f}s fds {fds:4d} RSS {rss:5.0f} MB health {'ok' if ok else 'NO'} "
+            cpu_now, tick_now = _cpu_s(pid), time.monotonic()
+            cpu_rates.append((cpu_now - cpu_last) / max(1e-3, tick_now - tick_last))
+            cpu_last, tick_last = cpu_now, tick_now
+            print(f"t={time.monotonic() - t0:5.1f}s fds {fds:4d} RSS {rss:5.0f} MB CPU {cpu_rates[-1]:4.2f} s/s "
+                  f"health {'ok' if ok else 'NO'} "
                   f"closed {len(gone)}/{len(watched)} reopened {reopened} joined {joined_at is not None}", flush=True)  # fmt: skip
             time.sleep(1)
+        cpu_mean = (_cpu_s(pid) - cpu0) / max(1e-3, time.monotonic() - t0)
         stop.set()
         most_fds, most_rss = max(f for f, _ in samples), max(r for _, r in samples)
         at_limit = sum(f >= args.nofile - 2 for f, _ in samples) * 0.2
         log = a.log_path.read_text(errors="replace")
         print(f"RESULT kind={args.kind} n={args.connections} nofile={args.nofile}: most fds {most_fds}, most RSS "
-              f"{most_rss:.0f} MB, {at_limit:.1f} s at the limit, /health unanswered {unanswered}x, honest peer joined "
+              f"{most_rss:.0f} MB, CPU {cpu_mean:.2f} s/s (most {max(cpu_rates, default=0):.2f}), {at_limit:.1f} s at the limit, /health unanswered {unanswered}x, honest peer joined "
               f"{'after %.1f s' % joined_at if joined_at is not None else 'NEVER'}, first flood connection closed "
               f"{'after %.1f s' % first_closed if first_closed is not None else 'never'}, closed at end "
               f"{sum(map(closed_by_peer, watched))}/{len(watched)}, EMFILE in log {log.count('EMFILE')}x", flush=True)  # fmt: skip
