@@ -11,9 +11,11 @@ connections, reopened as the peer's 10 s handshake deadline closed them, kept it
 limit (``accept returned EMFILE`` 400-500 times in 30 s) and delayed an honest join 3x.
 
 :class:`ConnectionGuard` replaces the swarm's inbound handler (TCP: our only transport)
-with one that counts. Two tables, both :class:`~inclavate.source_table.ConnectionTable`
-(a newcomer is always taken; past the bound the source, IPv4 address or IPv6 /64, holding
-the most loses its oldest):
+with one that counts. First, at accept, a rate (``p2p/accept_rate.py``: token buckets per
+source and in all): a connection past it is closed at once, before multistream and Noise,
+which cost the peer far more CPU than the connection costs a stranger. Then two tables,
+both :class:`~inclavate.source_table.ConnectionTable` (a newcomer is always taken; past the
+bound the source, IPv4 address or IPv6 /64, holding the most loses its oldest):
 
 * **handshaking**: from accept to yamux, at most :func:`handshake_capacity`, each with a
   :data:`HANDSHAKE_S` deadline. Cheap to flood, so small: an honest handshake takes
@@ -41,6 +43,7 @@ from multiaddr import Multiaddr
 from inclavate.descriptors import share
 from inclavate.source_table import ConnectionTable, source_of
 from inclavate.types import PeerId
+from p2p.accept_rate import AcceptRate
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,9 @@ class ConnectionGuard:
     """Counts the swarm's inbound connections; :meth:`install` puts it in front of them."""
 
     def __init__(self, inbound: Callable[[], int] = inbound_capacity,
-                 handshakes: Callable[[], int] = handshake_capacity) -> None:  # fmt: skip
+                 handshakes: Callable[[], int] = handshake_capacity, rate: AcceptRate | None = None) -> None:  # fmt: skip
+        self.rate = rate or AcceptRate()
+        """New connections let into the handshake, per source and in all."""
         self.handshaking = ConnectionTable(handshakes)
         self.established = ConnectionTable(inbound)
         self.valued: Callable[[PeerId], bool] = lambda _peer: False
@@ -123,9 +128,14 @@ class ConnectionGuard:
         swarm._handle_inbound_connection = self.handle  # type: ignore[method-assign]  # noqa: SLF001
 
     async def handle(self, conn: ReadWriteCloser, maddr: Multiaddr) -> None:
-        """One inbound connection from accept to close: the handshake under its deadline and
-        the handshake table's bound, then the established table's bound until it ends."""
+        """One inbound connection from accept to close: the accept rate (past it, closed
+        unread), the handshake under its deadline and the handshake table's bound, then the
+        established table's bound until it ends."""
         source = source_of(_remote_host(conn))
+        if not self.rate.take(source):
+            logger.debug("closing a new inbound connection from %s unread: over its rate", source)
+            _Handshaking(conn).evict()
+            return
         muxed = await self._handshake(conn, source, maddr)
         if muxed is None:
             return
