@@ -74,6 +74,25 @@ def open_quietly(port: int, source: str, n: int, hello: bytes = b"") -> list[soc
     return opened
 
 
+def answered(port: int, source: str, hello: bytes, wait: float = 10.0) -> tuple[bool, socket.socket]:
+    """One connection from ``source`` sending ``hello``: whether the peer answered (a byte
+    came back) or closed it unanswered (end of stream, reset); raises ``TimeoutError`` when
+    it did neither within ``wait`` seconds. Returns the socket too, open (the caller closes it)."""
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(wait)
+    try:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(hello)
+        got = sock.recv(1)
+    except TimeoutError:
+        sock.close()
+        raise
+    except OSError:  # reset before or after our hello
+        got = b""
+    return bool(got), sock
+
+
 def closed_by_peer(sock: socket.socket) -> bool:
     """The peer closed (or reset) ``sock``; bytes it sent are read and dropped."""
     try:

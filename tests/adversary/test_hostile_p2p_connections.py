@@ -4,7 +4,8 @@ A real peer limited to 256 descriptors (its inbound libp2p share 32, handshakes 
 127.0.0.1; the flood comes from 127.0.0.2, the honest peer from 127.0.0.1. Before the guard
 (``scripts/probe_p2p_flood.py``): 400 silent or stalled connections took all 256 descriptors
 until the library's 10 s handshake deadline closed them (``accept returned EMFILE``), and
-fresh identities through Noise and yamux were kept for as long as they stayed.
+fresh identities through Noise and yamux were kept for as long as they stayed; every
+connection, however many a second, got multistream and a Noise responder step (CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import trio
-from p2p_flood import STALLED_HELLO, closed_by_peer, fresh_identity_flood, open_quietly
+from p2p_flood import STALLED_HELLO, answered, closed_by_peer, fresh_identity_flood, open_quietly
 from swarm import PeerProcess, Swarm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the peer's descriptors in /proc")
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="co
 _NOFILE = 256
 _INBOUND, _HANDSHAKES = 32, 8
 """``p2p.connection_guard``'s bounds at 256 descriptors (written out: the test states them)."""
+_BURST = 16
+"""``p2p.accept_rate.SOURCE_BURST``: new connections one source may open at once."""
 
 
 @contextlib.contextmanager
@@ -86,10 +89,35 @@ def test_a_flood_of_unfinished_handshakes_leaves_the_peer_its_descriptors(tmp_pa
                 sock.close()
 
 
+def test_a_source_past_its_rate_is_closed_before_the_handshake(tmp_path) -> None:
+    """100 connections from one address, one after another, each sending multistream,
+    ``/noise`` and Noise's first message: the peer answers its burst (16) and closes the
+    rest unread, without a byte of multistream or Noise, until its bucket refills (4 a
+    second); an honest peer from another address still joins. Before: the peer answered
+    every one (multistream and a Noise responder step each: its CPU, the stranger's bytes)."""
+    with Swarm(tmp_path) as s:
+        a, port, a_id = _limited_peer(s)
+        replies: list[bool] = []
+        socks = []
+        try:
+            for _ in range(100):
+                reply, sock = answered(port, "127.0.0.2", STALLED_HELLO)
+                replies.append(reply)
+                socks.append(sock)
+            assert replies[:_BURST] == [True] * _BURST  # a new source starts with its burst
+            assert replies.count(False) > 0, "every connection past the burst was answered"
+            assert a.get("/health")["ok"]
+            _assert_an_honest_peer_joins(s, a, a_id)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 def test_idle_neighbours_under_fresh_identities_are_bounded(tmp_path) -> None:
-    """80 connections through Noise and yamux, each a new identity (free to make), that then
-    sit idle: the peer keeps at most 32 inbound connections, the source holding the most
-    losing its oldest, so the flood rotates its own and an honest peer still joins.
+    """Connections through Noise and yamux, each a new identity (free to make), that then
+    sit idle, opened in rounds of the source's burst (its rate refuses more at once) until
+    over 40 got through: the peer keeps at most 32 inbound connections, the source holding
+    the most losing its oldest, so the flood rotates its own and an honest peer still joins.
     Before: every one kept for as long as the stranger liked (230 took all 256 descriptors;
     ``/health`` and the honest peer's dial went unanswered)."""
     with Swarm(tmp_path) as s:
@@ -97,8 +125,12 @@ def test_idle_neighbours_under_fresh_identities_are_bounded(tmp_path) -> None:
         held: list = []
 
         async def flood() -> None:
-            done, _failed = await fresh_identity_flood(port, a_id, "127.0.0.2", 80, concurrency=4)
-            held.extend(done)
+            for _round in range(20):
+                done, _failed = await fresh_identity_flood(port, a_id, "127.0.0.2", _BURST, concurrency=4)
+                held.extend(done)
+                if len(held) > _INBOUND + 8:
+                    return
+                await trio.sleep(_BURST / 4)  # the source's bucket refills
 
         try:
             trio.run(flood)
