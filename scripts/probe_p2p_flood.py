@@ -162,13 +162,16 @@ def main() -> None:
                   f"health {'ok' if ok else 'NO'} "
                   f"closed {len(gone)}/{len(watched)} reopened {reopened} joined {joined_at is not None}", flush=True)  # fmt: skip
             time.sleep(1)
-        cpu_mean = (_cpu_s(pid) - cpu0) / max(1e-3, time.monotonic() - t0)
+        watched_s = max(1e-3, time.monotonic() - t0)
+        cpu_mean = (_cpu_s(pid) - cpu0) / watched_s
+        per_conn = f", {cpu_mean / (reopened / watched_s) * 1000:.1f} ms each" if reopened else ""
         stop.set()
         most_fds, most_rss = max(f for f, _ in samples), max(r for _, r in samples)
         at_limit = sum(f >= args.nofile - 2 for f, _ in samples) * 0.2
         log = a.log_path.read_text(errors="replace")
         print(f"RESULT kind={args.kind} n={args.connections} nofile={args.nofile}: most fds {most_fds}, most RSS "
-              f"{most_rss:.0f} MB, CPU {cpu_mean:.2f} s/s (most {max(cpu_rates, default=0):.2f}), {at_limit:.1f} s at the limit, /health unanswered {unanswered}x, honest peer joined "
+              f"{most_rss:.0f} MB, CPU {cpu_mean:.2f} s/s (most {max(cpu_rates, default=0):.2f}) under {reopened / watched_s:.0f} new flood "
+              f"connections/s{per_conn}, {at_limit:.1f} s at the limit, /health unanswered {unanswered}x, honest peer joined "
               f"{'after %.1f s' % joined_at if joined_at is not None else 'NEVER'}, first flood connection closed "
               f"{'after %.1f s' % first_closed if first_closed is not None else 'never'}, closed at end "
               f"{sum(map(closed_by_peer, watched))}/{len(watched)}, EMFILE in log {log.count('EMFILE')}x", flush=True)  # fmt: skip
