@@ -1,19 +1,25 @@
 """What one swarm-wide listing costs the peer that serves it when the registry holds many
 identities that each answer a full window of keys: PEERS in-process fake peers (no
 network: each answers after RTT with its keys, JSON-encoded once, that the asker parses
-and decodes with the real codec, ``p2p.artifact_wire.decode_keys``), one ``limit=100``
-page at ``offset = WINDOW - 100``. Prints the listing's wall time and CPU (this is all
-event-loop time: nothing here runs in a thread), the most asks in flight at once, and
-the peak of memory allocated during the listing (tracemalloc, in a second run), and of the
-first run the keys decoded and the peers left out unasked, by reason.
+and decodes as ``p2p.artifacts.RemoteArtifacts.keys`` does, with
+``p2p.artifacts.decode_key_answer``; on a tree before it, with ``decode_answer`` and
+``decode_keys`` in one go), one ``limit=100`` page at ``offset = WINDOW - 100``. Prints the listing's wall
+time and CPU (this is all event-loop time: nothing here runs in a thread), the longest
+stall (``stall``: how late a task sleeping 1 ms at a time woke, at worst: the longest
+stretch the event loop ran the listing without letting another task run, the wait a chat
+stream on that peer would see), the most asks in flight at once, the peak of memory
+allocated during the listing (tracemalloc, in a second run), and of the first run the keys
+decoded and the peers left out unasked, by reason. With ``--at-once N``, N listings run at
+once (the ``ListingGate`` allows 4): the figures are theirs together.
 
 Run with ``taskset -c N`` and ``PYTHONSAFEPATH=1`` (so ``PYTHONPATH`` picks the tree):
-``PYTHONPATH=TREE python scripts/bench_listing_fanout.py [--peers 200] [--window 5000]``."""
+``PYTHONPATH=TREE python scripts/bench_listing_fanout.py [--peers 200] [--window 5000] [--at-once 1]``."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import gc
+import math
 import tempfile
 import time
 import tracemalloc
@@ -25,8 +31,13 @@ from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactMeta, ArtifactPage, KeyPage, ListQuery, Usage
 from inclavate.artifacts import ArtifactStore
 from inclavate.owner_ids import Owners, new_id
-from p2p.artifact_wire import decode_keys, encode
+import p2p.artifacts
+from p2p.artifact_wire import decode_answer, decode_keys, encode
 from p2p.identity import Identity
+
+
+decode_key_answer = getattr(p2p.artifacts, "decode_key_answer", None)
+"""What ``RemoteArtifacts.keys`` does with an answer's frame, where the tree has it."""
 
 
 class FakePeers:
@@ -50,7 +61,10 @@ class FakePeers:
 
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         await self._wait()
-        page = decode_keys(json.loads(self.wire[peer]), peer, query, owners)
+        if decode_key_answer is None:  # a tree before it: parsed and decoded in one go
+            page = decode_keys(decode_answer(self.wire[peer], peer), peer, query, owners)
+        else:
+            page = await decode_key_answer(self.wire[peer], peer, query, owners)
         self.keys_decoded += len(page.keys)
         return page
 
@@ -72,27 +86,58 @@ def left_out(swarm: SwarmArtifacts) -> str:
     return "-" if counter is None else str(counter.snapshot())
 
 
-async def one_listing(swarm: SwarmArtifacts, query: ListQuery) -> tuple[int, float, float]:
+TICK_S = 0.001
+
+
+class Ticker:
+    """A task that sleeps :data:`TICK_S` at a time and notes how late it woke, at worst: the
+    longest the event loop went without running it (what a chat stream's next token waits)."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            began = time.perf_counter()
+            await trio.sleep(TICK_S)
+            self.worst = max(self.worst, time.perf_counter() - began - TICK_S)
+
+
+async def listings(swarm: SwarmArtifacts, query: ListQuery, at_once: int) -> tuple[int, float, float, float]:
+    """``at_once`` listings together: rows of the first, wall, CPU, and the longest stall."""
+    ticker, listed = Ticker(), []
+
+    async def one() -> None:
+        listed.append(len((await swarm.list(query)).artifacts))
+
     wall, cpu = time.perf_counter(), time.process_time()
-    page = await swarm.list(query)
-    return len(page.artifacts), time.perf_counter() - wall, time.process_time() - cpu
+    async with trio.open_nursery() as outer:
+        await outer.start(ticker.run)
+        async with trio.open_nursery() as nursery:
+            for _ in range(at_once):
+                nursery.start_soon(one)
+        outer.cancel_scope.cancel()
+    return listed[0], time.perf_counter() - wall, time.process_time() - cpu, ticker.worst
 
 
-async def main(peers: int, window: int, rtt: float) -> None:
+async def main(peers: int, window: int, rtt: float, at_once: int) -> None:
     fakes = FakePeers(peers, window, rtt)
+    gc.freeze()  # the fakes are no part of the peer: its collections need not walk them
     with tempfile.TemporaryDirectory() as d:
         store = ArtifactStore(Path(d), Identity.generate().peer_id)
         swarm = SwarmArtifacts(store, fakes, lambda: fakes.names, lambda: fakes.names)  # type: ignore[arg-type]
         query = ListQuery(limit=100, offset=window - 100)
-        listed, wall, cpu = await one_listing(swarm, query)
+        listed, wall, cpu, stall = await listings(swarm, query, at_once)
         decoded, dropped = fakes.keys_decoded, left_out(swarm)
         tracemalloc.start()
-        await one_listing(swarm, query)
+        await listings(swarm, query, at_once)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         store.close()
-    print(f"peers={peers} window={window} rtt={rtt * 1000:.0f} ms listed={listed} wall={wall * 1000:.0f} ms "
-          f"cpu={cpu * 1000:.0f} ms keys_decoded={decoded} left_out={dropped} most_in_flight={fakes.most_in_flight} "
+    print(f"peers={peers} window={window} rtt={rtt * 1000:.0f} ms at_once={at_once} listed={listed} "
+          f"wall={wall * 1000:.0f} ms cpu={cpu * 1000:.0f} ms stall={math.ceil(stall * 1000)} ms "
+          f"keys_decoded={decoded} left_out={dropped} most_in_flight={fakes.most_in_flight} "
           f"peak_alloc={peak / 2**20:.0f} MiB")  # fmt: skip
 
 
@@ -101,5 +146,6 @@ if __name__ == "__main__":
     parser.add_argument("--peers", type=int, default=200)
     parser.add_argument("--window", type=int, default=5000)
     parser.add_argument("--rtt", type=float, default=0.005, help="seconds each fake peer takes to answer")
+    parser.add_argument("--at-once", type=int, default=1, help="listings run together (the gate allows 4)")
     args = parser.parse_args()
-    trio.run(main, args.peers, args.window, args.rtt)
+    trio.run(main, args.peers, args.window, args.rtt, args.at_once)
