@@ -118,6 +118,13 @@ class Owners:
         known peer with those 32 bits. String compares: parsing every listed id's tag took
         as long as the rest of decoding a listing's keys (``scripts/bench_owner_tags.py``)."""
 
+    def prefix(self, peer: str) -> str | None:
+        """How every id ``peer`` mints begins (canonical; None for a peer not given): an id
+        that begins so is ``peer``'s (:meth:`carries_owner`'s first test), so a listing checks
+        a whole answer of such ids at once (``p2p.artifact_wire.decode_keys``)."""
+        known = self._prefix.get(peer)
+        return None if known is None else known[0]
+
     def candidates(self, id_: str) -> list[str]:
         """The known peers that may own canonical ``id_``, sorted: those carrying its whole
         tag; only when none does, those carrying its first 32 bits (a legacy id's tag)."""

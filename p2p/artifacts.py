@@ -57,6 +57,7 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactRead
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
+from inclavate.fan_out import decode_turn, in_steps
 from inclavate.owner_ids import MalformedId, Owners
 from inclavate.types import PeerId
 from p2p.artifact_wire import (
@@ -69,7 +70,7 @@ from p2p.artifact_wire import (
     PROTOCOL,
     answer_limit,
     decode_answer,
-    decode_keys,
+    decode_keys_in_steps,
     decode_meta,
     decode_page,
     decode_piece,
@@ -479,8 +480,9 @@ class RemoteArtifacts:
             query = replace(query, after=rows[-1].sort_key())
 
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
-        """The sort keys of ``query``'s rows on ``peer`` (at most ~61 bytes each on the wire)."""
-        return decode_keys(await self._call(peer, list_request(query, keys=True)), peer, query, owners)
+        """The sort keys of ``query``'s rows on ``peer`` (at most ~61 bytes each on the wire;
+        :func:`decode_key_answer`)."""
+        return await decode_key_answer(await self._call_raw(peer, list_request(query, keys=True)), peer, query, owners)
 
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead:
         """Open a read on the owner: its meta decides the range (as the owner's store would),
@@ -577,17 +579,31 @@ class RemoteArtifacts:
     async def _call(self, peer: str, request: dict[str, Any], max_answer: int | None = None) -> dict[str, Any]:
         """``request``'s answer, its frame at most ``max_answer`` bytes (default: what an
         honest owner may need, :func:`answer_limit`)."""
+        return decode_answer(await self._call_raw(peer, request, max_answer), peer)
+
+    async def _call_raw(self, peer: str, request: dict[str, Any], max_answer: int | None = None) -> bytes:
+        """``request``'s answer frame, not yet parsed (:meth:`_call`)."""
         async with self._small_slots.hold(peer, BUSY_WAIT_S):
             return await self._call_once(peer, request, answer_limit(request) if max_answer is None else max_answer)
 
-    async def _call_once(self, peer: str, request: dict[str, Any], max_answer: int) -> dict[str, Any]:
+    async def _call_once(self, peer: str, request: dict[str, Any], max_answer: int) -> bytes:
         stream = await self._open_stream(peer, max_answer)
         try:
             async with stream:
                 await stream.send(encode(request), timeout=_REQUEST_TIMEOUT)
-                return decode_answer(await stream.receive(timeout=_ANSWER_TIMEOUT), peer)
+                return await stream.receive(timeout=_ANSWER_TIMEOUT)
         except P2PError as exc:
             raise ArtifactUnavailable(f"the owner peer {peer} did not answer: {exc}") from exc
+
+
+async def decode_key_answer(raw: bytes, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
+    """``peer``'s answer to a ``keys`` listing, parsed and decoded in this peer's one decode
+    turn, in steps (:func:`~inclavate.fan_out.decode_turn`): an answer of 20,000 keys is
+    ~1.2 MB, and up to 32 arrive at once."""
+    async with decode_turn():
+        answer = decode_answer(raw, peer)
+        await trio.lowlevel.checkpoint()
+        return await in_steps(decode_keys_in_steps(answer, peer, query, owners))
 
 
 async def _receive_piece(stream: FramedStream | SealedStream, peer: str, length: int) -> list[bytes]:

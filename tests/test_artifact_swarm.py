@@ -42,8 +42,8 @@ from inclavate.fan_out import (ASK_PATIENCE_S, MAX_ASKS_IN_FLIGHT, MAX_ASKS_PER_
 from inclavate.owner_ids import MalformedId, Owners, new_id
 from inclavate.types import PeerId
 import p2p.artifacts
-from p2p.artifact_wire import (HONEST_ROW_BYTES, MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, MAX_ROW_BYTES, encode,
-                               list_answer_limit, read_request)  # fmt: skip
+from p2p.artifact_wire import (HONEST_ROW_BYTES, MAX_ANSWER_BYTES, MAX_PIECE, MAX_RECORD_ANSWER_BYTES, MAX_ROW_BYTES, decode_keys,
+                               encode, list_answer_limit, read_request)  # fmt: skip
 from p2p.artifacts import DIRECT_PROTOCOL, MAX_READS_PER_PEER, PROTOCOL, RemoteArtifacts, serve_artifacts
 from p2p.direct import MAGIC, TICKET_BYTES, DirectLinks, LinkTable
 from p2p.errors import P2PError
@@ -1532,3 +1532,122 @@ async def test_the_store_keeps_a_failed_artifact_s_error_as_printable_ascii(tmp_
         assert error.startswith("OSError: \\U0001f600 ")
     finally:
         store.close()
+
+
+WIDE = 20_000
+"""Keys in the widest answer a swarm-wide listing asks for (``SWARM_LIST_WINDOW``)."""
+
+
+def _wide_keys(owner: str) -> list[list]:
+    """``WIDE`` keys of ids ``owner`` minted, newest first, as its store lists them."""
+    return [[1_700_000_000_000 + WIDE - i, new_id(owner)] for i in range(WIDE)]
+
+
+def _legacy_id(owner: str) -> str:
+    """An id carrying only the first 32 bits of ``owner``'s tag (minted before the widening)."""
+    prefix = Owners([owner]).prefix(owner)
+    assert prefix is not None
+    return f"{prefix[:8]}-0000-4000-8000-{os.urandom(6).hex()}"
+
+
+def _lie(keys: list[list], lie: str) -> list[list]:
+    """``keys`` with one lie told near their end (past every decode step but the last)."""
+    at = WIDE - 3
+    ms, id_ = keys[at]
+    swaps = {"ms_bool": [True, id_], "ms_negative": [-1, id_], "ms_past_int64": [2**63, id_], "ms_float": [float(ms), id_],
+             "ms_text": [str(ms), id_], "id_not_hex": [ms, "z" * 36], "id_long": [ms, id_ + "0"], "id_number": [ms, 7],
+             "id_other_owner": [ms, new_id("honest")], "three_fields": [ms, id_, 0], "not_a_list": {"ms": ms},
+             "repeated": keys[at - 1], "out_of_order": [ms + 10, id_]}  # fmt: skip
+    if lie == "too_many":
+        return keys + [[1, new_id("hostile")]]
+    if lie == "out_of_order_early_then_malformed":  # keys are checked before their order, as ever
+        keys[1], keys[at] = [keys[1][0] + 10, keys[1][1]], [True, id_]
+        return keys
+    keys[at] = swaps[lie]
+    return keys
+
+
+@pytest.mark.parametrize("lie, error", [
+    ("ms_bool", "malformed key:"), ("ms_negative", "malformed key:"), ("ms_past_int64", "malformed key:"),
+    ("ms_float", "malformed key:"), ("ms_text", "malformed key:"), ("id_not_hex", "malformed key:"),
+    ("id_long", "malformed key:"), ("id_number", "malformed key:"), ("three_fields", "malformed key:"),
+    ("not_a_list", "malformed key:"), ("id_other_owner", "does not own"), ("repeated", "out of order"),
+    ("out_of_order", "out of order"), ("too_many", "malformed key listing"),
+    ("out_of_order_early_then_malformed", "malformed key:"),
+])  # fmt: skip
+async def test_a_huge_hostile_key_answer_is_refused_as_before(lie: str, error: str) -> None:
+    """A hostile peer answers a listing with 20,000 keys, one of them a lie near the end:
+    decoded in steps, with a fast path for well-formed keys, the answer is refused with the
+    same error as when it was decoded key by key in one go, parsed from the wire
+    (``decode_key_answer``) as in one call (``decode_keys``)."""
+    owners, query = Owners(["hostile", "honest"]), ListQuery(limit=WIDE)
+    answer = {"ok": True, "keys": _lie(_wide_keys("hostile"), lie), "truncated": True}
+    with pytest.raises(ArtifactUnavailable, match=f"peer hostile .*{error}"):
+        decode_keys(answer, "hostile", query, owners)
+    with pytest.raises(ArtifactUnavailable, match=f"peer hostile .*{error}"):
+        await p2p.artifacts.decode_key_answer(encode(answer), "hostile", query, owners)
+
+
+async def test_keys_before_the_cursor_in_a_huge_answer_are_refused_as_before() -> None:
+    owners = Owners(["hostile"])
+    keys = _wide_keys("hostile")
+    answer = encode({"ok": True, "keys": keys, "truncated": True})
+    query = ListQuery(limit=WIDE, after=(keys[5][0], keys[5][1]))
+    with pytest.raises(ArtifactUnavailable, match="not after the listing's cursor"):
+        await p2p.artifacts.decode_key_answer(answer, "hostile", query, owners)
+
+
+def test_a_huge_answer_with_ids_in_capitals_and_legacy_ids_is_taken_as_before() -> None:
+    """What a key may be besides the fast path's canonical ids of the peer's own tag: an id
+    in capitals (normalised) and a legacy id of the peer's 32-bit tag, taken as ever."""
+    keys = _wide_keys("owner")
+    keys[7][1] = keys[7][1].upper()
+    keys[WIDE - 2][1] = _legacy_id("owner")
+    page = decode_keys({"ok": True, "keys": keys, "truncated": True}, "owner", ListQuery(limit=WIDE), Owners(["owner"]))
+    assert page.keys == [(ms, id_.lower()) for ms, id_ in keys] and page.truncated
+
+
+class _CountingOwners(Owners):
+    """Owners that count the questions a decode asks them: how far it has got."""
+
+    asked = 0
+
+    def prefix(self, peer: str) -> str | None:
+        self.asked += 1
+        return super().prefix(peer)
+
+    def carries_owner(self, id_: str, peer: str) -> bool:
+        self.asked += 1
+        return super().carries_owner(id_, peer)
+
+
+async def test_a_huge_key_answer_is_decoded_while_other_tasks_run(tmp_path: Path) -> None:
+    """A peer answers a listing with 20,000 keys (~1.2 MB): the asker decodes them in steps
+    and other tasks (a chat stream's) run between the steps, where the whole answer was
+    decoded in one go (~35 ms of event loop, and 16 answers arriving together held it for
+    their sum). Ordering, not timing: a task that runs at every chance sees the decode
+    part-way (it asked the owners some of its questions, not all)."""
+    with trio.fail_after(60):
+        async with two_peers(tmp_path) as (a, b):
+            keys = _wide_keys(b.host.peer_id)
+
+            async def owner(stream: FramedStream, remote: PeerId) -> None:
+                await stream.receive(timeout=5)
+                stream.max_frame_size = 2 << 20
+                await stream.send(encode({"ok": True, "keys": keys, "truncated": True}), timeout=5)
+
+            b.host.set_stream_handler(PROTOCOL, owner)
+            owners = _CountingOwners([a.host.peer_id, b.host.peer_id])
+            seen: list[int] = []
+
+            async def other_task() -> None:
+                while True:
+                    seen.append(owners.asked)
+                    await trio.lowlevel.checkpoint()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other_task)
+                page = await a.remote.keys(b.host.peer_id, ListQuery(limit=WIDE), owners)
+                nursery.cancel_scope.cancel()
+            assert page.keys == [tuple(k) for k in keys]
+            assert any(0 < asked < owners.asked for asked in seen), "the other task never ran while the keys were decoded"
