@@ -149,7 +149,7 @@ class AskBudget(Generic[T]):
     is sent; ``used`` says how many an answer held, and the rest is given back. A peer whose
     turn finds the budget spent is left out, as one the deadline leaves out. An answer that
     failed counts in full (it may have been decoded); one cut off by a deadline counts none
-    (decoding has no checkpoint, so it never began)."""
+    (it was never decoded: a decode, once in its :func:`decode_turn`, is shielded and ends)."""
 
     def __init__(self, units: int, per_ask: int, used: Callable[[T], int]) -> None:
         self.units, self.per_ask, self.used = units, per_ask, used
