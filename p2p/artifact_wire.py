@@ -374,7 +374,9 @@ def _own_keys(items: list[Any], prefix: str) -> list[SortKey] | None:
     created, ids = zip(*items)
     if set(map(type, created)) != {int} or min(created) < 0 or max(created) > MAX_CREATED_MS:
         return None
-    if set(map(type, ids)) != {str} or _owned_ids(prefix).fullmatch("\n".join(ids) + "\n") is None:
+    if set(map(type, ids)) != {str} or set(map(len, ids)) != {36}:  # so no id holds two, joined
+        return None
+    if _owned_ids(prefix).fullmatch("\n".join(ids) + "\n") is None:
         return None
     return list(zip(created, ids))
 

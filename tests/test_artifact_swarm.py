@@ -1556,6 +1556,7 @@ def _lie(keys: list[list], lie: str) -> list[list]:
     ms, id_ = keys[at]
     swaps = {"ms_bool": [True, id_], "ms_negative": [-1, id_], "ms_past_int64": [2**63, id_], "ms_float": [float(ms), id_],
              "ms_text": [str(ms), id_], "id_not_hex": [ms, "z" * 36], "id_long": [ms, id_ + "0"], "id_number": [ms, 7],
+             "two_ids_in_one": [ms, f"{id_}\n{new_id('hostile')}"],
              "id_other_owner": [ms, new_id("honest")], "three_fields": [ms, id_, 0], "not_a_list": {"ms": ms},
              "repeated": keys[at - 1], "out_of_order": [ms + 10, id_]}  # fmt: skip
     if lie == "too_many":
@@ -1570,7 +1571,7 @@ def _lie(keys: list[list], lie: str) -> list[list]:
 @pytest.mark.parametrize("lie, error", [
     ("ms_bool", "malformed key:"), ("ms_negative", "malformed key:"), ("ms_past_int64", "malformed key:"),
     ("ms_float", "malformed key:"), ("ms_text", "malformed key:"), ("id_not_hex", "malformed key:"),
-    ("id_long", "malformed key:"), ("id_number", "malformed key:"), ("three_fields", "malformed key:"),
+    ("id_long", "malformed key:"), ("id_number", "malformed key:"), ("two_ids_in_one", "malformed key:"), ("three_fields", "malformed key:"),
     ("not_a_list", "malformed key:"), ("id_other_owner", "does not own"), ("repeated", "out of order"),
     ("out_of_order", "out of order"), ("too_many", "malformed key listing"),
     ("out_of_order_early_then_malformed", "malformed key:"),
