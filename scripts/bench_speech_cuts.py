@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import re
 import statistics
+import sys
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,9 @@ import numpy as np
 from node.generators import piper_speech
 from node.generators.base import GenerationTask, InputMedia
 from node.generators.loader import installed_generators
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from speech_checks import word_error_rate  # noqa: E402
 
 SENTENCES = (
     "When the storm finally passed over the valley late on Sunday evening, the farmers walked out into their "
@@ -86,23 +89,6 @@ class Join:
     pause_ms: float  # the silence the join sits in
     jump: float  # |sample step| across the join / median |step| in speech
     level_db: float  # loudness of the speech after minus before the join
-
-
-def words(text: str) -> list[str]:
-    """Lower case, no punctuation; hyphens and thousands separators split or vanish alike."""
-    text = re.sub(r"(?<=\d),(?=\d{3})", "", text.lower()).replace("-", " ")
-    return re.findall(r"[a-z0-9']+", text)
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """Levenshtein distance over words divided by the reference's length."""
-    ref, hyp = words(reference), words(hypothesis)
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, start=1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, start=1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[len(hyp)] / max(1, len(ref))
 
 
 def samples_of(wav_bytes: bytes) -> np.ndarray:

@@ -18,7 +18,6 @@ identities have been asked, the peer's established TCP connections to their port
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import sys
 import tempfile
@@ -28,19 +27,11 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "adversary"))
-from p2p_flood import listening_identities, sockets_to  # noqa: E402
+from p2p_flood import FLOODED_PEER_ARGS, descriptors_of, listening_identities, sockets_to  # noqa: E402
 
 from inclavate.local_swarm import LocalSwarm, PeerProcess, request_json  # noqa: E402
 
-_PEER_ARGS = ["--threads", "1", "--context", "512", "--max-sessions", "4", "--no-mdns", "--p2p-host", "127.0.0.1"]
 _MODEL = "smollm2:135m"
-
-
-def _fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return -1
 
 
 def _listing(a: PeerProcess) -> str:
@@ -61,7 +52,7 @@ async def _probe(swarm: LocalSwarm, a: PeerProcess, args: argparse.Namespace) ->
             return ids <= {n["node_id"] for n in a.get("/nodes")}
 
         await trio.to_thread.run_sync(lambda: swarm.wait(knows_all, 120, "the peer to hold every record", a))
-        print(f"records held; before listings: to identities {sockets_to(pid, ports)}, fds {_fds(pid)}", flush=True)
+        print(f"records held; before listings: to identities {sockets_to(pid, ports)}, fds {descriptors_of(pid)}", flush=True)
         most = 0
         started = time.monotonic()
         for i in range(args.listings):
@@ -71,15 +62,15 @@ async def _probe(swarm: LocalSwarm, a: PeerProcess, args: argparse.Namespace) ->
             held = sockets_to(pid, ports)
             most = max(most, held)
             print(f"listing {i + 1:3d}: {status:>12} in {time.monotonic() - t0:4.2f} s, asked {len(listeners.asked):4d}, "
-                  f"to identities {held:4d}, fds {_fds(pid):4d}", flush=True)  # fmt: skip
+                  f"to identities {held:4d}, fds {descriptors_of(pid):4d}", flush=True)  # fmt: skip
         elapsed = time.monotonic() - started
         for second in range(int(args.watch)):
             await trio.sleep(1)
             held = sockets_to(pid, ports)
-            print(f"t+{second + 1:3d}s: to identities {held:4d}, fds {_fds(pid):4d}", flush=True)
+            print(f"t+{second + 1:3d}s: to identities {held:4d}, fds {descriptors_of(pid):4d}", flush=True)
         print(f"RESULT identities={args.identities} listings={args.listings} nofile={args.nofile}: asked "
               f"{len(listeners.asked)}, most connections to them {most} (after the listings), at rest {held}, "
-              f"fds at rest {_fds(pid)}, listings took {elapsed:.1f} s", flush=True)  # fmt: skip
+              f"fds at rest {descriptors_of(pid)}, listings took {elapsed:.1f} s", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -90,7 +81,7 @@ def main() -> None:
     parser.add_argument("--watch", type=float, default=10.0, help="seconds to watch after the listings")
     parser.add_argument("--workdir", help="keep the peer's data and log here (default: a temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(args.workdir or tmp), _PEER_ARGS) as swarm:
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(args.workdir or tmp), FLOODED_PEER_ARGS) as swarm:
         a = swarm.start("a", _MODEL)
         swarm.wait_ready(a)
         resource.prlimit(a.process.pid, resource.RLIMIT_NOFILE, (args.nofile, args.nofile))

@@ -27,19 +27,11 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "adversary"))
-from p2p_flood import STALLED_HELLO, closed_by_peer, fresh_identity_flood, open_quietly  # noqa: E402
+from p2p_flood import FLOODED_PEER_ARGS, descriptors_of, STALLED_HELLO, closed_by_peer, fresh_identity_flood, open_quietly  # noqa: E402
 
 from inclavate.local_swarm import LocalSwarm, PeerProcess  # noqa: E402
 
-_PEER_ARGS = ["--threads", "1", "--context", "512", "--max-sessions", "4", "--no-mdns", "--p2p-host", "127.0.0.1"]
 _MODEL = "smollm2:135m"
-
-
-def _fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return -1
 
 
 def _rss_mb(pid: int) -> float:
@@ -107,20 +99,20 @@ def main() -> None:
     parser.add_argument("--workdir", help="keep the peers' data and logs here (default: a temporary directory)")
     parser.add_argument("--watch", type=float, default=40.0, help="seconds to watch after the flood is open")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(args.workdir or tmp), _PEER_ARGS) as swarm:
+    with tempfile.TemporaryDirectory() as tmp, LocalSwarm(Path(args.workdir or tmp), FLOODED_PEER_ARGS) as swarm:
         a = swarm.start("a", _MODEL)
         health = swarm.wait_ready(a)
         port = int(health["multiaddrs"][0].split("/tcp/")[1].split("/")[0])
         resource.prlimit(a.process.pid, resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
         pid = a.process.pid
         maddr = swarm.multiaddr(a)
-        print(f"before: fds {_fds(pid)}, RSS {_rss_mb(pid):.0f} MB", flush=True)
+        print(f"before: fds {descriptors_of(pid)}, RSS {_rss_mb(pid):.0f} MB", flush=True)
         samples: list[tuple[int, float]] = []
         stop = threading.Event()
 
         def sample() -> None:  # descriptors and RSS every 0.2 s, the flood's opening included
             while not stop.is_set():
-                samples.append((_fds(pid), _rss_mb(pid)))
+                samples.append((descriptors_of(pid), _rss_mb(pid)))
                 time.sleep(0.2)
 
         threading.Thread(target=sample, daemon=True).start()

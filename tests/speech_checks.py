@@ -24,7 +24,9 @@ def rms(data: bytes) -> float:
 
 
 def words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9']+", text.lower())
+    """Lower case, no punctuation; hyphens and thousands separators split or vanish alike."""
+    text = re.sub(r"(?<=\d),(?=\d{3})", "", text.lower()).replace("-", " ")
+    return re.findall(r"[a-z0-9']+", text)
 
 
 SENTENCE = "Hello from the swarm of volunteers."

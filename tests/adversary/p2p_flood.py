@@ -44,6 +44,17 @@ STALLED_HELLO = _MULTISTREAM + _NOISE + b"\x00\x20" + os.urandom(32)
 """What a stalled connection sends: the multistream header, ``/noise``, and Noise XX's first
 message (an ephemeral key); the peer answers with its second and waits for the third."""
 
+FLOODED_PEER_ARGS = ["--threads", "1", "--context", "512", "--max-sessions", "4", "--no-mdns", "--p2p-host", "127.0.0.1"]
+"""The peer a probe floods (``scripts/probe_*_flood.py``): one thread, a small context, loopback."""
+
+
+def descriptors_of(pid: int) -> int:
+    """Open descriptors of process ``pid`` (-1 once it is gone)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
 
 def open_quietly(port: int, source: str, n: int, hello: bytes = b"") -> list[socket.socket]:
     """``n`` connections to 127.0.0.1:``port`` from ``source``, each sending ``hello`` (maybe
