@@ -59,6 +59,12 @@ class PeerContext(Protocol):
         """How many sessions this peer's stage batches per decode-step call (None: no stage)."""
         ...
 
+    def connection_counters(self) -> dict[str, int]:
+        """What the libp2p guards refused or closed since start: new inbound connections past
+        the accept rate (by source, in all), handshakes and established inbound connections
+        evicted past their bound, idle outbound ones closed past theirs. A flood shows here."""
+        ...
+
     def knows_model(self, model_id: str) -> bool:
         """In the catalog, the overlay, or served by some node of the swarm."""
         ...

@@ -23,6 +23,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
             sessions=ctx.open_sessions(),
             failover=ctx.failover_counters(),
             batching=ctx.stage_batching(),
+            connections=ctx.connection_counters(),
         )
 
     @app.get("/openapi.json")

@@ -630,6 +630,18 @@ class Peer:
         stats = self.stage.stats if self.stage else None
         return {"adopted": stats.adopted if stats else 0, "recomputed": stats.recomputed if stats else 0}
 
+    def connection_counters(self) -> dict[str, int]:
+        if self.host is None:
+            return {}
+        guard, rate = self.host.connection_guard, self.host.connection_guard.rate
+        return {
+            "refused_by_source": rate.refused_by_source,
+            "refused_in_all": rate.refused_in_all,
+            "handshakes_evicted": guard.handshaking.evicted,
+            "inbound_evicted": guard.established.evicted,
+            "outbound_closed": self.host.outbound_guard.closed,
+        }
+
     def open_sessions(self) -> dict[str, int]:
         return {
             "stage": self.stage.sessions if self.stage else 0,

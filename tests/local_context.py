@@ -75,6 +75,9 @@ class LocalContext:
     def stage_batching(self) -> dict[str, object] | None:
         return None
 
+    def connection_counters(self) -> dict[str, int]:
+        return {}
+
     def knows_model(self, model_id: str) -> bool:
         return model_id == self.model_id
 

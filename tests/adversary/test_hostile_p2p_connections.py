@@ -106,7 +106,9 @@ def test_a_source_past_its_rate_is_closed_before_the_handshake(tmp_path) -> None
                 socks.append(sock)
             assert replies[:_BURST] == [True] * _BURST  # a new source starts with its burst
             assert replies.count(False) > 0, "every connection past the burst was answered"
-            assert a.get("/health")["ok"]
+            health = a.get("/health")
+            assert health["ok"]
+            assert health["connections"]["refused_by_source"] > 0  # an operator sees the flood
             _assert_an_honest_peer_joins(s, a, a_id)
         finally:
             for sock in socks:
