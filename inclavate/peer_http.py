@@ -82,6 +82,15 @@ class PeerHttp:
         """A forwarded JSON request; ``(status, decoded body)`` for 2xx, else raises. The
         answer is read up to ``max_bytes`` (a peer's answer is hostile input too; a caller that
         knows how large an honest answer can be passes that)."""
+        status, raw = await self.read(base_url, method, path, body=body, params=params, timeout=timeout,
+                                      max_bytes=max_bytes)  # fmt: skip
+        return status, parse_answer(raw, base_url, max_bytes)
+
+    async def read(self, base_url: str, method: str, path: str, *, body: Any = None,
+                   params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                   max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, bytes]:  # fmt: skip
+        """:meth:`json`'s answer unparsed, for a caller that parses it when its turn comes
+        (:func:`parse_answer`; a job listing's answers, :func:`inclavate.fan_out.decode_turn`)."""
         try:
             async with self._http().stream(
                 method, base_url + path, json=body, params=params, timeout=timeout or httpx.USE_CLIENT_DEFAULT
@@ -94,11 +103,9 @@ class PeerHttp:
                             raise PeerUnreachable(f"peer {base_url} answered more than {max_bytes} bytes")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:  # the URL is the peer's own claim
             raise PeerUnreachable(f"peer {base_url!r} did not answer: {type(exc).__name__}") from exc
-        _raise_for_error(response.status_code, bytes(raw))
-        try:
-            return response.status_code, parse_json(raw, max_bytes=max_bytes) if raw else None
-        except Malformed as exc:
-            raise PeerUnreachable(f"peer {base_url} answered something that is not JSON ({exc})") from exc
+        answer = bytes(raw)
+        _raise_for_error(response.status_code, answer)
+        return response.status_code, answer
 
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str) -> AsyncIterator[AsyncIterator[str]]:
@@ -116,6 +123,15 @@ class PeerHttp:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
             self._streams -= 1
+
+
+def parse_answer(raw: bytes, base_url: str, max_bytes: int) -> Any:
+    """A peer's 2xx answer (:meth:`PeerHttp.read`) as JSON (None when empty), or
+    :class:`PeerUnreachable`: what is not JSON is no answer."""
+    try:
+        return parse_json(raw, max_bytes=max_bytes) if raw else None
+    except Malformed as exc:
+        raise PeerUnreachable(f"peer {base_url} answered something that is not JSON ({exc})") from exc
 
 
 def _raise_for_error(status: int, raw: bytes) -> None:

@@ -3,6 +3,7 @@ goes to, capabilities merged from the registry, and the idempotency race (409)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -149,12 +150,12 @@ class PagingPeer:
     def __init__(self, n: int) -> None:
         self.rows = [job_row(OTHER, 1_000_000 - i) for i in range(n)]
 
-    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
-                   max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
+    async def read(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
+                   max_bytes: int | None = None) -> tuple[int, bytes]:  # fmt: skip
         limit = params["limit"]
         if limit > LIST_MAX_LIMIT:
             raise RelayedError(400, {"error": "limit must be 1-1000"})
-        return 200, {"generations": self.rows[:limit], "truncated": len(self.rows) > limit}
+        return 200, json.dumps({"generations": self.rows[:limit], "truncated": len(self.rows) > limit}).encode()
 
 
 async def test_a_swarm_listing_never_silently_misses_another_peers_rows(tmp_path: Path) -> None:
