@@ -58,16 +58,12 @@ decode_key_answer = getattr(p2p.artifacts, "decode_key_answer", None)
 """What ``RemoteArtifacts.keys`` does with an answer's frame, where the tree has it."""
 
 
-class FakePeers:
-    """Each peer lists ``window`` keys, newest first, answered after ``rtt`` seconds."""
+class _Answering:
+    """Fake peers that answer after ``rtt`` seconds, counting the asks in flight."""
 
-    def __init__(self, peers: int, window: int, rtt: float) -> None:
-        self.rtt, self.in_flight, self.most_in_flight, self.keys_decoded = rtt, 0, 0, 0
+    def __init__(self, peers: int, rtt: float) -> None:
+        self.rtt, self.in_flight, self.most_in_flight = rtt, 0, 0
         self.names = [f"peer-{i:04}" for i in range(peers)]
-        self.listed = {name: [(1_700_000_000_000 + window * i + j, new_id(name)) for j in range(window)][::-1]
-                     for i, name in enumerate(self.names)}  # fmt: skip
-        self.wire = {name: encode({"ok": True, "keys": [list(k) for k in keys], "truncated": True})
-                     for name, keys in self.listed.items()}  # fmt: skip
 
     async def _wait(self) -> None:
         self.in_flight += 1
@@ -76,6 +72,18 @@ class FakePeers:
             await trio.sleep(self.rtt)
         finally:
             self.in_flight -= 1
+
+
+class FakePeers(_Answering):
+    """Each peer lists ``window`` keys, newest first, answered after ``rtt`` seconds."""
+
+    def __init__(self, peers: int, window: int, rtt: float) -> None:
+        super().__init__(peers, rtt)
+        self.keys_decoded = 0
+        self.listed = {name: [(1_700_000_000_000 + window * i + j, new_id(name)) for j in range(window)][::-1]
+                     for i, name in enumerate(self.names)}  # fmt: skip
+        self.wire = {name: encode({"ok": True, "keys": [list(k) for k in keys], "truncated": True})
+                     for name, keys in self.listed.items()}  # fmt: skip
 
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
         await self._wait()
@@ -98,14 +106,14 @@ class FakePeers:
         return Usage()
 
 
-class FakeJobPeers:
+class FakeJobPeers(_Answering):
     """Each peer answers ``GET /v1/generations`` with ``window`` rows of its own jobs, newest
     first, and says it has more, after ``rtt`` seconds (``PeerHttp.read``'s bytes; ``json``
     parses them as ``PeerHttp.json`` does, for a tree before ``read``)."""
 
     def __init__(self, peers: int, window: int, rtt: float) -> None:
-        self.rtt, self.in_flight, self.most_in_flight, self.answered = rtt, 0, 0, 0
-        self.names = [f"peer-{i:04}" for i in range(peers)]
+        super().__init__(peers, rtt)
+        self.answered = 0
         self.wire = {name: json_bytes({"generations": [_job_row(name, 1_700_000_000_000 + window * i + j)
                                                         for j in reversed(range(window))], "truncated": True})
                      for i, name in enumerate(self.names)}  # fmt: skip
@@ -118,12 +126,7 @@ class FakeJobPeers:
 
     async def read(self, base_url: str, method: str, path: str, *, params: Any = None, max_bytes: int = 0,
                    **_: Any) -> tuple[int, bytes]:  # fmt: skip
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            await trio.sleep(self.rtt)
-        finally:
-            self.in_flight -= 1
+        await self._wait()
         self.answered += 1
         return 200, self.wire[base_url.removeprefix("http://")]
 
@@ -202,12 +205,8 @@ async def main(peers: int, window: int, rtt: float, at_once: int) -> None:
         async def list_once() -> int:
             return len((await swarm.list(query)).artifacts)
 
-        listed, wall, cpu, stall = await listings(list_once, at_once)
-        decoded, dropped = fakes.keys_decoded, left_out(swarm)
-        tracemalloc.start()
-        await listings(list_once, at_once)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        (listed, wall, cpu, stall), (decoded, dropped), peak = await measured(
+            list_once, at_once, lambda: (fakes.keys_decoded, left_out(swarm)))
         store.close()
     report(peers, window, rtt, at_once, listed, wall, cpu, stall, decoded, dropped, fakes.most_in_flight, peak)
 
@@ -225,14 +224,23 @@ async def main_jobs(peers: int, window: int, rtt: float, at_once: int) -> None:
         async def list_once() -> int:
             return len((await service.list(100, window - 100, local_only=False))[0])
 
-        listed, wall, cpu, stall = await listings(list_once, at_once)
-        answered, dropped = fakes.answered * window, str(service._fan_out.left_out.snapshot())
-        tracemalloc.start()
-        await listings(list_once, at_once)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        (listed, wall, cpu, stall), (answered, dropped), peak = await measured(
+            list_once, at_once, lambda: (fakes.answered * window, str(service._fan_out.left_out.snapshot())))
         store.close()
     report(peers, window, rtt, at_once, listed, wall, cpu, stall, answered, dropped, fakes.most_in_flight, peak)
+
+
+async def measured(list_once: Callable[[], Awaitable[int]], at_once: int,
+                   counters: Callable[[], tuple[int, str]]) -> tuple[tuple[int, float, float, float], tuple[int, str], int]:  # fmt: skip
+    """:func:`listings` once for time (then ``counters``: what that run decoded and left out),
+    once more for the peak of memory allocated (tracemalloc slows it)."""
+    timed = await listings(list_once, at_once)
+    counted = counters()
+    tracemalloc.start()
+    await listings(list_once, at_once)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return timed, counted, peak
 
 
 def report(peers: int, window: int, rtt: float, at_once: int, listed: int, wall: float, cpu: float, stall: float,
