@@ -30,7 +30,9 @@ Used by :mod:`inclavate.artifact_swarm` and :mod:`inclavate.generations`.
 
 from __future__ import annotations
 
+import contextvars
 import enum
+import functools
 import logging
 import random
 from collections import OrderedDict, deque
@@ -58,7 +60,8 @@ listings at once (any HTTP client may start one) share these, so what this peer 
 once is at most this many answers."""
 ASK_PATIENCE_S = 1.0
 """How long an ask may take while other peers still wait for a turn: peers that stall
-cannot hold every turn until the deadline. The last asks of a fan-out wait until its deadline."""
+cannot hold every turn until the deadline. The last asks of a fan-out wait until its deadline,
+and so does an ask whose peer has answered (:func:`decode_turn`)."""
 RECENT_PEERS = 64
 """How many peers that had rows on recent pages are remembered, to be asked first."""
 MAX_LISTINGS_AT_ONCE = 4
@@ -259,7 +262,8 @@ class FanOut:
                 used = 0
                 until = min(deadline, trio.current_time() + ASK_PATIENCE_S) if patient else deadline
                 try:
-                    with trio.move_on_at(until):
+                    with trio.move_on_at(until) as patience:
+                        answered = _ANSWERED.set(functools.partial(_patient_until, patience, deadline))
                         try:
                             answer = await ask(peer)
                             used = budget.used(answer) if budget is not None else 0
@@ -267,6 +271,8 @@ class FanOut:
                         except InclavateError as exc:  # nothing may escape the nursery as a group
                             used = budget.per_ask if budget is not None else 0  # it may have been decoded
                             log.warning("%s: peer %s left out: %s", self.what, peer, exc)
+                        finally:
+                            _ANSWERED.reset(answered)
                         return True
                 finally:
                     if budget is not None:
@@ -279,6 +285,16 @@ class FanOut:
 _DECODING = trio.Lock()
 """One per process, as the event loop it guards: a peer runs one."""
 
+_ANSWERED: contextvars.ContextVar[Callable[[], None]] = contextvars.ContextVar("fan_out_answered", default=lambda: None)
+"""What an ask calls once its peer has answered (:func:`decode_turn`): its patience ends."""
+
+
+def _patient_until(patience: trio.CancelScope, deadline: float) -> None:
+    """An answer arrived: ASK_PATIENCE_S is there for peers that stall, so from now only the
+    fan-out's deadline holds (an answer waiting for the decode turn waits for this peer's
+    own decoding queue, not for the peer)."""
+    patience.deadline = max(patience.deadline, deadline)
+
 
 @asynccontextmanager
 async def decode_turn() -> AsyncIterator[None]:
@@ -288,6 +304,7 @@ async def decode_turn() -> AsyncIterator[None]:
     runs every task woken together before it looks at the clock again: 16 answers decoded
     side by side, even in steps, held the loop for their steps' sum, every chat stream on
     the peer waiting (``scripts/bench_listing_fanout.py``: the longest stall)."""
+    _ANSWERED.get()()
     async with _DECODING:
         with trio.CancelScope(shield=True):
             yield

@@ -1652,3 +1652,24 @@ async def test_a_huge_key_answer_is_decoded_while_other_tasks_run(tmp_path: Path
                 nursery.cancel_scope.cancel()
             assert page.keys == [tuple(k) for k in keys]
             assert any(0 < asked < owners.asked for asked in seen), "the other task never ran while the keys were decoded"
+
+
+async def test_answers_waiting_for_the_decode_turn_are_not_cut_by_the_asks_patience(
+        autojump_clock: trio.abc.Clock) -> None:  # fmt: skip
+    """Twenty peers answer at once and each answer takes 0.2 s in the one decode turn: the
+    answers queue for the turn, the last ones for longer than ASK_PATIENCE_S. Patience is
+    for peers that stall; once a peer has answered, only the fan-out's deadline holds, so
+    every answer is taken. Before, those queued past ASK_PATIENCE_S were left out (a busy
+    peer dropped honest answers it had already received)."""
+    taken: list[str] = []
+    fan_out = inclavate.fan_out.FanOut("test listing")
+
+    async def ask(peer: str) -> str:
+        async with inclavate.fan_out.decode_turn():
+            await trio.sleep(0.2)  # decoding, in the turn
+        return peer
+
+    peers = [f"p{i:02}" for i in range(MAX_ASKS_PER_FANOUT + 4)]  # some wait for a turn: the first asks are patient
+    await fan_out.ask(peers, ask, lambda peer, answer: taken.append(answer), trio.current_time() + 60)
+    assert 0.2 * MAX_ASKS_PER_FANOUT > ASK_PATIENCE_S
+    assert sorted(taken) == peers and not fan_out.left_out.snapshot()
