@@ -637,6 +637,7 @@ class Peer:
         return {
             "refused_by_source": rate.refused_by_source,
             "refused_in_all": rate.refused_in_all,
+            "let_in_quiet": rate.let_in_quiet,
             "handshakes_evicted": guard.handshaking.evicted,
             "inbound_evicted": guard.established.evicted,
             "outbound_closed": self.host.outbound_guard.closed,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import resource
 
+import pytest
+
 from inclavate.source_table import source_of
 from inclavate.types import PeerId
+from p2p import accept_rate
 from p2p.accept_rate import AcceptRate
 from p2p.connection_guard import ConnectionGuard, _Established, handshake_capacity, inbound_capacity
 
@@ -76,9 +79,9 @@ def test_an_ipv6_64_is_one_source() -> None:
 
 def test_many_sources_share_the_bucket_of_all() -> None:
     """Past the total burst every source is refused until it refills, and a refusal there
-    takes no token from the source's own bucket."""
+    takes no token from the source's own bucket (no reserve here: the next tests have it)."""
     clock = _Clock()
-    rate = _rate(clock, total_burst=10, total_per_s=5.0)
+    rate = _rate(clock, total_burst=10, total_per_s=5.0, reserve=0)
     assert sum(rate.take(f"10.1.0.{i}") for i in range(40)) == 10
     assert rate.refused_in_all == 30 and rate.refused_by_source == 0
     clock.now += 1.0  # five back in all
@@ -114,6 +117,57 @@ def test_a_refilled_bucket_is_forgotten() -> None:
     clock.now += 0.25  # each took one of four, half of it back: still held
     rate.take("10.6.0.1")
     assert len(rate) == 101
-    clock.now += 2.0  # full again
+    clock.now += 2.0  # full again, but not its quiet tokens (one each 16 s): still held
     rate.take("10.6.0.2")
+    assert len(rate) == 102
+    clock.now += 16.0  # both full
+    rate.take("10.6.0.3")
     assert len(rate) == 1
+
+
+def _flood(rate: AcceptRate, clock: _Clock, sources: list[str], per_source_s: float, seconds: float,
+           quiet: str, every_s: float) -> list[bool]:  # fmt: skip
+    """``sources`` each opening ``per_source_s`` connections a second, in turn (staggered, as
+    independent dialers are), and ``quiet`` one each ``every_s`` (after the flood's of the
+    same instant: last in line), for ``seconds`` of the test's clock in steps of 10 ms;
+    returns whether each of the quiet source's got in."""
+    step, got, at, owed, turn = 0.01, [], 0.0, 0.0, 0
+    for tick in range(int(seconds / step)):
+        clock.now += step
+        owed += len(sources) * per_source_s * step
+        while owed >= 1.0:
+            owed -= 1.0
+            rate.take(sources[turn % len(sources)])
+            turn += 1
+        if tick * step >= at:
+            got.append(rate.take(quiet))
+            at += every_s
+    return got
+
+
+@pytest.mark.parametrize("per_source_s", [4.0, 50.0], ids=["paced_to_its_rate", "past_its_rate"])
+def test_a_quiet_source_gets_in_while_many_sources_keep_the_bucket_of_all_dry(per_source_s: float) -> None:
+    """40 addresses, each at 4 a second (its own bucket never short) or far past it, keep the
+    bucket of all (64, 32 a second) dry for a minute; a source that dials once each 20 s (a
+    neighbour reconnecting) gets in every time, from the reserve. Before: first come, first
+    served, it found the bucket empty every time (the flood's tokens are taken as they come)."""
+    clock = _Clock()
+    rate = AcceptRate(clock=clock)
+    flood = [f"10.7.0.{i}" for i in range(40)]
+    got = _flood(rate, clock, flood, per_source_s, 60.0, "10.8.0.1", every_s=20.0)
+    assert rate.refused_in_all > 1000  # the bucket of all was kept dry
+    assert got == [True] * 3
+    assert rate.let_in_quiet >= 3
+
+
+def test_a_flood_gets_from_the_reserve_at_most_its_quiet_rate() -> None:
+    """What the module docstring promises an attacker with N addresses: from the reserve, each
+    address's first ``QUIET_BURST`` connections, then ``QUIET_PER_S`` a second each."""
+    clock = _Clock()
+    rate = AcceptRate(clock=clock)
+    flood = [f"10.9.0.{i}" for i in range(40)]
+    seconds = 60.0
+    _flood(rate, clock, flood, 50.0, seconds, "10.8.0.1", every_s=1000.0)
+    bound = len(flood) * (accept_rate.QUIET_BURST + accept_rate.QUIET_PER_S * seconds) + 1  # + the quiet one's
+    assert 0 < rate.let_in_quiet <= bound
+    assert rate.refused_in_all > 1000
