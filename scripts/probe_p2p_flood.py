@@ -4,9 +4,13 @@ long the peer keeps each connection.
 
     INCLAVATE_HOME=~/.inclavate PYTHONPATH=. python scripts/probe_p2p_flood.py \
         --kind silent|stalled|identities [--connections 400] [--nofile 256]
+    ... --kind paced --sources 39 --per-s 600
 
 One peer (``smollm2:135m``, one thread, 127.0.0.1, no mDNS) under a soft and hard
-descriptor limit of ``--nofile``; the flood comes from 127.0.0.2. Every second: the peer's
+descriptor limit of ``--nofile``; the flood comes from 127.0.0.2 (``--kind paced``: from
+``--sources`` addresses, 127.0.0.2 on, in turn, ``--per-s`` connections a second in all,
+each closed at once, for the whole watch: it spends the peer's accept rate; the honest peer
+dials from 127.0.0.1). Every second: the peer's
 descriptors (``/proc/PID/fd``), RSS, the CPU seconds it used per second (``/proc/PID/stat``,
 user + system: what the flood costs it), whether ``/health`` answered within 5 s, and how
 many of the flood's connections the peer has closed (``--connections 0``: no flood). Once the flood is open a second peer
@@ -16,6 +20,7 @@ bootstraps through the first; "joined" is when each lists the other in ``/nodes`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import sys
@@ -27,7 +32,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "adversary"))
-from p2p_flood import FLOODED_PEER_ARGS, descriptors_of, STALLED_HELLO, closed_by_peer, fresh_identity_flood, open_quietly  # noqa: E402
+from p2p_flood import FLOODED_PEER_ARGS, descriptors_of, STALLED_HELLO, closed_by_peer, fresh_identity_flood, open_quietly, paced_flood  # noqa: E402
 
 from inclavate.local_swarm import LocalSwarm, PeerProcess  # noqa: E402
 
@@ -92,7 +97,9 @@ def _flood(kind: str, port: int, target: str, n: int) -> tuple[list, list]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["silent", "stalled", "identities"], required=True)
+    parser.add_argument("--kind", choices=["silent", "stalled", "identities", "paced"], required=True)
+    parser.add_argument("--sources", type=int, default=39, help="--kind paced: flood addresses, 127.0.0.2 on")
+    parser.add_argument("--per-s", type=float, default=600.0, help="--kind paced: new connections a second, in all")
     parser.add_argument("--connections", type=int, default=400)
     parser.add_argument("--nofile", type=int, default=256)
     parser.add_argument("--sustain", action="store_true", help="reopen every flood connection the peer closes")
@@ -117,7 +124,14 @@ def main() -> None:
 
         threading.Thread(target=sample, daemon=True).start()
         started = time.monotonic()
-        keep, watched = _flood(args.kind, port, health["peer_id"], args.connections)
+        paced = contextlib.ExitStack()
+        if args.kind == "paced":
+            sources = [f"127.0.0.{2 + i}" for i in range(args.sources)]
+            flood = paced.enter_context(paced_flood(port, sources, args.per_s, STALLED_HELLO))
+            time.sleep(5)  # the bucket of all drained, the flood's quiet tokens spent
+            keep, watched = [], []
+        else:
+            keep, watched = _flood(args.kind, port, health["peer_id"], args.connections)
         print(f"flood open in {time.monotonic() - started:.1f} s: {len(watched)} connections", flush=True)
         b = swarm.start("b", _MODEL, "--bootstrap", maddr)
         b_id, joined_at = "", None
@@ -156,6 +170,11 @@ def main() -> None:
             time.sleep(1)
         watched_s = max(1e-3, time.monotonic() - t0)
         cpu_mean = (_cpu_s(pid) - cpu0) / watched_s
+        if args.kind == "paced":
+            paced.close()
+            counters = a.get("/health", timeout=5)["connections"]
+            print(f"paced flood: {flood.opened} opened ({flood.opened / (time.monotonic() - started):.0f}/s), "
+                  f"{flood.failed} failed; peer's counters {counters}", flush=True)
         per_conn = f", {cpu_mean / (reopened / watched_s) * 1000:.1f} ms each" if reopened else ""
         stop.set()
         most_fds, most_rss = max(f for f, _ in samples), max(r for _, r in samples)

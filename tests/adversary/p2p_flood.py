@@ -11,11 +11,13 @@ so a test can tell the flood's address from an honest one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -115,6 +117,54 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return False
     except OSError:  # reset, or never connected
         return True
+
+
+@dataclass
+class PacedFlood:
+    """What :func:`paced_flood` opened so far."""
+
+    opened: int = 0
+    failed: int = 0
+    """Connects that did not complete within 0.2 s (the peer's listen queue full) or failed."""
+
+
+@contextlib.contextmanager
+def paced_flood(port: int, sources: list[str], per_s: float, hello: bytes = b"") -> Iterator[PacedFlood]:
+    """While the block runs, a thread opens ``per_s`` connections a second to 127.0.0.1:``port``,
+    from each of ``sources`` in turn (each at ``per_s / len(sources)``), each sending ``hello``
+    and closing at once: whatever the peer lets in fails its handshake on the spot, so the flood
+    spends the peer's accept rate, not its tables."""
+    counts, stop = PacedFlood(), threading.Event()
+
+    def run() -> None:
+        started, turn = time.monotonic(), 0
+        while not stop.is_set():
+            while turn < (time.monotonic() - started) * per_s and not stop.is_set():
+                counts.opened += _open_and_close(port, sources[turn % len(sources)], hello)
+                counts.failed = turn + 1 - counts.opened
+                turn += 1
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _open_and_close(port: int, source: str, hello: bytes) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        try:
+            sock.bind((source, 0))
+            sock.connect(("127.0.0.1", port))
+            if hello:
+                sock.sendall(hello)
+        except OSError:
+            return False
+    return True
 
 
 async def open_with_fresh_identity(port: int, target: str, source: str) -> tuple[object, socket.socket]:

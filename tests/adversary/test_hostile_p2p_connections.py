@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import trio
-from p2p_flood import STALLED_HELLO, answered, closed_by_peer, fresh_identity_flood, open_quietly
+from p2p_flood import STALLED_HELLO, answered, closed_by_peer, fresh_identity_flood, open_quietly, paced_flood
 from swarm import PeerProcess, Swarm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the peer's descriptors in /proc")
@@ -59,12 +59,13 @@ def _limited_peer(s: Swarm) -> tuple[PeerProcess, int, str]:
     return peer, int(health["multiaddrs"][0].split("/tcp/")[1].split("/")[0]), health["peer_id"]
 
 
-def _assert_an_honest_peer_joins(s: Swarm, a: PeerProcess, a_id: str) -> None:
-    """A second peer bootstraps through ``a`` while the flood is held; each lists the other."""
+def _assert_an_honest_peer_joins(s: Swarm, a: PeerProcess, a_id: str, within: float = 90) -> None:
+    """A second peer bootstraps through ``a`` while the flood is held; each lists the other
+    ``within`` seconds of its answering."""
     b = s.start("b", bootstrap=a)
     b_id = s.wait(lambda: b.get("/health")["peer_id"], 60, "b to answer", b)
-    s.wait(lambda: b_id in {n["node_id"] for n in a.get("/nodes")}, 90, "a to list b", a)
-    s.wait(lambda: a_id in {n["node_id"] for n in b.get("/nodes")}, 90, "b to list a", b)
+    s.wait(lambda: b_id in {n["node_id"] for n in a.get("/nodes")}, within, "a to list b", a)
+    s.wait(lambda: a_id in {n["node_id"] for n in b.get("/nodes")}, within, "b to list a", b)
 
 
 @pytest.mark.parametrize("hello", [b"", STALLED_HELLO], ids=["silent", "stalled_in_noise"])
@@ -144,3 +145,37 @@ def test_idle_neighbours_under_fresh_identities_are_bounded(tmp_path) -> None:
         finally:
             for _, sock in held:
                 sock.close()
+
+
+_FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 41)]
+"""Linux routes all of 127.0.0.0/8 to ``lo``: 39 source addresses, none of them the honest
+peer's (127.0.0.1)."""
+
+
+def test_a_flood_from_many_addresses_leaves_a_newcomer_its_way_in(tmp_path) -> None:
+    """39 addresses opening 1,000 connections a second in all (each sends a Noise hello and
+    closes at once) keep the peer's bucket of all (32 a second) empty (a refusal there takes
+    nothing from the source's own bucket, so each address keeps its own). A newcomer's
+    connection from each of four other addresses is answered, and an honest peer from
+    127.0.0.1 joins within 30 s of answering: let in from the reserve that only quiet sources
+    may take. Before: first come, first served, the flood took each token as it came; each
+    newcomer's connection found none but by luck (~3 in 100: the bucket's 32 a second over the
+    flood's 1,000) and the honest peer's dials, on discovery's backoff, mostly did not get in
+    within 30 s (``scripts/probe_p2p_flood.py --kind paced``: never)."""
+    with Swarm(tmp_path) as s:
+        a, port, a_id = _limited_peer(s)
+        newcomers = []
+        with paced_flood(port, _FLOOD_SOURCES, 1000.0, STALLED_HELLO) as flood:
+            try:
+                spent = lambda: a.get("/health")["connections"]["refused_in_all"] > 1000  # noqa: E731
+                s.wait(spent, 30, "the flood to keep the bucket of all empty", a)
+                newcomers = [answered(port, f"127.0.0.{i}", STALLED_HELLO) for i in range(41, 45)]
+                assert [reply for reply, _ in newcomers] == [True] * 4, "a newcomer's connection was closed unread"
+                _assert_an_honest_peer_joins(s, a, a_id, within=30)
+                counters = a.get("/health")["connections"]
+            finally:
+                for _, sock in newcomers:
+                    sock.close()
+        assert flood.opened > 1000 and flood.failed < flood.opened // 10
+        assert counters["refused_by_source"] < counters["refused_in_all"] // 10  # refused in all, not by source
+        assert counters["let_in_quiet"] >= 4
