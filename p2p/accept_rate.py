@@ -28,14 +28,16 @@ sources, is closed at once, unread and unanswered.
 
   What a stranger with N addresses gets from the reserve: each address's first
   :data:`QUIET_BURST` connections, once (up to ``2 N`` at once: 40 addresses empty a full
-  reserve of 16 and the next second's refill, about 3 s), then ``N * QUIET_PER_S`` a second;
+  reserve of 16 and the next two seconds' refill), then ``N * QUIET_PER_S`` a second;
   the refill of all (32 a second) goes first to quiet sources, so to keep honest newcomers
   out for good it needs ``N * QUIET_PER_S >= TOTAL_PER_S``: 512 addresses (IPv4 addresses or
   IPv6 /64s; a /48 holds 65,536 of the latter, so an IPv6 stranger can: what a per-source
   scheme cannot help), and then the newcomer is back to first come, first served, as before.
   The flood's addresses that keep the bucket of all dry spend their quiet tokens on the
   connections they get in, so they never qualify. The bound in all is unchanged: the
-  reserve is part of the bucket of all, not added to it.
+  reserve is part of the bucket of all, not added to it. Quiet is per source, so honest
+  peers behind one address (NAT, a local swarm on loopback) share its two quiet tokens, and a
+  stranger behind that address spends them: those compete above the reserve, as before.
 
 The table of buckets is bounded (:data:`MAX_SOURCES`; a stranger chooses how many sources it
 shows): a bucket refilled to full, quiet tokens included, is forgotten (a new source starts
