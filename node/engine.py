@@ -100,6 +100,10 @@ class StageOutput:
     """float32 (n, d_model) when this range is not the last."""
     logits: np.ndarray | None = None
     """float32 (n_vocab,) of the item's last position when this range is the last."""
+    half: bytes | None = None
+    """``hidden`` as float16 bytes, bit for bit ``hidden.astype(np.float16)``, where the engine
+    converted it while it was still in the cache and every value fits (:func:`inclavate.tensors.encode`
+    takes it as is)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ of 10 blocks: ~0.7 ms in Python, on every non-last hop of every token. The C ver
 with the machine's C compiler (the one that built llama.cpp) into the user cache, keyed by
 its source; where that fails, or with ``INCLAVATE_NATIVE_CAPTURE=0``, the Python callback
 does the same work, slower, and the peer says so once.
+
+The same library converts hidden states to and from float16, the wire's default form: the
+callback converts the rows it copies (:meth:`EvalCapture.captured_half`) and
+:func:`half_to_float32` decodes a received frame and checks it is finite in one pass. Both
+run on caches a hop's engine call left cold, where the numpy calls they replace cost
+~0.08-0.1 ms a hop each way; both give numpy's bits (``tests/test_eval_capture.py``,
+``scripts/check_half_conversion.py``), and where the library did not build numpy does it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shlex
@@ -46,12 +54,14 @@ class CaptureState(ctypes.Structure):
         ("get_name", ctypes.c_void_p),
         ("tensor_get", ctypes.c_void_p),
         ("dest", ctypes.c_void_p),
+        ("half_dest", ctypes.c_void_p),
         ("capacity_rows", ctypes.c_int64),
         ("width", ctypes.c_int64),
         ("rows", ctypes.c_int64),
         ("bad_width", ctypes.c_int64),
         ("bad_type", ctypes.c_int32),
         ("error", ctypes.c_int32),
+        ("half_ok", ctypes.c_int32),
         ("name", ctypes.c_char * 64),
     ]
 
@@ -72,10 +82,34 @@ def native_library() -> ctypes.CDLL | None:
             _native_tried = True
             if os.environ.get(NATIVE_ENV, "1") not in ("0", ""):
                 try:
-                    _native = ctypes.CDLL(str(_build()))
+                    _native = _typed(ctypes.CDLL(str(_build())))
                 except OSError as exc:
                     log.warning("eval callback in Python (~0.7 ms more per hop): the C one did not build: %s", exc)
         return _native
+
+
+def _typed(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` with its conversions' argument types declared: ctypes then converts the
+    arguments itself, without a guess per call."""
+    for name in ("inclavate_to_half", "inclavate_from_half"):
+        function = getattr(library, name)
+        function.argtypes = [ctypes.c_void_p if name == "inclavate_to_half" else ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64]
+        function.restype = ctypes.c_int
+    return library
+
+
+def half_to_float32(data: bytes, shape: tuple[int, ...]) -> np.ndarray | None:
+    """float16 bytes as a float32 array of ``shape``, or None where the native library did
+    not build, the size does not match, or a value is infinite or NaN (numpy then decodes,
+    and the caller's check names what is wrong)."""
+    library = _native if _native_tried else native_library()
+    count = math.prod(shape)  # Python ints, before any allocation: the shape came off the network
+    if library is None or min(shape, default=0) < 0 or 2 * count != len(data):
+        return None
+    out = np.empty(shape, dtype=np.float32)
+    if not library.inclavate_from_half(data, out.ctypes.data, count):
+        return None
+    return out
 
 
 def _build() -> Path:
@@ -123,11 +157,13 @@ class EvalCapture:
         self.native = library is not None
         if library is not None:
             self._buffer = np.empty((max_rows, width), dtype=np.float32)
+            self._half = np.empty((max_rows, width), dtype=np.float16)
             lib = llamacpp_lib.ggml()
             self._state = CaptureState(
                 get_name=ctypes.cast(lib.ggml_get_name, ctypes.c_void_p).value,
                 tensor_get=ctypes.cast(lib.ggml_backend_tensor_get, ctypes.c_void_p).value,
-                dest=self._buffer.ctypes.data, capacity_rows=max_rows, width=width, name=tensor_name.encode(),
+                dest=self._buffer.ctypes.data, half_dest=self._half.ctypes.data, capacity_rows=max_rows, width=width,
+                half_ok=1, name=tensor_name.encode(),
             )  # fmt: skip
             address = ctypes.cast(library.inclavate_eval_capture, ctypes.c_void_p).value
             self.callback = llama_cpp.ggml_backend_sched_eval_callback(address)
@@ -142,6 +178,7 @@ class EvalCapture:
         if self.native:
             self._state.rows = 0
             self._state.error = 0
+            self._state.half_ok = 1
         else:
             self._rows = []
 
@@ -157,6 +194,15 @@ class EvalCapture:
         if state.error == 2:
             raise CaptureError(f"{self.tensor_name} had more rows than the batch ({len(self._buffer)})")
         return self._buffer[: state.rows].copy()
+
+    def captured_half(self) -> bytes | None:
+        """The rows of :meth:`captured` as float16 bytes, bit for bit what numpy's
+        ``astype(np.float16)`` makes of them, or None where the native callback did not convert
+        them (not native, or a value NaN, infinite or beyond 65,504: numpy then decides)."""
+        state = self._state if self.native else None
+        if state is None or not state.half_ok or state.error:
+            return None
+        return self._half[: state.rows].tobytes()
 
     def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
         """ggml's scheduler callback: ask=True "do you want this node?", then the node itself.

@@ -251,7 +251,7 @@ class LlamaCppEngine(LayerEngine):
             else:
                 self._capture.reset()
                 self._call(1)
-                output = StageOutput(item.session_id, hidden=self._captured(1))
+                output = StageOutput(item.session_id, hidden=self._captured(1), half=self._capture.captured_half())
         except BaseException:
             self._restore({item.session_id: slot.length})
             raise

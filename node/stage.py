@@ -777,10 +777,10 @@ class Stage:
 
     def _keep(self, session_id: SessionId, start_pos: int, result: StageResult) -> StageResult:
         """Encode a finished job's hidden states for the wire once, and keep them."""
-        hidden = result.output.hidden if result.output is not None else None
-        if self.kept is None or hidden is None:
+        output = result.output
+        if self.kept is None or output is None or output.hidden is None:
             return result
-        sent = tensors.encode(hidden, self.kept.wire_dtype)
+        sent = tensors.encode(output.hidden, self.kept.wire_dtype, half=output.half)
         self.kept.put(session_id, start_pos, sent, lambda sid: self.engine.session_length(sid) > 0)
         return StageResult(output=result.output, token=result.token, sent=sent)
 

@@ -714,9 +714,7 @@ class ForwardService:
             return BatchItem(msg.session_id, msg.start_pos, tokens=msg.tokens)
         if msg.hidden is None:
             raise FrameRejected(FrameReason.WRONG_INPUT, "a forward carries tokens or hidden states")
-        hidden = tensors.decode(msg.hidden)
-        forward_checks.check_hidden(hidden, info)
-        return BatchItem(msg.session_id, msg.start_pos, hidden=hidden)
+        return BatchItem(msg.session_id, msg.start_pos, hidden=forward_checks.decoded_hidden(msg.hidden, info))
 
     async def _after_stage(self, msg: wire.Forward, result: StageResult) -> None:
         if result.error is not None:
@@ -733,7 +731,7 @@ class ForwardService:
                 replay = None
             nxt = wire.Forward(
                 msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to, msg.sampling,
-                hidden=result.sent or tensors.encode(hidden, self.wire_dtype), discard=msg.discard, replay=replay,
+                hidden=result.sent or tensors.encode(hidden, self.wire_dtype, half=result.output.half), discard=msg.discard, replay=replay,
                 lane=msg.lane,
             )  # fmt: skip
             self._note_onward(msg.session_id, nxt.route, msg.reply_to)

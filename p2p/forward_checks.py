@@ -30,8 +30,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from inclavate import tensors
 from inclavate.types import NodeId
 from node.engine import EngineInfo
+from node.eval_capture import half_to_float32
 from p2p.errors import P2PError
 from p2p.records import NodeRecord
 from p2p.routing import Hop
@@ -133,6 +135,20 @@ def check_hidden(hidden: np.ndarray, info: EngineInfo) -> None:
     if info.is_first:
         raise FrameRejected(FrameReason.WRONG_INPUT, f"layers {info.layers} take tokens")
     check_states(hidden, info.d_model)
+
+
+def decoded_hidden(t: tensors.EncodedTensor, info: EngineInfo) -> np.ndarray:
+    """``t`` decoded, as :func:`check_hidden` accepts it (or :class:`FrameRejected`). A
+    float16 frame of the model's width, every value finite, is decoded and checked in one
+    native pass (``node.eval_capture.half_to_float32``): numpy's four calls for it cost
+    ~0.05 ms more on the caches an engine call left cold, at every hop of every token."""
+    if not info.is_first and t.dtype == "f16" and len(t.shape) == 2 and t.shape[1] == info.d_model:
+        hidden = half_to_float32(t.data, t.shape)
+        if hidden is not None:
+            return hidden
+    hidden = tensors.decode(t)
+    check_hidden(hidden, info)
+    return hidden
 
 
 def check_states(hidden: np.ndarray, d_model: int, rows: int | None = None) -> None:

@@ -129,3 +129,85 @@ def test_the_c_callback_never_writes_past_its_buffer_nor_takes_a_wrong_tensor() 
     state.error = 0
     assert callback(tensor(b"l_out-9", 1, cols=width + 1), False, user) is False and state.error == 1
     assert (buffer[2:] == -1.0).all(), "nothing was written past the rows taken"
+
+
+def _half_of(library: ctypes.CDLL, x: np.ndarray) -> tuple[int, np.ndarray]:
+    out = np.zeros(len(x), dtype=np.uint16)
+    ok = library.inclavate_to_half(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(out.ctypes.data), ctypes.c_int64(len(x)))
+    return ok, out
+
+
+def test_the_c_conversion_to_float16_gives_numpys_bits_and_refuses_what_does_not_fit() -> None:
+    """The callback converts the rows it copies to float16 for the wire; a peer's next hop
+    must get the very bits numpy's ``astype`` gave before. Random values at every scale,
+    float16's subnormals, its rounding ties and its limits (every float32 up to 65,504 was
+    checked once with ``scripts/check_half_conversion.py``, ~4 minutes)."""
+    library = eval_capture.native_library()
+    if library is None:
+        pytest.skip("the C callback did not build here")
+    rng = np.random.default_rng(11)
+    top = 0x477FE000  # 65504.0f
+    bits = np.concatenate([rng.integers(0, top + 1, 2_000_000, dtype=np.uint32),
+                           np.arange(0x33000000 - 64, 0x38800000, 4099, dtype=np.uint32),  # around the subnormals
+                           (np.arange(0, 1 << 16, dtype=np.uint32) << 13) + 0x1000,  # every tie of a float16 step
+                           np.array([0, 1, 0x007FFFFF, 0x33000000, 0x38000000, top], dtype=np.uint32)])  # fmt: skip
+    bits = bits[bits <= top]
+    for sign in (0, 0x80000000):
+        x = (bits | np.uint32(sign)).view(np.float32)
+        ok, out = _half_of(library, x)
+        assert ok == 1
+        assert np.array_equal(out, x.astype(np.float16).view(np.uint16))
+    for beyond in (65505.0, -65505.0, 1e30, np.inf, -np.inf, np.nan):
+        ok, _ = _half_of(library, np.array([1.0, beyond, 2.0], dtype=np.float32))
+        assert ok == 0, beyond
+
+
+def test_a_lone_steps_output_comes_with_its_float16_bits(smollm2, slice_cache) -> None:
+    """The engine's lone decode step hands over the callback's float16 conversion, and the
+    wire encoding built from it is the one numpy builds from the float32 rows."""
+    if eval_capture.native_library() is None:
+        pytest.skip("the C callback did not build here")
+    from inclavate import tensors
+
+    with _engine(smollm2, slice_cache) as engine:
+        s = SessionId("s")
+        engine.forward([BatchItem(s, 0, tokens=np.array([1, 2, 3], np.int32))])
+        (out,) = engine.forward([BatchItem(s, 3, tokens=np.array([4], np.int32))])
+    assert out.hidden is not None and out.half is not None
+    assert out.half == out.hidden.astype(np.float16).tobytes()
+    assert tensors.encode(out.hidden, "f16", half=out.half) == tensors.encode(out.hidden, "f16")
+
+
+def test_the_native_float16_decode_gives_numpys_floats_and_refuses_what_is_not_finite() -> None:
+    """A received float16 frame decodes to numpy's float32 values (every finite float16), and
+    one holding an infinity or a NaN, or of another size than its shape, is left to numpy and
+    the hop's checks (None)."""
+    if eval_capture.native_library() is None:
+        pytest.skip("the C callback did not build here")
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = halves[(halves & 0x7C00) != 0x7C00]
+    out = eval_capture.half_to_float32(finite.tobytes(), (len(finite),))
+    assert out is not None
+    assert np.array_equal(out.view(np.uint32), finite.view(np.float16).astype(np.float32).view(np.uint32))
+    for bad in (0x7C00, 0xFC00, 0x7E00, 0x7C01):
+        assert eval_capture.half_to_float32(np.array([0, bad], np.uint16).tobytes(), (1, 2)) is None
+    assert eval_capture.half_to_float32(b"\0" * 6, (1, 2)) is None
+    assert eval_capture.half_to_float32(b"\0" * 4, (-1, -2)) is None
+
+
+def test_a_hop_decodes_a_float16_frame_as_before_and_rejects_it_as_before() -> None:
+    """The hop's decode with the native pass takes and refuses what it took and refused."""
+    from inclavate import tensors
+    from inclavate.types import LayerRange, ModelId
+    from node.engine import EngineInfo
+    from p2p.forward_checks import FrameReason, FrameRejected, decoded_hidden
+
+    info = EngineInfo(ModelId("m"), LayerRange(10, 20), 30, 4, 100, "llama")
+    x = np.array([[1.5, -2.0, 6e-8, 65504.0]], dtype=np.float32)
+    assert np.array_equal(decoded_hidden(tensors.encode(x, "f16"), info), x.astype(np.float16).astype(np.float32))
+    for bad, reason in ((np.array([[1.0, np.inf, 0.0, 0.0]], np.float32), FrameReason.NOT_FINITE),
+                        (np.array([[1.0, 2.0, 3.0]], np.float32), FrameReason.WRONG_INPUT)):  # fmt: skip
+        encoded = tensors.EncodedTensor("f16", bad.shape, bad.astype(np.float16).tobytes())
+        with pytest.raises(FrameRejected) as caught:
+            decoded_hidden(encoded, info)
+        assert caught.value.reason == reason
