@@ -72,9 +72,10 @@ log = logging.getLogger(__name__)
 _MAX_EVICTED = 256
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False, slots=True)
 class StageResult:
-    """What a job produced: hidden states to pass on, or (last range) the sampled token."""
+    """What a job produced: hidden states to pass on, or (last range) the sampled token.
+    Treated as immutable; not frozen, for its cost (``node.engine.BatchItem``)."""
 
     output: StageOutput | None = None
     token: int | None = None
