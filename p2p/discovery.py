@@ -15,7 +15,8 @@ of them. :func:`run_discovery` combines:
   our own addresses first matters: an inbound connection shows only the remote's
   ephemeral port, so without it a peer that dialed in could never be recommended.
   While below target we also re-ask a random neighbour now and then, since what it
-  knew when we met grows as peers join after us.
+  knew when we met grows as peers join after us: every 10 s while that teaches us
+  someone, up to every 160 s while it does not (:class:`ExchangeSchedule`).
 * **What outlives a restart** (an :class:`AddressBook`, :mod:`inclavate.peer_book` in a
   peer): each neighbour's own addresses, dialed after the bootstrap addresses on the next
   start, so a peer whose bootstrap moved or left still finds the swarm.
@@ -32,6 +33,7 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -76,7 +78,12 @@ class DiscoveryConfig:
     check_interval: float = 1.0
     """How often the degree is checked and due dials are made."""
     exchange_interval: float = 10.0
-    """While below target, how often a random neighbour is asked again for peers."""
+    """While below target, how often a random neighbour is asked again for peers..."""
+    exchange_max_interval: float = 160.0
+    """...doubling after each re-ask that teaches nobody new, up to this (back to
+    ``exchange_interval`` on any connection or loss): below target is the steady state of a
+    swarm smaller than ``target_degree``, where each re-ask (a stream opened, negotiated,
+    answered and closed) was ~60 trio steps every 10 s on each side and taught nothing."""
     exchange_timeout: float = 5.0
     max_shared_peers: int = 32
     dial_concurrency: int = 4
@@ -86,6 +93,36 @@ class DiscoveryConfig:
             raise ConfigError("discovery degree, shared peers and concurrency must be >= 1")
         if not 0 < self.min_delay <= self.max_delay or not 0 <= self.jitter < 1:
             raise ConfigError("discovery backoff needs 0 < min_delay <= max_delay, 0 <= jitter < 1")
+        if not 0 < self.exchange_interval <= self.exchange_max_interval:
+            raise ConfigError("discovery needs 0 < exchange_interval <= exchange_max_interval")
+
+
+@dataclass
+class ExchangeSchedule:
+    """When to re-ask a neighbour for peers: every ``exchange_interval`` while that teaches
+    us someone, twice as long after each re-ask that does not (up to
+    ``exchange_max_interval``), and soon again once a connection comes or goes, since then
+    what the neighbours know may have changed. The clock is passed in."""
+
+    config: DiscoveryConfig
+    last: float = 0.0
+    period: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.period = self.config.exchange_interval
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.period
+
+    def asked(self, now: float) -> None:
+        self.last = now
+
+    def learned(self, fresh: int) -> None:
+        """A re-ask's outcome: ``fresh`` peers we were not connected to."""
+        self.period = self.config.exchange_interval if fresh else min(2 * self.period, self.config.exchange_max_interval)
+
+    def connections_changed(self) -> None:
+        self.period = self.config.exchange_interval
 
 
 @dataclass
@@ -319,7 +356,9 @@ async def run_discovery(
     async def serve(stream: FramedStream, remote: PeerId) -> None:
         await _serve_peers(host, config, stream, remote, book)
 
-    async def exchange_with(nursery: trio.Nursery, peer: PeerId) -> None:
+    schedule = ExchangeSchedule(config)
+
+    async def exchange_with(nursery: trio.Nursery, peer: PeerId, *, periodic: bool = False) -> None:
         try:
             fresh = await exchange_peers(host, peer, config, book)
         except P2PError as exc:
@@ -328,12 +367,15 @@ async def run_discovery(
         except Exception:  # a bug must cost one exchange, never the peer
             logger.exception("peer exchange with %s failed unexpectedly", peer)
             return
+        if periodic:
+            schedule.learned(len(fresh))
         connector.dial_fresh(nursery, fresh)
 
     async def on_connections(nursery: trio.Nursery,
                              events: trio.MemoryReceiveChannel[Any]) -> None:
         async with events:
             async for event in events:
+                schedule.connections_changed()
                 if event.connected:
                     nursery.start_soon(exchange_with, nursery, event.peer)
 
@@ -345,15 +387,14 @@ async def run_discovery(
             for peer in host.connected_peers():  # connected before we were listening
                 nursery.start_soon(exchange_with, nursery, peer)
             task_status.started()
-            last_exchange = trio.current_time()
+            schedule.asked(trio.current_time())
             while True:
                 connector.dial_due(nursery)
                 connected = host.connected_peers()
                 now = trio.current_time()
-                if connected and connector.missing() > 0 and (
-                        now - last_exchange >= config.exchange_interval):
-                    last_exchange = now
-                    nursery.start_soon(exchange_with, nursery, rng.choice(connected))
+                if connected and connector.missing() > 0 and schedule.due(now):
+                    schedule.asked(now)
+                    nursery.start_soon(partial(exchange_with, nursery, rng.choice(connected), periodic=True))
                 await trio.sleep(config.check_interval)
     finally:
         host.remove_stream_handler(PEERS_PROTOCOL)

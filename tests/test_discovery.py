@@ -8,10 +8,12 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 
+from inclavate.errors import ConfigError
 from inclavate.types import PeerId
 from p2p.discovery import (
     Backoff,
     DiscoveryConfig,
+    ExchangeSchedule,
     PeerAddrs,
     decode_peers,
     encode_peers,
@@ -40,6 +42,28 @@ def test_backoff_grows_exponentially_is_capped_and_jittered() -> None:
     assert not backoff.due(100.0) and backoff.due(100.0 + 8 * 1.25)
     backoff.succeeded()
     assert backoff.due(100.0) and backoff.failures == 0
+
+
+def test_re_asking_backs_off_while_it_teaches_nothing_and_resets_on_news() -> None:
+    """A swarm smaller than the target degree stays below target: its re-asks must slow
+    down (each is a stream opened and closed on both sides), not stop, and come back to
+    the short period as soon as they teach something or a connection comes or goes."""
+    schedule = ExchangeSchedule(DiscoveryConfig(exchange_interval=10.0, exchange_max_interval=160.0))
+    now, periods = 0.0, []
+    for _ in range(7):
+        assert not schedule.due(now + schedule.period - 0.01) and schedule.due(now + schedule.period)
+        now += schedule.period
+        periods.append(schedule.period)
+        schedule.asked(now)
+        schedule.learned(0)
+    assert periods == [10, 20, 40, 80, 160, 160, 160]
+    schedule.learned(2)
+    assert schedule.period == 10
+    schedule.learned(0)
+    schedule.connections_changed()
+    assert schedule.period == 10
+    with pytest.raises(ConfigError):
+        DiscoveryConfig(exchange_interval=10.0, exchange_max_interval=5.0)
 
 
 def test_peer_list_round_trip_and_rejects_garbage() -> None:
