@@ -1,7 +1,8 @@
 """Measured link latency to other peers, the routing cost model's ``link_ms``.
 
 Every ``interval`` each peer pings the peers it may route through over ``/inclavate/ping/1``
-(one long-lived stream per peer, 8-byte frames echoed back) and keeps a smoothed round trip.
+(one long-lived stream per peer, 8-byte frames echoed back) that it has not measured yet, whose
+last ping failed, or whose last measure is ``refresh`` old, and keeps a smoothed round trip.
 A peer that does not answer within the timeout keeps a high penalty until it does, so routes
 avoid it without the registry having to call it Degraded first.
 """
@@ -34,18 +35,29 @@ class LatencyMonitor:
         targets: Callable[[], list[PeerId]],
         *,
         interval: float = 10.0,
+        refresh: float = 30.0,
         timeout: float = 2.0,
         max_per_round: int = 64,
     ) -> None:
         self.host = host
         self.targets = targets
         self.interval = interval
+        self.refresh = refresh
+        """A measured, answering peer is pinged again after this, not every ``interval``: a
+        ping is two messages through the whole stream stack on both ends (~15 trio steps
+        each side), and every peer pinging every route candidate every 10 s was a fifth of an
+        idle 3-peer chain's CPU (``scripts/bench_idle.py``). A link's round trip on a LAN
+        does not move in seconds, and what routing must react to fast, a stalled or gone
+        peer, it learns from the step deadline and the lost connection
+        (:func:`usable_link_ms`). Yamux measures its own RTT every 30 s too."""
         self.timeout = timeout
         self.max_per_round = max_per_round
         """Peers pinged per ``interval``; past it, the targets take turns (each measured once
         every ``ceil(targets / max_per_round)`` rounds). Every routable peer every 10 s was
         ~400 pings a second and a stream (and a connection) to each at 4,096 peers."""
         self.rtt_ms: dict[PeerId, float] = {}
+        self._measured_at: dict[PeerId, float] = {}
+        """When each current target was last pinged (trio clock); bounded as ``rtt_ms`` is."""
         self._streams: dict[PeerId, FramedStream] = {}
         self._next = 0
         """Where in the sorted targets the next round starts, when they take turns."""
@@ -61,14 +73,23 @@ class LatencyMonitor:
         task_status.started()
         while True:
             targets = [p for p in self.targets() if p != self.host.peer_id]
-            batch = self.this_round(targets)
-            forgotten = self._forget_all_but(set(targets), set(batch))
+            now = trio.current_time()
+            batch = self.this_round([p for p in targets if self.due(p, now)])
+            # A small swarm keeps a stream to every target (pinged in turns now); past
+            # ``max_per_round`` only those pinged this round, as before.
+            forgotten = self._forget_all_but(set(targets), set(targets if len(targets) <= self.max_per_round else batch))
             async with trio.open_nursery() as nursery:
                 for stream in forgotten:
                     nursery.start_soon(stream.reset)
                 for peer in batch:
                     nursery.start_soon(self.measure, peer)
             await trio.sleep(self.interval)
+
+    def due(self, peer: PeerId, now: float) -> bool:
+        """Whether ``peer`` is pinged this round: never measured, its last ping failed, or
+        its measure is ``refresh`` old (half a round early, so it falls on the round)."""
+        at = self._measured_at.get(peer)
+        return at is None or self.rtt_ms.get(peer, UNREACHABLE_MS) >= UNREACHABLE_MS or now - at >= self.refresh - self.interval / 2
 
     def this_round(self, targets: list[PeerId]) -> list[PeerId]:
         """The targets to ping now: all of them, or past ``max_per_round`` the next that many
@@ -87,6 +108,7 @@ class LatencyMonitor:
         back twice had every later stream refused (its pings and the failover probe's failed
         as if it were gone)."""
         self.rtt_ms = {p: ms for p, ms in self.rtt_ms.items() if p in targets}
+        self._measured_at = {p: at for p, at in self._measured_at.items() if p in targets}
         return [self._streams.pop(peer) for peer in [p for p in self._streams if p not in measured]]
 
     async def measure(self, peer: PeerId) -> float:
@@ -103,6 +125,7 @@ class LatencyMonitor:
             log.debug("ping %s failed: %s", peer, exc)
             self._streams.pop(peer, None)
             rtt = UNREACHABLE_MS
+        self._measured_at[peer] = trio.current_time()
         previous = self.rtt_ms.get(peer)
         self.rtt_ms[peer] = rtt if previous is None or rtt == UNREACHABLE_MS else (1 - _ALPHA) * previous + _ALPHA * rtt
         return rtt

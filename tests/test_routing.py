@@ -85,3 +85,17 @@ def test_the_latency_monitor_pings_a_bounded_number_of_peers_a_round_each_in_tur
     rounds = [monitor.this_round(many) for _ in range(4)]  # ceil(200 / 64)
     assert all(len(batch) == 64 for batch in rounds)
     assert set().union(*rounds) == set(many)
+
+
+def test_the_latency_monitor_pings_a_measured_peer_every_refresh_a_new_or_failed_one_every_round() -> None:
+    """Pinging every route candidate every 10 s was a fifth of an idle chain peer's CPU: an
+    answering peer is pinged every ``refresh`` (30 s); one never measured, or whose last
+    ping failed, still every round."""
+    from p2p.latency import UNREACHABLE_MS, LatencyMonitor
+
+    monitor = LatencyMonitor(None, lambda: [], interval=10.0, refresh=30.0)  # type: ignore[arg-type]
+    fresh, answering, failed = PeerId("fresh"), PeerId("answering"), PeerId("failed")
+    monitor.rtt_ms = {answering: 1.5, failed: UNREACHABLE_MS}
+    monitor._measured_at = {answering: 100.0, failed: 100.0}
+    due = [[p for p in (fresh, answering, failed) if monitor.due(p, 100.0 + 10 * k)] for k in range(1, 4)]
+    assert due == [[fresh, failed], [fresh, failed], [fresh, answering, failed]]
