@@ -683,3 +683,17 @@ def test_heal_marks_stay_bounded_by_the_table() -> None:
         table = remove(table, stranger.peer_id)
         assert len(table.__dict__["_heal"].marks) <= 2 * len(table) + 8 + 1
     assert table.heal_key(MODEL, NOW, LIVE) != key  # rebuilt: new tokens (a look lists once)
+
+
+def test_periodic_syncs_that_teach_nothing_back_off_and_one_that_teaches_resets() -> None:
+    """An idle swarm's periodic pulls taught nothing (heartbeats brought it all) and cost
+    a stream and a whole table decoded every ~30 s on each peer: they slow down to
+    ``sync_max_interval``, never stop, and come back to ``sync_interval`` when one teaches."""
+    service = RegistryService(None, Identity.generate(), LIVE, sync_interval=30.0, sync_max_interval=120.0)  # type: ignore[arg-type]
+    periods = []
+    for _ in range(4):
+        service.synced(0)
+        periods.append(service._sync_period)
+    assert periods == [60.0, 120.0, 120.0, 120.0]
+    service.synced(1)
+    assert service._sync_period == 30.0
