@@ -29,6 +29,7 @@ from collections.abc import Callable
 import trio
 
 from api.body_budget import MIB, BodyBudget
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ async def trim_after_floods(budget: BodyBudget, interval_s: float = CHECK_INTERV
         return
     trim = malloc_trim
     while True:
-        await trio.sleep(interval_s)
+        await sleep_to_tick(interval_s)
         if should_trim(budget):
             budget.high_since_trim = budget.held
             budget.trims += 1

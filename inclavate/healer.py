@@ -31,6 +31,7 @@ import trio
 from inclavate.types import LayerRange, NodeId
 from p2p.healing import HealPlan, Settle, heal_target, plan_heal, waited_on
 from p2p.registry import NodeView
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Healer:
         settle = Settle(self.config.settle_s)
         task_status.started()
         while True:
-            await trio.sleep(self.config.check_s)
+            await sleep_to_tick(self.config.check_s)
             plan = self.check(settle, trio.current_time())
             if plan is None:
                 continue

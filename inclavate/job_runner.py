@@ -37,6 +37,7 @@ from node.generators.base import (
     Generator,
     InputMedia,
 )
+from p2p.ticks import next_tick, sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +158,9 @@ class JobRunner:
         return deleted
 
     async def wait_changed(self, timeout: float) -> None:
-        """Return at the next job change on this peer, or after ``timeout`` seconds."""
-        with trio.move_on_after(timeout):
+        """Return at the next job change on this peer, or at the next tick of ``timeout``
+        seconds (at most that long; :mod:`p2p.ticks`: idle pollers wake together)."""
+        with trio.move_on_at(next_tick(trio.current_time(), timeout)):
             await self._changed.wait()
 
     def _get(self, job_id: str) -> Job:
@@ -313,4 +315,4 @@ class JobRunner:
                 elif job.id in self._cancel_flags:
                     self._expired.add(job.id)
                     self._cancel_flags[job.id].set()
-            await trio.sleep(self.config.poll_s)
+            await sleep_to_tick(self.config.poll_s)

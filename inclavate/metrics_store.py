@@ -42,6 +42,7 @@ from inclavate.metrics import (
 )
 from p2p.records import Counters, MinuteBucket, now_ms
 from p2p.registry import NodeView
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ async def run_metrics(
     task_status.started()
     try:
         while True:
-            await trio.sleep(SAVE_INTERVAL_MS / 1000)
+            await sleep_to_tick(SAVE_INTERVAL_MS / 1000)
             tick += 1
             now = clock()
             if tick % (SAMPLE_INTERVAL_MS // SAVE_INTERVAL_MS) == 0:

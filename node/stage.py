@@ -66,6 +66,7 @@ from node.errors import DecodeFailed, EngineError, InvalidBatch, SessionEvicted,
 from node.kept_outputs import KeptOutputs
 from node.sampling import SamplingParams, sample
 from node.slot_share import fair_victim, hop_of, parties
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -805,7 +806,7 @@ class Stage:
     async def _expire_idle_sessions(self) -> None:
         period = min(60.0, max(1.0, self.session_idle_s / 4))
         while True:
-            await trio.sleep(period)
+            await sleep_to_tick(period)
             cutoff = time.monotonic() - self.session_idle_s
             for session_id, used in list(self._last_used.items()):
                 if used < cutoff:

@@ -88,6 +88,7 @@ from p2p.errors import P2PError, ProtocolError, StreamClosed, StreamTimeout
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.sealed import SealedStream
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +435,7 @@ class RemoteArtifacts:
         task_status.started()
         try:
             while True:
-                await trio.sleep(POOL_IDLE_S)
+                await sleep_to_tick(POOL_IDLE_S)
                 if self._links is not None:
                     await self._links.prune()
         finally:

@@ -46,6 +46,7 @@ from inclavate.types import PeerId
 from inclavate.untrusted import Malformed, as_dict, as_str, parse_json, read_list, read_str
 from p2p.errors import DialError, P2PError, ProtocolError
 from p2p.framing import FramedStream
+from p2p.ticks import sleep_to_tick
 
 if TYPE_CHECKING:
     from p2p.host import P2PHost
@@ -395,7 +396,7 @@ async def run_discovery(
                 if connected and connector.missing() > 0 and schedule.due(now):
                     schedule.asked(now)
                     nursery.start_soon(partial(exchange_with, nursery, rng.choice(connected), periodic=True))
-                await trio.sleep(config.check_interval)
+                await sleep_to_tick(config.check_interval)
     finally:
         host.remove_stream_handler(PEERS_PROTOCOL)
 

@@ -45,6 +45,7 @@ from p2p.host import P2PHost
 from p2p.records import NodeRecord, legacy_owner
 from p2p.routing import Hop
 from p2p.sealed import SealedStream
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -587,7 +588,7 @@ class ForwardService:
         """Reset inbound streams that brought no frame for ``timeouts.idle`` (within a tenth
         of it): their sender opens a fresh one when it has something to send."""
         while True:
-            await trio.sleep(max(0.05, self.timeouts.idle / 10))
+            await sleep_to_tick(max(0.05, self.timeouts.idle / 10))
             cutoff = trio.current_time() - self.timeouts.idle
             for stream in [s for s, since in self._waiting.items() if since < cutoff]:
                 del self._waiting[stream]
@@ -828,7 +829,7 @@ class ForwardService:
     async def _free_idle_stranger_sessions(self) -> None:
         period = max(0.5, self.admission.limits.stranger_idle_s / 4)
         while True:
-            await trio.sleep(period)
+            await sleep_to_tick(period)
             for session_id in self.admission.idle_stranger_sessions():
                 stage = self.stage
                 if stage is not None:

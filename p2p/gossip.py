@@ -55,6 +55,7 @@ from p2p.sync_answer import (
     answer_pages,
 )
 from p2p.sync_serve import SERVE_WAIT_S, ServeDrop, ServeRefused, ServeTurns
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class RegistryService:
 
     async def _heartbeat(self) -> None:
         while True:
-            await trio.sleep(self.heartbeat_s())
+            await sleep_to_tick(self.heartbeat_s())
             for node_id, record in list(self._own.items()):
                 if record.state == "Dead":
                     continue
@@ -286,7 +287,7 @@ class RegistryService:
 
     async def _age(self) -> None:
         while True:
-            await trio.sleep(1.0)
+            await sleep_to_tick(1.0)
             self._set_table(expire(self.table, self.clock(), self.liveness), notify=True)
 
     async def _sync_on_connect(self, events: trio.MemoryReceiveChannel[Any], nursery: trio.Nursery) -> None:

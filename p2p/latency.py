@@ -20,6 +20,7 @@ from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
 from p2p.routing import DEFAULT_LINK_MS
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class LatencyMonitor:
                     nursery.start_soon(stream.reset)
                 for peer in batch:
                     nursery.start_soon(self.measure, peer)
-            await trio.sleep(self.interval)
+            await sleep_to_tick(self.interval)
 
     def due(self, peer: PeerId, now: float) -> bool:
         """Whether ``peer`` is pinged this round: never measured, its last ping failed, or

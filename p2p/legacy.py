@@ -50,6 +50,7 @@ from p2p.forward_checks import FrameRejected, check_states, relay_answer_matches
 from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
 from p2p.gossip import RegistryService
 from p2p.records import Counters, InvalidRecord, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
+from p2p.ticks import sleep_to_tick
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class LegacyNodes:
             self._nursery = nursery
             task_status.started()
             while True:
-                await trio.sleep(1.0)
+                await sleep_to_tick(1.0)
                 self._drop_silent()
 
     # -------------------------------------------------------- registration

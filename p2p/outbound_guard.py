@@ -29,6 +29,7 @@ from libp2p.rcmgr import Direction
 
 from inclavate.descriptors import share
 from inclavate.types import PeerId
+from p2p.ticks import next_tick
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class OutboundGuard:
     async def run(self) -> None:
         """Until cancelled: after each wake or :data:`CHECK_S`, close what is over the bound."""
         while True:
-            with trio.move_on_after(CHECK_S):
+            with trio.move_on_at(next_tick(trio.current_time(), CHECK_S)):
                 await self._wake.wait()
             self._wake = trio.Event()
             await self.prune()
