@@ -21,24 +21,25 @@ asks in flight. A :class:`FanOut` asks peers in turns instead:
 - at most :data:`MAX_LISTINGS_AT_ONCE` listings of this peer run at once (a
   :class:`ListingGate` shared by siblings); a few more wait a short while, the rest are
   refused with :class:`ListingsBusy` (503 with ``Retry-After``);
-- one answer at a time is decoded (:func:`decode_turn`), in steps with a checkpoint
-  between them (:func:`in_steps`), so however many answers arrive at once the event loop
-  runs other tasks (chat streams) between every step.
+- an ask has two phases (:meth:`FanOut.ask`): fetching the peer's raw answer, within the
+  ask's patience, then decoding it, within the fan-out's deadline: one answer at a time is
+  decoded (the process's one decode turn), in steps with a checkpoint between them
+  (:func:`in_steps`), so however many answers arrive at once the event loop runs other
+  tasks (chat streams) between every step, and an answer waiting for its turn waits for
+  this peer's decoding, not for its peer.
 
 Used by :mod:`inclavate.artifact_swarm` and :mod:`inclavate.generations`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import enum
-import functools
 import logging
 import random
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import trio
 
@@ -48,6 +49,7 @@ from inclavate.untrusted import DropCounter
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
 E = TypeVar("E")
 
 MAX_ASKS_PER_FANOUT = 16
@@ -59,9 +61,9 @@ MAX_ASKS_IN_FLIGHT = 32
 listings at once (any HTTP client may start one) share these, so what this peer receives at
 once is at most this many answers."""
 ASK_PATIENCE_S = 1.0
-"""How long an ask may take while other peers still wait for a turn: peers that stall
-cannot hold every turn until the deadline. The last asks of a fan-out wait until its deadline,
-and so does an ask whose peer has answered (:func:`decode_turn`)."""
+"""How long an ask's peer may take to answer while other peers still wait for a turn: peers
+that stall cannot hold every turn until the deadline. The last asks of a fan-out wait until
+its deadline, and so does the decoding of an answer that arrived (:meth:`FanOut.ask`)."""
 RECENT_PEERS = 64
 """How many peers that had rows on recent pages are remembered, to be asked first."""
 MAX_LISTINGS_AT_ONCE = 4
@@ -152,7 +154,7 @@ class AskBudget(Generic[T]):
     is sent; ``used`` says how many an answer held, and the rest is given back. A peer whose
     turn finds the budget spent is left out, as one the deadline leaves out. An answer that
     failed counts in full (it may have been decoded); one cut off by a deadline counts none
-    (it was never decoded: a decode, once in its :func:`decode_turn`, is shielded and ends)."""
+    (it was never decoded: a decode, once it has the decode turn, is shielded and ends)."""
 
     def __init__(self, units: int, per_ask: int, used: Callable[[T], int]) -> None:
         self.units, self.per_ask, self.used = units, per_ask, used
@@ -221,21 +223,40 @@ class FanOut:
         while len(self._recent) > RECENT_PEERS:
             self._recent.popitem(last=False)
 
-    async def ask(self, peers: list[str], ask: Callable[[str], Awaitable[T]],
-                  take: Callable[[str, T], None], deadline: float, budget: AskBudget[T] | None = None) -> None:  # fmt: skip
+    @overload
+    async def ask(self, peers: list[str], ask: Callable[[str], Awaitable[T]], take: Callable[[str, T], None],
+                  deadline: float, budget: AskBudget[T] | None = None) -> None: ...  # fmt: skip
+
+    @overload
+    async def ask(self, peers: list[str], ask: Callable[[str], Awaitable[R]], take: Callable[[str, T], None],
+                  deadline: float, budget: AskBudget[T] | None = None, *,
+                  decode: Callable[[str, R], Awaitable[T]]) -> None: ...  # fmt: skip
+
+    async def ask(self, peers: list[str], ask: Callable[[str], Awaitable[Any]], take: Callable[[str, Any], None],
+                  deadline: float, budget: AskBudget[Any] | None = None, *,
+                  decode: Callable[[str, Any], Awaitable[Any]] | None = None) -> None:  # fmt: skip
         """Ask ``peers`` in their order, at most :data:`MAX_ASKS_PER_FANOUT` at a time and
         this peer's fan-outs together at most :data:`MAX_ASKS_IN_FLIGHT`, handing each
         answer to ``take`` as it arrives (none is kept here). Peers that fail (any
-        :class:`InclavateError`, from ``ask`` or ``take``), answer late, are not reached by
-        ``deadline`` (on trio's clock), or find ``budget`` spent are left out (logged;
-        counted in :attr:`left_out` unless they failed)."""
+        :class:`InclavateError`, from ``ask``, ``decode`` or ``take``), answer late, are not
+        reached by ``deadline`` (on trio's clock), or find ``budget`` spent are left out
+        (logged; counted in :attr:`left_out` unless they failed).
+
+        An ask has two phases. ``ask`` fetches the peer's answer, and may take
+        :data:`ASK_PATIENCE_S` while other peers wait for a turn (patience is for peers that
+        stall). ``decode``, where given, then turns that raw answer into what ``take``
+        takes, in this process's one decode turn (:func:`_decode_turn`), bounded by
+        ``deadline`` only: an answer that arrived waits for this peer's own decoding, not
+        its peer, and waiting for the turn spent the patience of answers already received.
+        Without ``decode``, ``ask``'s answer is taken as it is (small answers, decoded as
+        they are read: usage totals, rows asked a bounded part at a time)."""
         waiting = deque(peers)
         spent = False
 
         async def worker(peer: str) -> None:
             nonlocal spent
             while True:
-                if not await self._ask_one(peer, ask, take, deadline, patient=bool(waiting), budget=budget):
+                if not await self._ask_one(peer, ask, decode, take, deadline, patient=bool(waiting), budget=budget):
                     spent = True
                     waiting.appendleft(peer)
                     return
@@ -252,28 +273,27 @@ class FanOut:
                 self.left_out.count(reason)
             log.warning("%s: %d peers left out: not asked (%s)", self.what, len(waiting), reason.value)
 
-    async def _ask_one(self, peer: str, ask: Callable[[str], Awaitable[T]], take: Callable[[str, T], None],
-                       deadline: float, patient: bool, budget: AskBudget[T] | None) -> bool:  # fmt: skip
+    async def _ask_one(self, peer: str, ask: Callable[[str], Awaitable[Any]],
+                       decode: Callable[[str, Any], Awaitable[Any]] | None, take: Callable[[str, Any], None],
+                       deadline: float, patient: bool, budget: AskBudget[Any] | None) -> bool:  # fmt: skip
         """One peer asked; False (nothing asked) when ``budget`` is spent."""
         with trio.move_on_at(deadline):
-            async with self._in_flight:
+            async with self._in_flight:  # held while the answer waits for its decode: at most this many held
                 if budget is not None and not await budget.reserve():
                     return False
                 used = 0
-                until = min(deadline, trio.current_time() + ASK_PATIENCE_S) if patient else deadline
                 try:
-                    with trio.move_on_at(until) as patience:
-                        answered = _ANSWERED.set(functools.partial(_patient_until, patience, deadline))
-                        try:
-                            answer = await ask(peer)
-                            used = budget.used(answer) if budget is not None else 0
-                            take(peer, answer)
-                        except InclavateError as exc:  # nothing may escape the nursery as a group
-                            used = budget.per_ask if budget is not None else 0  # it may have been decoded
-                            log.warning("%s: peer %s left out: %s", self.what, peer, exc)
-                        finally:
-                            _ANSWERED.reset(answered)
+                    answered, answer = await self._fetched(peer, ask, deadline, patient)
+                    if answered:
+                        if decode is not None:
+                            answer = await _decoded(decode, peer, answer)
+                        used = budget.used(answer) if budget is not None else 0
+                        take(peer, answer)
                         return True
+                except InclavateError as exc:  # nothing may escape the nursery as a group
+                    used = budget.per_ask if budget is not None else 0  # it may have been decoded
+                    log.warning("%s: peer %s left out: %s", self.what, peer, exc)
+                    return True
                 finally:
                     if budget is not None:
                         budget.settle(used)
@@ -281,30 +301,37 @@ class FanOut:
         log.warning("%s: peer %s left out: no answer in time", self.what, peer)
         return True
 
+    @staticmethod
+    async def _fetched(peer: str, ask: Callable[[str], Awaitable[R]], deadline: float,
+                       patient: bool) -> tuple[bool, R | None]:  # fmt: skip
+        """Phase one: ``(True, answer)``, or ``(False, None)`` when the peer ran out of
+        :data:`ASK_PATIENCE_S` (``patient``: others wait for a turn) before it answered."""
+        until = min(deadline, trio.current_time() + ASK_PATIENCE_S) if patient else deadline
+        with trio.move_on_at(until):
+            return True, await ask(peer)
+        return False, None
+
 
 _DECODING = trio.Lock()
 """One per process, as the event loop it guards: a peer runs one."""
 
-_ANSWERED: contextvars.ContextVar[Callable[[], None]] = contextvars.ContextVar("fan_out_answered", default=lambda: None)
-"""What an ask calls once its peer has answered (:func:`decode_turn`): its patience ends."""
 
-
-def _patient_until(patience: trio.CancelScope, deadline: float) -> None:
-    """An answer arrived: ASK_PATIENCE_S is there for peers that stall, so from now only the
-    fan-out's deadline holds (an answer waiting for the decode turn waits for this peer's
-    own decoding queue, not for the peer)."""
-    patience.deadline = max(patience.deadline, deadline)
+async def _decoded(decode: Callable[[str, R], Awaitable[T]], peer: str, raw: R) -> T:
+    """Phase two: ``raw`` decoded in :func:`_decode_turn`. Nothing may checkpoint between the
+    turn's end and the answer's ``take``: a decode begun is taken and counted even when the
+    deadline passed during it."""
+    async with _decode_turn():
+        return await decode(peer, raw)
 
 
 @asynccontextmanager
-async def decode_turn() -> AsyncIterator[None]:
+async def _decode_turn() -> AsyncIterator[None]:
     """Hold the one turn to decode an answer to a fan-out (waiting for it may be cancelled;
     what runs in it may not, so an answer begun is decoded whole and counted in its
     :class:`AskBudget`). Up to :data:`MAX_ASKS_IN_FLIGHT` answers arrive at once, and trio
     runs every task woken together before it looks at the clock again: 16 answers decoded
     side by side, even in steps, held the loop for their steps' sum, every chat stream on
     the peer waiting (``scripts/bench_listing_fanout.py``: the longest stall)."""
-    _ANSWERED.get()()
     async with _DECODING:
         with trio.CancelScope(shield=True):
             yield

@@ -31,7 +31,7 @@ import trio
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound
 from inclavate.errors import InclavateError
-from inclavate.fan_out import AskBudget, decode_turn, in_steps, keep_best, listing_budget
+from inclavate.fan_out import AskBudget, in_steps, keep_best, listing_budget
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_rows import Owns, PeerJobPage, decode_job_page_in_steps
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
@@ -274,10 +274,14 @@ class GenerationService:
         urls = {view.record.peer_id: view.record.api_url for view in peers}
         owners = Owners([self.me, *(view.record.peer_id for view in self._views())])  # whose ids a peer may list
 
-        async def ask(peer: str) -> _JobAnswer:
-            max_bytes = listing_answer_bytes(window)
+        max_bytes = listing_answer_bytes(window)
+
+        async def ask(peer: str) -> bytes:
             _, raw = await self.http.read(urls[peer], "GET", "/v1/generations", params={"limit": window},
                                           max_bytes=max_bytes)  # fmt: skip
+            return raw
+
+        async def decode(peer: str, raw: bytes) -> _JobAnswer:
             owns = functools.partial(owners.carries_owner, peer=peer)
             return await self._decode_listing(raw, urls[peer], peer, owns, window, max_bytes)
 
@@ -289,29 +293,28 @@ class GenerationService:
 
         deadline = trio.current_time() + LIST_TIMEOUT_S
         budget: AskBudget[_JobAnswer] = AskBudget(listing_budget(window), window, lambda answer: answer.rows_in)
-        await self._fan_out.ask(self._fan_out.order(urls), ask, take, deadline, budget)
+        await self._fan_out.ask(self._fan_out.order(urls), ask, take, deadline, budget, decode=decode)
         rows = kept.entries[offset:]
         self._fan_out.remember(kept.peers_of(rows))
         return [row for _, row, _ in rows], truncated or kept.overflow
 
     async def _decode_listing(self, raw: bytes, url: str, peer: str, owns: Owns, window: int,
                               max_bytes: int) -> _JobAnswer:  # fmt: skip
-        """``peer``'s listing answer, parsed and its rows checked in this process's one decode
-        turn, in steps (:func:`~inclavate.fan_out.decode_turn`): an answer of 1,000 rows is
-        ~0.5 MB (~9 ms to parse, ~17 ms of checks), and up to 32 arrive at once. What is not
-        JSON raises :class:`PeerUnreachable` (the peer is left out, its ask counted in full);
-        a page that is :class:`Malformed` leaves the peer out too, counted in
-        :attr:`listing_drops`, its ask counted as the rows it holds."""
-        async with decode_turn():
-            body = parse_answer(raw, url, max_bytes)
-            await trio.lowlevel.checkpoint()
-            try:
-                page = await in_steps(decode_job_page_in_steps(body, owns, window))
-            except Malformed as exc:
-                self.listing_drops.count(exc.reason)
-                log.warning("job listing: peer %s left out: %s", peer, exc)
-                page = None
-            return _JobAnswer(_rows_in(body), page)
+        """``peer``'s listing answer, parsed and its rows checked in steps (the fan-out's
+        second phase, in this process's one decode turn: :meth:`~inclavate.fan_out.FanOut.ask`):
+        an answer of 1,000 rows is ~0.5 MB (~9 ms to parse, ~17 ms of checks), and up to 32
+        arrive at once. What is not JSON raises :class:`PeerUnreachable` (the peer is left
+        out, its ask counted in full); a page that is :class:`Malformed` leaves the peer out
+        too, counted in :attr:`listing_drops`, its ask counted as the rows it holds."""
+        body = parse_answer(raw, url, max_bytes)
+        await trio.lowlevel.checkpoint()
+        try:
+            page = await in_steps(decode_job_page_in_steps(body, owns, window))
+        except Malformed as exc:
+            self.listing_drops.count(exc.reason)
+            log.warning("job listing: peer %s left out: %s", peer, exc)
+            page = None
+        return _JobAnswer(_rows_in(body), page)
 
     def _listed(self, job: Job) -> dict[str, Any]:
         body = job.to_json()

@@ -90,7 +90,8 @@ class PeerHttp:
                    params: Mapping[str, Any] | None = None, timeout: float | None = None,
                    max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, bytes]:  # fmt: skip
         """:meth:`json`'s answer unparsed, for a caller that parses it when its turn comes
-        (:func:`parse_answer`; a job listing's answers, :func:`inclavate.fan_out.decode_turn`)."""
+        (:func:`parse_answer`; a job listing's answers, in a fan-out's decode phase:
+        :meth:`inclavate.fan_out.FanOut.ask`)."""
         try:
             async with self._http().stream(
                 method, base_url + path, json=body, params=params, timeout=timeout or httpx.USE_CLIENT_DEFAULT

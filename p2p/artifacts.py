@@ -57,7 +57,7 @@ from inclavate.artifact_types import (
 )
 from inclavate.artifacts import READ_CHUNK, ArtifactRead
 from inclavate.byte_ranges import RangeMalformed, RangeNotSatisfiable
-from inclavate.fan_out import decode_turn, in_steps
+from inclavate.fan_out import in_steps
 from inclavate.owner_ids import MalformedId, Owners
 from inclavate.types import PeerId
 from p2p.artifact_wire import (
@@ -481,9 +481,20 @@ class RemoteArtifacts:
             query = replace(query, after=rows[-1].sort_key())
 
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
-        """The sort keys of ``query``'s rows on ``peer`` (at most ~61 bytes each on the wire;
-        :func:`decode_key_answer`)."""
-        return await decode_key_answer(await self._call_raw(peer, list_request(query, keys=True)), peer, query, owners)
+        """The sort keys of ``query``'s rows on ``peer``: :meth:`key_answer` then
+        :meth:`decode_keys` (a fan-out runs them as its two phases, the second in its one
+        decode turn)."""
+        return await self.decode_keys(peer, await self.key_answer(peer, query), query, owners)
+
+    async def key_answer(self, peer: str, query: ListQuery) -> bytes:
+        """``peer``'s answer to a ``keys`` listing of ``query``, not yet parsed: its frame at
+        most what ``query.limit`` keys may take (at most ~61 bytes each; :func:`answer_limit`,
+        refused on its length prefix)."""
+        return await self._call_raw(peer, list_request(query, keys=True))
+
+    async def decode_keys(self, peer: str, raw: bytes, query: ListQuery, owners: Owners) -> KeyPage:
+        """:meth:`key_answer`'s frame decoded (:func:`decode_key_answer`)."""
+        return await decode_key_answer(raw, peer, query, owners)
 
     async def open(self, peer: str, id_: str, range_header: str | None) -> ArtifactRead:
         """Open a read on the owner: its meta decides the range (as the owner's store would),
@@ -598,13 +609,13 @@ class RemoteArtifacts:
 
 
 async def decode_key_answer(raw: bytes, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
-    """``peer``'s answer to a ``keys`` listing, parsed and decoded in this peer's one decode
-    turn, in steps (:func:`~inclavate.fan_out.decode_turn`): an answer of 20,000 keys is
-    ~1.2 MB, and up to 32 arrive at once."""
-    async with decode_turn():
-        answer = decode_answer(raw, peer)
-        await trio.lowlevel.checkpoint()
-        return await in_steps(decode_keys_in_steps(answer, peer, query, owners))
+    """``peer``'s answer to a ``keys`` listing, parsed, then decoded in steps with a checkpoint
+    between them (:func:`~inclavate.fan_out.in_steps`): an answer of 20,000 keys is ~1.2 MB.
+    A fan-out runs this in its one decode turn (:meth:`inclavate.fan_out.FanOut.ask`'s
+    second phase), as up to 32 answers arrive at once."""
+    answer = decode_answer(raw, peer)
+    await trio.lowlevel.checkpoint()
+    return await in_steps(decode_keys_in_steps(answer, peer, query, owners))
 
 
 async def _receive_piece(stream: FramedStream | SealedStream, peer: str, length: int) -> list[bytes]:

@@ -1,9 +1,11 @@
 """What one swarm-wide listing costs the peer that serves it when the registry holds many
 identities that each answer a full window of keys: PEERS in-process fake peers (no
 network: each answers after RTT with its keys, JSON-encoded once, that the asker parses
-and decodes as ``p2p.artifacts.RemoteArtifacts.keys`` does, with
-``p2p.artifacts.decode_key_answer``; on a tree before it, with ``decode_answer`` and
-``decode_keys`` in one go), one ``limit=100`` page at ``offset = WINDOW - 100``. Prints the listing's wall
+and decodes as ``p2p.artifacts.RemoteArtifacts`` does, with
+``p2p.artifacts.decode_key_answer``, in the fan-out's second phase where the tree has two
+(``key_answer``, ``decode_keys``), else in the ask (``keys``); on a tree before
+``decode_key_answer``, with ``decode_answer`` and ``decode_keys`` in one go), one
+``limit=100`` page at ``offset = WINDOW - 100``. Prints the listing's wall
 time and CPU (this is all event-loop time: nothing here runs in a thread), the longest
 stall (``stall``: how late a task sleeping 1 ms at a time woke, at worst: the longest
 stretch the event loop ran the listing without letting another task run, the wait a chat
@@ -85,7 +87,20 @@ class FakePeers(_Answering):
         self.wire = {name: encode({"ok": True, "keys": [list(k) for k in keys], "truncated": True})
                      for name, keys in self.listed.items()}  # fmt: skip
 
+    async def key_answer(self, peer: str, query: ListQuery) -> bytes:
+        """The fan-out's first phase (``RemoteArtifacts.key_answer``): the frame."""
+        await self._wait()
+        return self.wire[peer]
+
+    async def decode_keys(self, peer: str, raw: bytes, query: ListQuery, owners: Owners) -> KeyPage:
+        """Its second, in the decode turn (``RemoteArtifacts.decode_keys``)."""
+        assert decode_key_answer is not None
+        page = await decode_key_answer(raw, peer, query, owners)
+        self.keys_decoded += len(page.keys)
+        return page
+
     async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
+        """Both in one ask, for a tree before the two phases."""
         await self._wait()
         if decode_key_answer is None:  # a tree before it: parsed and decoded in one go
             page = decode_keys(decode_answer(self.wire[peer], peer), peer, query, owners)

@@ -1027,9 +1027,12 @@ class _FakeRemotes:
             ordered = [m for m in ordered if m.sort_key() != query.after and (m.sort_key() > query.after) == query.ascending]
         return ordered[: query.limit]
 
-    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
+    async def key_answer(self, peer: str, query: ListQuery) -> KeyPage:  # the fakes' "frame": already a page
         await trio.sleep(self.delay.get(peer, (0, 0))[0])
         return KeyPage([m.sort_key() for m in self._page(peer, query)], False)
+
+    async def decode_keys(self, peer: str, raw: KeyPage, query: ListQuery, owners: Owners) -> KeyPage:
+        return raw
 
     async def list(self, peer: str, query: ListQuery, owners: Owners, row_bytes: int = MAX_ROW_BYTES) -> ArtifactPage:
         await trio.sleep(self.delay.get(peer, (0, 0))[1])
@@ -1200,7 +1203,7 @@ class _CountingRemotes(_FakeRemotes):
         finally:
             self.in_flight -= 1
 
-    async def keys(self, peer: str, query: ListQuery, owners: Owners) -> KeyPage:
+    async def key_answer(self, peer: str, query: ListQuery) -> KeyPage:
         self.keys_asked.append(peer)
         self.keys_asked_at[peer] = trio.current_time()
         if self.gate is not None:
@@ -1656,20 +1659,23 @@ async def test_a_huge_key_answer_is_decoded_while_other_tasks_run(tmp_path: Path
 
 async def test_answers_waiting_for_the_decode_turn_are_not_cut_by_the_asks_patience(
         autojump_clock: trio.abc.Clock) -> None:  # fmt: skip
-    """Twenty peers answer at once and each answer takes 0.2 s in the one decode turn: the
-    answers queue for the turn, the last ones for longer than ASK_PATIENCE_S. Patience is
-    for peers that stall; once a peer has answered, only the fan-out's deadline holds, so
-    every answer is taken. Before, those queued past ASK_PATIENCE_S were left out (a busy
-    peer dropped honest answers it had already received)."""
+    """Twenty peers answer at once and each answer takes 0.2 s to decode, in the one decode
+    turn: the answers queue for the turn, the last ones for longer than ASK_PATIENCE_S.
+    Patience is for peers that stall; fetching the answer is the ask's first phase, bounded
+    by it, and decoding the second, bounded by the fan-out's deadline only, so every answer
+    is taken. With the decode under the patience, those queued past ASK_PATIENCE_S were left
+    out (a busy peer dropped honest answers it had already received)."""
     taken: list[str] = []
     fan_out = inclavate.fan_out.FanOut("test listing")
 
-    async def ask(peer: str) -> str:
-        async with inclavate.fan_out.decode_turn():
-            await trio.sleep(0.2)  # decoding, in the turn
-        return peer
+    async def ask(peer: str) -> bytes:
+        return peer.encode()  # the peer answers at once
+
+    async def decode(peer: str, raw: bytes) -> str:
+        await trio.sleep(0.2)  # decoding, in the turn
+        return raw.decode()
 
     peers = [f"p{i:02}" for i in range(MAX_ASKS_PER_FANOUT + 4)]  # some wait for a turn: the first asks are patient
-    await fan_out.ask(peers, ask, lambda peer, answer: taken.append(answer), trio.current_time() + 60)
+    await fan_out.ask(peers, ask, lambda peer, answer: taken.append(answer), trio.current_time() + 60, decode=decode)
     assert 0.2 * MAX_ASKS_PER_FANOUT > ASK_PATIENCE_S
     assert sorted(taken) == peers and not fan_out.left_out.snapshot()
