@@ -247,7 +247,8 @@ class FanOut:
         stall). ``decode``, where given, then turns that raw answer into what ``take``
         takes, in this process's one decode turn (:func:`_decode_turn`), bounded by
         ``deadline`` only: an answer that arrived waits for this peer's own decoding, not
-        its peer, and waiting for the turn spent the patience of answers already received.
+        for its peer (under the patience, answers already received ran out of it while they
+        queued for the turn, and their peers were left out).
         Without ``decode``, ``ask``'s answer is taken as it is (small answers, decoded as
         they are read: usage totals, rows asked a bounded part at a time)."""
         waiting = deque(peers)
