@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from inclavate.errors import InclavateError
 from inclavate.http_client import request_json
+from inclavate.types import LayerRange
 from node import COLOCATED_ENV
 from node.engine import default_threads
 
@@ -195,6 +196,18 @@ class LocalSwarm:
             return health if health.get("layers") else None
 
         return self.wait(ready, timeout, f"{peer.name} to load its layers", peer)
+
+    def start_chain(self, model: str, ranges: Sequence[LayerRange], *args: str, prefix: str = "",
+                    ready_timeout: float = 120.0) -> list[PeerProcess]:  # fmt: skip
+        """A chain of peers holding ``ranges`` (``args`` each), the entry first and the rest
+        bootstrapped to it, once every peer is Ready and the entry sees the chain complete."""
+        chain = [self.start(f"{prefix}chain-1", model, "--layers", str(ranges[0]), *args)]
+        chain += [self.start(f"{prefix}chain-{i + 1}", model, "--layers", str(r), *args, bootstrap=chain[0])
+                  for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
+        for peer in chain:
+            self.wait_ready(peer, timeout=ready_timeout)
+        self.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+        return chain
 
     def signal(self, peer: PeerProcess, sig: int) -> None:
         if peer.alive():

@@ -116,13 +116,7 @@ class Bench:
 
     def start_chain(self, swarm: LocalSwarm, *extra: str, prefix: str = "") -> list[PeerProcess]:
         """Start a chain of ``--peers`` peers (``extra`` arguments each); the entry first."""
-        ranges = split_evenly(self.spec.n_layers, self.args.peers)
-        chain = [swarm.start(f"{prefix}chain-1", self.spec.model_id, "--layers", str(ranges[0]), *extra)]
-        chain += [swarm.start(f"{prefix}chain-{i + 1}", self.spec.model_id, "--layers", str(r), *extra, bootstrap=chain[0])
-                  for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
-        for peer in chain:
-            swarm.wait_ready(peer)
-        swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
+        chain = swarm.start_chain(self.spec.model_id, split_evenly(self.spec.n_layers, self.args.peers), *extra, prefix=prefix)
         if self.args.cores_apart:
             for i, peer in enumerate(chain):
                 pin_threads(peer.process.pid, {self.cores[i % len(self.cores)]})

@@ -66,12 +66,7 @@ def idle_ms_per_s(pids: list[int], window_s: float) -> list[float]:
 
 
 def start_chain(swarm: LocalSwarm, model: str, n_layers: int, peers: int) -> list[PeerProcess]:
-    ranges = split_evenly(n_layers, peers)
-    chain = [swarm.start("chain-1", model, "--layers", str(ranges[0]))]
-    chain += [swarm.start(f"chain-{i + 1}", model, "--layers", str(r), bootstrap=chain[0])
-              for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
-    for peer in chain:
-        swarm.wait_ready(peer, timeout=300)
+    chain = swarm.start_chain(model, split_evenly(n_layers, peers), ready_timeout=300)
     swarm.wait(lambda: all(sum(v["state"] == "Ready" for v in p.get("/nodes")) == peers for p in chain), 180,
                f"every peer to list {peers} Ready nodes")  # fmt: skip
     return chain

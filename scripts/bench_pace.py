@@ -153,17 +153,6 @@ def dump(path: Path, phases: list[tuple[str, list[Step]]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def start_chain(swarm: LocalSwarm, model: str, n_layers: int, peers: int) -> list[PeerProcess]:
-    ranges = split_evenly(n_layers, peers)
-    chain = [swarm.start("chain-1", model, "--layers", str(ranges[0]))]
-    chain += [swarm.start(f"chain-{i + 1}", model, "--layers", str(r), bootstrap=chain[0])
-              for i, r in enumerate(ranges[1:], start=1)]  # fmt: skip
-    for peer in chain:
-        swarm.wait_ready(peer)
-    swarm.wait(lambda: chain[0].get("/api/models")[0]["chain_complete"], 30, "a complete chain")
-    return chain
-
-
 def busy(entry: PeerProcess, args: argparse.Namespace, sessions: int) -> None:
     """``sessions`` streaming at once; ``args.prefills`` long prompts prefilled meanwhile."""
     bodies = story_requests(args.model, sessions, args.tokens, streamed=True)
@@ -208,7 +197,7 @@ def main() -> int:
               "--max-sessions", str(args.sessions + 4)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, \
             LocalSwarm(Path(tmp), common, {"INCLAVATE_HOME": str(home), DEBUG_ENV: "p2p.pace"}) as swarm:  # fmt: skip
-        entry = start_chain(swarm, spec.model_id, spec.n_layers, args.peers)[0]
+        entry = swarm.start_chain(spec.model_id, split_evenly(spec.n_layers, args.peers))[0]
         stream(entry, spec.model_id, "Hello", 4)  # warm up: records measured, links known
         _, offset = read_steps(entry.log_path, 0)
         stream(entry, spec.model_id, "Write a long story about a dragon who learns to cook.", args.tokens)
