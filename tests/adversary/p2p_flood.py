@@ -17,7 +17,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -134,9 +134,9 @@ def paced_flood(port: int, sources: list[str], per_s: float, hello: bytes = b"")
     from each of ``sources`` in turn (each at ``per_s / len(sources)``), each sending ``hello``
     and closing at once: whatever the peer lets in fails its handshake on the spot, so the flood
     spends the peer's accept rate, not its tables."""
-    counts, stop = PacedFlood(), threading.Event()
+    counts = PacedFlood()
 
-    def run() -> None:
+    def run(stop: threading.Event) -> None:
         started, turn = time.monotonic(), 0
         while not stop.is_set():
             while turn < (time.monotonic() - started) * per_s and not stop.is_set():
@@ -145,10 +145,19 @@ def paced_flood(port: int, sources: list[str], per_s: float, hello: bytes = b"")
                 turn += 1
             time.sleep(0.002)
 
-    thread = threading.Thread(target=run, daemon=True)
+    with in_background(run):
+        yield counts
+
+
+@contextlib.contextmanager
+def in_background(loop: Callable[[threading.Event], None]) -> Iterator[None]:
+    """``loop`` in a daemon thread while the block runs; it returns once the event it is
+    given is set, which the block's end does before joining it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=loop, args=(stop,), daemon=True)
     thread.start()
     try:
-        yield counts
+        yield
     finally:
         stop.set()
         thread.join()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import trio
-from p2p_flood import STALLED_HELLO, answered, closed_by_peer, fresh_identity_flood, open_quietly, paced_flood
+from p2p_flood import STALLED_HELLO, answered, closed_by_peer, fresh_identity_flood, in_background, open_quietly, paced_flood
 from swarm import PeerProcess, Swarm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the peer's descriptors in /proc")
@@ -35,20 +35,14 @@ _BURST = 16
 def _most_descriptors(pid: int) -> Iterator[list[int]]:
     """The most descriptors ``pid`` held, sampled every 0.1 s while the block runs."""
     most = [0]
-    done = threading.Event()
 
-    def sample() -> None:
+    def sample(done: threading.Event) -> None:
         while not done.wait(0.1):
             with contextlib.suppress(OSError):
                 most[0] = max(most[0], len(os.listdir(f"/proc/{pid}/fd")))
 
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
+    with in_background(sample):
         yield most
-    finally:
-        done.set()
-        thread.join()
 
 
 def _limited_peer(s: Swarm) -> tuple[PeerProcess, int, str]:
