@@ -28,7 +28,7 @@ from node.engine import EngineInfo
 from node.errors import SessionLimitReached
 from node.sampling import SamplingParams, UnusableLogits, sample
 from node.stage import Stage, StageResult
-from p2p import wire
+from p2p import forward_checks, wire
 from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
 from p2p.chain import SwarmPipeline, _Session, new_request_id
@@ -309,14 +309,19 @@ async def test_a_frame_longer_than_the_context_is_refused_before_it_is_decoded(m
     1.18M positions at SmolLM2's 2048 (4.7 MB), and one of f16 states two contexts: work no
     stage can run, decoded and queued for a minute before it failed."""
     ctx = 64
-    decoded: list[tensors.EncodedTensor] = []
-    real_decode = tensors.decode
+    decoded: list[object] = []
+    real_decode, real_half = tensors.decode, forward_checks.half_to_float32
 
     def decode(t: tensors.EncodedTensor) -> np.ndarray:
         decoded.append(t)
         return real_decode(t)
 
+    def half_to_float32(data: bytes, shape: tuple[int, ...]) -> np.ndarray | None:  # float16 states' native decode
+        decoded.append(data)
+        return real_half(data, shape)
+
     monkeypatch.setattr(tensors, "decode", decode)
+    monkeypatch.setattr(forward_checks, "half_to_float32", half_to_float32)
     for layers in (LayerRange(0, 10), LayerRange(10, 20)):  # token ids, then hidden states
         stage = _HoldingStage(layers, context_length=ctx, d_model=16)
         service, codes = _serving(stage)
