@@ -53,8 +53,13 @@ def attack(peer: PeerProcess, swarm: Swarm, run: Attack, *, settle: float = 1.0,
 
 
 def forward(evil: HostilePeer, route: tuple[Hop, ...], *, session: str = "s1", hidden: np.ndarray | None = None,
-            tokens: list[int] | None = None, sampling: SamplingParams | None = None, start_pos: int = 0) -> bytes:  # fmt: skip
-    encoded = tensors.encode(hidden, "f32") if hidden is not None else None
+            tokens: list[int] | None = None, sampling: SamplingParams | None = None, start_pos: int = 0,
+            half: bool = False) -> bytes:  # fmt: skip
+    """``half``: the hidden states as float16 bits, whatever they hold (an honest sender's
+    encode would widen an infinity to float32): the receiving hop's native decode reads them."""
+    encoded = None
+    if hidden is not None:
+        encoded = tensors.EncodedTensor("f16", hidden.shape, hidden.astype(np.float16).tobytes()) if half else tensors.encode(hidden, "f32")
     arr = np.asarray(tokens, dtype=np.int32) if tokens is not None else None
     return wire.encode(wire.Forward(1, SessionId(session), start_pos, route, evil.peer_id, sampling, tokens=arr, hidden=encoded))
 

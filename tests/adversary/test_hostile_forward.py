@@ -126,13 +126,13 @@ def test_nan_and_infinite_hidden_states_fail_their_frame_only(live, expected, ba
     s, (a, b, c) = live
 
     async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
-        for i, bad in enumerate((np.nan, np.inf, -np.inf)):
+        for i, (bad, half) in enumerate((b, h) for h in (False, True) for b in (np.nan, np.inf, -np.inf)):
             hidden = finite_hidden(2)
             hidden[1, 7] = bad  # rng.choice used to raise on the NaN probabilities, in the stage worker
             await stream.send(forward(evil, (hop(c, "20-30"),), session=f"n{i}", hidden=hidden,
-                                      sampling=SamplingParams(0.8, 0.95, 3)), timeout=10)  # fmt: skip
+                                      sampling=SamplingParams(0.8, 0.95, 3), half=half), timeout=10)  # fmt: skip
 
-    assert errors(attack(c, s, run)) == ["invalid_batch"] * 3
+    assert errors(attack(c, s, run)) == ["invalid_batch"] * 6  # float32 frames, then float16 ones (decoded in C)
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
