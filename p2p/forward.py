@@ -730,11 +730,7 @@ class ForwardService:
                 if not await self._send_replay(msg, replay):
                     return
                 replay = None
-            nxt = wire.Forward(
-                msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to, msg.sampling,
-                hidden=result.sent or tensors.encode(hidden, self.wire_dtype, half=result.output.half), discard=msg.discard, replay=replay,
-                lane=msg.lane,
-            )  # fmt: skip
+            nxt = msg.onward(result.sent or tensors.encode(hidden, self.wire_dtype, half=result.output.half), replay)
             self._note_onward(msg.session_id, nxt.route, msg.reply_to)
             await self.send(nxt.route[0].peer_id, nxt, wait_for_room=False)
         elif msg.sampling is not None:

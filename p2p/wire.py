@@ -193,6 +193,19 @@ class Forward:
     replay: Replay | None = None
     lane: int = 0
     """Which group of the entry's sessions this step travels with (see the module's notes)."""
+    context: bytes | None = None
+    """The step context this frame arrived with, when it is one the caches hold (set by
+    :func:`decode`; never sent): :meth:`onward` keys the sender's cache on it."""
+    via: bytes | None = None
+    """Set by :meth:`onward` only: the ``context`` of the frame this one continues. This
+    frame's own context is then a function of those bytes and its input's shape, so
+    :func:`encode` finds it by them (CPython keeps a bytes object's hash) instead of hashing
+    the route's hops and the sampling in Python at every hop of every token. Never sent."""
+
+    def onward(self, hidden: tensors.EncodedTensor, replay: Replay | None) -> Forward:
+        """This frame passed to the next hop: ``route[1:]``, carrying this hop's output."""
+        return Forward(self.req_id, self.session_id, self.start_pos, self.route[1:], self.reply_to, self.sampling,
+                       hidden=hidden, discard=self.discard, replay=replay, lane=self.lane, via=self.context)  # fmt: skip
 
     @property
     def n_tokens(self) -> int:
@@ -324,7 +337,11 @@ def _encode_step(msg: Forward) -> bytes | None:
         kind, dtype, (rows, cols), body = "hidden", msg.hidden.dtype, msg.hidden.shape, msg.hidden.data
     if not (0 <= msg.req_id < _REQ_LIMIT and 0 <= msg.start_pos < 2**32 and 0 <= rows < 2**32):
         return None
-    key = (msg.session_id, msg.route, msg.reply_to, msg.sampling, kind, dtype, cols, msg.lane)
+    # Either key names the context's bytes: a continued frame's by the bytes its predecessor
+    # arrived with (see ``Forward.via``), anything else by the fields themselves. Tuples of
+    # different lengths never compare equal, so the two kinds share one bounded cache.
+    key: tuple[Any, ...] = (msg.via, kind, dtype, cols) if msg.via is not None else \
+        (msg.session_id, msg.route, msg.reply_to, msg.sampling, kind, dtype, cols, msg.lane)  # fmt: skip
     context = _sent_contexts.get(key)
     if context is None:
         spec: dict[str, Any] = {"kind": kind} if dtype is None else {"kind": kind, "dtype": dtype, "cols": cols}
@@ -412,9 +429,10 @@ def _decode_step(view: memoryview) -> Forward:
         raise ValueError(f"bad step header (context length {size})")
     raw = bytes(view[_STEP.size : end])
     context = _received_contexts.get(raw)
+    cacheable = len(raw) <= MAX_CACHED_CONTEXT_BYTES
     if context is None:
         context = _step_context(raw)
-        if len(raw) <= MAX_CACHED_CONTEXT_BYTES:
+        if cacheable:
             _remember(_received_contexts, raw, context)
     if not 0 < rows <= MAX_DIM or start_pos > MAX_DIM:
         raise ValueError(f"a step of {rows} positions at {start_pos}")
@@ -427,7 +445,7 @@ def _decode_step(view: memoryview) -> Forward:
         hidden = tensors.EncodedTensor(context.dtype, (rows, context.cols), bytes(body))
         tensors.validate(hidden)
     return Forward(req, context.session_id, start_pos, context.route, context.reply_to, context.sampling, tokens, hidden,
-                   lane=context.lane)  # fmt: skip
+                   lane=context.lane, context=raw if cacheable else None)  # fmt: skip
 
 
 def _step_context(raw: bytes) -> _StepContext:

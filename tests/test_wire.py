@@ -102,6 +102,55 @@ def test_a_leg_s_context_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None
     assert [s.start_pos for s in steps] == list(range(20))  # type: ignore[union-attr]
 
 
+def _onward_hidden(cols: int = 2) -> tensors.EncodedTensor:
+    return tensors.encode(np.ones((1, cols), np.float32), "f16")
+
+
+def test_a_frame_passed_on_is_the_bytes_it_would_be_built_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Forward.onward`` keys the sender's cache on the context its predecessor arrived
+    with: the bytes sent are the same as those of the same frame built field by field (a
+    peer of yesterday reads them), and no hop or sampling is hashed in Python to find them."""
+    routes = [[["peer-b", "b", 10, 20, ""], ["peer-c", "c", 20, 30, ""], ["peer-d", "d", 30, 40, ""]],
+              [["peer-b", "b", 10, 20, ""], ["peer-c", "c", 20, 30, ""]]]  # fmt: skip
+    for i, route in enumerate(routes):
+        received = wire.decode(_step_frame(_context(session=f"onward-{i}", route=route, sampling=[0.5, 0.9, 3], lane=2)))
+        assert isinstance(received, wire.Forward) and received.context is not None
+        hidden = _onward_hidden()
+        nxt = received.onward(hidden, None)
+        afresh = wire.Forward(received.req_id, received.session_id, received.start_pos, received.route[1:], received.reply_to,
+                              received.sampling, hidden=hidden, lane=received.lane)  # fmt: skip
+        assert wire.encode(nxt) == wire.encode(afresh)
+        hashed: list[object] = []
+        monkeypatch.setattr(Hop, "__hash__", lambda hop: hashed.append(hop) or 0)
+        monkeypatch.setattr(SamplingParams, "__hash__", lambda sp: hashed.append(sp) or 0)
+        again = wire.decode(_step_frame(_context(session=f"onward-{i}", route=route, sampling=[0.5, 0.9, 3], lane=2)))
+        assert isinstance(again, wire.Forward)
+        assert wire.encode(again.onward(hidden, None)) == wire.encode(nxt) and hashed == []
+        monkeypatch.undo()
+
+
+def test_frames_passed_on_never_take_another_context_s_bytes() -> None:
+    """Adversarial: contexts a stranger makes alike in all but one field (the route's next
+    hop, the entry, the sampling, the lane, the session) each go on with their own fields,
+    whatever was passed on before; a context too long to cache is passed on built afresh."""
+    base = {"session": "alike", "route": [["peer-b", "b", 10, 20, ""], ["peer-c", "c", 20, 30, ""]], "reply_to": "entry",
+            "sampling": [0.5, 0.9, 3], "lane": 1}  # fmt: skip
+    variants = [base, {**base, "route": [["peer-b", "b", 10, 20, ""], ["peer-x", "x", 20, 30, ""]]},
+                {**base, "reply_to": "other"}, {**base, "sampling": None}, {**base, "lane": 3}, {**base, "session": "alike2"},
+                {**base, "route": [["peer-b", "b", 10, 20, ""], ["p" * 200, "n" * 200, 20, 21, ""]]
+                 + [["p" * 200, "n" * 200, i, i + 1, ""] for i in range(21, 40)]}]  # fmt: skip
+    for _ in range(2):  # the second time round, every onward context comes from the cache
+        for fields in variants:
+            received = wire.decode(_step_frame(_context(**fields)))
+            assert isinstance(received, wire.Forward)
+            for cols in (2, 3):
+                back = wire.decode(wire.encode(received.onward(_onward_hidden(cols), None)))
+                assert isinstance(back, wire.Forward) and back.hidden is not None and back.hidden.shape == (1, cols)
+                assert (back.session_id, back.route, back.reply_to, back.sampling, back.lane) == (
+                    received.session_id, received.route[1:], received.reply_to, received.sampling, received.lane)  # fmt: skip
+    assert max(map(len, wire._sent_contexts.values())) <= wire.MAX_CACHED_CONTEXT_BYTES
+
+
 def test_the_context_caches_stay_bounded_whatever_a_stranger_sends() -> None:
     for i in range(wire.CONTEXT_CACHE_ENTRIES + 300):
         wire.decode(wire.encode(_step(f"session-{i}")))
