@@ -23,8 +23,12 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)
 _ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EncodedTensor:
+    """Immutable by convention, not frozen: a hop makes two a token (one decoded, one sent),
+    and a frozen dataclass's ``__init__`` costs a C call per field on caches an engine call
+    left cold. Compared, never hashed."""
+
     dtype: WireDType
     shape: tuple[int, ...]
     data: bytes

@@ -173,9 +173,14 @@ def _replay(raw: Any, start_pos: int) -> Replay | None:
     return Replay(at, until, tuple(frames))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Forward:
-    """Run ``tokens`` or ``hidden`` at positions ``start_pos...`` through ``route[0]`` onward."""
+    """Run ``tokens`` or ``hidden`` at positions ``start_pos...`` through ``route[0]`` onward.
+
+    Immutable by convention, not frozen: a frozen dataclass's ``__init__`` sets each of its
+    fields through ``object.__setattr__``, and every hop makes two of these a token on the
+    caches its engine call left cold (:class:`~inclavate.tensors.EncodedTensor` and
+    :class:`Result` likewise). Nothing hashes one (``eq=False``: identity)."""
 
     TYPE: ClassVar[str] = "forward"
     req_id: int
@@ -221,9 +226,10 @@ class Forward:
         return int(self.tokens.nbytes) if self.tokens is not None else self.hidden.nbytes if self.hidden else 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Result:
-    """The last stage's answer: the sampled token, or None for a prefill chunk."""
+    """The last stage's answer: the sampled token, or None for a prefill chunk. Immutable by
+    convention (see :class:`Forward`); compared, never hashed."""
 
     TYPE: ClassVar[str] = "result"
     req_id: int
