@@ -327,10 +327,12 @@ class Stage:
             return ()
         return parties(source)
 
-    def _may_step_now(self, item: BatchItem) -> bool:
+    def _may_step_now(self, item: BatchItem) -> int:
         """Whether ``item`` can skip the queue: a decode step of a session this stage already
         holds, small enough to compute on the event loop's thread, while the worker waits for
-        work and no other session has used the stage within the interleave window.
+        work and no other session has used the stage within the interleave window. The
+        session's length here when it may (step_now counts what it recomputes from it, and
+        asks the engine once), 0 when not.
 
         Handing a step to the worker costs a scheduler turn and the worker's batching, each on
         caches the engine call before it left cold: ~0.2 ms per hop in a 3-peer chain
@@ -339,16 +341,17 @@ class Stage:
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
         if item.n_tokens != 1 or not self._may_run_inline(1):
-            return False
+            return 0
         if not self._parked or self._running_now or self._deferred:
-            return False
-        if self.engine.session_length(item.session_id) == 0:
-            return False  # a new session takes a slot: the worker's admission decides
+            return 0
+        length = self.engine.session_length(item.session_id)
+        if length == 0:
+            return 0  # a new session takes a slot: the worker's admission decides
         if len(self._last_used) > 1:
             cutoff = time.monotonic() - self.interleave_window_s
             if any(used >= cutoff for sid, used in self._last_used.items() if sid != item.session_id):
-                return False
-        return True
+                return 0
+        return length
 
     def _may_run_inline(self, tokens: int) -> bool:
         """Whether a batch of ``tokens`` may run on the event loop's thread: small enough,
@@ -368,13 +371,14 @@ class Stage:
         left cold, so every call skipped counts (0.025-0.054 ms a hop against the same
         bookkeeping done through a job: docs/ARCHITECTURE.md, "A lone step skips the stage's
         queue")."""
-        if not self._may_step_now(item):
+        length = self._may_step_now(item)
+        if not length:
             return False
         self._running_now = True
         try:
             session_id = item.session_id
             started = time.monotonic()
-            self.stats.recomputed += max(0, self.engine.session_length(session_id) - item.start_pos)
+            self.stats.recomputed += max(0, length - item.start_pos)
             try:
                 (result,) = self._forward([item], [sampling])
                 now = time.monotonic()  # the engine's time, as the worker's path counts it

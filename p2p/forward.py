@@ -629,14 +629,13 @@ class ForwardService:
                     log.warning("entry inbox of session %s is not being read", msg.session_id)
 
     def _serves(self, hop: Hop) -> Stage | None:
-        stage = self.stage
+        stage = self._stage
         if stage is not None and hop.node_id == self.node_id and hop.layers == stage.engine.info.layers:
             return stage
         return None
 
-    def _n_layers(self, hop: Hop, stage: Stage | None) -> int | None:
-        if stage is not None:
-            return stage.engine.info.n_layers
+    def _n_layers(self, hop: Hop) -> int | None:
+        """The model's layers, as the registry says of ``hop``'s node (a hop this peer relays)."""
         record = self.record_of(hop.node_id) if self.record_of is not None else None
         return record.n_layers if record is not None else None
 
@@ -657,16 +656,23 @@ class ForwardService:
                 return
             await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to)
             return
+        # Each check below runs at every hop of every token, on caches the engine call left
+        # cold: what only some frames need is asked only of them (a relayed hop's registry
+        # lookup, a stranger's session ownership, a replay).
         try:
-            n_layers = self._n_layers(hop, stage)
+            n_layers = stage.engine.info.n_layers if stage is not None else self._n_layers(hop)
             complete_at = None if msg.discard else n_layers or msg.route[-1].layers.end
             forward_checks.check_route(msg.route, complete_at, self.record_of)
             item = self._item(msg, stage) if stage is not None else None
             if stage is not None:
-                held = stage.holds(msg.session_id)  # its first job may still wait here: someone's
+                known = self._may_feed(remote, msg, stage)
+                # Whether the stage holds the session (its first job may still wait here:
+                # someone's) decides only a stranger's frame.
+                held = not known and stage.holds(msg.session_id)
                 self.admission.admit(remote, msg.session_id, held=held, max_sessions=stage.engine.config.max_sessions,
-                                     known=self._may_feed(remote, msg, stage))  # fmt: skip
-                self._check_replay(msg, stage)
+                                     known=known)  # fmt: skip
+                if msg.replay is not None:
+                    self._check_replay(msg, stage)
                 # A lone step computed in place holds its frame for no time anyone else can
                 # see (no checkpoint until it is delivered): it takes no share of the budget.
                 if item is not None and await stage.step_now(item, msg.sampling, msg.lane, functools.partial(self._after_stage, msg)):
