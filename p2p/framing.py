@@ -341,6 +341,12 @@ class FramedStream:
         :meth:`send_many` raises the failure): send it the usual way."""
         if not self.can_send_nowait(len(payload)):
             return False
+        return self.commit_nowait(payload)
+
+    def commit_nowait(self, payload: bytes) -> bool:
+        """:meth:`send_nowait` for a caller that has just seen :meth:`can_send_nowait` say
+        yes (``p2p.sealed``, which must know before it spends a nonce): the check is not
+        made twice at every hop of every token."""
         data = _HEADER.pack(len(payload)) + payload
         try:
             written = self._raw.write_nowait(data)  # type: ignore[attr-defined]
@@ -387,12 +393,13 @@ class FramedStream:
         """Receive one frame. Raises StreamTimeout, StreamClosed, or ProtocolError."""
         started = False
         try:
-            with _deadline(timeout):
+            if timeout == math.inf:  # a reader that bounds its idle time itself: no scope at all
                 async with self._recv_lock:
-                    if self._peer_finished:
-                        raise StreamClosed("the peer closed the stream")
-                    self._check_usable()
-                    started = True
+                    started = self._may_receive()
+                    return await self._read_frame()
+            with trio.CancelScope(deadline=trio.current_time() + timeout):
+                async with self._recv_lock:
+                    started = self._may_receive()
                     return await self._read_frame()
             # Only reached when the deadline's scope ended the read (it returns otherwise).
             raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
@@ -448,6 +455,14 @@ class FramedStream:
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise StreamClosed(f"stream unusable: {self._broken}")
+
+    def _may_receive(self) -> bool:
+        """True, or StreamClosed when the peer has closed its side or the stream is broken."""
+        if self._peer_finished:
+            raise StreamClosed("the peer closed the stream")
+        if self._broken is not None:  # _check_usable, without one more call a frame
+            raise StreamClosed(f"stream unusable: {self._broken}")
+        return True
 
     async def _read_frame(self) -> bytes:
         """The next frame's payload. A frame that one read brings whole, and nothing after it

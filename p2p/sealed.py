@@ -45,23 +45,27 @@ class Sealer:
         self._direction = b"\x01\0\0\0" if dialer_to_acceptor else b"\x02\0\0\0"
         self._counter = 0
 
-    def _next_nonce(self) -> bytes:
-        if self._counter >= _MAX_COUNTER:
-            raise ProtocolError("a sealed stream ran out of nonces")
-        nonce = _NONCE.pack(self._direction, self._counter)
-        self._counter += 1
-        return nonce
+    # The nonce is counted in each of seal and open, not in a helper both call: every hop
+    # does both once a token, on caches its engine call left cold.
 
     def seal(self, plaintext: bytes) -> bytes:
-        return self._cipher.encrypt(self._next_nonce(), plaintext, None)
+        counter = self._counter
+        if counter >= _MAX_COUNTER:
+            raise ProtocolError("a sealed stream ran out of nonces")
+        self._counter = counter + 1
+        return self._cipher.encrypt(_NONCE.pack(self._direction, counter), plaintext, None)
 
     def open(self, ciphertext: bytes) -> bytes:
         """The plaintext, or :class:`ProtocolError` if the frame is not the next one sealed
         with our key in this direction (forged, replayed, reordered, truncated)."""
+        counter = self._counter
         if len(ciphertext) < TAG_BYTES:
             raise ProtocolError("a sealed frame is shorter than its tag")
+        if counter >= _MAX_COUNTER:
+            raise ProtocolError("a sealed stream ran out of nonces")
+        self._counter = counter + 1
         try:
-            return self._cipher.decrypt(self._next_nonce(), ciphertext, None)
+            return self._cipher.decrypt(_NONCE.pack(self._direction, counter), ciphertext, None)
         except InvalidTag:
             raise ProtocolError("a sealed frame failed authentication") from None
 
@@ -130,7 +134,8 @@ class SealedStream:
         (or on a stream whose write failed, which is then reset)."""
         if self._send_lock.locked() or not self._inner.can_send_nowait(len(payload) + TAG_BYTES):
             return False
-        return self._inner.send_nowait(self._out.seal(bytes(payload)))
+        self._inner.commit_nowait(self._out.seal(bytes(payload)))  # checked just above
+        return True
 
     async def receive(self, timeout: float) -> bytes:
         sealed = await self._inner.receive(timeout)
