@@ -134,8 +134,9 @@ class SealedStream:
         (or on a stream whose write failed, which is then reset)."""
         if self._send_lock.locked() or not self._inner.can_send_nowait(len(payload) + TAG_BYTES):
             return False
-        self._inner.commit_nowait(self._out.seal(bytes(payload)))  # checked just above
-        return True
+        # Checked just above; False still when the write itself failed (the caller's usual
+        # send then raises the failure at once).
+        return self._inner.commit_nowait(self._out.seal(bytes(payload)))
 
     async def receive(self, timeout: float) -> bytes:
         sealed = await self._inner.receive(timeout)

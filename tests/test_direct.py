@@ -18,7 +18,7 @@ from inclavate import tensors
 from inclavate.types import LayerRange, NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.direct import Grant
-from p2p.errors import DialError, FrameTooLarge, ProtocolError, StreamClosed
+from p2p.errors import DialError, FrameTooLarge, ProtocolError, StreamClosed, StreamError
 from p2p.forward import ForwardService
 from p2p.framing import FramedStream
 from p2p.host import open_host
@@ -106,6 +106,25 @@ async def test_an_oversized_payload_is_refused_without_spending_a_nonce() -> Non
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.send, b"fits", 10.0)
             assert await b.receive(10.0) == b"fits"  # the stream is still in step
+
+
+async def test_a_sealed_write_in_place_that_fails_says_so() -> None:
+    """A frame written in place to a peer that is gone is reported unsent (False), so the
+    caller's usual send raises the failure at once instead of waiting for an answer that
+    cannot come."""
+    s1, s2 = trio.socket.socketpair()
+    key = os.urandom(32)
+    a = SealedStream(FramedStream.over_socket(trio.SocketStream(s1)), key, dialer=True, remote_peer=PeerId("b"))
+    b = SealedStream(FramedStream.over_socket(trio.SocketStream(s2)), key, dialer=False, remote_peer=PeerId("a"))
+    with trio.fail_after(5):
+        assert a.send_nowait(b"x" * 1200)
+        assert await b.receive(1.0) == b"x" * 1200
+        s1.close()  # the socket fails under the writer: the very next write in place
+        assert not a.send_nowait(b"x" * 1200)
+        with pytest.raises(StreamError):
+            await a.send(b"y", 1.0)
+        await a.reset()
+        await b.reset()
 
 
 async def test_an_unsealed_frame_resets_the_stream() -> None:
