@@ -170,6 +170,41 @@ class ReadAhead:
         return getattr(self._stream, name)
 
 
+_HELD_KEPT = 4096
+"""(neighbour, message id) pairs remembered by :class:`Held`: ~2 s of a 1,000-peer swarm's
+records from 4 mesh neighbours; an evicted pair only costs one copy sent as before."""
+
+
+class Held:
+    """Which neighbour sent us which message: a forward to a peer that sent us the message
+    itself is a copy it drops unread.
+
+    In a full mesh each message reached every peer twice: from its author (which sends its
+    own to every neighbour) and forwarded by the third peer, whose forward crossed the
+    other's on the wire. A copy received from a neighbour now stops the copy still queued
+    for it (docs/ARCHITECTURE.md, "What an idle peer wakes up for"). Only the connection a
+    copy came on names who holds it, so a neighbour can only ever stop forwards to itself,
+    whatever it sends (a forged copy included: it then misses that message, as if it had
+    dropped it). Bounded: the oldest pair goes first (then that copy is sent, as before)."""
+
+    def __init__(self, kept: int = _HELD_KEPT) -> None:
+        self._kept = kept
+        self._pairs: dict[tuple[ID, bytes], None] = {}
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def add(self, peer: ID, msg_id: bytes) -> None:
+        pairs = self._pairs
+        if len(pairs) >= self._kept:
+            del pairs[next(iter(pairs))]
+        pairs[(peer, msg_id)] = None
+
+    def has(self, peer: ID, msg_id: bytes) -> bool:
+        return (peer, msg_id) in self._pairs
+
+
+
 class SwarmPubsub(Pubsub):
     """libp2p Pubsub with its two silent 32-slot drops replaced by sized queues.
 
@@ -186,6 +221,7 @@ class SwarmPubsub(Pubsub):
                  topics: dict[str, Broadcast], inbound: InboundStreams) -> None:
         super().__init__(host, router, seen_ttl=config.seen_ttl)
         self._config = config
+        self.held = Held()
         self._topics = topics
         # The library registered our reader for each of its protocol versions; a peer's
         # streams of all versions count together against one cap.
@@ -197,6 +233,27 @@ class SwarmPubsub(Pubsub):
         for topic in publish_message.topicIDs:
             if topic in self._topics:
                 self._topics[topic].send(message)
+
+    async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
+        """Remember that the neighbour who sent this message holds it (see :class:`Held`),
+        then take it as the library does (a copy already seen is dropped there, before its
+        signature is checked)."""
+        if msg_forwarder != self.my_id:
+            self.held.add(msg_forwarder, self._msg_id_constructor(msg))
+        await super().push_msg(msg_forwarder, msg)
+
+    async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
+        """Send an RPC, unless it only carries messages its receiver sent us since it was
+        queued (a forward queued before the receiver's own copy of it reached us)."""
+        if self._held_by(stream.muxed_conn.peer_id, rpc_msg):
+            return True
+        return await super().write_msg(stream, rpc_msg)
+
+    def _held_by(self, peer: ID, rpc: rpc_pb2.RPC) -> bool:
+        if not rpc.publish or rpc.subscriptions or rpc.HasField("control"):
+            return False
+        held, msg_id = self.held, self._msg_id_constructor
+        return all(held.has(peer, msg_id(message)) for message in rpc.publish)
 
     async def stream_handler(self, stream: INetStream) -> None:
         """The library's reader, with every failure confined to the sender's stream.
@@ -224,17 +281,73 @@ class SwarmPubsub(Pubsub):
             logger.warning("libp2p RpcQueue changed shape; outbound queue left at default")
 
 
+_DEFER_MIN_S = 0.1
+"""A deferred forward waits at least this long (then until a gossipsub heartbeat) for its
+receiver's own copy: one process's read, check and write of a record, on a loaded core."""
+_DEFERRED_KEPT = 1024
+"""Forwards waiting at once; beyond, a forward goes at once, as before."""
+
+
 class SwarmGossipSub(GossipSub):
-    """GossipSub without IDONTWANT.
+    """GossipSub without IDONTWANT, and with the crossing forward of a full mesh deferred.
 
     py-libp2p 0.8.1 (gossipsub >= 1.2) sends an IDONTWANT to every mesh neighbour for every
     message it receives, whatever its size; go-libp2p sends it only above 1 KiB, where it
     saves a large duplicate. Registry records are 1-8 KB and CPU, not bandwidth, is what an
     idle swarm spends: the notice cost as much as the duplicate it might spare (one extra
-    RPC per message and neighbour, each a Noise frame and a loopback send)."""
+    RPC per message and neighbour, each a Noise frame and a loopback send).
+
+    A message received from its author itself is forwarded at once only to neighbours with
+    a higher PeerID; to one with a lower PeerID it goes at the first gossipsub heartbeat at
+    least ``_DEFER_MIN_S`` later (within ~1.1 s), and only if that neighbour has not sent
+    it to us meanwhile (:class:`Held`). Two neighbours of the author both forwarded its
+    message to each other, each copy crossing the other; now the lower one's copy goes at
+    once and stops the higher one's: 3 RPCs a message in a full 3-mesh, not 4. Nobody's
+    word decides a skip, only a copy received on that neighbour's own connection; a
+    neighbour that does not hear the author gets the message up to ~1.1 s later, only on
+    the first hop after the author."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred: list[tuple[float, ID, bytes]] = []
 
     async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Iterable[str]) -> None:
         return None
+
+    def _defer_crossing(self, peers: set[ID], msg_forwarder: ID, msg_id: bytes) -> set[ID]:
+        """The forwards of an author's message to lower neighbours, kept for later."""
+        pubsub = self.pubsub
+        if pubsub is None or len(self._deferred) + len(peers) > _DEFERRED_KEPT:
+            return peers
+        me = pubsub.my_id.to_bytes()
+        later = {peer for peer in peers if peer.to_bytes() < me}
+        if later:
+            now = time.monotonic()
+            self._deferred.extend((now, peer, msg_id) for peer in later)
+        return peers - later
+
+    def fanout_heartbeat(self) -> None:
+        """The library's fanout upkeep, then the deferred forwards that are due (on the
+        heartbeat's own wake-up: no timer of ours)."""
+        super().fanout_heartbeat()
+        self.send_deferred(time.monotonic() - _DEFER_MIN_S)
+
+    def send_deferred(self, queued_by: float) -> None:
+        """Send each forward deferred before ``queued_by`` whose receiver has not sent us
+        the message meanwhile."""
+        pubsub = self.pubsub
+        due = [entry for entry in self._deferred if entry[0] <= queued_by]
+        if not due or pubsub is None:
+            return
+        self._deferred = [entry for entry in self._deferred if entry[0] > queued_by]
+        held = getattr(pubsub, "held", None)
+        for _, peer, msg_id in due:
+            message = self.mcache.get(msg_id)
+            if message is None or peer not in pubsub.peers or (held is not None and held.has(peer, msg_id)):
+                continue
+            rpc = rpc_pb2.RPC(publish=[message])
+            rpc.senderRecord = libp2p.pubsub.gossipsub.env_to_send_in_RPC(pubsub.host)[0]
+            self.send_rpc(peer, rpc)
 
     def _get_peers_to_send(self, topic_ids: Iterable[str], msg_forwarder: ID, origin: ID,
                            msg_id: bytes | None = None) -> Iterable[ID]:  # fmt: skip
@@ -251,7 +364,12 @@ class SwarmGossipSub(GossipSub):
         peers = set(super()._get_peers_to_send(topic_ids, msg_forwarder, origin, msg_id))
         pubsub = self.pubsub
         if pubsub is None or not origin == msg_forwarder == pubsub.my_id:
-            return peers
+            if msg_id is None:
+                return peers
+            held = getattr(pubsub, "held", None)
+            if held is not None:
+                peers = {peer for peer in peers if not held.has(peer, msg_id)}  # it sent it to us
+            return self._defer_crossing(peers, msg_forwarder, msg_id) if msg_forwarder == origin else peers
         for topic in topic_ids:
             peers.update(p for p in pubsub.peer_topics.get(topic, ()) if p in self.peer_protocol)
         peers.discard(origin)

@@ -461,3 +461,68 @@ async def test_a_protocol_the_peer_refuses_costs_no_replacement_connection() -> 
         with pytest.raises(DialError, match="cannot open"):
             await a.new_stream(b.peer_id, "/inclavate/not-served/1", timeout=5)
         assert network.get_connections(b_id) == conn and not conn[0].is_closed
+
+
+async def _full_mesh(hosts: list[P2PHost]) -> list[trio.MemoryReceiveChannel]:  # type: ignore[type-arg]
+    subscriptions = [await h.subscribe(TOPIC) for h in hosts]
+    for left, right in itertools.combinations(hosts, 2):
+        await left.connect(right.multiaddrs()[0])
+    others = len(hosts) - 1
+    await wait_until(lambda: all(len(h.mesh_peers(TOPIC)) == others for h in hosts), what="a full mesh")
+    return subscriptions
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ID, bytes]]:
+    """Every publish RPC a host writes, as (receiver, message data), from the library's write."""
+    from libp2p.pubsub.pubsub import Pubsub
+
+    written: list[tuple[ID, bytes]] = []
+    write = Pubsub.write_msg
+
+    async def counting(self: Pubsub, stream: object, rpc: object) -> bool:
+        for message in rpc.publish:  # type: ignore[attr-defined]
+            written.append((stream.muxed_conn.peer_id, message.data))  # type: ignore[attr-defined]
+        return await write(self, stream, rpc)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Pubsub, "write_msg", counting)
+    return written
+
+
+async def test_in_a_full_mesh_a_message_is_sent_three_times_not_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each peer's own message went to both others, and each of them forwarded it to the
+    third, their two copies crossing: 4 RPCs, 2 of them dropped unread. The forward to the
+    lower PeerID now waits for that neighbour's own copy, which stops it: 3."""
+    written = _count_writes(monkeypatch)
+    with trio.fail_after(30):
+        async with running_hosts(3) as hosts:
+            subscriptions = await _full_mesh(hosts)
+            written.clear()
+            for round_ in range(5):
+                for i, host in enumerate(hosts):
+                    await host.publish(TOPIC, b"%d from %d" % (round_, i))
+                await trio.sleep(0.05)
+            sent = {b"%d from %d" % (r, i) for r in range(5) for i in range(3)}
+            for sub in subscriptions:
+                got: set[bytes] = set()
+                with trio.fail_after(5):
+                    while got != sent:
+                        got.add((await sub.receive()).data)
+            await trio.sleep(1.5)  # every deferred forward due, sent or stopped
+            assert len(written) == 3 * len(sent), len(written)
+            for sub in subscriptions:  # and nothing twice
+                with pytest.raises(trio.WouldBlock):
+                    sub.receive_nowait()
+
+
+async def test_a_neighbour_that_does_not_hear_the_author_still_gets_its_messages_both_ways() -> None:
+    """A line a - b - c: b defers its forward of one end's message to the other end when
+    that end's PeerID is lower; with no copy from it, the forward goes at b's next gossip
+    heartbeat. Both ends hear each other whichever way the PeerIDs sort."""
+    with trio.fail_after(30):
+        async with running_hosts(3) as hosts:
+            subscriptions = await _gossip_mesh(hosts)
+            await hosts[0].publish(TOPIC, b"from a")
+            await hosts[2].publish(TOPIC, b"from c")
+            with trio.fail_after(3):  # at most a heartbeat (1 s) and _DEFER_MIN_S late
+                for sub in (subscriptions[0], subscriptions[2]):  # each its own, then the other's
+                    assert {(await sub.receive()).data for _ in range(2)} == {b"from a", b"from c"}
