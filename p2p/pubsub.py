@@ -182,7 +182,7 @@ class Held:
     In a full mesh each message reached every peer twice: from its author (which sends its
     own to every neighbour) and forwarded by the third peer, whose forward crossed the
     other's on the wire. A copy received from a neighbour now stops the copy still queued
-    for it (docs/ARCHITECTURE.md, "What an idle peer wakes up for"). Only the connection a
+    for it (docs/ARCHITECTURE.md, "The crossing forward" in Gossip). Only the connection a
     copy came on names who holds it, so a neighbour can only ever stop forwards to itself,
     whatever it sends (a forged copy included: it then misses that message, as if it had
     dropped it). Bounded: the oldest pair goes first (then that copy is sent, as before)."""
@@ -314,7 +314,7 @@ class SwarmGossipSub(GossipSub):
     async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Iterable[str]) -> None:
         return None
 
-    def _defer_crossing(self, peers: set[ID], msg_forwarder: ID, msg_id: bytes) -> set[ID]:
+    def _defer_crossing(self, peers: set[ID], msg_id: bytes) -> set[ID]:
         """The forwards of an author's message to lower neighbours, kept for later."""
         pubsub = self.pubsub
         if pubsub is None or len(self._deferred) + len(peers) > _DEFERRED_KEPT:
@@ -369,7 +369,7 @@ class SwarmGossipSub(GossipSub):
             held = getattr(pubsub, "held", None)
             if held is not None:
                 peers = {peer for peer in peers if not held.has(peer, msg_id)}  # it sent it to us
-            return self._defer_crossing(peers, msg_forwarder, msg_id) if msg_forwarder == origin else peers
+            return self._defer_crossing(peers, msg_id) if msg_forwarder == origin else peers
         for topic in topic_ids:
             peers.update(p for p in pubsub.peer_topics.get(topic, ()) if p in self.peer_protocol)
         peers.discard(origin)

@@ -1,7 +1,7 @@
 """A copy of a gossip message decides only what we send back to whoever sent it.
 
 Since a forward to a neighbour that sent us the message itself is not sent
-(``p2p.pubsub.Held``, docs/ARCHITECTURE.md "What an idle peer wakes up for"), a copy
+(``p2p.pubsub.Held``, docs/ARCHITECTURE.md "The crossing forward"), a copy
 received is a new input that changes what we send. A hostile neighbour can send any copy
 it likes (a forged one, of a message it never had, of one not yet published); it must only
 ever stop forwards to itself, never to another peer, and what it makes us remember is bounded.
