@@ -204,7 +204,6 @@ class Held:
         return (peer, msg_id) in self._pairs
 
 
-
 class SwarmPubsub(Pubsub):
     """libp2p Pubsub with its two silent 32-slot drops replaced by sized queues.
 
