@@ -50,6 +50,7 @@ from p2p.latency import usable_link_ms
 from p2p.legs import Leg, LegWatch, blame, seen_gone
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason
+from p2p.inbox import Inbox
 from p2p import pace
 from p2p.pace import Pace
 from p2p.registry import NodeView
@@ -343,9 +344,10 @@ class SwarmPipeline:
         limit = self.deadline.seconds(session.flight_tokens)
         deadline_at = session.flight_since + limit
         while True:
-            wait = min(self.policy.poll_s, deadline_at - trio.current_time())
-            with trio.move_on_after(max(0.0, wait)):
-                reply = await leg.inbox.receive()
+            # The route's health is looked at every ``poll_s`` while the token is out; the
+            # wait needs no cancel scope of its own (``p2p.inbox``: a token's hand-over).
+            reply = await leg.inbox.receive_by(min(trio.current_time() + self.policy.poll_s, deadline_at))
+            if reply is not None:
                 outcome = self._on_reply(leg, reply, req)
                 if isinstance(outcome, int):
                     took = trio.current_time() - session.flight_since
@@ -818,7 +820,7 @@ class SwarmPipeline:
         finally:
             self.service.close_inbox(leg.wire_id)
 
-    async def _await_closed(self, inbox: trio.MemoryReceiveChannel[wire.Message], pending: set[int]) -> bool:
+    async def _await_closed(self, inbox: Inbox[wire.Message], pending: set[int]) -> bool:
         """Wait for ``closed`` of every request in ``pending``; False on an error or timeout."""
         with trio.move_on_after(self.close_timeout):
             async for reply in inbox:

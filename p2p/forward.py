@@ -40,6 +40,7 @@ from p2p.asked import AskedRequests
 from p2p.direct import DirectLinks
 from p2p.errors import LinkFull, P2PError, StreamError
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
+from p2p.inbox import Alarm, Inbox
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
 from p2p.host import P2PHost
 from p2p.records import NodeRecord, legacy_owner
@@ -291,6 +292,9 @@ than a stage has in flight to one neighbour."""
 _BURST_MAX = _LINK_QUEUE
 """Most messages one write carries."""
 
+_INBOX_SIZE = 256
+"""Answers a session's inbox holds unread (a full one refuses more: the hops of its route
+cannot grow it)."""
 _MAX_CLOSE_RETRIES = 256
 """Undelivered closes of ours being sent again (a close is a few hundred bytes)."""
 _ONWARD_SLACK = 4
@@ -330,7 +334,9 @@ class ForwardService:
         self._waiting: dict[FramedStream | SealedStream, float] = {}
         """Inbound streams being read, with when their reader began to wait for the next
         frame (infinity while it handles one): one row per live stream."""
-        self._inboxes: dict[SessionId, trio.MemorySendChannel[wire.Message]] = {}
+        self._inboxes: dict[SessionId, Inbox[wire.Message]] = {}
+        self._alarm = Alarm()
+        """Times the waits of the sessions this peer drives (:mod:`p2p.inbox`)."""
         self._inbox_peers: dict[SessionId, frozenset[PeerId]] = {}
         self._asked = AskedRequests(self.me)
         """The requests sent for sessions this peer drives (:meth:`ask`), and who may answer each."""
@@ -452,6 +458,7 @@ class ForwardService:
             if self.direct is not None:
                 self.direct.set_handler(wire.PROTOCOL, self._serve_stream)
                 await nursery.start(self.direct.run)
+            await nursery.start(self._alarm.run)
             nursery.start_soon(self._free_idle_stranger_sessions)
             nursery.start_soon(self._reset_idle_streams)
             task_status.started()
@@ -859,16 +866,15 @@ class ForwardService:
 
     # -------------------------------------------------------------- entry side
 
-    def open_inbox(self, session_id: SessionId, route_peers: Iterable[PeerId] | None = None) -> trio.MemoryReceiveChannel[wire.Message]:
+    def open_inbox(self, session_id: SessionId, route_peers: Iterable[PeerId] | None = None) -> Inbox[wire.Message]:
         """Results, errors and close acknowledgements for a session this peer drives, taken
         only from ``route_peers`` and this peer itself, each for a request sent with
         :meth:`ask` and only from a hop that request reached (None: from anyone)."""
-        send, receive = trio.open_memory_channel[wire.Message](256)
-        self._inboxes[session_id] = send
+        inbox = self._inboxes[session_id] = Inbox[wire.Message](_INBOX_SIZE, self._alarm)
         if route_peers is not None:
             self._inbox_peers[session_id] = frozenset((*route_peers, self.me))
             self._asked.track(session_id)
-        return receive
+        return inbox
 
     def close_inbox(self, session_id: SessionId) -> None:
         self._inbox_peers.pop(session_id, None)

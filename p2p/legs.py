@@ -19,6 +19,7 @@ import trio
 from inclavate.types import NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.failover import FailoverPolicy, hop_trouble
+from p2p.inbox import Inbox
 from p2p.registry import NodeView
 from p2p.routing import Hop
 
@@ -27,7 +28,7 @@ from p2p.routing import Hop
 class Leg:
     wire_id: SessionId
     route: tuple[Hop, ...]
-    inbox: trio.MemoryReceiveChannel[wire.Message]
+    inbox: Inbox[wire.Message]
     seen: set[PeerId] = field(default_factory=set)
     """Hops we have been connected to: losing that connection means the hop died."""
     lost: dict[PeerId, float] = field(default_factory=dict)

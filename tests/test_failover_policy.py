@@ -18,6 +18,7 @@ from p2p.chain import least_used_lane
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.records import NodeRecord
 from p2p.registry import NodeView
+from p2p.inbox import Alarm, Inbox
 from p2p.legs import Leg, LegWatch, seen_gone
 from p2p.latency import UNREACHABLE_MS, usable_link_ms
 from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
@@ -297,7 +298,9 @@ class _Service:
         self.me = PeerId(me)
         self.held = held
         self.sent: list[tuple[PeerId, object]] = []
-        self._inboxes: dict[str, trio.MemorySendChannel[object]] = {}
+        self._inboxes: dict[str, Inbox[object]] = {}
+        self.alarm = Alarm()
+        """Times the inboxes' waits once a test runs it (else each wait takes a cancel scope)."""
 
     async def send(self, peer: PeerId, msg: object) -> None:
         from p2p import wire
@@ -309,9 +312,8 @@ class _Service:
     ask = send
 
     def open_inbox(self, session_id: SessionId, route_peers=None):
-        send, receive = trio.open_memory_channel[object](256)
-        self._inboxes[session_id] = send
-        return receive
+        inbox = self._inboxes[session_id] = Inbox[object](256, self.alarm)
+        return inbox
 
     def close_inbox(self, session_id: SessionId) -> None:
         self._inboxes.pop(session_id, None)
@@ -850,6 +852,7 @@ def test_a_hop_that_holds_every_step_just_under_the_deadline_is_left_and_routed_
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             service.nursery = nursery
+            await nursery.start(service.alarm.run)  # the waits timed as a peer's are
             took = await _chat(pipeline, "s1", 12)()
             assert sum(t > 1.0 for t in took) == 3  # policy.slow_steps: then it moved
             assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "c", "f", "b"]
@@ -858,6 +861,7 @@ def test_a_hop_that_holds_every_step_just_under_the_deadline_is_left_and_routed_
             took = await _chat(pipeline, "s2", 4)()
             assert max(took) < 0.1
             assert [h.node_id for h in pipeline.route_of(SessionId("s2")) or ()] == ["a", "c", "f", "b"]
+            nursery.cancel_scope.cancel()
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
