@@ -130,7 +130,7 @@ class Inbox(Generic[T]):
         """The next item, waiting as long as it takes (a cancel scope of the caller's bounds it)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._items:
-            return self._items.popleft()
+            return await self._queued()
         if self._closed:
             raise trio.EndOfChannel
         return await self._park()  # type: ignore[no-any-return]
@@ -151,7 +151,7 @@ class Inbox(Generic[T]):
             await trio.lowlevel.checkpoint()
             return None
         if self._items:
-            return self._items.popleft()
+            return await self._queued()
         if self._closed:
             raise trio.EndOfChannel
         alarm.wake_at(self, at)  # type: ignore[arg-type]
@@ -165,6 +165,13 @@ class Inbox(Generic[T]):
             return await self.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
+
+    async def _queued(self) -> T:
+        """The first queued item, after a turn as a memory channel takes: a whole peer's
+        token is queued before its generation waits for it, and without the turn that
+        generation never let the response's task (or any other) run until it ended."""
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return self._items.popleft()
 
     def _park(self) -> object:
         if self._task is not None:
