@@ -3,6 +3,9 @@ scope per token) behave as the memory channel inside ``move_on_after`` they repl
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 from trio.testing import MockClock
@@ -14,14 +17,20 @@ def _run(main) -> None:  # type: ignore[no-untyped-def]
     trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
+@asynccontextmanager
+async def _inbox(timed_by_alarm: bool) -> AsyncIterator[tuple[trio.Nursery, Alarm, Inbox[int]]]:
+    """An inbox of 4, its waits timed by a running alarm or (not running) by a cancel scope."""
+    async with trio.open_nursery() as nursery:
+        alarm = Alarm()
+        if timed_by_alarm:
+            await nursery.start(alarm.run)
+        yield nursery, alarm, Inbox[int](4, alarm)
+
+
 @pytest.mark.parametrize("timed_by_alarm", [True, False])
 def test_a_wait_gets_what_arrives_or_none_at_its_due_time(timed_by_alarm: bool) -> None:
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            alarm = Alarm()
-            if timed_by_alarm:
-                await nursery.start(alarm.run)
-            inbox = Inbox[int](4, alarm)
+        async with _inbox(timed_by_alarm) as (nursery, alarm, inbox):
             began = trio.current_time()
             assert await inbox.receive_by(began + 0.1) is None
             assert trio.current_time() - began == pytest.approx(0.1)
@@ -138,11 +147,7 @@ def test_a_token_already_queued_still_lets_the_other_tasks_run(timed_by_alarm: b
     tokens a second). A queued item is handed over after a turn, as a memory channel's."""
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            alarm = Alarm()
-            if timed_by_alarm:
-                await nursery.start(alarm.run)
-            inbox = Inbox[int](4, alarm)
+        async with _inbox(timed_by_alarm) as (nursery, alarm, inbox):
             turns = [0]
 
             async def ticker() -> None:
