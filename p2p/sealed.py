@@ -45,27 +45,23 @@ class Sealer:
         self._direction = b"\x01\0\0\0" if dialer_to_acceptor else b"\x02\0\0\0"
         self._counter = 0
 
-    # The nonce is counted in each of seal and open, not in a helper both call: every hop
-    # does both once a token, on caches its engine call left cold.
+    def _next_nonce(self) -> bytes:
+        if self._counter >= _MAX_COUNTER:
+            raise ProtocolError("a sealed stream ran out of nonces")
+        nonce = _NONCE.pack(self._direction, self._counter)
+        self._counter += 1
+        return nonce
 
     def seal(self, plaintext: bytes) -> bytes:
-        counter = self._counter
-        if counter >= _MAX_COUNTER:
-            raise ProtocolError("a sealed stream ran out of nonces")
-        self._counter = counter + 1
-        return self._cipher.encrypt(_NONCE.pack(self._direction, counter), plaintext, None)
+        return self._cipher.encrypt(self._next_nonce(), plaintext, None)
 
     def open(self, ciphertext: bytes) -> bytes:
         """The plaintext, or :class:`ProtocolError` if the frame is not the next one sealed
         with our key in this direction (forged, replayed, reordered, truncated)."""
-        counter = self._counter
         if len(ciphertext) < TAG_BYTES:
             raise ProtocolError("a sealed frame is shorter than its tag")
-        if counter >= _MAX_COUNTER:
-            raise ProtocolError("a sealed stream ran out of nonces")
-        self._counter = counter + 1
         try:
-            return self._cipher.decrypt(_NONCE.pack(self._direction, counter), ciphertext, None)
+            return self._cipher.decrypt(self._next_nonce(), ciphertext, None)
         except InvalidTag:
             raise ProtocolError("a sealed frame failed authentication") from None
 
