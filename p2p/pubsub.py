@@ -216,11 +216,12 @@ class SwarmPubsub(Pubsub):
       raised right after it is created (:meth:`_handle_new_peer`); a test pins this.
     """
 
-    def __init__(self, host: BasicHost, router: GossipSub, config: GossipConfig,
+    def __init__(self, host: BasicHost, router: SwarmGossipSub, config: GossipConfig,
                  topics: dict[str, Broadcast], inbound: InboundStreams) -> None:
         super().__init__(host, router, seen_ttl=config.seen_ttl)
         self._config = config
-        self.held = Held()
+        self.held = router.held
+        """The router's table (it decides the forwards); filled here, where copies arrive."""
         self._topics = topics
         # The library registered our reader for each of its protocol versions; a peer's
         # streams of all versions count together against one cap.
@@ -309,6 +310,7 @@ class SwarmGossipSub(GossipSub):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deferred: list[tuple[float, ID, bytes]] = []
+        self.held = Held()
 
     async def _emit_idontwant_for_message(self, msg_id: bytes, topic_ids: Iterable[str]) -> None:
         return None
@@ -339,10 +341,9 @@ class SwarmGossipSub(GossipSub):
         if not due or pubsub is None:
             return
         self._deferred = [entry for entry in self._deferred if entry[0] > queued_by]
-        held = getattr(pubsub, "held", None)
         for _, peer, msg_id in due:
             message = self.mcache.get(msg_id)
-            if message is None or peer not in pubsub.peers or (held is not None and held.has(peer, msg_id)):
+            if message is None or peer not in pubsub.peers or self.held.has(peer, msg_id):
                 continue
             rpc = rpc_pb2.RPC(publish=[message])
             rpc.senderRecord = libp2p.pubsub.gossipsub.env_to_send_in_RPC(pubsub.host)[0]
@@ -365,9 +366,7 @@ class SwarmGossipSub(GossipSub):
         if pubsub is None or not origin == msg_forwarder == pubsub.my_id:
             if msg_id is None:
                 return peers
-            held = getattr(pubsub, "held", None)
-            if held is not None:
-                peers = {peer for peer in peers if not held.has(peer, msg_id)}  # it sent it to us
+            peers = {peer for peer in peers if not self.held.has(peer, msg_id)}  # it sent it to us
             return self._defer_crossing(peers, msg_id) if msg_forwarder == origin else peers
         for topic in topic_ids:
             peers.update(p for p in pubsub.peer_topics.get(topic, ()) if p in self.peer_protocol)
