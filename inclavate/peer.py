@@ -227,6 +227,7 @@ class Peer:
                                                   max_frame_bytes=max_frame_bytes(cfg.engine.context_length, meta.d_model))
                     self.forward.record_of = self._registered
                     self.forward.records_signed_by = self._signed_by
+                    self.forward.registry_table = self._registry_table
                     await nursery.start(self.forward.run)
                     serve_vocab(host, self._local_vocab)
                     self.latency = LatencyMonitor(host, self._route_candidates)
@@ -528,6 +529,10 @@ class Peer:
         """The registry's record of a node: what forward routes are checked against."""
         entry = self.registry.table.get(node_id) if self.registry is not None else None
         return entry.record if entry is not None else None
+
+    def _registry_table(self) -> object:
+        """The registry's table as it is now: a new object whenever a record changes."""
+        return self.registry.table if self.registry is not None else None
 
     def _signed_by(self, peer: PeerId) -> list[NodeRecord]:
         """Every record ``peer`` signs in the registry (its node's, its legacy nodes')."""

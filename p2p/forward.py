@@ -350,6 +350,14 @@ class ForwardService:
         """Every record a peer signs, its node's and its legacy nodes' (set by the peer): a
         frame of hidden states gets a known peer's quota only from a peer that signs a live
         record of this model ending where this stage starts (:meth:`_may_feed`)."""
+        self.registry_table: Callable[[], object] | None = None
+        """The registry's current table (set by the peer): a new object whenever any record
+        changes. The route checks of a step context are run once per table (:meth:`_passed`)."""
+        self._passed_routes: dict[tuple[bytes, PeerId], bool] = {}
+        """Step contexts (their bytes) and senders whose route and sender checks passed against
+        ``_passed_table`` and the current stage, with the sender's verdict (a known peer or
+        not). Emptied when either changes; at most ``wire.CONTEXT_CACHE_ENTRIES`` rows."""
+        self._passed_table: object = None
         self.admission = Admission(admission, is_known=self._is_known, fed_by=self._fed_by)
         self.drops = DropCounter()
         """Frames refused, by :class:`~p2p.forward_checks.FrameReason`."""
@@ -368,6 +376,7 @@ class ForwardService:
     def stage(self, stage: Stage | None) -> None:
         self._stage = stage
         self._onward.clear()
+        self._passed_routes.clear()
         if stage is not None:
             stage.on_evict = self._on_evicted
         self.admission.reset_in_flight()
@@ -654,25 +663,33 @@ class ForwardService:
             self.drops.count(FrameReason.TOKENS_NOT_FROM_ENTRY)
             log.info("dropping token ids from %s that name %s as their entry", remote, msg.reply_to)
             return
-        hop = msg.route[0]
-        stage = self._serves(hop)
-        if stage is None and not (hop.forward_url and self.relay is not None):
-            to = self._refusal_goes_to(msg, remote)
-            if self.leaving and hop.node_id == self.node_id:
-                await self._fail(msg, "shutting_down", f"{self.me} has left the swarm", to=to)
+        known = self._passed(msg, remote)
+        if known is None:
+            hop = msg.route[0]
+            stage = self._serves(hop)
+            if stage is None and not (hop.forward_url and self.relay is not None):
+                to = self._refusal_goes_to(msg, remote)
+                if self.leaving and hop.node_id == self.node_id:
+                    await self._fail(msg, "shutting_down", f"{self.me} has left the swarm", to=to)
+                    return
+                await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to)
                 return
-            await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to)
-            return
+        else:
+            stage = self._stage
         # Each check below runs at every hop of every token, on caches the engine call left
         # cold: what only some frames need is asked only of them (a relayed hop's registry
-        # lookup, a stranger's session ownership, a replay).
+        # lookup, a stranger's session ownership, a replay), and what a step context decides
+        # once per registry table (:meth:`_passed`).
         try:
-            n_layers = stage.engine.info.n_layers if stage is not None else self._n_layers(hop)
-            complete_at = None if msg.discard else n_layers or msg.route[-1].layers.end
-            forward_checks.check_route(msg.route, complete_at, self.record_of)
+            if known is None:
+                n_layers = stage.engine.info.n_layers if stage is not None else self._n_layers(hop)
+                complete_at = None if msg.discard else n_layers or msg.route[-1].layers.end
+                forward_checks.check_route(msg.route, complete_at, self.record_of)
             item = self._item(msg, stage) if stage is not None else None
             if stage is not None:
-                known = self._may_feed(remote, msg, stage)
+                if known is None:
+                    known = self._may_feed(remote, msg, stage)
+                    self._note_passed(msg, remote, known)
                 # Whether the stage holds the session (its first job may still wait here:
                 # someone's) decides only a stranger's frame.
                 held = not known and stage.holds(msg.session_id)
@@ -707,6 +724,32 @@ class ForwardService:
         except BaseException:
             release()  # never queued, or run in place and cut short: nothing holds the frame
             raise
+
+    def _passed(self, msg: wire.Forward, remote: PeerId) -> bool | None:
+        """Whether ``remote`` is a known peer for ``msg``, when a frame of the same step
+        context from the same sender already passed the checks that context decides (this
+        stage serves its first hop, its route is a registered chain, the sender may feed this
+        stage) against the registry's current table; None: run them.
+
+        Those checks read only the context's bytes, the sender, the stage and the table, so
+        a frame passes them as its predecessor did until one of these changes. They cost ~20
+        Python calls a frame in registry lookups alone, on caches the engine call left cold."""
+        table = self.registry_table() if self.registry_table is not None else None
+        if table is not self._passed_table:
+            self._passed_routes.clear()
+            self._passed_table = table
+            return None
+        return self._passed_routes.get((msg.context, remote)) if msg.context is not None else None
+
+    def _note_passed(self, msg: wire.Forward, remote: PeerId, known: bool) -> None:
+        """Remember that ``msg``'s context from ``remote`` passed (see :meth:`_passed`); the
+        caller checked it against the table :meth:`_passed` just compared, with no turn since."""
+        if msg.context is None or msg.discard or msg.replay is not None:
+            return
+        routes = self._passed_routes
+        if len(routes) >= wire.CONTEXT_CACHE_ENTRIES:
+            del routes[next(iter(routes))]
+        routes[(msg.context, remote)] = known
 
     @staticmethod
     def _check_replay(msg: wire.Forward, stage: Stage) -> None:

@@ -736,6 +736,52 @@ async def test_the_peers_that_fed_a_session_may_close_it_once_the_registry_lets_
             nursery.cancel_scope.cancel()
 
 
+async def test_a_step_context_that_passed_its_checks_is_checked_again_for_another_sender_or_registry(smollm2, slice_cache) -> None:
+    """A stage runs the checks a step context decides (route, sender) once per registry table
+    and sender, not at every frame. What passed for the previous hop must not pass for a
+    stranger replaying its context's bytes, nor once the registry no longer says what the
+    check relied on: the sender lapsed, or a later hop moved its layers."""
+    me, prev, z, evil = _hop("me", 10, 20), _hop("prev", 0, 10), _hop("z", 20, 30), PeerId("evil")
+    session = SessionId("s")
+    with smollm2_engine(smollm2, slice_cache, (10, 20), max_sessions=4) as engine:
+        stage = Stage(engine)
+        service = _Wired(me, stage, prev, z)
+        registry = {"table": _registry(me, prev, z)}
+        service.registry_table = lambda: registry["table"]
+
+        def registered(*hops: Hop) -> None:
+            registry["table"] = table = _registry(*hops)
+            service.record_of = table.get
+
+        registered(me, prev, z)
+        hidden = tensors.encode(np.ones((1, engine.info.d_model), np.float32), "f16")
+
+        async def step(at: int, sender: PeerId) -> None:
+            frame = wire.decode(wire.encode(wire.Forward(at + 1, session, at, (me, z), prev.peer_id, None, hidden=hidden)))
+            assert isinstance(frame, wire.Forward) and frame.context is not None  # a step frame, context cached
+            await service._dispatch(frame, sender)
+
+        onward = lambda: sum(1 for peer, m in service.sent if peer == z.peer_id and isinstance(m, wire.Forward))  # noqa: E731
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await step(0, prev.peer_id)
+            await step(1, prev.peer_id)
+            await _until(lambda: onward() == 2, "the previous hop's steps to go on")
+            await step(2, evil)  # the same context's bytes from a stranger
+            assert service.drops[FrameReason.SESSION_NOT_YOURS] == 1
+            registered(me, z)  # the previous hop lapsed
+            await step(2, prev.peer_id)
+            assert service.drops[FrameReason.SESSION_NOT_YOURS] == 2
+            registered(me, prev, _hop("z", 25, 30))  # the next hop now holds other layers
+            await step(2, prev.peer_id)
+            assert service.drops[FrameReason.ROUTE_UNREGISTERED] == 1
+            registered(me, prev, z)  # as at first: the step goes on
+            await step(2, prev.peer_id)
+            await _until(lambda: onward() == 3, "the step to go on once the registry says so again")
+            assert engine.session_length(session) == 3
+            nursery.cancel_scope.cancel()
+
+
 async def test_only_the_hop_asked_to_adopt_may_answer_for_it() -> None:
     """The entry matched ``adopted`` answers by request id only (a process-wide counter):
     another hop of the new route (one placed in the replacement span) answering first for a
