@@ -52,6 +52,8 @@ from p2p import wire
 from p2p.forward import ForwardService
 from p2p.host import open_host
 from p2p.identity import Identity
+from p2p.records import NodeRecord, SignedRecord, now_ms
+from p2p.registry import Liveness, Table, apply
 from p2p.routing import Hop
 
 LINK_FRAMES = 3
@@ -96,6 +98,12 @@ async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, in
             engines.append(engine)
         for x, y in ((a, b), (b, c), (c, a)):
             await x.connect(y.multiaddrs()[0])
+        table = _registry([(host, layers) for host, layers in zip(hosts, ranges)], ModelId(model_id), n_layers,
+                          engines[0].info.d_model)  # fmt: skip
+        for service in services:  # wired as a peer wires them: every frame checked against the registry
+            service.record_of = lambda node_id: entry.record if (entry := table.get(node_id)) else None
+            service.records_signed_by = table.records_signed_by
+            service.registry_table = lambda: table
         route = tuple(Hop(NodeId(h.peer_id), h.peer_id, layers) for h, layers in zip(hosts, ranges))
         entry, session = services[0], SessionId("chain")
         inbox = entry.open_inbox(session)
@@ -147,6 +155,17 @@ async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, in
 
 
 _PEER_ON_FORWARD = ForwardService._on_forward
+
+
+def _registry(holders: list[tuple[Any, LayerRange]], model_id: ModelId, n_layers: int, d_model: int) -> Table:
+    """The registry every peer keeps, holding each host's signed record of its range (it holds
+    still here: in a swarm each heartbeat replaces it, a few times a second)."""
+    table, now = Table(), now_ms()
+    for host, layers in holders:
+        record = NodeRecord(node_id=NodeId(host.peer_id), peer_id=host.peer_id, model_id=model_id, start_layer=layers.start,
+                            end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Ready", seq=now, ts_ms=now)  # fmt: skip
+        table, _ = apply(table, SignedRecord.sign(record, host.identity), now, Liveness())
+    return table
 
 
 async def _stripped_on_forward(self: ForwardService, msg: wire.Forward, remote: Any) -> None:
