@@ -71,6 +71,8 @@ def new_request_id() -> int:
 _CLOSE_OLD_LEG_S = 1.0
 """How long a cancelled failover may spend sending the old leg's closes (they are queued,
 not awaited)."""
+_NO_TOKENS = np.zeros(0, np.int32)
+"""The input of a frame made only to learn its step context."""
 
 CLIENT_ERRORS = frozenset({"context_full", "invalid_batch"})
 """Error codes caused by the request itself: another route would fail the same way."""
@@ -182,6 +184,8 @@ class _Session:
     """Its leg's recent decode steps, against what the route should cost (``p2p.pace``)."""
     slow_moves: int = 0
     """Routes it left for being far slower than their hops claim (``policy.slow_moves``)."""
+    context: tuple[Leg, SamplingParams | None, bytes | None] | None = None
+    """The step context of its frames on a leg, for a sampling (``SwarmPipeline._context``)."""
 
     def record(self, start_pos: int, tokens: Sequence[int]) -> None:
         """Positions ``start_pos...`` now hold ``tokens`` (a step may rewind).
@@ -331,12 +335,24 @@ class SwarmPipeline:
         hops = leg.route if route is None else tuple(route)
         msg = wire.Forward(req, leg.wire_id, start_pos, hops, self.service.me, sampling,
                            tokens=np.asarray(tokens, dtype=np.int32), discard=route is not None, replay=replay,
-                           lane=session.lane)  # fmt: skip
+                           lane=session.lane, context=self._context(session, leg, sampling) if route is None and replay is None else None)  # fmt: skip
         if session.flight_since is None:
             session.flight_since = trio.current_time()
         session.flight_tokens += len(tokens)
         await self.service.ask(hops[0].peer_id, msg)
         return req
+
+    def _context(self, session: _Session, leg: Leg, sampling: SamplingParams | None) -> bytes | None:
+        """The step context of ``session``'s frames along ``leg`` (:func:`p2p.wire.step_context`),
+        made once per leg and sampling: encoding a frame by its fields hashes the route's hops
+        and the sampling in Python, at every token."""
+        made = session.context
+        if made is not None and made[0] is leg and made[1] is sampling:
+            return made[2]
+        probe = wire.Forward(0, leg.wire_id, 0, leg.route, self.service.me, sampling, tokens=_NO_TOKENS, lane=session.lane)
+        context = wire.step_context(probe)
+        session.context = (leg, sampling, context)
+        return context
 
     async def _await_token(self, session: _Session, req: int) -> int | Broken:
         leg = session.leg

@@ -199,8 +199,10 @@ class Forward:
     lane: int = 0
     """Which group of the entry's sessions this step travels with (see the module's notes)."""
     context: bytes | None = None
-    """The step context this frame arrived with, when it is one the caches hold (set by
-    :func:`decode`; never sent): :meth:`onward` keys the sender's cache on it."""
+    """The bytes of this frame's step context, when they are short enough to cache: those it
+    arrived with (set by :func:`decode`), or :func:`step_context`'s for a frame a leg sends.
+    :func:`encode` sends them as they are, and :meth:`onward` keys the next context on them.
+    Never set otherwise: a frame built with other fields must leave it None."""
     via: bytes | None = None
     """Set by :meth:`onward` only: the ``context`` of the frame this one continues. This
     frame's own context is then a function of those bytes and its input's shape, so
@@ -343,6 +345,30 @@ def _encode_step(msg: Forward) -> bytes | None:
         kind, dtype, (rows, cols), body = "hidden", msg.hidden.dtype, msg.hidden.shape, msg.hidden.data
     if not (0 <= msg.req_id < _REQ_LIMIT and 0 <= msg.start_pos < 2**32 and 0 <= rows < 2**32):
         return None
+    context = msg.context if msg.context is not None else _context(msg, kind, dtype, cols)
+    if context is None:
+        return None
+    return _STEP.pack(STEP_TAG, 0, len(context), msg.req_id, msg.start_pos, rows) + context + body
+
+
+def step_context(msg: Forward) -> bytes | None:
+    """The context bytes ``msg``'s step form carries: what a receiver finds in its
+    ``Forward.context``. None where ``msg`` goes as JSON, or its context is longer than a
+    cache keeps. A leg sets it on the frames it sends (``p2p.chain``), so that its own
+    first stage checks the context once (``ForwardService._passed``) and passes it on by
+    those bytes, as for a frame that arrived."""
+    if msg.discard or msg.replay is not None or not 0 <= msg.req_id < _REQ_LIMIT:
+        return None
+    if msg.tokens is not None:
+        context = _context(msg, "tokens", None, 0)
+    else:
+        assert msg.hidden is not None
+        context = _context(msg, "hidden", msg.hidden.dtype, msg.hidden.shape[1])
+    return context if context is not None and len(context) <= MAX_CACHED_CONTEXT_BYTES else None
+
+
+def _context(msg: Forward, kind: str, dtype: str | None, cols: int) -> bytes | None:
+    """``msg``'s step context for an input of ``kind``; None above the step form's 64 KiB."""
     # Either key names the context's bytes: a continued frame's by the bytes its predecessor
     # arrived with (see ``Forward.via``), anything else by the fields themselves. Tuples of
     # different lengths never compare equal, so the two kinds share one bounded cache.
@@ -360,7 +386,7 @@ def _encode_step(msg: Forward) -> bytes | None:
             return None
         if len(context) <= MAX_CACHED_CONTEXT_BYTES:  # routes come off the network: same bound as received ones
             _remember(_sent_contexts, key, context)
-    return _STEP.pack(STEP_TAG, 0, len(context), msg.req_id, msg.start_pos, rows) + context + body
+    return context
 
 
 def _encode_json(msg: Message) -> bytes:

@@ -109,8 +109,14 @@ async def measure(model_path: Any, model_id: str, n_layers: int, rounds: int, in
         inbox = entry.open_inbox(session)
         greedy = SamplingParams(0.0, 1.0, 0)
 
+        # As a leg sends them (p2p/chain.py): carrying the step context of their fields (a
+        # tree before 2026-12-07 03:00 has no step_context: kept runnable for A/B runs).
+        step_context = getattr(wire, "step_context", lambda _: None)
+        context = step_context(wire.Forward(0, session, 0, route, a.peer_id, greedy, tokens=np.zeros(0, np.int32)))
+
         async def step(req: int, pos: int, tokens: list[int]) -> int:
-            await entry.send(a.peer_id, wire.Forward(req, session, pos, route, a.peer_id, greedy, tokens=np.array(tokens, np.int32)))
+            await entry.send(a.peer_id, wire.Forward(req, session, pos, route, a.peer_id, greedy, tokens=np.array(tokens, np.int32),
+                                                     context=context))  # fmt: skip
             while True:
                 msg = await inbox.receive()
                 if isinstance(msg, wire.Result) and msg.req_id == req and msg.token is not None:

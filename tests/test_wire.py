@@ -129,6 +129,37 @@ def test_a_frame_passed_on_is_the_bytes_it_would_be_built_afresh(monkeypatch: py
         monkeypatch.undo()
 
 
+def test_a_leg_s_frames_carry_the_context_their_fields_encode_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leg sets ``step_context`` on its frames: they go out as the same bytes as frames
+    built field by field, a receiver decodes the same context from them, and the first
+    stage passes them on with no hop or sampling hashed in Python. Frames that do not go in
+    the step form (a rebuild, a replay), or whose context is too long to cache, get none."""
+    route = tuple(Hop(NodeId(n), PeerId(f"peer-{n}"), LayerRange(a, b)) for n, a, b in (("a", 0, 10), ("b", 10, 20), ("c", 20, 30)))
+    sampling = SamplingParams(0.7, 0.9, 3)
+    tokens = np.array([5, 6, 7], np.int32)
+    plain = wire.Forward(9, SessionId("leg"), 4, route, PeerId("entry"), sampling, tokens=tokens, lane=1)
+    context = wire.step_context(plain)
+    assert context is not None
+    carried = wire.Forward(9, SessionId("leg"), 4, route, PeerId("entry"), sampling, tokens=tokens, lane=1, context=context)
+    assert wire.encode(carried) == wire.encode(plain)
+    received = wire.decode(wire.encode(carried))
+    assert isinstance(received, wire.Forward) and received.context == context
+    hidden = _onward_hidden()
+    expected = wire.encode(wire.Forward(9, SessionId("leg"), 4, route[1:], PeerId("entry"), sampling, hidden=hidden, lane=1))
+    hashed: list[object] = []
+    monkeypatch.setattr(Hop, "__hash__", lambda hop: hashed.append(hop) or 0)
+    monkeypatch.setattr(SamplingParams, "__hash__", lambda sp: hashed.append(sp) or 0)
+    for _ in range(2):
+        assert wire.encode(carried.onward(hidden, None)) == expected
+    assert hashed == []
+    monkeypatch.undo()
+    assert wire.step_context(wire.Forward(1, SessionId("leg"), 0, route, PeerId("entry"), None, tokens=tokens, discard=True)) is None
+    replay = wire.Replay(10, 20, ((0, 4),))
+    assert wire.step_context(wire.Forward(1, SessionId("leg"), 4, route, PeerId("entry"), None, tokens=tokens, replay=replay)) is None
+    long_route = tuple(Hop(NodeId("n" * 200 + str(i)), PeerId("p" * 200 + str(i)), LayerRange(i, i + 1)) for i in range(30))
+    assert wire.step_context(wire.Forward(1, SessionId("leg"), 0, long_route, PeerId("entry"), None, tokens=tokens)) is None
+
+
 def test_frames_passed_on_never_take_another_context_s_bytes() -> None:
     """Adversarial: contexts a stranger makes alike in all but one field (the route's next
     hop, the entry, the sampling, the lane, the session) each go on with their own fields,
