@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import struct
 import sys
 from types import TracebackType
@@ -195,53 +196,44 @@ class SocketByteStream(TrioByteStream):
     def __init__(self, stream: trio.SocketStream) -> None:
         super().__init__(stream)
         self._socket = stream.socket
-        self._drained = True
+        self.fileno: Callable[[], int] = stream.socket._sock.fileno  # type: ignore[attr-defined]
+        """The descriptor, asked at each system call, never kept: the standard socket under
+        trio's answers -1 once closed (``os.read(-1)`` fails), so a closed socket is never
+        read through a descriptor since reused elsewhere. Its C method, not trio's Python
+        ``fileno``: one Python call fewer at every read, write and wait of every frame.
+        :func:`has_socket_under` says whether a trio socket has it."""
+        self.drained = True
         """The last read took less than it asked for: the socket is most likely empty, so
         the next read waits for data first instead of failing a ``read`` (a system call
         and an exception, ~10-20 us on caches an engine call left cold) to learn that. A
         lone decode step's frame always finds its socket empty."""
 
-    def _fd(self) -> int:
-        fd = self._socket.fileno()  # -1 once closed: never a descriptor since reused elsewhere
-        if fd < 0:
-            raise StreamClosed("the socket is closed")
-        return fd
-
     async def read(self, max_bytes: int) -> bytes:
-        waited = self._drained
+        waited = self.drained
         if waited:
             await self._wait(trio.lowlevel.wait_readable)  # stops a cancelled task, as any wait
         else:
             await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
-                data = os.read(self._fd(), max_bytes)
+                data = os.read(self.fileno(), max_bytes)
             except BlockingIOError:
                 await self._wait(trio.lowlevel.wait_readable)
                 waited = True
                 continue
             except OSError as exc:
                 raise StreamClosed(f"stream broken while reading: {exc!r}") from exc
-            self._drained = len(data) < max_bytes
+            self.drained = len(data) < max_bytes
             if not waited:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             return data
-
-    def write_nowait(self, data: bytes) -> int:
-        """Write what the kernel takes now: how many bytes (0 if it takes none)."""
-        try:
-            return os.write(self._fd(), data)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            raise StreamClosed(f"stream broken while writing: {exc!r}") from exc
 
     async def write(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         with memoryview(data) as view:
             while view:
                 try:
-                    view = view[os.write(self._fd(), view) :]
+                    view = view[os.write(self.fileno(), view) :]
                 except BlockingIOError:
                     await self._wait(trio.lowlevel.wait_writable)
                 except OSError as exc:
@@ -252,6 +244,14 @@ class SocketByteStream(TrioByteStream):
             await until(self._socket)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise StreamClosed(f"stream closed while waiting: {exc!r}") from exc
+
+
+def has_socket_under(stream: trio.SocketStream) -> bool:
+    """Whether :class:`SocketByteStream` can read ``stream`` in place: POSIX, and trio's
+    socket wraps a standard one where trio keeps it (``_sock``, trio 0.2x-0.3x;
+    ``tests/test_framing.py`` fails if an upgrade moves it, rather than every link
+    silently taking :class:`TrioByteStream`'s slower path)."""
+    return sys.platform != "win32" and isinstance(getattr(stream.socket, "_sock", None), socket.socket)
 
 
 class FramedStream:
@@ -272,7 +272,15 @@ class FramedStream:
         if not 0 < max_frame_size <= 0xFFFFFFFF:
             raise ValueError(f"max_frame_size must be in 1..2**32-1, got {max_frame_size}")
         self._raw = raw
-        self._writes_in_place = hasattr(raw, "write_nowait")
+        self._fileno = raw.fileno if isinstance(raw, SocketByteStream) else None
+        """A socket read and written in place by :meth:`receive`'s and :meth:`commit_nowait`'s
+        short paths (None: every frame takes the general one)."""
+        self.opener: Callable[[bytes], bytes] | None = None
+        """Applied to every frame received, inside :meth:`receive` (``p2p.sealed`` opens its
+        frames here): a frame is waited for, read, unframed and opened in one coroutine, not
+        through a wrapper's, whose call and resumption are two more Python calls at every
+        frame of every hop on caches an engine call left cold. Its errors are the receive's:
+        a :class:`ProtocolError` resets the stream."""
         self.max_frame_size = max_frame_size
         self.max_receive_size: int | None = None
         """Frames read are refused above this instead of ``max_frame_size`` (None: that),
@@ -284,8 +292,9 @@ class FramedStream:
         self._buffer = bytearray()
         """Bytes read past the last frame returned (at most one read's worth)."""
         self._broken: StreamError | None = None
-        self._unsent = b""
-        """The rest of a frame :meth:`send_nowait` committed; written before anything else."""
+        self.unsent = b""
+        """The rest of a frame :meth:`send_nowait` committed; written before anything else
+        (read, never written, outside this class)."""
         self._nowait_error: StreamError | None = None
         """A write in place failed: the next send raises it (and resets the stream)."""
         self._peer_finished = False  # clean EOF seen at a frame boundary
@@ -306,7 +315,7 @@ class FramedStream:
     @classmethod
     def over_socket(cls, stream: trio.SocketStream, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
                     remote_peer: PeerId | None = None) -> FramedStream:  # fmt: skip
-        raw = TrioByteStream(stream) if sys.platform == "win32" else SocketByteStream(stream)
+        raw = SocketByteStream(stream) if has_socket_under(stream) else TrioByteStream(stream)
         return cls(raw, max_frame_size=max_frame_size, remote_peer=remote_peer)
 
     @property
@@ -321,40 +330,41 @@ class FramedStream:
         """
         await self.send_many([payload], timeout)
 
-    def can_send_nowait(self, nbytes: int) -> bool:
-        """Whether :meth:`send_nowait` would take a payload of ``nbytes`` now."""
-        return (self._writes_in_place and nbytes <= min(self.max_frame_size, _NOWAIT_LIMIT)
-                and not self._send_lock.locked() and not self._unsent and self._broken is None
-                and self._nowait_error is None and not self._local_finished)  # fmt: skip
-
     @property
     def has_unsent(self) -> bool:
         """Part of a frame committed by :meth:`send_nowait` still waits to be written: the
         caller must see that :meth:`send_many` runs (with no payloads, it writes just that)."""
-        return bool(self._unsent)
+        return bool(self.unsent)
 
-    def send_nowait(self, payload: bytes) -> bool:
+    def send_nowait(self, payload: bytes, seal: Callable[[bytes], bytes] | None = None,
+                    overhead: int = 0) -> bool:  # fmt: skip
         """Commit one small frame to the stream now, with no wait and no scheduler turn,
         when nothing else is being sent (a decode step crossing an idle link). True: the frame
         is committed, all written or its rest in :attr:`has_unsent`. False: nothing was
         written (the stream is busy, cannot be written in place, or failed; then the next
-        :meth:`send_many` raises the failure): send it the usual way."""
-        if not self.can_send_nowait(len(payload)):
-            return False
-        return self.commit_nowait(payload)
+        :meth:`send_many` raises the failure): send it the usual way.
 
-    def commit_nowait(self, payload: bytes) -> bool:
-        """:meth:`send_nowait` for a caller that has just seen :meth:`can_send_nowait` say
-        yes (``p2p.sealed``, which must know before it spends a nonce): the check is not
-        made twice at every hop of every token."""
+        ``seal`` (``p2p.sealed``, which adds ``overhead`` bytes) is applied only once the
+        frame will be committed, so a nonce is spent only on a frame committed, or on a
+        stream whose write failed, which is then reset. One call checks, seals and writes:
+        the checks, the commit and the raw stream's write were three layers at every hop."""
+        fileno = self._fileno
+        if (fileno is None or len(payload) + overhead > min(self.max_frame_size, _NOWAIT_LIMIT)
+                or self._send_lock.held or self.unsent or self._broken is not None
+                or self._nowait_error is not None or self._local_finished):  # fmt: skip
+            return False
+        if seal is not None:
+            payload = seal(payload)
         data = _HEADER.pack(len(payload)) + payload
         try:
-            written = self._raw.write_nowait(data)  # type: ignore[attr-defined]
-        except StreamClosed as exc:
-            self._nowait_error = exc
+            written = os.write(fileno(), data)
+        except BlockingIOError:
+            written = 0
+        except OSError as exc:
+            self._nowait_error = StreamClosed(f"stream broken while writing: {exc!r}")
             return False
         if written < len(data):
-            self._unsent = data[written:]
+            self.unsent = data[written:]
         return True
 
     async def send_many(self, payloads: list[bytes], timeout: float) -> None:
@@ -374,9 +384,9 @@ class FramedStream:
                     if self._nowait_error is not None:
                         raise self._nowait_error
                     started = True
-                    if self._unsent:
-                        await self._raw.write(self._unsent)
-                        self._unsent = b""
+                    if self.unsent:
+                        await self._raw.write(self.unsent)
+                        self.unsent = b""
                     for write in _writes(payloads):
                         await self._raw.write(write)
             if deadline.cancelled_caught:
@@ -390,27 +400,94 @@ class FramedStream:
             raise
 
     async def receive(self, timeout: float) -> bytes:
-        """Receive one frame. Raises StreamTimeout, StreamClosed, or ProtocolError."""
+        """Receive one frame (opened by :attr:`opener` where set). Raises StreamTimeout,
+        StreamClosed, or ProtocolError.
+
+        The common case of a link, a reader with no deadline of its own (``p2p.forward``)
+        on an idle socket, nobody else receiving, takes a short path in this one function:
+        take the lock's flag, wait, read, and when the read brought exactly one whole frame
+        of an allowed length, open it. At a hop that is ~15 Python calls a frame fewer than
+        the general path's layers (lock protocol, ``_read_frame``, the raw stream's ``read``
+        and ``_wait``). Anything else it read (part of a frame, several, a length over the
+        limit, the end of the stream) goes to the general path with the bytes already in
+        the buffer, so errors and what is kept for the next frame are the same."""
+        fileno = self._fileno
+        # A task already cancelled stops here, before it holds the lock (as entering it does).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if (fileno is None or timeout != math.inf or self._buffer or not self._raw.drained  # type: ignore[attr-defined]
+                or not self._recv_lock.take_if_free()):  # fmt: skip
+            return await self._receive(timeout)
+        started = False
+        try:
+            try:
+                if self._peer_finished or self._broken is not None:
+                    self._may_receive()
+                started = True
+                fd = fileno()
+                if fd < 0:
+                    raise StreamClosed("the socket is closed")
+                try:
+                    await trio.lowlevel.wait_readable(fd)  # a descriptor closed meanwhile: woken, raises
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    raise StreamClosed(f"stream closed while waiting: {exc!r}") from exc
+                try:
+                    chunk: bytes | None = os.read(fileno(), _READ_AHEAD)  # asked again: the wait was a turn
+                except BlockingIOError:
+                    chunk = None
+                except OSError as exc:
+                    raise StreamClosed(f"stream broken while reading: {exc!r}") from exc
+                if chunk is None:  # woken with nothing to read: the general path waits again
+                    frame = await self._read_frame()
+                elif not chunk:
+                    self._peer_finished = True
+                    raise StreamClosed("the peer closed the stream")
+                else:
+                    self._raw.drained = len(chunk) < _READ_AHEAD  # type: ignore[attr-defined]
+                    length = _HEADER.unpack_from(chunk)[0] if len(chunk) >= _HEADER.size else -1
+                    limit = self.max_frame_size if self.max_receive_size is None else self.max_receive_size
+                    if len(chunk) == _HEADER.size + length and 0 < length <= limit:
+                        frame = chunk[_HEADER.size :]
+                    else:  # part of a frame, several, a length refused, an empty frame, bytes after
+                        self._buffer += chunk
+                        frame = await self._read_frame()
+            finally:
+                self._recv_lock.release()
+            opener = self.opener
+            return frame if opener is None else opener(frame)
+        except BaseException as exc:
+            await self._after_failed_receive(exc, started)
+            raise
+
+    async def _receive(self, timeout: float) -> bytes:
+        """:meth:`receive`'s general path: a deadline, another receiver, a stream that is
+        not a socket, bytes already read ahead."""
         started = False
         try:
             if timeout == math.inf:  # a reader that bounds its idle time itself: no scope at all
                 async with self._recv_lock:
                     started = self._may_receive()
-                    return await self._read_frame()
+                    frame = await self._read_frame()
+                    return frame if self.opener is None else self.opener(frame)
             with trio.CancelScope(deadline=trio.current_time() + timeout):
                 async with self._recv_lock:
                     started = self._may_receive()
-                    return await self._read_frame()
+                    frame = await self._read_frame()
+                    return frame if self.opener is None else self.opener(frame)
             # Only reached when the deadline's scope ended the read (it returns otherwise).
             raise await self._fail(StreamTimeout(f"receive missed its {timeout:g}s deadline"))
-        except StreamError as exc:
-            if not self._peer_finished:  # a clean close is no failure: keep the send side
+        except BaseException as exc:
+            await self._after_failed_receive(exc, started)
+            raise
+
+    async def _after_failed_receive(self, exc: BaseException, started: bool) -> None:
+        """What a failed receive leaves: a stream error fails the stream (a clean close at a
+        frame boundary is no failure: the send side stays), a cancel once it had started
+        (the peer may be mid-frame) does too."""
+        if isinstance(exc, StreamError):
+            if not self._peer_finished:
                 await self._fail(exc)
-            raise
-        except BaseException:
-            if started:
-                await self._fail(StreamClosed("receive cancelled mid-frame"))
-            raise
+        elif started:
+            await self._fail(StreamClosed("receive cancelled mid-frame"))
 
     async def close(self) -> None:
         """End our sending side gracefully; the peer's next receive sees a clean close.
@@ -424,9 +501,9 @@ class FramedStream:
             async with self._send_lock:
                 self._local_finished = True
                 try:
-                    if self._unsent:
-                        await self._raw.write(self._unsent)
-                        self._unsent = b""
+                    if self.unsent:
+                        await self._raw.write(self.unsent)
+                        self.unsent = b""
                     await self._raw.close()
                 except Exception as exc:  # the peer is gone either way
                     logger.debug("graceful close failed, resetting: %r", exc)

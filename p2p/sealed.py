@@ -18,7 +18,9 @@ verifies. A stream stops after 2**64 frames (it never gets there).
 from __future__ import annotations
 
 import struct
+from collections.abc import Coroutine
 from types import TracebackType
+from typing import Any
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -82,7 +84,9 @@ class SealedStream:
         self._in = Sealer(key, dialer_to_acceptor=not dialer)
         self._send_lock = QuickLock()  # seal and write in one order: the nonce counts frames
         # No receive lock of our own: the inner stream hands out frames one receiver at a
-        # time, and each is opened before its receiver yields, so nonces are taken in order.
+        # time, and opens each (``opener``) before its receiver yields, so nonces are taken
+        # in order.
+        inner.opener = self._in.open
         self.remote_peer = remote_peer
 
     @property
@@ -123,24 +127,22 @@ class SealedStream:
 
     @property
     def has_unsent(self) -> bool:
-        return self._inner.has_unsent
+        return bool(self._inner.unsent)  # not through the inner property: a call a frame
 
     def send_nowait(self, payload: bytes) -> bool:
         """As :meth:`FramedStream.send_nowait`; a nonce is spent only on a frame committed
         (or on a stream whose write failed, which is then reset)."""
-        if self._send_lock.locked() or not self._inner.can_send_nowait(len(payload) + TAG_BYTES):
+        if self._send_lock.held:
             return False
-        # Checked just above; False still when the write itself failed (the caller's usual
-        # send then raises the failure at once).
-        return self._inner.commit_nowait(self._out.seal(bytes(payload)))
+        return self._inner.send_nowait(payload, self._out.seal, TAG_BYTES)
 
-    async def receive(self, timeout: float) -> bytes:
-        sealed = await self._inner.receive(timeout)
-        try:
-            return self._in.open(sealed)
-        except ProtocolError:
-            await self._inner.reset()
-            raise
+    def receive(self, timeout: float) -> Coroutine[Any, Any, bytes]:
+        """As :meth:`FramedStream.receive`, which opens the frame itself (its ``opener``):
+        a frame that is not the next one sealed for us raises :class:`ProtocolError` and
+        resets the stream. Not a coroutine of its own: the inner one is returned to be
+        awaited, which spares a frame's wrapper call and resumption (two Python calls at
+        every hop of every token)."""
+        return self._inner.receive(timeout)
 
     async def close(self) -> None:
         try:
