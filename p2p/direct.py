@@ -271,13 +271,44 @@ class DirectLinks:
 
     async def _accept(self, tcp: trio.SocketStream) -> None:
         """Serve one inbound connection; its socket is closed however that ends (a refusal,
-        the handler's end, a cancel while the ticket is awaited)."""
+        the handler's end, a cancel while the ticket is awaited). The handler is awaited
+        here, not in a coroutine under this one: each frame it waits for resumes every
+        coroutine above it, a Python call each."""
         try:
-            await self._serve_connection(tcp)
+            ticket = await self._admit(tcp)
+            if ticket is None:
+                return
+            per_peer, max_links, links = self._table_of(ticket.protocol)
+            stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
+            if max_links < 1 or not self._room_for(ticket.peer, per_peer, links):
+                await self._refuse_at_limit(stream)
+                return
+            while len(links) >= max_links:
+                self._evict_link(links)
+            handler = self._handlers.get(ticket.protocol)
+            live = trio.CancelScope()
+            links[live] = ticket.peer
+            self._scopes[stream] = live
+            try:
+                with live:  # cancelled by _evict_link: the stream is reset, the socket closed
+                    async with stream:
+                        await stream.send(b"", timeout=self.limits.hello_timeout_s)
+                        if handler is not None:
+                            await handler(stream, ticket.peer)
+            except P2PError as exc:
+                log.debug("direct %s link from %s ended: %s", ticket.protocol, ticket.peer, exc)
+            except Exception:  # noqa: BLE001 - one link's failure stays with it
+                log.exception("direct %s handler failed on a link from %s", ticket.protocol, ticket.peer)
+            finally:
+                links.pop(live, None)
+                self._scopes.pop(stream, None)
+                self._idle.discard(live)
         finally:
             await trio.aclose_forcefully(tcp)
 
-    async def _serve_connection(self, tcp: trio.SocketStream) -> None:
+    async def _admit(self, tcp: trio.SocketStream) -> _Ticket | None:
+        """The live ticket an inbound connection shows within ``hello_timeout_s``, or None
+        (counted in ``refused``) when it shows none or too many wait for theirs."""
         try:
             source: str = tcp.socket.getpeername()[0]
         except OSError:  # reset before we got to it
@@ -285,7 +316,7 @@ class DirectLinks:
         waiting_bound = min(self.limits.max_unauthenticated, _hellos_share())
         if not source or waiting_bound < 1:
             self.refused += 1
-            return
+            return None
         while len(self._pending) >= waiting_bound:
             self._evict_pending()
         ticket = None
@@ -298,37 +329,16 @@ class DirectLinks:
             self._pending.pop(waiting, None)
         if ticket is None:
             self.refused += 1
-            return
-        per_peer, max_links, links = self._table_of(ticket.protocol)
-        stream = SealedStream(FramedStream.over_socket(tcp), ticket.key, dialer=False, remote_peer=ticket.peer, transport=tcp)
-        if max_links < 1 or not self._room_for(ticket.peer, per_peer, links):
-            self.refused += 1
-            with trio.move_on_after(self.limits.hello_timeout_s):
-                try:  # sealed: only the ticket's holder reads it, and only the acceptor could write it
-                    await stream.send(_AT_LIMIT, timeout=self.limits.hello_timeout_s)
-                except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-            return
-        while len(links) >= max_links:
-            self._evict_link(links)
-        handler = self._handlers.get(ticket.protocol)
-        live = trio.CancelScope()
-        links[live] = ticket.peer
-        self._scopes[stream] = live
-        try:
-            with live:  # cancelled by _evict_link: the stream is reset, the socket closed
-                async with stream:
-                    await stream.send(b"", timeout=self.limits.hello_timeout_s)
-                    if handler is not None:
-                        await handler(stream, ticket.peer)
-        except P2PError as exc:
-            log.debug("direct %s link from %s ended: %s", ticket.protocol, ticket.peer, exc)
-        except Exception:  # noqa: BLE001 - one link's failure stays with it
-            log.exception("direct %s handler failed on a link from %s", ticket.protocol, ticket.peer)
-        finally:
-            links.pop(live, None)
-            self._scopes.pop(stream, None)
-            self._idle.discard(live)
+        return ticket
+
+    async def _refuse_at_limit(self, stream: SealedStream) -> None:
+        """Tell a dialer whose links of the protocol are at their bound, none idle, so."""
+        self.refused += 1
+        with trio.move_on_after(self.limits.hello_timeout_s):
+            try:  # sealed: only the ticket's holder reads it, and only the acceptor could write it
+                await stream.send(_AT_LIMIT, timeout=self.limits.hello_timeout_s)
+            except (P2PError, OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     def _room_for(self, peer: PeerId, per_peer: int, links: dict[trio.CancelScope, PeerId]) -> bool:
         """Whether ``peer`` may have one more link in ``links``: it holds fewer than
