@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+from turn_helpers import gives_a_turn
 
 from p2p.errors import FrameTooLarge, ProtocolError, StreamClosed
 from p2p.framing import FramedStream, has_socket_under
@@ -113,6 +114,21 @@ async def test_whatever_a_sender_writes_ends_as_on_the_general_path(
                 assert reader.is_broken
                 with pytest.raises(StreamClosed):
                     await reader.receive(math.inf)
+
+
+async def test_a_frame_already_waiting_is_read_after_a_turn() -> None:
+    """A peer flooding the socket cannot hold the event loop: the short path's wait ends the
+    turn even when data is there (frames then cut from what that read brought ahead take
+    none, as on the general path: at most one read's worth)."""
+    async with hostile_pair() as (writer, reader):
+        with trio.fail_after(5):
+            await writer.send_all(frame(b"one") + frame(b"two"))
+            await trio.sleep(0.05)
+            assert await gives_a_turn(lambda: reader.receive(math.inf))
+            assert await reader.receive(math.inf) == b"two"
+            await writer.send_all(frame(b"three"))
+            await trio.sleep(0.05)
+            assert await gives_a_turn(lambda: reader.receive(math.inf))
 
 
 async def test_a_reader_cancelled_while_waiting_resets_the_stream() -> None:
