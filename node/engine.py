@@ -72,7 +72,7 @@ class EngineConfig:
         return self.n_threads_shared or self.n_threads
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, init=False)
 class BatchItem:
     """One session's slice of a batch: token ids on the first range, hidden states after it.
 
@@ -88,12 +88,19 @@ class BatchItem:
     hidden: np.ndarray | None = None
     """float32, shape (n, d_model)."""
 
-    @functools.cached_property
-    def n_tokens(self) -> int:  # cached: asked ~18 times per item on a hop
-        if self.tokens is not None:
-            return int(self.tokens.shape[0])
-        assert self.hidden is not None
-        return int(self.hidden.shape[0])
+    def __init__(self, session_id: SessionId, start_pos: int, tokens: np.ndarray | None = None,
+                 hidden: np.ndarray | None = None) -> None:  # fmt: skip
+        """The dataclass's own ``__init__``, plus ``n_tokens``: set here, asked ~18 times
+        an item on a hop, and a lazy property cost two Python calls at its first asking
+        (a hop's step asks it on caches its engine call left cold)."""
+        self.session_id = session_id
+        self.start_pos = start_pos
+        self.tokens = tokens
+        self.hidden = hidden
+        rows = tokens if tokens is not None else hidden
+        self.n_tokens: int = int(rows.shape[0]) if rows is not None and rows.ndim else 0
+        """Positions the item carries (0 for neither tokens nor hidden states, which no
+        engine accepts: ``check_batch``)."""
 
 
 @dataclass(eq=False, slots=True)

@@ -11,7 +11,7 @@ its source; where that fails, or with ``INCLAVATE_NATIVE_CAPTURE=0``, the Python
 does the same work, slower, and the peer says so once.
 
 The same library converts hidden states to and from float16, the wire's default form: the
-callback converts the rows it copies (:meth:`EvalCapture.captured_half`) and
+callback converts the rows it copies (:meth:`EvalCapture.take`) and
 :func:`half_to_float32` decodes a received frame and checks it is finite in one pass. Both
 run on caches a hop's engine call left cold, where the numpy calls they replace cost
 ~0.08-0.1 ms a hop each way; both give numpy's bits (``tests/test_eval_capture.py``,
@@ -107,7 +107,9 @@ def half_to_float32(data: bytes, shape: tuple[int, ...]) -> np.ndarray | None:
     if library is None or min(shape, default=0) < 0 or 2 * count != len(data):
         return None
     out = np.empty(shape, dtype=np.float32)
-    if not library.inclavate_from_half(data, out.ctypes.data, count):
+    # The address from the array interface (a C getter), not ``out.ctypes.data``: that one
+    # builds a helper object in two Python calls, on caches a hop's engine call left cold.
+    if not library.inclavate_from_half(data, out.__array_interface__["data"][0], count):
         return None
     return out
 
@@ -147,7 +149,7 @@ def _compilers() -> list[list[str]]:
 
 class EvalCapture:
     """One engine's capture of ``l_out-<n-1>``: the callback to give llama.cpp, and the rows
-    it copied during the last ``llama_decode`` (reset with :meth:`reset`)."""
+    it copied during the last ``llama_decode`` (:meth:`take`; emptied by it or :meth:`reset`)."""
 
     def __init__(self, tensor_name: str, width: int, max_rows: int) -> None:
         self.tensor_name = tensor_name
@@ -182,27 +184,36 @@ class EvalCapture:
         else:
             self._rows = []
 
-    def captured(self) -> np.ndarray:
-        """The rows copied since :meth:`reset`, shape (rows, width); raises CaptureError."""
-        if not self.native:
-            if not self._rows:
-                return np.empty((0, self.width), dtype=np.float32)
-            return self._rows[0] if len(self._rows) == 1 else np.concatenate(self._rows)
-        state = self._state
-        if state.error == 1:
-            raise CaptureError(f"unexpected {self.tensor_name}: type {state.bad_type} width {state.bad_width}")
-        if state.error == 2:
-            raise CaptureError(f"{self.tensor_name} had more rows than the batch ({len(self._buffer)})")
-        return self._buffer[: state.rows].copy()
+    def take(self, rows: int) -> tuple[np.ndarray, bytes | None]:
+        """The ``rows`` rows the callback copied during the last decode, shape (rows, width),
+        and the same rows as float16 bytes, bit for bit what numpy's ``astype(np.float16)``
+        makes of them (None where the native callback did not convert them: not native, or a
+        value NaN, infinite or beyond 65,504, so numpy decides). Raises CaptureError when the
+        callback saw another tensor than expected or another row count.
 
-    def captured_half(self) -> bytes | None:
-        """The rows of :meth:`captured` as float16 bytes, bit for bit what numpy's
-        ``astype(np.float16)`` makes of them, or None where the native callback did not convert
-        them (not native, or a value NaN, infinite or beyond 65,504: numpy then decides)."""
-        state = self._state if self.native else None
-        if state is None or not state.half_ok or state.error:
-            return None
-        return self._half[: state.rows].tobytes()
+        Leaves the capture empty for the next decode, whatever it raises: with the engine's
+        ``_restore`` (which empties it after a failed call) that is what lets a lone step
+        skip a ``reset`` before its call. One call where the engine made four (reset, rows,
+        float16 bytes, its shape check): a hop pays them on caches its engine call left cold.
+        """
+        if not self.native:
+            parts, self._rows = self._rows, []
+            if not parts:
+                parts = [np.empty((0, self.width), dtype=np.float32)]
+            captured = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(captured) != rows:
+                raise CaptureError(f"captured {captured.shape} from {self.tensor_name}, expected ({rows}, {self.width})")
+            return captured, None
+        state = self._state
+        got, error, half_ok = state.rows, state.error, state.half_ok
+        state.rows, state.error, state.half_ok = 0, 0, 1
+        if error == 1:
+            raise CaptureError(f"unexpected {self.tensor_name}: type {state.bad_type} width {state.bad_width}")
+        if error == 2:
+            raise CaptureError(f"{self.tensor_name} had more rows than the batch ({len(self._buffer)})")
+        if got != rows:
+            raise CaptureError(f"captured ({got}, {self.width}) from {self.tensor_name}, expected ({rows}, {self.width})")
+        return self._buffer[:rows].copy(), self._half[:rows].tobytes() if half_ok else None
 
     def _on_eval(self, tensor: int, ask: bool, _user_data: int) -> bool:
         """ggml's scheduler callback: ask=True "do you want this node?", then the node itself.

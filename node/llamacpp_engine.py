@@ -81,6 +81,8 @@ class LlamaCppEngine(LayerEngine):
     ) -> None:
         llamacpp_lib.ensure_initialised()
         self.config = config
+        self._n_threads, self._threads_shared, self._exact_steps = config.n_threads, config.threads_shared, config.exact_steps
+        """``config``'s thread counts, read once: a lone step asks for them on every call."""
         self._lock = threading.Lock()
         meta = read_metadata(model_path)
         arch, n_layers = meta.arch, meta.n_layers
@@ -196,7 +198,8 @@ class LlamaCppEngine(LayerEngine):
 
     def forward(self, items: list[BatchItem]) -> list[StageOutput]:
         with self._lock:
-            self._check_open()
+            if self._ctx is None:
+                raise DecodeFailed("the engine is closed")
             if len(items) == 1:
                 step = self._step(items[0])
                 if step is not None:
@@ -221,6 +224,12 @@ class LlamaCppEngine(LayerEngine):
         token; this path takes 0.43-0.62 of the batch path's (``scripts/bench_engine_call.py``,
         two runs on the 2-core VM, 2026-12-06). ``tests/test_engine.py -k lone_step``: the same
         bits as the batch path.
+
+        The thread count (``_set_threads``' rule for one item), the decode and the capture's
+        read are written out here rather than called: each call a step skips is one fewer
+        function a hop touches on cold caches (docs/ARCHITECTURE.md, "A lone step's Python in
+        fewer calls"). The capture needs no reset before the call: ``take`` and ``_restore``
+        leave it empty.
         """
         slot = self._slots.get(item.session_id)
         if slot is None or item.n_tokens != 1 or item.start_pos != slot.length:
@@ -238,20 +247,28 @@ class LlamaCppEngine(LayerEngine):
             if hidden is None or hidden.shape != (1, info.d_model):
                 return None
             self._embd[0] = hidden[0] if self._input_scale == 1.0 else hidden[0] / self._input_scale
-        self._set_threads([item])
+        n = self._n_threads if len(self._slots) == 1 else self._threads_shared
+        threads = (1 if self._exact_steps and item.start_pos >= SPLIT_KV_FROM else n, n)
+        if threads != self._threads:
+            llama_cpp.llama_set_n_threads(self._ctx, *threads)
+            self._threads = threads
         self._pos[0] = item.start_pos
         self._seq_ptrs[0][0] = slot.seq_id
         self._outputs[0] = 1
         self._n_seq_id[0] = 1
         self._batch.n_tokens = 1
         try:
+            code = llama_cpp.llama_decode(self._ctx, self._batch)
+            if code != 0:
+                raise self._decode_error(code, 1)
             if info.is_last:
-                self._call(1)
                 output = StageOutput(item.session_id, logits=self._last_logits(1)[0].copy())
             else:
-                self._capture.reset()
-                self._call(1)
-                output = StageOutput(item.session_id, hidden=self._captured(1), half=self._capture.captured_half())
+                hidden, half = self._capture.take(1)
+                output = StageOutput(item.session_id, hidden=hidden, half=half)
+        except CaptureError as exc:
+            self._restore({item.session_id: slot.length})
+            raise DecodeFailed(str(exc)) from exc
         except BaseException:
             self._restore({item.session_id: slot.length})
             raise
@@ -261,23 +278,24 @@ class LlamaCppEngine(LayerEngine):
     def _call(self, n: int) -> None:
         """``llama_decode`` of the batch's first ``n`` rows, its failures as our errors."""
         code = llama_cpp.llama_decode(self._ctx, self._batch)
+        if code != 0:
+            raise self._decode_error(code, n)
+
+    def _decode_error(self, code: int, n: int) -> ContextFull | DecodeFailed:
+        """What a call of ``n`` rows that ``llama_decode`` answered ``code`` (not 0) raises."""
         if code == 1:
-            raise ContextFull(
+            return ContextFull(
                 f"the KV cache of {self.info.model_id} {self.info.layers} has no room for "
                 f"{n} more positions"
             )
-        if code != 0:
-            raise DecodeFailed(f"llama_decode returned {code}")
+        return DecodeFailed(f"llama_decode returned {code}")
 
     def _captured(self, n: int) -> np.ndarray:
         """The ``n`` rows of the range's output the eval callback copied."""
         try:
-            captured = self._capture.captured()
+            return self._capture.take(n)[0]
         except CaptureError as exc:
             raise DecodeFailed(str(exc)) from exc
-        if captured.shape != (n, self.info.d_model):
-            raise DecodeFailed(f"captured {captured.shape} from {self._capture.tensor_name}, expected ({n}, {self.info.d_model})")
-        return captured
 
     def _set_threads(self, items: list[BatchItem]) -> None:
         """Every thread while this engine holds one session (the batch's, once admitted),
@@ -296,8 +314,8 @@ class LlamaCppEngine(LayerEngine):
         2026-12-06). At one thread the split path has one chunk and computes what the others
         do, bit for bit (``tests/test_engine.py -k split_kv``), at ~1.5x the time of two
         (``scripts/bench_exact_steps.py``): hence a choice, off by default."""
-        n = self.config.n_threads if len(self._slots) == 1 else self.config.threads_shared
-        exact = self.config.exact_steps and any(item.start_pos + item.n_tokens > SPLIT_KV_FROM for item in items)
+        n = self._n_threads if len(self._slots) == 1 else self._threads_shared
+        exact = self._exact_steps and any(item.start_pos + item.n_tokens > SPLIT_KV_FROM for item in items)
         single = 1 if exact else n
         if (single, n) != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, single, n)
@@ -325,7 +343,9 @@ class LlamaCppEngine(LayerEngine):
         return saved
 
     def _restore(self, saved: dict[SessionId, int | None]) -> None:
-        """Undo a failed forward: a request must not leave half a batch in the KV cache."""
+        """Undo a failed forward: a request must not leave half a batch in the KV cache, nor
+        rows in the capture (a lone step reads it without a reset first)."""
+        self._capture.reset()
         for session_id, length in saved.items():
             slot = self._slots.get(session_id)
             if slot is None:
@@ -438,7 +458,8 @@ class LlamaCppEngine(LayerEngine):
         Views are cached by the buffer's address: right after a decode, on caches it left
         cold, ``np.ctypeslib.as_array`` cost ~35 us a row; a cached view costs ~1 us. The
         address is read on every call, so a buffer llama.cpp reallocates gets a new view."""
-        address = ctypes.cast(llama_cpp.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        # The pointer's value read from its own bytes: ``ctypes.cast`` is a Python function.
+        address = ctypes.c_void_p.from_buffer(llama_cpp.llama_get_logits(self._ctx)).value
         if not address:
             raise DecodeFailed("llama.cpp returned no logits")
         view = self._logit_views.get((address, n))
@@ -497,10 +518,6 @@ class LlamaCppEngine(LayerEngine):
         return MemoryReport(self._weights_bytes, self._kv_bytes, len(self._slots))
 
     # --------------------------------------------------------------- lifetime
-
-    def _check_open(self) -> None:
-        if self._ctx is None:
-            raise DecodeFailed("the engine is closed")
 
     def close(self) -> None:
         with self._lock:

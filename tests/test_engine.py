@@ -400,3 +400,35 @@ def test_a_lone_step_computes_what_the_batch_path_computes(smollm2, slice_cache,
     for a, b in zip(short, batch):
         got, want = (a.hidden, b.hidden) if a.hidden is not None else (a.logits, b.logits)
         assert got is not None and want is not None and got.tobytes() == want.tobytes()
+
+
+def test_a_lone_step_that_fails_after_the_capture_leaves_nothing_for_the_next(smollm2, slice_cache, monkeypatch) -> None:
+    """A lone step reads the capture without resetting it first (``EvalCapture.take`` and
+    ``_restore`` leave it empty): a call that fails after the callback copied its row must not
+    leave that row to the next step, which must compute what a step that never failed does."""
+    import llama_cpp
+
+    from node.errors import DecodeFailed
+
+    rng = np.random.default_rng(3)
+    inputs = [rng.standard_normal((1, 576)).astype(np.float32) for _ in range(4)]
+    decode, failures = llama_cpp.llama_decode, []
+
+    def failing_once(ctx, batch):  # computes (the callback copies its row), then reports a failure
+        code = decode(ctx, batch)
+        return 2 if failures and failures.pop() else code
+
+    with smollm2_engine(smollm2, slice_cache, (10, 20)) as engine:
+        monkeypatch.setattr(llama_cpp, "llama_decode", failing_once)
+        outs = {}
+        for sid in ("failed", "clean"):
+            s = SessionId(sid)
+            outs[sid] = [engine.forward([BatchItem(s, pos, hidden=inputs[pos])])[0].hidden for pos in range(2)]
+            if sid == "failed":
+                failures.append(True)
+                with pytest.raises(DecodeFailed, match="returned 2"):
+                    engine.forward([BatchItem(s, 2, hidden=inputs[2])])
+                assert engine.session_length(s) == 2
+            outs[sid] += [engine.forward([BatchItem(s, pos, hidden=inputs[pos])])[0].hidden for pos in (2, 3)]
+    for got, want in zip(outs["failed"], outs["clean"], strict=True):
+        assert got is not None and want is not None and got.tobytes() == want.tobytes()
