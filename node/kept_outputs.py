@@ -95,7 +95,8 @@ class KeptOutputs:
             # A gap (an earlier output was never kept): these rows cannot be replayed.
             del self._sessions[session_id]
             return
-        self._truncate(kept, start_pos)
+        if kept.length > start_pos:  # a rewind; asked here, not in a call, at every hop of every token
+            self._truncate(kept, start_pos)
         kept.chunks.append(sent)
         kept.length = start_pos + rows
 

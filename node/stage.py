@@ -76,7 +76,8 @@ _MAX_EVICTED = 256
 @dataclass(eq=False, slots=True)
 class StageResult:
     """What a job produced: hidden states to pass on, or (last range) the sampled token.
-    Treated as immutable; not frozen, for its cost (``node.engine.BatchItem``)."""
+    Treated as immutable once delivered (``Stage._keep`` sets ``sent`` before); not frozen,
+    for its cost (``node.engine.BatchItem``)."""
 
     output: StageOutput | None = None
     token: int | None = None
@@ -183,12 +184,20 @@ class StageStats:
     def mean_step_batch(self) -> float:
         return self.step_jobs / self.step_rounds if self.step_rounds else 0.0
 
-    def record(self, tokens: int, seconds: float, layers: int, *, decode: bool = True) -> None:
+    def record(self, tokens: int, seconds: float, layers: int, *, decode: bool = True, steps: int = 0,
+               lane: int = 0) -> None:  # fmt: skip
         """``decode``: the batch was single-token steps. Only those move ``step_ms_per_layer``:
         a prefill chunk's seconds are not a step's, and used to make a replica that last ran
-        one claim to be 100x slower, so that routing sent every session elsewhere."""
+        one claim to be 100x slower, so that routing sent every session elsewhere.
+        ``steps``: the call ran nothing but this many decode steps (of ``lane``), counted as
+        a step round. Every counter in one call: a lone step pays it at every hop."""
         self.tokens += tokens
         self.batches += 1
+        if steps:
+            self.step_rounds += 1
+            self.step_jobs += steps
+            self.step_seconds += seconds
+            self.step_rounds_by_lane[lane] += 1
         if not decode:
             return
         self.steps += 1
@@ -262,6 +271,10 @@ class Stage:
         """...and only while the stage's decode steps take less than this: an inline call
         blocks the event loop (HTTP, gossip, pings, other streams), so a range whose steps
         are slow (a large model, a slow machine) keeps them on the engine thread."""
+        self._n_layers = len(info.layers)
+        self._inline_ms_per_layer = 1000 * inline_max_s / self._n_layers
+        """``inline_max_s`` as the most ``stats.step_ms_per_layer`` an inline step may take:
+        this and ``_n_layers`` are read at every step, and computed once."""
         self.on_batch = on_batch
         """Told (tokens, milliseconds) after every batch: the peer's metrics recorder."""
         self.on_error = on_error
@@ -340,7 +353,9 @@ class Stage:
         skipping them alone: there is no one to batch with, and a step computed inline runs
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
-        if item.n_tokens != 1 or not self._may_run_inline(1):
+        stats = self.stats
+        # ``_may_run_inline(1)``, written out: a call fewer at every hop.
+        if item.n_tokens != 1 or self.inline_tokens < 1 or not stats.steps or stats.step_ms_per_layer > self._inline_ms_per_layer:
             return 0
         if not self._parked or self._running_now or self._deferred:
             return 0
@@ -359,7 +374,7 @@ class Stage:
         thread, which is what teaches the stage how long a step takes)."""
         if tokens > self.inline_tokens or self.stats.steps == 0:
             return False
-        return self.stats.step_ms_per_layer * len(self.engine.info.layers) <= 1000 * self.inline_max_s
+        return self.stats.step_ms_per_layer <= self._inline_ms_per_layer
 
     async def step_now(self, item: BatchItem, sampling: SamplingParams | None, lane: int, deliver: Deliver) -> bool:
         """Compute ``item`` here, in the caller's task, and deliver it, if it may skip the
@@ -380,10 +395,17 @@ class Stage:
             started = time.monotonic()
             self.stats.recomputed += max(0, length - item.start_pos)
             try:
-                (result,) = self._forward([item], [sampling])
+                try:
+                    (out,) = self.engine.forward([item])
+                except Exception as exc:  # noqa: BLE001 - the engine's failure is this step's
+                    out, result = None, _failed(exc)
                 now = time.monotonic()  # the engine's time, as the worker's path counts it
-                if result.error is None:
-                    result = self._keep(session_id, item.start_pos, result)
+                if out is None:
+                    pass
+                elif out.logits is not None and sampling is not None:
+                    result = _sampled(out, sampling, item)
+                else:
+                    result = self._keep(session_id, item.start_pos, StageResult(output=out))
             except Exception as exc:  # noqa: BLE001 - a bug fails this step, never the stage
                 log.exception("stage step failed")
                 result = StageResult(error=DecodeFailed(f"stage failure: {exc}"))
@@ -399,7 +421,10 @@ class Stage:
             except Exception:  # noqa: BLE001 - the network side's failure is this step's alone
                 log.exception("delivering the result of session %s failed", session_id)
             if result.error is None:  # counted after the result left: the next stage computes meanwhile
-                self._record(1, now - started, steps=1, lane=lane % self.decode_lanes)
+                elapsed = now - started
+                self.stats.record(1, elapsed, self._n_layers, steps=1, lane=lane % self.decode_lanes)
+                if self.on_batch is not None:
+                    self.on_batch(1, elapsed * 1000)
         finally:
             self._running_now = False
         return True
@@ -772,23 +797,20 @@ class Stage:
     def _record(self, tokens: int, elapsed: float, *, steps: int = 0, lane: int | None = None) -> None:
         """Count one engine call of ``tokens`` positions; ``steps``: the decode steps it ran,
         when it ran nothing else (in ``lane``)."""
-        self.stats.record(tokens, elapsed, len(self.engine.info.layers), decode=steps > 0)
-        if steps:
-            self.stats.step_rounds += 1
-            self.stats.step_jobs += steps
-            self.stats.step_seconds += elapsed
-            self.stats.step_rounds_by_lane[lane or 0] += 1
+        self.stats.record(tokens, elapsed, self._n_layers, decode=steps > 0, steps=steps, lane=lane or 0)
         if self.on_batch is not None:
             self.on_batch(tokens, elapsed * 1000)
 
     def _keep(self, session_id: SessionId, start_pos: int, result: StageResult) -> StageResult:
-        """Encode a finished job's hidden states for the wire once, and keep them."""
+        """Encode a finished job's hidden states for the wire once, and keep them; ``result``
+        (made for this job, not delivered yet) with them as ``sent``. Set on it rather than
+        on a copy: a second result object a hop was a call on cold caches."""
         output = result.output
         if self.kept is None or output is None or output.hidden is None:
             return result
-        sent = tensors.encode(output.hidden, self.kept.wire_dtype, half=output.half)
+        result.sent = sent = tensors.encode(output.hidden, self.kept.wire_dtype, half=output.half)
         self.kept.put(session_id, start_pos, sent, lambda sid: self.engine.session_length(sid) > 0)
-        return StageResult(output=result.output, token=result.token, sent=sent)
+        return result
 
     def _compute(self, group: list[_Work]) -> list[StageResult]:
         """One engine call, then sampling on the last range (on the engine thread, or inline)."""
@@ -889,6 +911,15 @@ async def _deliver(job: Job, result: StageResult) -> None:
 
 async def _ignore(_: StageResult) -> None:
     return None
+
+
+def _failed(exc: Exception) -> StageResult:
+    """An engine call's failure as its job's result: the engine's own errors as they are,
+    anything else (a bug) logged and as DecodeFailed. Call it in the ``except`` block."""
+    if isinstance(exc, EngineError):
+        return StageResult(error=exc)
+    log.exception("engine call failed")
+    return StageResult(error=DecodeFailed(f"engine failure: {exc}"))
 
 
 def _sampled(out: StageOutput, sampling: SamplingParams | None, item: BatchItem) -> StageResult:
