@@ -354,10 +354,10 @@ class Stage:
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
         stats = self.stats
-        # ``_may_run_inline(1)``, written out: a call fewer at every hop.
-        if item.n_tokens != 1 or self.inline_tokens < 1 or not stats.steps or stats.step_ms_per_layer > self._inline_ms_per_layer:
+        if item.n_tokens != 1 or not self._parked or self._running_now or self._deferred:
             return 0
-        if not self._parked or self._running_now or self._deferred:
+        # ``_may_run_inline(1)``, written out: a call fewer at every hop.
+        if self.inline_tokens < 1 or not stats.steps or stats.step_ms_per_layer > self._inline_ms_per_layer:
             return 0
         length = self.engine.session_length(item.session_id)
         if length == 0:
@@ -398,14 +398,14 @@ class Stage:
                 try:
                     (out,) = self.engine.forward([item])
                 except Exception as exc:  # noqa: BLE001 - the engine's failure is this step's
-                    out, result = None, _failed(exc)
-                now = time.monotonic()  # the engine's time, as the worker's path counts it
-                if out is None:
-                    pass
-                elif out.logits is not None and sampling is not None:
-                    result = _sampled(out, sampling, item)
+                    result = _failed(exc)
+                    now = time.monotonic()
                 else:
-                    result = self._keep(session_id, item.start_pos, StageResult(output=out))
+                    now = time.monotonic()  # the engine's time, as the worker's path counts it
+                    if out.logits is not None and sampling is not None:
+                        result = _sampled(out, sampling, item)
+                    else:
+                        result = self._keep(session_id, item.start_pos, StageResult(output=out))
             except Exception as exc:  # noqa: BLE001 - a bug fails this step, never the stage
                 log.exception("stage step failed")
                 result = StageResult(error=DecodeFailed(f"stage failure: {exc}"))
