@@ -206,7 +206,7 @@ class LlamaCppEngine(LayerEngine):
                     return [step]
             self._validate(items)
             saved = self._admit(items)
-            self._set_threads(items)
+            self._set_threads(max(item.start_pos + item.n_tokens for item in items))
             try:
                 return self._run(items)
             except BaseException:
@@ -225,11 +225,10 @@ class LlamaCppEngine(LayerEngine):
         two runs on the 2-core VM, 2026-12-06). ``tests/test_engine.py -k lone_step``: the same
         bits as the batch path.
 
-        The thread count (``_set_threads``' rule for one item), the decode and the capture's
-        read are written out here rather than called: each call a step skips is one fewer
-        function a hop touches on cold caches (docs/ARCHITECTURE.md, "A lone step's Python in
-        fewer calls"). The capture needs no reset before the call: ``take`` and ``_restore``
-        leave it empty.
+        The decode and the capture's read are written out here rather than called: each call
+        a step skips is one fewer function a hop touches on cold caches (docs/ARCHITECTURE.md,
+        "A lone step's Python in fewer calls"). The capture needs no reset before the call:
+        ``take`` and ``_restore`` leave it empty.
         """
         slot = self._slots.get(item.session_id)
         if slot is None or item.n_tokens != 1 or item.start_pos != slot.length:
@@ -247,11 +246,7 @@ class LlamaCppEngine(LayerEngine):
             if hidden is None or hidden.shape != (1, info.d_model):
                 return None
             self._embd[0] = hidden[0] if self._input_scale == 1.0 else hidden[0] / self._input_scale
-        n = self._n_threads if len(self._slots) == 1 else self._threads_shared
-        threads = (1 if self._exact_steps and item.start_pos >= SPLIT_KV_FROM else n, n)
-        if threads != self._threads:
-            llama_cpp.llama_set_n_threads(self._ctx, *threads)
-            self._threads = threads
+        self._set_threads(item.start_pos + 1)
         self._pos[0] = item.start_pos
         self._seq_ptrs[0][0] = slot.seq_id
         self._outputs[0] = 1
@@ -297,11 +292,11 @@ class LlamaCppEngine(LayerEngine):
         except CaptureError as exc:
             raise DecodeFailed(str(exc)) from exc
 
-    def _set_threads(self, items: list[BatchItem]) -> None:
-        """Every thread while this engine holds one session (the batch's, once admitted),
-        the shared count otherwise (``EngineConfig.n_threads_shared``); with
-        ``EngineConfig.exact_steps``, one thread for calls of one token past
-        ``SPLIT_KV_FROM``.
+    def _set_threads(self, reach: int) -> None:
+        """For a call whose positions end at ``reach``: every thread while this engine holds
+        one session (the batch's, once admitted), the shared count otherwise
+        (``EngineConfig.n_threads_shared``); with ``EngineConfig.exact_steps``, one thread for
+        calls of one token past ``SPLIT_KV_FROM``.
 
         ggml gives each output row to one thread, whichever, with one exception: a ubatch of
         one token attending to 512 or more KV cells (llama.cpp pads a stream's cells to 256,
@@ -315,8 +310,7 @@ class LlamaCppEngine(LayerEngine):
         do, bit for bit (``tests/test_engine.py -k split_kv``), at ~1.5x the time of two
         (``scripts/bench_exact_steps.py``): hence a choice, off by default."""
         n = self._n_threads if len(self._slots) == 1 else self._threads_shared
-        exact = self._exact_steps and any(item.start_pos + item.n_tokens > SPLIT_KV_FROM for item in items)
-        single = 1 if exact else n
+        single = 1 if self._exact_steps and reach > SPLIT_KV_FROM else n
         if (single, n) != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, single, n)
             self._threads = (single, n)

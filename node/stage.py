@@ -819,14 +819,11 @@ class Stage:
     def _forward(self, items: list[BatchItem], samplings: list[SamplingParams | None]) -> list[StageResult]:
         try:
             outputs = self.engine.forward(items)
-        except EngineError as exc:
-            if len(items) == 1:
-                return [StageResult(error=exc)]
-            # One bad item must not fail its neighbours: retry each alone.
-            return [r for item, sampling in zip(items, samplings) for r in self._forward([item], [sampling])]
         except Exception as exc:  # noqa: BLE001 - a bug must fail the batch, not kill the peer
-            log.exception("engine call failed")
-            return [StageResult(error=DecodeFailed(f"engine failure: {exc}"))] * len(items)
+            if isinstance(exc, EngineError) and len(items) > 1:
+                # One bad item must not fail its neighbours: retry each alone.
+                return [r for item, sampling in zip(items, samplings) for r in self._forward([item], [sampling])]
+            return [_failed(exc)] * len(items)
         return [_sampled(out, sampling, item) for item, sampling, out in zip(items, samplings, outputs)]
 
     async def _expire_idle_sessions(self) -> None:
