@@ -123,7 +123,14 @@ class SealedStream:
         started = trio.current_time()
         async with self._send_lock:
             sealed = [self._out.seal(bytes(payload)) for payload in payloads]
-            await self._inner.send_many(sealed, max(0.0, timeout - (trio.current_time() - started)))
+            try:
+                await self._inner.send_many(sealed, max(0.0, timeout - (trio.current_time() - started)))
+            except BaseException:
+                # Nonces were spent on frames that may never be written (a cancel while the
+                # framed stream's lock was held elsewhere): the next frame would go out under
+                # a nonce the peer does not expect. Fail the stream now, not at the peer.
+                await self._inner.reset()
+                raise
 
     @property
     def has_unsent(self) -> bool:

@@ -108,6 +108,23 @@ async def test_an_oversized_payload_is_refused_without_spending_a_nonce() -> Non
             assert await b.receive(10.0) == b"fits"  # the stream is still in step
 
 
+async def test_a_send_cancelled_after_sealing_fails_the_stream_at_once() -> None:
+    """A burst is sealed under the sealed stream's lock, then waits for the framed stream's
+    own lock (held here as a close holds it while it writes). Cancelled there, it had spent
+    nonces on frames never written: the stream went on, and its next frame reached the peer
+    under a nonce the peer did not expect, failed authentication there and reset the link
+    from the far side. The stream now fails where the nonces were lost."""
+    a, b = _sealed_pair()
+    with trio.fail_after(10):
+        async with a._inner._send_lock:
+            with trio.move_on_after(0.1):
+                await a.send(b"never written", 10.0)
+        with pytest.raises(StreamError):
+            await a.send(b"next", 10.0)
+        with pytest.raises(StreamError):
+            await b.receive(1.0)
+
+
 async def test_a_sealed_write_in_place_that_fails_says_so() -> None:
     """A frame written in place to a peer that is gone is reported unsent (False), so the
     caller's usual send raises the failure at once instead of waiting for an answer that
