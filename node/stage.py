@@ -353,11 +353,7 @@ class Stage:
         skipping them alone: there is no one to batch with, and a step computed inline runs
         with no checkpoint between its start and its end, so the worker, woken meanwhile,
         never shares the engine with it."""
-        stats = self.stats
-        if item.n_tokens != 1 or not self._parked or self._running_now or self._deferred:
-            return 0
-        # ``_may_run_inline(1)``, written out: a call fewer at every hop.
-        if self.inline_tokens < 1 or not stats.steps or stats.step_ms_per_layer > self._inline_ms_per_layer:
+        if item.n_tokens != 1 or not self._parked or self._running_now or self._deferred or not self._may_run_inline(1):
             return 0
         length = self.engine.session_length(item.session_id)
         if length == 0:

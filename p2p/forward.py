@@ -744,7 +744,7 @@ class ForwardService:
     def _note_passed(self, msg: wire.Forward, remote: PeerId, known: bool) -> None:
         """Remember that ``msg``'s context from ``remote`` passed (see :meth:`_passed`); the
         caller checked it against the table :meth:`_passed` just compared, with no turn since."""
-        if msg.context is None or msg.discard or msg.replay is not None:
+        if msg.context is None:  # only step frames carry one (never a rebuild or a replay)
             return
         routes = self._passed_routes
         if len(routes) >= wire.CONTEXT_CACHE_ENTRIES:

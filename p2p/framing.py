@@ -273,7 +273,7 @@ class FramedStream:
             raise ValueError(f"max_frame_size must be in 1..2**32-1, got {max_frame_size}")
         self._raw = raw
         self._fileno = raw.fileno if isinstance(raw, SocketByteStream) else None
-        """A socket read and written in place by :meth:`receive`'s and :meth:`commit_nowait`'s
+        """A socket read and written in place by :meth:`receive`'s and :meth:`send_nowait`'s
         short paths (None: every frame takes the general one)."""
         self.opener: Callable[[bytes], bytes] | None = None
         """Applied to every frame received, inside :meth:`receive` (``p2p.sealed`` opens its
