@@ -442,7 +442,7 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=300, help="length of the prefill prompt")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds in turns; figures are the best of them, the pinned hop their paired median")
+                        help="rounds in turns; figures are the best of them (the pinned hop's verdict comes from --hop-pairs)")
     parser.add_argument("--hop-pairs", type=int, default=30,
                         help="short pairs of turns (whole peer, chain) whose median is the pinned hop's verdict")
     parser.add_argument("--threads", type=int, default=1, help="engine threads per peer")
@@ -461,6 +461,8 @@ def main() -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
     chosen = [s for s in args.sections.split(",") if s]
+    if args.hop_pairs < 1:
+        parser.error("--hop-pairs must be at least 1 (30 for an interval of the median; 6 at the least)")
     unknown = set(chosen) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
