@@ -216,10 +216,17 @@ def test_joins_are_silent_at_the_seam_with_a_comma_pause_or_none(speech_generato
         assert abs(int(audio[end - 1])) <= 1 and abs(int(audio[start])) <= 1  # faded to zero on both sides
         pause = _silence_around(audio, end)
         if kind == "word":
-            assert pause <= 2 * EDGE_KEEP_S + 0.01, (end, pause)
+            assert pause <= 2 * EDGE_KEEP_S + _QUIET_PHONEMES_S, (end, pause)
         else:
             assert start - end == int(CLAUSE_PAUSE_S * 22050)
-            assert CLAUSE_PAUSE_S <= pause <= CLAUSE_PAUSE_S + 2 * EDGE_KEEP_S + 0.01, (end, pause)
+            assert CLAUSE_PAUSE_S <= pause <= CLAUSE_PAUSE_S + 2 * EDGE_KEEP_S + _QUIET_PHONEMES_S, (end, pause)
+
+
+_QUIET_PHONEMES_S = 0.03
+"""Quiet that the sounds beside a seam add to the faded tails. Piper samples noise for its
+durations and waveform (no seed reaches its graph), so it varies from run to run: 15-30 ms
+around a word seam in 40 runs of this text, 35 ms in 1 of 30 others, which the allowance of
+10 ms before failed. The pauses this test guards against were 110-250 ms."""
 
 
 def test_a_sentence_in_pieces_lasts_about_as_long_as_spoken_whole(speech_generators: dict) -> None:
