@@ -30,9 +30,11 @@ to ``--threads`` cores, so that the stages compute side by side as on separate m
 (with ``--peers`` up to the machine's cores; e.g. ``--peers 2 --sections concurrency`` on 2
 cores).
 Setups within a section are measured in turns (whole, chain, whole, ...), best of ``--rounds``
-(default 5). The pinned hop's verdict is the median of ``--hop-pairs`` (default 30) short
-pairs of turns, a whole peer's and the chain's back to back (their order alternating), each
-pair's chain against its own whole peer, with a 95% interval of that median: on this VM a
+(default 5). The pinned hop's verdict is the median of ``--hop-pairs`` (default 32) short
+pairs of turns, a whole peer's and a chain's back to back (their order alternating), each
+pair's chain against its own whole peer, with a 95% interval of that median; the pairs cross
+``--hop-instances`` (default 2) whole peers with as many chains, so that one process's luck
+(a few percent faster than its twin for its whole life) is not the verdict: on this VM a
 whole peer's rate moves 10-50% between turns seconds apart, so a pair must be as short as
 its figure allows and there must be many (five pairs of the rounds' long turns read -0.02
 to 1.42 ms for one tree in one hour). The rounds' paired median is printed beside it.
@@ -112,8 +114,8 @@ class Bench:
                   "--max-sessions", str(self.max_sessions), *self.args.peer_arg]  # fmt: skip
         return LocalSwarm(Path(tempfile.mkdtemp(dir=self.workdir)), common, {"INCLAVATE_HOME": str(self.home)})
 
-    def start_whole(self, swarm: LocalSwarm) -> PeerProcess:
-        whole = swarm.start("whole", self.spec.model_id, "--layers", f"0-{self.spec.n_layers}")
+    def start_whole(self, swarm: LocalSwarm, name: str = "whole") -> PeerProcess:
+        whole = swarm.start(name, self.spec.model_id, "--layers", f"0-{self.spec.n_layers}")
         swarm.wait_ready(whole)
         if self.args.cores_apart:
             pin_threads(whole.process.pid, set(self.cores[: self.args.threads]))
@@ -277,15 +279,34 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     return ordered[k - 1], ordered[n - k]
 
 
-def paired_hop_ms(bench: Bench, whole: list[PeerProcess], chain: list[PeerProcess], hops: int) -> list[float]:
-    """Per-hop overhead of ``--hop-pairs`` short pairs of turns, the whole peer's and the
-    chain's back to back in alternating order (whichever runs second follows the other's
-    caches): each pair's figure compares two turns a fraction of a second apart."""
+def pair_schedule(pairs: int, wholes: int, chains: int) -> list[tuple[int, int, bool]]:
+    """``(whole, chain, whole first)`` for each pair: every whole peer against every chain in
+    turn, and each combination run whole-first and chain-first alike (over every two cycles
+    of the combinations), so neither an instance nor an order leans on the median."""
+    combos = [(w, c) for w in range(wholes) for c in range(chains)]
+    n = len(combos)
+    # The order alternates; with an even count of combinations each would keep its order
+    # from cycle to cycle, so the order also flips at every new cycle.
+    return [(*combos[i % n], (i + (i // n if n % 2 == 0 else 0)) % 2 == 0) for i in range(pairs)]
+
+
+def paired_hop_ms(bench: Bench, wholes: list[list[PeerProcess]], chains: list[list[PeerProcess]],
+                  hops: int) -> list[float]:  # fmt: skip
+    """Per-hop overhead of ``--hop-pairs`` short pairs of turns, a whole peer's and a chain's
+    back to back in alternating order (whichever runs second follows the other's caches):
+    each pair's figure compares two turns a fraction of a second apart.
+
+    The pairs cycle through every whole peer against every chain (``--hop-instances`` of
+    each), each combination as often whole-first as chain-first: one process can run a few
+    percent faster than its twin for as long as it lives (three whole peers of one run: 7.06,
+    7.19 and 7.30 ms a token), ~0.1 ms a hop, so one instance of each would make that luck
+    part of the verdict."""
     figures = []
-    for i in range(bench.args.hop_pairs):
-        setups = [whole, chain] if i % 2 == 0 else [chain, whole]
+    for w, c, whole_first in pair_schedule(bench.args.hop_pairs, len(wholes), len(chains)):
+        whole, chain = wholes[w], chains[c]
+        setups = [whole, chain] if whole_first else [chain, whole]
         rates = [stream(peers[0], bench.spec.model_id, bench.short, HOP_PAIR_TOKENS).decode_rate for peers in setups]
-        whole_rate, chain_rate = rates if i % 2 == 0 else rates[::-1]
+        whole_rate, chain_rate = rates if whole_first else rates[::-1]
         figures.append((1 / chain_rate - 1 / whole_rate) * 1000 / hops)
     return figures
 
@@ -303,8 +324,11 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
         peers = {"whole": [bench.start_whole(swarm)],
                  "direct": bench.start_chain(swarm, prefix="direct-"),
                  "libp2p": bench.start_chain(swarm, "--direct-port", "-1", prefix="libp2p-")}  # fmt: skip
+        twins = range(2, bench.args.hop_instances + 1)  # for the pairs only: see paired_hop_ms
+        wholes = [peers["whole"], *([bench.start_whole(swarm, name=f"whole-{i}")] for i in twins)]
+        chains = [peers["direct"], *(bench.start_chain(swarm, prefix=f"direct{i}-") for i in twins)]
         rounds = bench.in_turns({**peers, "bare-whole": bare_whole, "bare-chain": bare_chain})
-        pairs = paired_hop_ms(bench, peers["whole"], peers["direct"], hops)
+        pairs = paired_hop_ms(bench, wholes, chains, hops)
         idle = {name: bench.idle_cpu_ms_per_s(setup) for name, setup in peers.items()}
     rates = best_of(rounds)
     print(f"all processes on core {core}; best of {bench.args.rounds} in turns; idle background CPU per peer "
@@ -327,7 +351,8 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
           + f"; the whole peer's decode {min(whole_rates):.1f}-{max(whole_rates):.1f} tok/s ({spread:.0%} apart"
           + (": above 15%, the machine was not quiet, rerun)" if spread > 0.15 else ")"))
     low, high = median_interval(pairs)
-    print(f"{len(pairs)} pairs of {HOP_PAIR_TOKENS}-token turns, whole peer and direct chain back to back: hop ms "
+    print(f"{len(pairs)} pairs of {HOP_PAIR_TOKENS}-token turns, a whole peer and a direct chain back to back "
+          f"({len(wholes)} of each, crossed): hop ms "
           + ", ".join(f"{h:.2f}" for h in pairs) + f"; the median's 95% interval {low:.3f} to {high:.3f}")
     whole, direct = rates["whole"], rates["direct"]
     return [Verdict(f"pinned per-hop overhead ms (median of {len(pairs)} short pairs of turns)",
@@ -443,8 +468,10 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=300, help="length of the prefill prompt")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds in turns; figures are the best of them (the pinned hop's verdict comes from --hop-pairs)")
-    parser.add_argument("--hop-pairs", type=int, default=30,
+    parser.add_argument("--hop-pairs", type=int, default=32,
                         help="short pairs of turns (whole peer, chain) whose median is the pinned hop's verdict")
+    parser.add_argument("--hop-instances", type=int, default=2,
+                        help="whole peers and direct chains started for the pairs, each crossed with each")
     parser.add_argument("--threads", type=int, default=1, help="engine threads per peer")
     parser.add_argument("--wire-dtype", default="f16", choices=("f16", "bf16", "f32"))
     parser.add_argument("--libp2p-only", action="store_true",
@@ -463,6 +490,8 @@ def main() -> int:
     chosen = [s for s in args.sections.split(",") if s]
     if args.hop_pairs < 1:
         parser.error("--hop-pairs must be at least 1 (30 for an interval of the median; 6 at the least)")
+    if args.hop_instances < 1:
+        parser.error("--hop-instances must be at least 1")
     unknown = set(chosen) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")

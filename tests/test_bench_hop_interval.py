@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # bench_chain imports its siblings
-from bench_chain import median_interval  # noqa: E402
+from bench_chain import median_interval, pair_schedule  # noqa: E402
 
 
 def test_the_interval_is_the_order_statistics_of_the_binomial_table() -> None:
@@ -31,3 +31,17 @@ def test_the_interval_holds_a_skewed_median_at_least_as_often_as_it_claims() -> 
         low, high = median_interval([rng.expovariate(1.0) for _ in range(30)])
         held += low <= true_median <= high
     assert held / trials >= 0.94  # 0.957 exactly for n=30; 2000 trials' noise is ~0.005
+
+
+def test_the_pairs_cross_every_whole_peer_with_every_chain_in_both_orders() -> None:
+    schedule = pair_schedule(32, 2, 2)
+    assert len(schedule) == 32
+    for combo in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        orders = [whole_first for w, c, whole_first in schedule if (w, c) == combo]
+        assert len(orders) == 8 and sum(orders) == 4  # as often whole-first as chain-first
+    # One of each alternates the order from pair to pair, as before there were twins.
+    assert [whole_first for _, _, whole_first in pair_schedule(4, 1, 1)] == [True, False, True, False]
+    for w, c in [(1, 3), (3, 1), (3, 3)]:  # odd counts of combinations alike
+        schedule = pair_schedule(2 * w * c, w, c)
+        assert sorted((a, b) for a, b, whole_first in schedule if whole_first) == sorted(
+            (a, b) for a, b, whole_first in schedule if not whole_first)
