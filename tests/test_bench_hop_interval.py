@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))  # bench_chain imports its siblings
-from bench_chain import median_interval, pair_schedule  # noqa: E402
+from bench_chain import Verdict, median_interval, pair_schedule  # noqa: E402
 
 
 def test_the_interval_is_the_order_statistics_of_the_binomial_table() -> None:
@@ -45,3 +45,14 @@ def test_the_pairs_cross_every_whole_peer_with_every_chain_in_both_orders() -> N
         schedule = pair_schedule(2 * w * c, w, c)
         assert sorted((a, b) for a, b, whole_first in schedule if whole_first) == sorted(
             (a, b) for a, b, whole_first in schedule if not whole_first)
+
+
+def test_an_interval_that_straddles_the_target_decides_nothing() -> None:
+    def verdict(low: float, high: float) -> str:
+        return Verdict("hop", (low + high) / 2, 0.5, higher_is_better=False, interval=(low, high)).reliability
+
+    assert verdict(0.2, 0.4) == "met reliably"
+    assert verdict(0.6, 0.9) == "NOT met, reliably"
+    assert verdict(0.3, 0.9).startswith("undecided")  # a noisy run, whose median alone read NOT met
+    higher = Verdict("ratio", 0.9, 0.85, interval=(0.86, 0.95))
+    assert higher.reliability == "met reliably" and "target >= 0.85" in higher.line()
