@@ -30,7 +30,7 @@ to ``--threads`` cores, so that the stages compute side by side as on separate m
 (with ``--peers`` up to the machine's cores; e.g. ``--peers 2 --sections concurrency`` on 2
 cores).
 Setups within a section are measured in turns (whole, chain, whole, ...), best of ``--rounds``
-(default 5). The pinned hop's verdict is the median of ``--hop-pairs`` (default 32) short
+(default 5). The pinned hop's verdict is the median of ``--pairs`` (default 32) short
 pairs of turns, a whole peer's and a chain's back to back (their order alternating), each
 pair's chain against its own whole peer, with a 95% interval of that median (met reliably,
 NOT met reliably, or undecided where it straddles the target); the pairs cross
@@ -38,7 +38,9 @@ NOT met reliably, or undecided where it straddles the target); the pairs cross
 (a few percent faster than its twin for its whole life) is not the verdict: on this VM a
 whole peer's rate moves 10-50% between turns seconds apart, so a pair must be as short as
 its figure allows and there must be many (five pairs of the rounds' long turns read -0.02
-to 1.42 ms for one tree in one hour). The rounds' paired median is printed beside it.
+to 1.42 ms for one tree in one hour). The rounds' paired median is printed beside it. The
+``chain`` section judges its decode ratio both ways: best of the rounds, and the median of
+as many short pairs (one whole peer, one chain) with its interval.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class Verdict:
     @property
     def reliability(self) -> str:
         """What the interval says of the target: met or missed by the whole interval, or
-        undecided (it straddles the target: a run on a noisy machine, to be rerun)."""
+        undecided (it straddles the target: the figure sits near its line, or the run was too
+        noisy to tell; a rerun on a quiet machine says which)."""
         assert self.interval is not None
         low, high = self.interval
         worst, best = (low, high) if self.higher_is_better else (high, low)
@@ -98,7 +101,7 @@ class Verdict:
             return "met reliably"
         if not self._meets(best):
             return "NOT met, reliably"
-        return "undecided: the interval straddles the target (a noisy run: rerun when the machine is quiet)"
+        return "undecided: the interval straddles the target (a figure near its line, or a noisy run)"
 
     @property
     def met(self) -> bool:
@@ -227,6 +230,7 @@ def whole_vs_chain(bench: Bench) -> list[Verdict]:
         whole = [bench.start_whole(swarm)]
         chain = bench.start_chain(swarm, *(("--direct-port", "-1") if bench.args.libp2p_only else ()))
         rates = bench.interleaved({"whole": whole, "chain": chain, "bare-whole": bare_whole, "bare-chain": bare_chain})
+        ratios = [chain_rate / whole_rate for whole_rate, chain_rate in paired_rates(bench, [whole], [chain])]
     whole, chain = rates["whole"], rates["chain"]
     hops = bench.args.peers  # entry -> stage 2 -> ... -> last, and the token back to the entry
     print(f"{'':11}{'prefill tok/s':>15}{'decode tok/s':>15}{'step ms':>10}{'outside engines ms':>20}")
@@ -236,8 +240,10 @@ def whole_vs_chain(bench: Bench) -> list[Verdict]:
     print(f"decode step: whole {1000 / whole.decode:.2f} ms, chain {1000 / chain.decode:.2f} ms; "
           f"added latency {max(0.0, (1 / chain.decode - 1 / whole.decode) * 1000 / hops):.2f} ms per hop ({hops} messages per step); "
           f"outside the engines {added:.2f} ms per hop, the rest is the engines' calls taking longer split across the chain")  # fmt: skip
+    print_pairs("decode chain/whole", ratios, 1)
     return [Verdict("prefill chain/whole", chain.prefill / whole.prefill, TARGET_PREFILL),
-            Verdict("decode chain/whole", chain.decode / whole.decode, TARGET_DECODE),
+            Verdict(f"decode chain/whole (best of {bench.args.rounds} rounds)", chain.decode / whole.decode, TARGET_DECODE),
+            *interval_verdicts("decode chain/whole", ratios, TARGET_DECODE, higher_is_better=True),
             Verdict("chain per-hop time outside the engines ms", added, TARGET_HOP_MS, higher_is_better=False),
             *floor_verdicts(rates, "chain", hops, "")]  # fmt: skip
 
@@ -310,25 +316,38 @@ def pair_schedule(pairs: int, wholes: int, chains: int) -> list[tuple[int, int, 
     return [(*combos[i % n], (i + (i // n if n % 2 == 0 else 0)) % 2 == 0) for i in range(pairs)]
 
 
-def paired_hop_ms(bench: Bench, wholes: list[list[PeerProcess]], chains: list[list[PeerProcess]],
-                  hops: int) -> list[float]:  # fmt: skip
-    """Per-hop overhead of ``--hop-pairs`` short pairs of turns, a whole peer's and a chain's
-    back to back in alternating order (whichever runs second follows the other's caches):
-    each pair's figure compares two turns a fraction of a second apart.
+def paired_rates(bench: Bench, wholes: list[list[PeerProcess]], chains: list[list[PeerProcess]]) -> list[tuple[float, float]]:
+    """``(whole, chain)`` decode rates of ``--pairs`` short pairs of turns, a whole peer's
+    and a chain's back to back in alternating order (whichever runs second follows the other's
+    caches): each pair compares two turns a fraction of a second apart, where the rounds'
+    long turns are seconds apart on a VM whose speed moves 10-50% between them.
 
-    The pairs cycle through every whole peer against every chain (``--hop-instances`` of
-    each), each combination as often whole-first as chain-first: one process can run a few
-    percent faster than its twin for as long as it lives (three whole peers of one run: 7.06,
-    7.19 and 7.30 ms a token), ~0.1 ms a hop, so one instance of each would make that luck
-    part of the verdict."""
-    figures = []
-    for w, c, whole_first in pair_schedule(bench.args.hop_pairs, len(wholes), len(chains)):
-        whole, chain = wholes[w], chains[c]
-        setups = [whole, chain] if whole_first else [chain, whole]
+    The pairs cycle through every whole peer against every chain given, each combination as
+    often whole-first as chain-first: one process can run a few percent faster than its twin
+    for as long as it lives (three whole peers of one run: 7.06, 7.19 and 7.30 ms a token),
+    ~0.1 ms a hop, so one instance of each would make that luck part of the verdict."""
+    pairs = []
+    for w, c, whole_first in pair_schedule(bench.args.pairs, len(wholes), len(chains)):
+        setups = [wholes[w], chains[c]] if whole_first else [chains[c], wholes[w]]
         rates = [stream(peers[0], bench.spec.model_id, bench.short, HOP_PAIR_TOKENS).decode_rate for peers in setups]
-        whole_rate, chain_rate = rates if whole_first else rates[::-1]
-        figures.append((1 / chain_rate - 1 / whole_rate) * 1000 / hops)
-    return figures
+        pairs.append((rates[0], rates[1]) if whole_first else (rates[1], rates[0]))
+    return pairs
+
+
+def interval_verdicts(name: str, figures: list[float], target: float, *, higher_is_better: bool) -> list[Verdict]:
+    """The median of the pairs' figures against the target, and its 95% interval judged."""
+    median = statistics.median(figures)
+    return [Verdict(f"{name} (median of {len(figures)} short pairs of turns)", median, target,
+                    higher_is_better=higher_is_better),
+            Verdict(f"{name}, the median's 95% interval", median, target, higher_is_better=higher_is_better,
+                    interval=median_interval(figures))]  # fmt: skip
+
+
+def print_pairs(what: str, figures: list[float], instances: int) -> None:
+    low, high = median_interval(figures)
+    print(f"{len(figures)} pairs of {HOP_PAIR_TOKENS}-token turns, a whole peer and a chain back to back"
+          + (f" ({instances} of each, crossed)" if instances > 1 else "") + f": {what} "
+          + ", ".join(f"{f:.2f}" for f in figures) + f"; the median's 95% interval {low:.3f} to {high:.3f}")
 
 
 def pinned_hop_cost(bench: Bench) -> list[Verdict]:
@@ -348,7 +367,7 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
         wholes = [peers["whole"], *([bench.start_whole(swarm, name=f"whole-{i}")] for i in twins)]
         chains = [peers["direct"], *(bench.start_chain(swarm, prefix=f"direct{i}-") for i in twins)]
         rounds = bench.in_turns({**peers, "bare-whole": bare_whole, "bare-chain": bare_chain})
-        pairs = paired_hop_ms(bench, wholes, chains, hops)
+        pairs = [(1 / chain - 1 / whole) * 1000 / hops for whole, chain in paired_rates(bench, wholes, chains)]
         idle = {name: bench.idle_cpu_ms_per_s(setup) for name, setup in peers.items()}
     rates = best_of(rounds)
     print(f"all processes on core {core}; best of {bench.args.rounds} in turns; idle background CPU per peer "
@@ -370,15 +389,9 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
           + "; hop CPU ms " + ", ".join(f"{c:.2f}" for c in paired_cpu)
           + f"; the whole peer's decode {min(whole_rates):.1f}-{max(whole_rates):.1f} tok/s ({spread:.0%} apart"
           + (": above 15%, the machine was not quiet, rerun)" if spread > 0.15 else ")"))
-    low, high = median_interval(pairs)
-    print(f"{len(pairs)} pairs of {HOP_PAIR_TOKENS}-token turns, a whole peer and a direct chain back to back "
-          f"({len(wholes)} of each, crossed): hop ms "
-          + ", ".join(f"{h:.2f}" for h in pairs) + f"; the median's 95% interval {low:.3f} to {high:.3f}")
+    print_pairs("hop ms (direct chain)", pairs, len(wholes))
     whole, direct = rates["whole"], rates["direct"]
-    return [Verdict(f"pinned per-hop overhead ms (median of {len(pairs)} short pairs of turns)",
-                    statistics.median(pairs), TARGET_HOP_MS, higher_is_better=False),
-            Verdict("pinned per-hop overhead ms, the median's 95% interval", statistics.median(pairs), TARGET_HOP_MS,
-                    higher_is_better=False, interval=(low, high)),
+    return [*interval_verdicts("pinned per-hop overhead ms", pairs, TARGET_HOP_MS, higher_is_better=False),
             Verdict(f"pinned per-hop overhead ms (median of {len(rounds)} rounds, each against its own whole-peer turn)",
                     statistics.median(paired_hop), None),
             Verdict("pinned per-hop overhead ms (best chain turn against best whole turn)",
@@ -487,9 +500,10 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=300, help="length of the prefill prompt")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds in turns; figures are the best of them (the pinned hop's verdict comes from --hop-pairs)")
-    parser.add_argument("--hop-pairs", type=int, default=32,
-                        help="short pairs of turns (whole peer, chain) whose median is the pinned hop's verdict")
+                        help="rounds in turns; figures are the best of them (the pinned hop is judged by --pairs)")
+    parser.add_argument("--pairs", "--hop-pairs", type=int, default=32,
+                        help="short pairs of turns (whole peer, chain) whose median and its interval judge the pinned "
+                        "hop and the chain's decode ratio")  # fmt: skip
     parser.add_argument("--hop-instances", type=int, default=2,
                         help="whole peers and direct chains started for the pairs, each crossed with each")
     parser.add_argument("--threads", type=int, default=1, help="engine threads per peer")
@@ -508,8 +522,8 @@ def main() -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
     chosen = [s for s in args.sections.split(",") if s]
-    if args.hop_pairs < 1:
-        parser.error("--hop-pairs must be at least 1 (30 for an interval of the median; 6 at the least)")
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1 (30 for an interval of the median; 6 at the least)")
     if args.hop_instances < 1:
         parser.error("--hop-instances must be at least 1")
     unknown = set(chosen) - set(SECTIONS)

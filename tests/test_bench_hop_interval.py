@@ -53,6 +53,6 @@ def test_an_interval_that_straddles_the_target_decides_nothing() -> None:
 
     assert verdict(0.2, 0.4) == "met reliably"
     assert verdict(0.6, 0.9) == "NOT met, reliably"
-    assert verdict(0.3, 0.9).startswith("undecided")  # a noisy run, whose median alone read NOT met
+    assert verdict(0.3, 0.9).startswith("undecided")  # a noisy run (or a figure at its line)
     higher = Verdict("ratio", 0.9, 0.85, interval=(0.86, 0.95))
     assert higher.reliability == "met reliably" and "target >= 0.85" in higher.line()
