@@ -363,7 +363,7 @@ def pinned_hop_cost(bench: Bench) -> list[Verdict]:
         peers = {"whole": [bench.start_whole(swarm)],
                  "direct": bench.start_chain(swarm, prefix="direct-"),
                  "libp2p": bench.start_chain(swarm, "--direct-port", "-1", prefix="libp2p-")}  # fmt: skip
-        twins = range(2, bench.args.hop_instances + 1)  # for the pairs only: see paired_hop_ms
+        twins = range(2, bench.args.hop_instances + 1)  # for the pairs only: see paired_rates
         wholes = [peers["whole"], *([bench.start_whole(swarm, name=f"whole-{i}")] for i in twins)]
         chains = [peers["direct"], *(bench.start_chain(swarm, prefix=f"direct{i}-") for i in twins)]
         rounds = bench.in_turns({**peers, "bare-whole": bare_whole, "bare-chain": bare_chain})
