@@ -78,6 +78,10 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                         "does not change with --threads, with who else is served or after a failover. At more "
                         "threads llama.cpp's split-KV attention sums those steps in another order; one thread "
                         "costs a lone stream ~1.5x a step there at 2 threads (scripts/bench_exact_steps.py)")  # fmt: skip
+    p.add_argument("--step-threads", type=int, metavar="N",
+                   help="llama.cpp threads for a one-token decode step, at most --threads (default: --threads; "
+                        "prompts and batches keep --threads, like llama.cpp's -t beside -tb). Peers sharing "
+                        "a machine's cores may stream faster at 1: measure with scripts/bench_swarm")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",
@@ -145,9 +149,12 @@ def admin_token(args: argparse.Namespace, environ: Mapping[str, str] = os.enviro
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
     home = inclavate_home()
+    if args.step_threads is not None and not 1 <= args.step_threads <= args.threads:
+        raise ConfigError(f"--step-threads must be between 1 and --threads ({args.threads})")
     try:
         engine = EngineConfig(n_threads=args.threads, n_threads_shared=args.shared_threads, context_length=args.context,
-                              max_sessions=args.max_sessions, exact_steps=args.exact_steps)  # fmt: skip
+                              max_sessions=args.max_sessions, exact_steps=args.exact_steps,
+                              step_threads=args.step_threads)  # fmt: skip
         failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline,
                                   span_replay=args.failover_replay == "span")  # fmt: skip
     except ValueError as exc:

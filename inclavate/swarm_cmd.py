@@ -55,6 +55,10 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--exact-steps", action="store_true",
                    help="every peer runs one-token steps past position 256 on one thread, so that greedy "
                         "text does not change with concurrency or after a failover (slower: see `peer --help`)")  # fmt: skip
+    p.add_argument("--step-threads", type=int, metavar="N",
+                   help="every peer's threads for a one-token decode step (default: all cores; see "
+                        "`peer --help`). On some machines the peers stream faster at 1: scripts/bench_swarm "
+                        "measures both")  # fmt: skip
     p.set_defaults(handler=_swarm)
 
 
@@ -63,6 +67,9 @@ def _swarm(args: argparse.Namespace) -> int:
     if args.api_port + count - 1 > MAX_PORT:
         raise ConfigError(f"{count} peers need API ports {args.api_port}..{args.api_port + count - 1}: "
                           f"choose an --api-port of at most {MAX_PORT - count + 1}")  # fmt: skip
+    cores = split_cores(count).threads
+    if args.step_threads is not None and not 1 <= args.step_threads <= cores:
+        raise ConfigError(f"--step-threads must be between 1 and the {cores} cores each peer gets")
     home = inclavate_home()
     spec = Catalog.load(home).get(args.model)
     ModelStore(home).pull(spec, Progress(sys.stderr))  # once, before the peers race for it
@@ -71,7 +78,8 @@ def _swarm(args: argparse.Namespace) -> int:
     env = {ADMIN_TOKEN_ENV: args.admin_token} if args.admin_token else {}
     workdir = home / "swarm"
     print(f"starting {count} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
-    with open_swarm(workdir, count, args.wire_dtype, env, exact_steps=args.exact_steps) as swarm:
+    with open_swarm(workdir, count, args.wire_dtype, env, exact_steps=args.exact_steps,
+                    step_threads=args.step_threads) as swarm:  # fmt: skip
         try:
             peers = start_peers(swarm, spec.model_id, spec.n_layers, args.peers, args.api_port,
                                 report=lambda line: print(line, file=sys.stderr), replicas=args.replicas)  # fmt: skip
@@ -82,7 +90,7 @@ def _swarm(args: argparse.Namespace) -> int:
 
 
 def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None,
-               *, exact_steps: bool = False) -> LocalSwarm:  # fmt: skip
+               *, exact_steps: bool = False, step_threads: int | None = None) -> LocalSwarm:  # fmt: skip
     """The local swarm as this command runs it: a lone stream on every core, several on the
     cores split evenly between ``peers`` (``cores``: this machine's; see
     :func:`~inclavate.local_swarm.split_cores`), threads spinning a while at a barrier."""
@@ -90,6 +98,8 @@ def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], 
     args = [*local_peer_args(split.threads, wire_dtype), "--shared-threads", str(split.shared)]
     if exact_steps:
         args.append("--exact-steps")
+    if step_threads is not None:
+        args += ["--step-threads", str(step_threads)]
     return LocalSwarm(workdir, args, env, colocated=False)
 
 

@@ -53,6 +53,13 @@ class EngineConfig:
     one thread costs a lone stream ~1.5x a step past 256 at two threads
     (``scripts/bench_exact_steps.py``). Batches of several tokens or sessions are exact
     either way."""
+    step_threads: int | None = None
+    """Threads for a call of one token (a decode step), at most ``n_threads`` (None:
+    ``n_threads``); calls of several tokens keep ``n_threads`` (or the shared count), as
+    llama.cpp's ``-t`` sits beside its ``-tb``. For peers that share cores: on the 2-core VM
+    on 2026-12-07, ``inclavate swarm``'s 3 peers streamed 12-24% faster with one thread a
+    step, on 2026-12-06 every core was faster (docs/ARCHITECTURE.md, "A lone step's thread
+    count"), so it is a choice, not a default."""
     context_length: int = 2048
     """Most positions one session may hold."""
     max_sessions: int = 8
@@ -66,6 +73,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.n_threads_shared is not None and not 1 <= self.n_threads_shared <= self.n_threads:
             raise ValueError(f"n_threads_shared must be between 1 and n_threads ({self.n_threads})")
+        if self.step_threads is not None and not 1 <= self.step_threads <= self.n_threads:
+            raise ValueError(f"step_threads must be between 1 and n_threads ({self.n_threads})")
 
     @property
     def threads_shared(self) -> int:

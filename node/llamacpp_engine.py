@@ -82,6 +82,7 @@ class LlamaCppEngine(LayerEngine):
         llamacpp_lib.ensure_initialised()
         self.config = config
         self._n_threads, self._threads_shared, self._exact_steps = config.n_threads, config.threads_shared, config.exact_steps
+        self._step_threads = config.step_threads or config.n_threads
         """``config``'s thread counts, read once: a lone step asks for them on every call."""
         self._lock = threading.Lock()
         meta = read_metadata(model_path)
@@ -296,7 +297,8 @@ class LlamaCppEngine(LayerEngine):
         """For a call whose positions end at ``reach``: every thread while this engine holds
         one session (the batch's, once admitted), the shared count otherwise
         (``EngineConfig.n_threads_shared``); with ``EngineConfig.exact_steps``, one thread for
-        calls of one token past ``SPLIT_KV_FROM``.
+        calls of one token past ``SPLIT_KV_FROM``. Calls of one token take at most
+        ``EngineConfig.step_threads``.
 
         ggml gives each output row to one thread, whichever, with one exception: a ubatch of
         one token attending to 512 or more KV cells (llama.cpp pads a stream's cells to 256,
@@ -310,7 +312,7 @@ class LlamaCppEngine(LayerEngine):
         do, bit for bit (``tests/test_engine.py -k split_kv``), at ~1.5x the time of two
         (``scripts/bench_exact_steps.py``): hence a choice, off by default."""
         n = self._n_threads if len(self._slots) == 1 else self._threads_shared
-        single = 1 if self._exact_steps and reach > SPLIT_KV_FROM else n
+        single = 1 if self._exact_steps and reach > SPLIT_KV_FROM else min(self._step_threads, n)
         if (single, n) != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, single, n)
             self._threads = (single, n)

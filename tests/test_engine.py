@@ -374,6 +374,35 @@ def test_steps_past_the_split_kv_threshold_compute_alike_at_any_thread_count_bat
 def test_the_shared_thread_count_is_between_one_and_all(shared: int) -> None:
     with pytest.raises(ValueError, match="n_threads_shared"):
         EngineConfig(n_threads=2, n_threads_shared=shared)
+    with pytest.raises(ValueError, match="step_threads"):
+        EngineConfig(n_threads=2, step_threads=shared)
+
+
+def test_one_token_steps_take_the_step_thread_count_and_prompts_every_thread(whole, smollm2, slice_cache, prompts) -> None:
+    """``step_threads`` (``--step-threads``) is llama.cpp's ``-t`` beside ``-tb``: a decode
+    step at its count, a prompt at ``n_threads``. At one thread a step is also exact past
+    position 256, where two threads' split-KV attention would sum it in another order."""
+    import llama_cpp
+
+    config = EngineConfig(n_threads=2, n_threads_shared=2, context_length=512, max_sessions=4, step_threads=1)
+    prompt = np.array(prompts[0], np.int32)
+    tokens = np.concatenate([prompt, np.random.default_rng(1).integers(100, 20000, 320).astype(np.int32)])
+    a, b = SessionId("a"), SessionId("b")
+
+    def run(engine: LayerEngine) -> list[np.ndarray]:
+        out = [engine.forward([BatchItem(a, 0, tokens=prompt)])[0].logits]
+        return out + [engine.forward([BatchItem(a, p, tokens=tokens[p:p + 1])])[0].logits for p in range(len(prompt), 256 + 8)]
+
+    with _engine(smollm2, LayerRange(0, 30), slice_cache, config) as engine:
+        stepped = run(engine)
+        assert (llama_cpp.llama_n_threads(engine._ctx), llama_cpp.llama_n_threads_batch(engine._ctx)) == (1, 2)
+        engine.forward([BatchItem(b, 0, tokens=prompt)])
+        assert (llama_cpp.llama_n_threads(engine._ctx), llama_cpp.llama_n_threads_batch(engine._ctx)) == (1, 2)
+    try:
+        reference = run(whole)  # one thread throughout
+    finally:
+        whole.close_session(a)
+    assert all(np.array_equal(s, r) for s, r in zip(stepped, reference, strict=True))
 
 
 @pytest.mark.parametrize("layers", [(0, 10), (10, 20), (20, 30)])

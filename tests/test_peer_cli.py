@@ -55,6 +55,17 @@ def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
         assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
     result = peer("--model", "smollm2:135m", "--decode-lanes", "0", tmp_path=tmp_path)
     assert result.returncode == 1 and "error: --decode-lanes must be between 1 and 16" in result.stderr, result.stderr
+    for value in ("3", "0"):
+        result = peer("--model", "smollm2:135m", "--threads", "2", "--step-threads", value, tmp_path=tmp_path)
+        assert result.returncode == 1 and "error: --step-threads must be between 1 and --threads (2)" in result.stderr, result.stderr
+
+
+def test_a_swarms_step_threads_past_its_cores_are_refused_before_any_work(tmp_path: Path) -> None:
+    env = {**os.environ, "INCLAVATE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "inclavate", "swarm", "--step-threads", str(len(os.sched_getaffinity(0)) + 1)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1 and "error: --step-threads must be between 1 and the" in result.stderr, result.stderr
+    assert not (tmp_path / "home" / "swarm").exists()
 
 
 def test_a_port_out_of_range_is_a_usage_error_naming_its_flag(tmp_path: Path) -> None:

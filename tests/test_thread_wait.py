@@ -92,3 +92,11 @@ def test_inclavate_swarm_tells_its_peers_to_spin_a_while_at_a_barrier(tmp_path: 
         assert swarm.colocated is False
         assert args[args.index("--threads") + 1] == str(cores)
         assert args[args.index("--shared-threads") + 1] == str(max(1, cores // 3))
+
+
+def test_inclavate_swarm_passes_its_step_thread_count_to_every_peer(tmp_path: Path) -> None:
+    from inclavate.swarm_cmd import open_swarm
+
+    assert "--step-threads" not in open_swarm(tmp_path, 3, "f32", {}, cores=2).peer_args  # every core, as before
+    args = open_swarm(tmp_path, 3, "f32", {}, cores=2, step_threads=1).peer_args
+    assert args[args.index("--step-threads") + 1] == "1"
