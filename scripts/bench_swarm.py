@@ -8,7 +8,10 @@ stream's decode rate after the first token and its prefill rate (prompt tokens o
 to the first token), best of ``--rounds``, and the aggregate decode rate of ``--sessions``
 streams at once, measured in turns with llama-cpp-python and with the swarm as the command
 started it until 2026-12-05 (the cores split evenly for everything, and threads told to
-sleep at once at a barrier), so the run shows what that default cost.
+sleep at once at a barrier), so the run shows what that default cost, and with
+``--step-threads 1`` (decode steps on one thread, prompts on every core), the choice that
+2026-12-06 and 2026-12-07 measured the opposite ways round (docs/ARCHITECTURE.md, "A lone
+step's thread count"), so each run adds a day's evidence.
 
 No target of issue 10 names these figures: they are the default-flags view of the others.
 llama.cpp's own RPC split of 3 ran at 0.34x of the whole model on loopback (issue 10's
@@ -19,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_chain import median_interval
 from bench_peer import DECODE_PROMPT, FILLER, LlamaBaseline, chat_tokens, concurrent_decode, stream
 
 from api.chat_model import ChatModel
@@ -51,6 +56,18 @@ class Setup:
     best: Best = field(default_factory=Best)
 
 
+def paired_ratios(a: Setup, b: Setup, model: str, pairs: int, tokens: int) -> list[float]:
+    """``a``'s decode rate over ``b``'s in ``pairs`` short turns back to back, their order
+    alternating: best-of-rounds moved 20% between identical setups on the 2-core VM
+    (2026-12-07), and a pair's two turns are a second apart."""
+    ratios = []
+    for i in range(pairs):
+        order = (a, b) if i % 2 == 0 else (b, a)
+        rate = {setup.label: stream(setup.entry, model, DECODE_PROMPT, tokens).decode_rate for setup in order}
+        ratios.append(rate[a.label] / rate[b.label])
+    return ratios
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2:135m")
@@ -60,6 +77,9 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=300, help="length of the prefill prompt")
     parser.add_argument("--sessions", type=int, default=8, help="streams at once for the aggregate rate")
     parser.add_argument("--session-tokens", type=int, default=48, help="tokens per stream in the aggregate")
+    parser.add_argument("--pairs", type=int, default=24,
+                        help="short pairs of turns, the swarm and --step-threads 1 back to back, for the paired ratio")  # fmt: skip
+    parser.add_argument("--pair-tokens", type=int, default=48, help="tokens per turn of a pair")
     args = parser.parse_args()
 
     home = inclavate_home()
@@ -76,6 +96,7 @@ def main() -> int:
     llama = LlamaBaseline(model_path, cores)
     llama_best = Best()
     rows: list[tuple[int, list[Setup]]] = []
+    pairs: list[tuple[int, list[float]]] = []
     try:
         llama.ask(op="single", tokens=decode_tokens, n=4)
         for peers in (int(p) for p in args.peers.split(",")):
@@ -83,8 +104,10 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 env = {"INCLAVATE_HOME": str(home)}
                 swarms = [open_swarm(Path(tmp) / "now", peers, "f32", env, cores),
+                          open_swarm(Path(tmp) / "steps1", peers, "f32", env, cores, step_threads=1),
                           LocalSwarm(Path(tmp) / "before", local_peer_args(split.shared, "f32"), env, colocated=True)]
-                labels = [f"now: {split.threads}, else {split.shared}", f"before: {split.shared}, sleeping"]
+                labels = [f"now: {split.threads}, else {split.shared}", f"--step-threads 1: {split.threads}, else {split.shared}",
+                          f"before: {split.shared}, sleeping"]  # fmt: skip
                 try:
                     setups = [Setup(label, start_peers(swarm, spec.model_id, spec.n_layers, peers, None)[0])
                               for label, swarm in zip(labels, swarms)]  # fmt: skip
@@ -98,22 +121,30 @@ def main() -> int:
                             d, s = stream(setup.entry, spec.model_id, DECODE_PROMPT, n), stream(setup.entry, spec.model_id, prompt, 2)
                             many = concurrent_decode(setup.entry, spec.model_id, args.sessions, args.session_tokens)
                             setup.best.add(d.decode_rate, s.prompt_tokens / s.ttft, many)
+                    pairs.append((peers, paired_ratios(setups[0], setups[1], spec.model_id, args.pairs, args.pair_tokens)))
                 finally:
                     for swarm in swarms:
                         swarm.stop_all()
             rows.append((peers, setups))
     finally:
         llama.close()
-    print(f"{'peers':>5}  {'threads: 1 session, more':<26}{'decode tok/s':>13}{'prefill tok/s':>14}{'decode/llama':>13}"
+    print(f"{'peers':>5}  {'threads: 1 session, more':<30}{'decode tok/s':>13}{'prefill tok/s':>14}{'decode/llama':>13}"
           f"{'prefill/llama':>14}{f'{args.sessions} streams tok/s':>18}")  # fmt: skip
     for peers, setups in rows:
         for setup in setups:
             r = setup.best
-            print(f"{peers:>5}  {setup.label:<26}{r.decode:13.1f}{r.prefill:14.1f}{r.decode / llama_best.decode:13.3f}"
+            print(f"{peers:>5}  {setup.label:<30}{r.decode:13.1f}{r.prefill:14.1f}{r.decode / llama_best.decode:13.3f}"
                   f"{r.prefill / llama_best.prefill:14.3f}{r.sessions:18.1f}")  # fmt: skip
-        now, before = setups[0].best, setups[1].best
-        print(f"{'':7}now / before: decode {now.decode / before.decode:.2f}x, prefill {now.prefill / before.prefill:.2f}x, "
-              f"{args.sessions} streams {now.sessions / before.sessions:.2f}x")  # fmt: skip
+        now = setups[0].best
+        for label, other in (("--step-threads 1", setups[1].best), ("before", setups[2].best)):
+            print(f"{'':7}now / {label}: decode {now.decode / other.decode:.2f}x, prefill {now.prefill / other.prefill:.2f}x, "
+                  f"{args.sessions} streams {now.sessions / other.sessions:.2f}x")  # fmt: skip
+    for peers, ratios in pairs:
+        low, high = median_interval(ratios)
+        faster = ("every core, reliably" if low > 1 else "--step-threads 1, reliably" if high < 1
+                  else "undecided (the interval straddles 1)")  # fmt: skip
+        print(f"{peers:>5}  decode, now / --step-threads 1, {len(ratios)} pairs of {args.pair_tokens}-token turns back to "
+              f"back: median {statistics.median(ratios):.3f}, 95% interval {low:.3f} to {high:.3f}; faster: {faster}")  # fmt: skip
     print(f"llama.cpp alone at {cores} threads (best over the whole run): decode {llama_best.decode:.1f} tok/s, "
           f"prefill {llama_best.prefill:.1f} tok/s")  # fmt: skip
     return 0
