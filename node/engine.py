@@ -57,7 +57,7 @@ class EngineConfig:
     """Threads for a call of one token (a decode step), at most ``n_threads`` (None:
     ``n_threads``); calls of several tokens keep ``n_threads`` (or the shared count), as
     llama.cpp's ``-t`` sits beside its ``-tb``. For peers that share cores: on the 2-core VM
-    on 2026-12-07, ``inclavate swarm``'s 3 peers streamed 12-24% faster with one thread a
+    on 2026-12-07, ``inclavate swarm``'s 3 peers streamed 13-24% faster with one thread a
     step, on 2026-12-06 every core was faster (docs/ARCHITECTURE.md, "A lone step's thread
     count"), so it is a choice, not a default."""
     context_length: int = 2048

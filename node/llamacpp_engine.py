@@ -82,8 +82,8 @@ class LlamaCppEngine(LayerEngine):
         llamacpp_lib.ensure_initialised()
         self.config = config
         self._n_threads, self._threads_shared, self._exact_steps = config.n_threads, config.threads_shared, config.exact_steps
-        self._step_threads = config.step_threads or config.n_threads
         """``config``'s thread counts, read once: a lone step asks for them on every call."""
+        self._step_threads = config.step_threads or config.n_threads
         self._lock = threading.Lock()
         meta = read_metadata(model_path)
         arch, n_layers = meta.arch, meta.n_layers
