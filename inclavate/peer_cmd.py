@@ -80,8 +80,8 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                         "costs a lone stream ~1.5x a step there at 2 threads (scripts/bench_exact_steps.py)")  # fmt: skip
     p.add_argument("--step-threads", type=int, metavar="N",
                    help="llama.cpp threads for a one-token decode step, at most --threads (default: --threads; "
-                        "prompts and batches keep --threads, like llama.cpp's -t beside -tb). Peers sharing "
-                        "a machine's cores may stream faster at 1: measure with scripts/bench_swarm")  # fmt: skip
+                        "prompts and batches keep --threads, like llama.cpp's -t beside -tb). For peers sharing "
+                        "a machine's cores: inclavate swarm gives theirs the cores the other peers leave")  # fmt: skip
     p.add_argument("--context", type=int, default=2048, help="positions per session (default 2048)")
     p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="f16",

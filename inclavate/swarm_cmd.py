@@ -56,9 +56,9 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                    help="every peer runs one-token steps past position 256 on one thread, so that greedy "
                         "text does not change with concurrency or after a failover (slower: see `peer --help`)")  # fmt: skip
     p.add_argument("--step-threads", type=int, metavar="N",
-                   help="every peer's threads for a one-token decode step (default: all cores; see "
-                        "`peer --help`). On some machines the peers stream faster at 1: scripts/bench_swarm "
-                        "measures both")  # fmt: skip
+                   help="every peer's threads for a one-token decode step (default: the cores less one for "
+                        "each other peer, at least 1; see `peer --help`). scripts/bench_swarm measures the "
+                        "default against the other choice")  # fmt: skip
     p.set_defaults(handler=_swarm)
 
 
@@ -91,15 +91,15 @@ def _swarm(args: argparse.Namespace) -> int:
 
 def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None,
                *, exact_steps: bool = False, step_threads: int | None = None) -> LocalSwarm:  # fmt: skip
-    """The local swarm as this command runs it: a lone stream on every core, several on the
-    cores split evenly between ``peers`` (``cores``: this machine's; see
+    """The local swarm as this command runs it: a lone stream on every core (its decode steps
+    on the cores the other peers leave, or ``step_threads``), several on the cores split
+    evenly between ``peers`` (``cores``: this machine's; see
     :func:`~inclavate.local_swarm.split_cores`), threads spinning a while at a barrier."""
     split = split_cores(peers, cores)
-    args = [*local_peer_args(split.threads, wire_dtype), "--shared-threads", str(split.shared)]
+    args = [*local_peer_args(split.threads, wire_dtype), "--shared-threads", str(split.shared),
+            "--step-threads", str(step_threads or split.step)]  # fmt: skip
     if exact_steps:
         args.append("--exact-steps")
-    if step_threads is not None:
-        args += ["--step-threads", str(step_threads)]
     return LocalSwarm(workdir, args, env, colocated=False)
 
 

@@ -56,10 +56,10 @@ class EngineConfig:
     step_threads: int | None = None
     """Threads for a call of one token (a decode step), at most ``n_threads`` (None:
     ``n_threads``); calls of several tokens keep ``n_threads`` (or the shared count), as
-    llama.cpp's ``-t`` sits beside its ``-tb``. For peers that share cores: on the 2-core VM
-    on 2026-12-07, ``inclavate swarm``'s 3 peers streamed 13-24% faster with one thread a
-    step, on 2026-12-06 every core was faster (docs/ARCHITECTURE.md, "A lone step's thread
-    count"), so it is a choice, not a default."""
+    llama.cpp's ``-t`` sits beside its ``-tb``. For peers that share cores, which
+    ``inclavate swarm`` gives the cores the other peers leave (``CoreSplit.step``): on the
+    2-core VM its 3 peers streamed 9-24% faster with one thread a step than with two
+    (docs/ARCHITECTURE.md, "A lone step's thread count"). A peer alone keeps every core."""
     context_length: int = 2048
     """Most positions one session may hold."""
     max_sessions: int = 8

@@ -1,5 +1,6 @@
 """What ``./scripts/run`` gives on this machine: the local swarm exactly as ``inclavate swarm``
-starts it (its defaults: a lone stream on every core, several on the cores split evenly
+starts it (its defaults: a lone stream on every core, its decode steps on the cores the
+other peers leave, several streams on the cores split evenly
 between the peers, f32 on the wire), against llama.cpp alone holding the whole
 model at all cores.
 
@@ -8,10 +9,11 @@ stream's decode rate after the first token and its prefill rate (prompt tokens o
 to the first token), best of ``--rounds``, and the aggregate decode rate of ``--sessions``
 streams at once, measured in turns with llama-cpp-python and with the swarm as the command
 started it until 2026-12-05 (the cores split evenly for everything, and threads told to
-sleep at once at a barrier), so the run shows what that default cost, and with
-``--step-threads 1`` (decode steps on one thread, prompts on every core), the choice that
-2026-12-06 and 2026-12-07 measured the opposite ways round (docs/ARCHITECTURE.md, "A lone
-step's thread count"), so each run adds a day's evidence.
+sleep at once at a barrier), so the run shows what that default cost, and with the other
+choice of a decode step's threads (``--step-threads``: every core where the default gives
+the other peers' hand-offs their cores, one thread where it gives every core), in short
+pairs of turns whose median ratio and 95% interval say which is faster, reliably or not:
+a day's evidence for the default (docs/ARCHITECTURE.md, "A lone step's thread count").
 
 No target of issue 10 names these figures: they are the default-flags view of the others.
 llama.cpp's own RPC split of 3 ran at 0.34x of the whole model on loopback (issue 10's
@@ -78,7 +80,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=8, help="streams at once for the aggregate rate")
     parser.add_argument("--session-tokens", type=int, default=48, help="tokens per stream in the aggregate")
     parser.add_argument("--pairs", type=int, default=24,
-                        help="short pairs of turns, the swarm and --step-threads 1 back to back, for the paired ratio")  # fmt: skip
+                        help="short pairs of turns, the swarm and its other --step-threads back to back, for the paired ratio")  # fmt: skip
     parser.add_argument("--pair-tokens", type=int, default=48, help="tokens per turn of a pair")
     args = parser.parse_args()
 
@@ -96,17 +98,19 @@ def main() -> int:
     llama = LlamaBaseline(model_path, cores)
     llama_best = Best()
     rows: list[tuple[int, list[Setup]]] = []
-    pairs: list[tuple[int, list[float]]] = []
+    pairs: list[tuple[int, int, list[float]]] = []
     try:
         llama.ask(op="single", tokens=decode_tokens, n=4)
         for peers in (int(p) for p in args.peers.split(",")):
             split = split_cores(peers, cores)
+            other_step = split.threads if split.step != split.threads else 1
             with tempfile.TemporaryDirectory() as tmp:
                 env = {"INCLAVATE_HOME": str(home)}
                 swarms = [open_swarm(Path(tmp) / "now", peers, "f32", env, cores),
-                          open_swarm(Path(tmp) / "steps1", peers, "f32", env, cores, step_threads=1),
+                          open_swarm(Path(tmp) / "other", peers, "f32", env, cores, step_threads=other_step),
                           LocalSwarm(Path(tmp) / "before", local_peer_args(split.shared, "f32"), env, colocated=True)]
-                labels = [f"now: {split.threads}, else {split.shared}", f"--step-threads 1: {split.threads}, else {split.shared}",
+                labels = [f"now: {split.threads}, steps {split.step}, else {split.shared}",
+                          f"--step-threads {other_step}: {split.threads}, else {split.shared}",
                           f"before: {split.shared}, sleeping"]  # fmt: skip
                 try:
                     setups = [Setup(label, start_peers(swarm, spec.model_id, spec.n_layers, peers, None)[0])
@@ -121,7 +125,7 @@ def main() -> int:
                             d, s = stream(setup.entry, spec.model_id, DECODE_PROMPT, n), stream(setup.entry, spec.model_id, prompt, 2)
                             many = concurrent_decode(setup.entry, spec.model_id, args.sessions, args.session_tokens)
                             setup.best.add(d.decode_rate, s.prompt_tokens / s.ttft, many)
-                    pairs.append((peers, paired_ratios(setups[0], setups[1], spec.model_id, args.pairs, args.pair_tokens)))
+                    pairs.append((peers, other_step, paired_ratios(setups[0], setups[1], spec.model_id, args.pairs, args.pair_tokens)))
                 finally:
                     for swarm in swarms:
                         swarm.stop_all()
@@ -136,15 +140,15 @@ def main() -> int:
             print(f"{peers:>5}  {setup.label:<30}{r.decode:13.1f}{r.prefill:14.1f}{r.decode / llama_best.decode:13.3f}"
                   f"{r.prefill / llama_best.prefill:14.3f}{r.sessions:18.1f}")  # fmt: skip
         now = setups[0].best
-        for label, other in (("--step-threads 1", setups[1].best), ("before", setups[2].best)):
+        for label, other in ((setups[1].label.split(":")[0], setups[1].best), ("before", setups[2].best)):
             print(f"{'':7}now / {label}: decode {now.decode / other.decode:.2f}x, prefill {now.prefill / other.prefill:.2f}x, "
                   f"{args.sessions} streams {now.sessions / other.sessions:.2f}x")  # fmt: skip
-    for peers, ratios in pairs:
+    for peers, other_step, ratios in pairs:
         low, high = median_interval(ratios)
-        faster = ("every core, reliably" if low > 1 else "--step-threads 1, reliably" if high < 1
+        faster = ("now, reliably" if low > 1 else f"--step-threads {other_step}, reliably" if high < 1
                   else "undecided (the interval straddles 1)")  # fmt: skip
-        print(f"{peers:>5}  decode, now / --step-threads 1, {len(ratios)} pairs of {args.pair_tokens}-token turns back to "
-              f"back: median {statistics.median(ratios):.3f}, 95% interval {low:.3f} to {high:.3f}; faster: {faster}")  # fmt: skip
+        print(f"{peers:>5}  decode, now / --step-threads {other_step}, {len(ratios)} pairs of {args.pair_tokens}-token turns "
+              f"back to back: median {statistics.median(ratios):.3f}, 95% interval {low:.3f} to {high:.3f}; faster: {faster}")  # fmt: skip
     print(f"llama.cpp alone at {cores} threads (best over the whole run): decode {llama_best.decode:.1f} tok/s, "
           f"prefill {llama_best.prefill:.1f} tok/s")  # fmt: skip
     return 0
