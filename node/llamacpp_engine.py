@@ -312,7 +312,8 @@ class LlamaCppEngine(LayerEngine):
         do, bit for bit (``tests/test_engine.py -k split_kv``), at ~1.5x the time of two
         (``scripts/bench_exact_steps.py``): hence a choice, off by default."""
         n = self._n_threads if len(self._slots) == 1 else self._threads_shared
-        single = 1 if self._exact_steps and reach > SPLIT_KV_FROM else min(self._step_threads, n)
+        step = self._step_threads  # no min(): this runs at every hop of every token
+        single = 1 if self._exact_steps and reach > SPLIT_KV_FROM else step if step < n else n
         if (single, n) != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx, single, n)
             self._threads = (single, n)
