@@ -46,9 +46,9 @@ class CoreSplit:
     """Engine threads for a one-token decode step (``--step-threads``): every core but one
     for each other peer, at least one. A step at several threads meets its partners at ~300
     barriers, and the other peers' hand-offs (the Python around each hop) land on the same
-    cores: on the 2-core VM 3 peers decoded one stream 13-24% faster with one thread a step
-    than with two (2026-12-07, ``scripts/bench_swarm``'s paired ratio 0.887 and 0.858), 2
-    peers within the noise (0.964), while a prompt's chunks gain 1.5-1.6x from every core."""
+    cores: on the 2-core VM 3 peers decoded one stream 9-24% faster with one thread a step
+    than with two (2026-12-07, ``scripts/bench_swarm``'s paired ratio 1.087-1.17 in four
+    runs), 2 peers within the noise, while a prompt's chunks gain 1.5-1.6x from every core."""
 
 
 def split_cores(peers: int, cores: int | None = None) -> CoreSplit:

@@ -97,8 +97,7 @@ def main() -> int:
     decode_tokens, prefill_tokens = chat_tokens(chat, DECODE_PROMPT), chat_tokens(chat, prompt)
     llama = LlamaBaseline(model_path, cores)
     llama_best = Best()
-    rows: list[tuple[int, list[Setup]]] = []
-    pairs: list[tuple[int, int, list[float]]] = []
+    rows: list[tuple[int, int, list[Setup], list[float]]] = []
     try:
         llama.ask(op="single", tokens=decode_tokens, n=4)
         for peers in (int(p) for p in args.peers.split(",")):
@@ -125,25 +124,25 @@ def main() -> int:
                             d, s = stream(setup.entry, spec.model_id, DECODE_PROMPT, n), stream(setup.entry, spec.model_id, prompt, 2)
                             many = concurrent_decode(setup.entry, spec.model_id, args.sessions, args.session_tokens)
                             setup.best.add(d.decode_rate, s.prompt_tokens / s.ttft, many)
-                    pairs.append((peers, other_step, paired_ratios(setups[0], setups[1], spec.model_id, args.pairs, args.pair_tokens)))
+                    ratios = paired_ratios(setups[0], setups[1], spec.model_id, args.pairs, args.pair_tokens)
                 finally:
                     for swarm in swarms:
                         swarm.stop_all()
-            rows.append((peers, setups))
+            rows.append((peers, other_step, setups, ratios))
     finally:
         llama.close()
     print(f"{'peers':>5}  {'threads: 1 session, more':<30}{'decode tok/s':>13}{'prefill tok/s':>14}{'decode/llama':>13}"
           f"{'prefill/llama':>14}{f'{args.sessions} streams tok/s':>18}")  # fmt: skip
-    for peers, setups in rows:
+    for peers, other_step, setups, _ in rows:
         for setup in setups:
             r = setup.best
             print(f"{peers:>5}  {setup.label:<30}{r.decode:13.1f}{r.prefill:14.1f}{r.decode / llama_best.decode:13.3f}"
                   f"{r.prefill / llama_best.prefill:14.3f}{r.sessions:18.1f}")  # fmt: skip
         now = setups[0].best
-        for label, other in ((setups[1].label.split(":")[0], setups[1].best), ("before", setups[2].best)):
+        for label, other in ((f"--step-threads {other_step}", setups[1].best), ("before", setups[2].best)):
             print(f"{'':7}now / {label}: decode {now.decode / other.decode:.2f}x, prefill {now.prefill / other.prefill:.2f}x, "
                   f"{args.sessions} streams {now.sessions / other.sessions:.2f}x")  # fmt: skip
-    for peers, other_step, ratios in pairs:
+    for peers, other_step, _, ratios in rows:
         low, high = median_interval(ratios)
         faster = ("now, reliably" if low > 1 else f"--step-threads {other_step}, reliably" if high < 1
                   else "undecided (the interval straddles 1)")  # fmt: skip

@@ -95,7 +95,7 @@ def test_inclavate_swarm_tells_its_peers_to_spin_a_while_at_a_barrier(tmp_path: 
 
 
 def test_inclavate_swarm_gives_a_decode_step_the_cores_the_other_peers_leave(tmp_path: Path) -> None:
-    """On the 2-core VM 3 peers decoded one stream 13-24% faster with one thread a step than
+    """On the 2-core VM 3 peers decoded one stream 9-24% faster with one thread a step than
     with two (2026-12-07); a whole peer alone is faster at every core."""
     from inclavate.swarm_cmd import open_swarm
 
