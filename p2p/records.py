@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -259,7 +260,18 @@ def check_generators(generators: tuple[Any, ...]) -> tuple[dict[str, Any], ...]:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
             ):
                 raise InvalidRecord(f"generator field {key!r} must map names to numbers")
+        _check_speed_range(entry.get("speed_range"))
     return tuple(generators)
+
+
+def _check_speed_range(bounds: dict[str, Any] | None) -> None:
+    """``speed_range`` is what a speech request's ``speed`` is checked against, by key: an
+    entry without both bounds passed the type checks and failed that request with a 500 on
+    every peer (an audit, 2026-12-07)."""
+    if bounds is None:
+        return
+    if set(bounds) != {"min", "max"} or not all(math.isfinite(v) for v in bounds.values()) or bounds["min"] > bounds["max"]:
+        raise InvalidRecord("generator field 'speed_range' must be finite numbers min <= max")
 
 
 LEGACY_SEPARATOR = ":"

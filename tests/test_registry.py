@@ -128,6 +128,12 @@ def test_generator_entries_in_records_are_small_and_shaped() -> None:
         ({**good, "builtin_voices": [1]},),
         ({**good, "builtin_voices": ["v" * 65]},),
         ({**good, "speed_range": {"min": "fast"}},),
+        # speech requests read both bounds by key: an entry without them failed those with a 500
+        ({**good, "speed_range": {}},),
+        ({**good, "speed_range": {"min": 0.5}},),
+        ({**good, "speed_range": {"min": 2.0, "max": 0.5}},),
+        ({**good, "speed_range": {"min": 0.5, "max": float("inf")}},),
+        ({**good, "speed_range": {"min": 0.5, "max": 2.0, "step": 0.1}},),
         ({**good, "model": "m" * 101},),
         (good,) * (MAX_GENERATORS + 1),
         ({**good, "languages": ["x" * 60] * 80},),  # over the byte budget
