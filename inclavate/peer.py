@@ -234,7 +234,7 @@ class Peer:
                     await nursery.start(self.latency.run)
                     self.legacy = LegacyNodes(self.registry, self._model_facts, send=self.forward.send,
                                               join_token=cfg.join_token)
-                    self.forward.relay = self.legacy.relay
+                    self.forward.relayed = self.legacy
                     await nursery.start(self.legacy.run)
                     self.admin_service = AdminService(host, self.identity, cfg.admin_peers, self._execute_admin)
                     self.admin_service.start()

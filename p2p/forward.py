@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import trio
 
@@ -82,6 +82,7 @@ _REJECTION_CODES: dict[FrameReason, wire.ErrorCode] = {
     FrameReason.NOT_FINITE: "invalid_batch",
     FrameReason.TOKEN_OUT_OF_RANGE: "invalid_batch",
     FrameReason.SESSION_QUOTA: "session_limit",
+    FrameReason.STRANGER_AT_RELAY: "session_limit",
     FrameReason.REPLAY_REFUSED: "protocol",
     FrameReason.TOO_LARGE: "protocol",
     FrameReason.QUEUE_FULL: "protocol",  # as a frame over its sender's budget is answered
@@ -302,6 +303,15 @@ _ONWARD_SLACK = 4
 _close_ids = itertools.count(1)
 
 
+class RelayedNodes(Protocol):
+    """The legacy nodes this peer vouches for (:class:`p2p.legacy.LegacyNodes`), whose hops
+    it carries over HTTP."""
+
+    def serves(self, node_id: str) -> bool: ...
+
+    async def relay(self, msg: wire.Forward | wire.Close) -> None: ...
+
+
 class ForwardService:
     def __init__(
         self,
@@ -341,8 +351,10 @@ class ForwardService:
         self._asked = AskedRequests(self.me)
         """The requests sent for sessions this peer drives (:meth:`ask`), and who may answer each."""
         self._nursery: trio.Nursery | None = None
-        self.relay: Callable[[wire.Forward | wire.Close], object] | None = None
-        """Handles hops that are relayed legacy nodes (set by the legacy-node service)."""
+        self.relayed: RelayedNodes | None = None
+        """The legacy nodes this peer relays (set by the peer): a hop of theirs is carried
+        here only if this peer vouches for it (:meth:`_relays`), never for a record anyone
+        can publish naming a ``forward_url``."""
         self.record_of: RecordOf | None = None
         """The registry's record of a node (set by the peer): routes are checked against it,
         and peers it lists are "known" to admission control. None trusts every route."""
@@ -455,7 +467,8 @@ class ForwardService:
         traffic, through honest hops (an audit, 2026-12-05)."""
         if remote in (msg.reply_to, self.me) or self.record_of is None:
             return msg.reply_to
-        model_id = self.stage.engine.info.model_id if self.stage is not None else None
+        hop = self.record_of(msg.route[0].node_id)  # a relayed node's model may not be our stage's
+        model_id = hop.model_id if hop is not None else self.stage.engine.info.model_id if self.stage is not None else None
         return msg.reply_to if self._feeds_range(remote, model_id, msg.route[0].layers.start) else remote
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -655,6 +668,35 @@ class ForwardService:
         record = self.record_of(hop.node_id) if self.record_of is not None else None
         return record.n_layers if record is not None else None
 
+    def _relayed_for(self, hop: Hop) -> RelayedNodes | None:
+        """The relay carrying ``hop``, if it is a legacy node this peer vouches for. A record
+        naming a ``forward_url`` costs anyone nothing to publish: carrying every such hop let
+        a stranger have this peer refuse frames to any entry it named, in this peer's name,
+        and open sessions at the nodes it does relay past every stage rule (an audit,
+        2026-12-07)."""
+        relayed = self.relayed
+        if relayed is None or not hop.forward_url or not relayed.serves(hop.node_id):
+            return None
+        return relayed
+
+    def _check_relayed_sender(self, msg: wire.Forward, remote: PeerId) -> None:
+        """Raise :class:`FrameRejected` unless ``remote`` acts for the sessions of the relayed
+        hop ``msg.route[0]``: a registered entry (token ids) or a live previous hop of the
+        node's range (hidden states). A stranger gets no session there, not even the bounded
+        share a stage gives it: this peer cannot see the node's slots, nor which session
+        is whose."""
+        if remote == self.me or self.record_of is None:
+            return
+        hop = msg.route[0]
+        if msg.tokens is not None:
+            acts = self._is_known(remote)
+        else:
+            record = self.record_of(hop.node_id)
+            acts = record is not None and self._feeds_range(remote, record.model_id, hop.layers.start)
+        if not acts:
+            raise FrameRejected(FrameReason.STRANGER_AT_RELAY,
+                                f"{hop.node_id} is relayed here only for its sessions' entries and previous hops")  # fmt: skip
+
     async def _on_forward(self, msg: wire.Forward, remote: PeerId) -> None:
         if msg.tokens is not None and msg.reply_to != remote:
             # Token ids come from the entry itself, where every answer goes. One naming another
@@ -664,10 +706,12 @@ class ForwardService:
             log.info("dropping token ids from %s that name %s as their entry", remote, msg.reply_to)
             return
         known = self._passed(msg, remote)
+        relayed: RelayedNodes | None = None
         if known is None:
             hop = msg.route[0]
             stage = self._serves(hop)
-            if stage is None and not (hop.forward_url and self.relay is not None):
+            relayed = None if stage is not None else self._relayed_for(hop)
+            if stage is None and relayed is None:
                 to = self._refusal_goes_to(msg, remote)
                 if self.leaving and hop.node_id == self.node_id:
                     await self._fail(msg, "shutting_down", f"{self.me} has left the swarm", to=to)
@@ -701,6 +745,8 @@ class ForwardService:
                 # see (no checkpoint until it is delivered): it takes no share of the budget.
                 if item is not None and await stage.step_now(item, msg.sampling, msg.lane, functools.partial(self._after_stage, msg)):
                     return
+            else:
+                self._check_relayed_sender(msg, remote)
             decoded = item.hidden.nbytes if item is not None and item.hidden is not None else 0
             release = await self.admission.reserve(remote, held_bytes(msg.nbytes, decoded))
         except FrameRejected as exc:
@@ -708,8 +754,9 @@ class ForwardService:
             await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc), to=self._refusal_goes_to(msg, remote))
             return
         if stage is None or item is None:
+            assert relayed is not None  # no stage here: the hop is a node this peer relays
             try:
-                await self.relay(msg)  # type: ignore[misc]
+                await relayed.relay(msg)
             finally:
                 release()
             return
@@ -839,7 +886,10 @@ class ForwardService:
             return
         stage = self._serves(msg.route[0])
         if stage is None:
-            await self.send(msg.reply_to, wire.Adopted(msg.req_id, msg.new_id, 0))
+            # Nothing kept here, answered to whoever asked (an entry asks its hops itself): an
+            # answer sent to the ``reply_to`` a frame names would let anyone put "nothing
+            # kept" in this peer's mouth, to any entry, for a request it learnt the id of.
+            await self.send(remote, wire.Adopted(msg.req_id, msg.new_id, 0))
             return
 
         async def deliver(result: StageResult) -> None:
@@ -854,8 +904,9 @@ class ForwardService:
         if not self._admits_control(msg, remote, "close"):
             return
         if self.stage is None or hop.node_id != self.node_id:
-            if hop.forward_url and self.relay is not None:
-                await self.relay(msg)  # type: ignore[func-returns-value]
+            relayed = self._relayed_for(hop)
+            if relayed is not None:
+                await relayed.relay(msg)
                 return
             self._close_off_route(msg, remote, "its first hop is not this node's stage")
             return

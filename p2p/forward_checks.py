@@ -52,6 +52,9 @@ class FrameReason(enum.Enum):
     TOKEN_OUT_OF_RANGE = "token_out_of_range"
     SESSION_QUOTA = "session_quota"
     SESSION_NOT_YOURS = "session_not_yours"
+    STRANGER_AT_RELAY = "stranger_at_relay"
+    """A frame for a legacy node this peer relays from neither a registered entry (token ids)
+    nor a live previous hop of its range (hidden states)."""
     CLOSE_OFF_ROUTE = "close_off_route"
     """A close to pass on that is not this stage's to pass: its first hop is not this node, or
     its onward hops are not where this stage sent the session (freed here at most)."""

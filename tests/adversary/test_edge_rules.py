@@ -604,6 +604,66 @@ async def test_a_stranger_cannot_have_an_honest_hop_refuse_a_frame_to_an_entry_i
         assert await refused_to(route, entry) == entry.peer_id
 
 
+async def test_a_peer_relays_only_its_own_legacy_nodes_and_only_for_their_sessions_peers() -> None:
+    """A record naming a ``forward_url`` is free to publish, and every such hop was relayed:
+    a stranger's own "legacy node" first on a route had this peer refuse the frame to the
+    entry the stranger named, in this peer's name (blamed, avoided), and frames for a node
+    this peer does relay were queued from anyone, past every stage rule (an audit,
+    2026-12-07). Now a hop is relayed only by the peer vouching for it, and only for a
+    registered entry or a live previous hop of its range."""
+    me, prev, stranger, nobody, entry = (Identity.generate() for _ in range(5))
+    url = "http://10.0.0.1:9/forward"
+    mine, theirs = legacy_node_id(me.peer_id, "n1"), legacy_node_id(stranger.peer_id, "x")
+    table = Table()
+    for record in (signed(prev, 0, 10), signed(me, 10, 20, node_id=mine, relayed=True, forward_url=url),
+                   signed(stranger, 10, 20, node_id=theirs, relayed=True, forward_url=url), signed(entry, 20, 30)):  # fmt: skip
+        table, verdict = apply(table, record, 1_000_000, Liveness())
+        assert verdict is Verdict.ACCEPTED
+    service = ForwardService(SimpleNamespace(peer_id=me.peer_id), node_id=NodeId(me.peer_id), stage=None, direct_port=None)  # type: ignore[arg-type]
+    service.record_of = lambda node_id: held.record if (held := table.get(node_id)) else None
+    service.records_signed_by = table.records_signed_by
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
+        sent.append((peer, msg))
+
+    service.send = send  # type: ignore[method-assign]
+    nodes = LegacyNodes(SimpleNamespace(identity=me), None, send=send)  # type: ignore[arg-type]
+    queue, relayed = trio.open_memory_channel[wire.Message](8)
+    nodes._nodes[mine] = _Node(NodeRecord.__new__(NodeRecord), url, "t", queue=queue)
+    service.relayed = nodes
+    last = Hop(NodeId(entry.peer_id), entry.peer_id, LayerRange(20, 30))
+
+    def frame(first: NodeId, owner: Identity) -> wire.Forward:
+        route = (Hop(first, owner.peer_id, LayerRange(10, 20), url), last)
+        return wire.Forward(7, SessionId("victim"), 0, route, entry.peer_id, None, hidden=tensors.encode(np.zeros((1, 4), np.float32)))
+
+    async def answers(msg: wire.Message, sender: Identity) -> list[tuple[PeerId, str]]:
+        sent.clear()
+        await service._dispatch(msg, sender.peer_id)
+        return [(peer, getattr(answer, "code", answer.TYPE)) for peer, answer in sent]
+
+    # The stranger's own node is nobody's to relay here: refused back to the stranger.
+    assert await answers(frame(theirs, stranger), stranger) == [(stranger.peer_id, "wrong_route")]
+    # Nobody's previous hop gets no session at a node this peer relays.
+    assert await answers(frame(mine, me), nobody) == [(nobody.peer_id, "session_limit")]
+    assert await answers(frame(mine, me), stranger) == [(stranger.peer_id, "session_limit")]
+    assert service.drops[FrameReason.STRANGER_AT_RELAY] == 2
+    with pytest.raises(trio.WouldBlock):
+        relayed.receive_nowait()
+    # Its live previous hop's frame is queued for the node, unanswered here.
+    assert await answers(frame(mine, me), prev) == []
+    assert relayed.receive_nowait().session_id == "victim"
+    # A close goes on to the node only if this peer relays it.
+    for first, owner in ((theirs, stranger), (mine, me)):
+        await answers(wire.Close(8, SessionId("victim"), (Hop(first, owner.peer_id, LayerRange(10, 20), url),), entry.peer_id), prev)
+    assert service.drops[FrameReason.CLOSE_OFF_ROUTE] == 1
+    assert relayed.receive_nowait().TYPE == "close"
+    # "Nothing kept" from a hop without the session goes to whoever asked, not to the entry named.
+    adopt = wire.Adopt(9, SessionId("victim"), SessionId("victim.1"), (last,), entry.peer_id)
+    assert await answers(adopt, prev) == [(prev.peer_id, "adopted")]
+
+
 # ------------------------------------------------ who may claim, close and adopt a session
 
 

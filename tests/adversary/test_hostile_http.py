@@ -127,15 +127,30 @@ def test_a_legacy_node_that_fails_is_held_out_of_routing(live, expected, baselin
     s.wait(lambda: legacy_state(a, "liar") == "Ready", 10, "the fake node to be Ready")
     liar = next(n for n in a.get("/nodes") if n["legacy"])
 
+    states: list[str | None] = []
+
     async def run(evil: HostilePeer, stream: FramedStream, _: list) -> None:
-        # A frame routed through the fake node, as a chain would: its garbage answer must
-        # neither crash the relaying peer nor keep the node in routing.
         route = (Hop(NodeId(liar["node_id"]), peer_id(a), LayerRange(10, 20), fake_node_url), hop(c, "20-30"))
         hidden = np.zeros((1, 576), np.float32)
-        await stream.send(forward(evil, route, hidden=hidden), timeout=10)
+        # A stranger's frame is refused before the node is asked: it may not open sessions there.
+        await stream.send(forward(evil, route, session="stranger", hidden=hidden), timeout=10)
+        await trio.sleep(1.0)
+        states.append(await trio.to_thread.run_sync(legacy_state, a, "liar"))
+        # As a previous hop of 10-20 (a record of its own ends there), its frame is relayed, as a
+        # chain's would be: the node's garbage answer must neither crash the relaying peer nor
+        # keep the node in routing.
+        record = honest_record(evil.identity, model=MODEL, start=9, end=10, state="Joining")  # on no route
+        await evil.publish_record(record)
+        with trio.fail_after(15):
+            while evil.peer_id not in {n["node_id"] for n in await trio.to_thread.run_sync(a.get, "/nodes")}:
+                await trio.sleep(0.2)
+        await stream.send(forward(evil, route, session="previous-hop", hidden=hidden), timeout=10)
+        await trio.sleep(1.0)
+        await evil.publish_record(record.replace(state="Dead", seq=record.seq + 1))  # leave the registry as it was
 
-    replies = attack(a, s, run)
-    assert [r.code for r in replies if isinstance(r, wire.Error)] == ["unreachable"]
+    replies = attack(a, s, run, settle=2.0, gossip=True)
+    assert states == ["Ready"]
+    assert [r.code for r in replies if isinstance(r, wire.Error)] == ["session_limit", "unreachable"]
     assert legacy_state(a, "liar") == "Joining"  # held out, although it still heartbeats ready
     assert request_json("POST", a.url + "/nodes/liar/health", {"ready": True}, headers={RELAY: TOKEN})[0] == 200
     assert legacy_state(a, "liar") == "Joining"
