@@ -213,12 +213,19 @@ class RegistryService:
         return record
 
     async def withdraw(self, node_id: NodeId) -> None:
-        """Publish a relayed node's departure and stop vouching for it."""
+        """Publish a relayed node's departure and stop vouching for it, even when the
+        departure cannot be published: a record kept here after a refused publish was
+        republished, and refused, on every heartbeat for the life of the peer, its node gone
+        from the legacy table (no leave could reach it) and its id taken."""
         record = self._own.get(node_id)
-        if record is not None:
+        if record is None:
+            return
+        try:
             await self.publish(record.replace(state="Dead"))
-            del self._own[node_id]
-            self._sent_full.pop(node_id, None)
+        except InvalidRecord:
+            pass  # ``publish`` said why; unannounced, the record ages out like a silent peer's
+        finally:
+            self.stop_vouching(node_id)
 
     def forget(self, node_id: str) -> None:
         """Drop a node from this peer's table at once (it comes back if it publishes again)."""

@@ -49,6 +49,7 @@ from p2p.errors import P2PError
 from p2p.forward_checks import FrameRejected, check_states, relay_answer_matches
 from p2p.legacy_http import HttpLimits, LegacyHttp, NodeUnreachable, check_node_url
 from p2p.gossip import RegistryService
+from p2p.record_schema import MAX_COUNT
 from p2p.records import Counters, InvalidRecord, NodeRecord, legacy_local_id, legacy_node_id, legacy_owner
 from p2p.ticks import sleep_to_tick
 
@@ -315,7 +316,7 @@ class LegacyNodes:
     async def heartbeat(self, node_id: str, body: dict[str, Any], token: str | None = None) -> None:
         node = self._owned(node_id, token)
         old = node.record.counters
-        big = 1 << 53
+        big = MAX_COUNT  # what every receiver takes: a record past it is never published (2^53 was)
         try:
             counters = Counters(
                 tokens_total=read_int(body, "tokens_generated", lo=0, hi=big, default=old.tokens_total),

@@ -20,7 +20,8 @@ from p2p import wire
 from p2p.gossip import RegistryService
 from p2p.identity import Identity
 from p2p.legacy import MAX_LEGACY_NODES, BadRegistration, DuplicateNode, LegacyError, LegacyNodes, UnknownLegacyNode, UnreachableNode
-from p2p.records import SignedRecord
+from p2p.record_schema import MAX_COUNT
+from p2p.records import InvalidRecord, SignedRecord
 from p2p.registry import Liveness
 from p2p.routing import Hop
 
@@ -149,6 +150,34 @@ async def test_a_restart_refused_half_way_leaves_the_node_as_it_was(node_server:
         assert not nodes.serves(registry_id) and registry.own(registry_id) is None
         with pytest.raises(UnknownLegacyNode):
             await nodes.heartbeat("n1", {}, TOKEN)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_heartbeat_no_record_can_carry_is_a_400_and_a_leave_always_ends_the_vouching(node_server: Any) -> None:
+    """Heartbeat counters went to 2^53, records stop at 2^48: the node's record was refused at
+    every registry heartbeat from then on (a traceback each), its ``leave`` answered 503 after
+    dropping it from the legacy table, and the record stayed vouched for, refused for the
+    life of the peer, its id taken (409) and unreachable (404). A stranger could pile up any
+    number of them (an audit, 2026-12-07)."""
+    registry, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        registry_id = await _ready(nodes, "n1", node_server.url)
+        for key in ("tokens_generated", "requests_served", "errors"):
+            for body in ({key: MAX_COUNT + 1}, {key: MAX_COUNT + 1, "ready": False}):  # counted, or published at once
+                with pytest.raises(BadRegistration, match=key):
+                    await nodes.heartbeat("n1", body, TOKEN)
+        await nodes.heartbeat("n1", {"tokens_generated": MAX_COUNT}, TOKEN)
+        record = registry.own(registry_id)
+        assert record is not None and record.counters.tokens_total == MAX_COUNT
+        await registry.publish(record)  # what the registry's next heartbeat does: receivers take it
+
+        async def refused(record: Any) -> Any:
+            raise InvalidRecord("receivers would refuse it")
+
+        registry.publish = refused  # type: ignore[method-assign]
+        await nodes.leave("n1", TOKEN)  # its departure cannot be announced: it ages out unvouched
+        assert registry.own(registry_id) is None and not nodes.serves(registry_id)
         nursery.cancel_scope.cancel()
 
 
