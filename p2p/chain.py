@@ -520,7 +520,7 @@ class SwarmPipeline:
         leg = session.leg
         assert leg is not None
         session.pace.reset()
-        suspects = leg.peers - {self.service.me}
+        suspects = leg.blame_ids - {self.service.me}
         if session.slow_moves >= self.policy.slow_moves or not suspects:
             return None
         req = await self._migrate(session, suspects, sampling, why="slow")
@@ -529,7 +529,7 @@ class SwarmPipeline:
             return req
         session.slow_moves += 1
         now = trio.current_time()
-        for peer in suspects - session.leg.peers:
+        for peer in suspects - session.leg.blame_ids:
             self.health.failed(peer, now)
         return req
 
@@ -593,13 +593,15 @@ class SwarmPipeline:
         assert session.leg is not None
         route_nodes = {hop.node_id for hop in session.leg.route}
         for hop in session.leg.route:
-            if hop.peer_id not in leaving:
+            if not hop.blamed_in(leaving):
                 continue
-            kept = leaving - {hop.peer_id}
-            views = _serving(self.views(), lambda v: v.record.peer_id in kept and v.record.node_id in route_nodes)
+            left = frozenset({PeerId(hop.blame_id)})
+            kept = leaving - left
+            views = _serving(self.views(), lambda v: (v.record.peer_id in kept or v.record.node_id in kept)
+                             and v.record.node_id in route_nodes)  # fmt: skip
             try:
-                route = self._reroute(session.leg.route, frozenset({hop.peer_id}), session, views=views, voluntary=True)
-                return frozenset({hop.peer_id}), route
+                route = self._reroute(session.leg.route, left, session, views=views, voluntary=True)
+                return left, route
             except NoRoute:
                 continue
         return None
@@ -622,7 +624,7 @@ class SwarmPipeline:
         may still be Ready in the registry, and a failover that went back to them bounced
         between dead holders until its failovers were spent. A ``voluntary`` move (off a hop
         that still serves) never goes through avoided peers either."""
-        index = next((i for i, h in enumerate(old) if h.peer_id in failed), None)
+        index = next((i for i, h in enumerate(old) if h.blamed_in(failed)), None)
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
         costs = self._costs(exclude_load)
@@ -656,7 +658,7 @@ class SwarmPipeline:
         policy says no, nothing around would be kept, a kept hop is itself in trouble, or no
         replacement ends at that boundary (through no avoided peer, for a ``voluntary`` move,
         and never through one seen gone: see :meth:`_reroute`)."""
-        index = [i for i, hop in enumerate(old) if hop.peer_id in failed]
+        index = [i for i, hop in enumerate(old) if hop.blamed_in(failed)]
         if not self.policy.span_replay or not index:
             return None
         prefix, suffix = list(old[: index[0]]), list(old[index[-1] + 1 :])

@@ -463,9 +463,13 @@ class LegacyNodes:
             node.record = await self.registry.publish(node.record.replace(state="Joining"))
 
     async def _fail(self, msg: wire.Forward | wire.Close, message: str) -> None:
+        """Tell the entry, in the node's name as the swarm knows it (under ours), that the
+        node failed its hop: the entry then avoids that node alone (``p2p.legs.blame``). In
+        our own name, as ``unreachable``, it blamed this peer: entries routed round our own
+        layers and every other node we relay, whoever registered the failing node."""
         log.info("%s", message)
-        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, "unreachable", message,
-                                                 PeerId(self.registry.identity.peer_id)))  # fmt: skip
+        await self.send(msg.reply_to, wire.Error(msg.req_id, msg.session_id, "engine_error", message,
+                                                 PeerId(msg.route[0].node_id)))  # fmt: skip
 
 
 def _hidden_fault(sent: wire.Forward | wire.Close, answer: wire.Message, d_model: int) -> str | None:

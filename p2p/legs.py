@@ -38,6 +38,11 @@ class Leg:
     def peers(self) -> frozenset[PeerId]:
         return frozenset(h.peer_id for h in self.route)
 
+    @property
+    def blame_ids(self) -> frozenset[PeerId]:
+        """Its hops as a failure blames them (:attr:`~p2p.routing.Hop.blame_id`)."""
+        return frozenset(PeerId(h.blame_id) for h in self.route)
+
 
 def seen_gone(blamed: frozenset[PeerId], error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     """The blamed hop an ``unreachable`` error of our own names as the peer we could not
@@ -53,19 +58,24 @@ def seen_gone(blamed: frozenset[PeerId], error: wire.Error, me: PeerId) -> froze
 def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     """The hop an error points at: for ``unreachable``, the hop it names or else the one
     after its reporter; for anything else, the reporter. ``origin`` is the peer the frame
-    came from (the forward service sets it so on arrival), and only hops of the route can be
-    blamed. A hop's report may name only the hop after it (the only one it sends to; naming
-    another, it blames itself), so a lying stage can get itself avoided, never a hop of its
-    choosing; our own (``me``: a link of ours that ended) names any hop."""
-    peers = [h.peer_id for h in leg.route]
-    reporter = frozenset({error.origin}) & leg.peers
+    came from (the forward service sets it so on arrival), or a legacy node it relays, and
+    only hops of the route can be blamed. A hop's report may name only the hop after it (the
+    only one it sends to; naming another, it blames itself), so a lying stage can get itself
+    avoided, never a hop of its choosing; our own (``me``: a link of ours that ended) names
+    any hop. A hop is blamed by its :attr:`~p2p.routing.Hop.blame_id`: a relayed legacy
+    node alone, not the peer relaying it; a peer named unreachable, with all its hops."""
+    route = leg.route
+    ids = [h.blame_id for h in route]
+    peers = [h.peer_id for h in route]
+    at = ids.index(error.origin) if error.origin in ids else peers.index(error.origin) if error.origin in peers else None
+    reporter = frozenset({PeerId(ids[at])}) if at is not None else frozenset()
     if error.code != "unreachable":
         return reporter
-    nxt = peers.index(error.origin) + 1 if error.origin in peers else 0
-    successor = frozenset(peers[nxt : nxt + 1])
+    successor = route[at + 1 : at + 2] if at is not None else route[:1]
     if error.failed_peer is None:
-        return successor or reporter  # the last hop has no one after it: its own failure
-    if error.origin == me or error.failed_peer in successor:
+        # the last hop has no one after it: its own failure
+        return frozenset(PeerId(h.blame_id) for h in successor) or reporter
+    if error.origin == me or error.failed_peer in {h.peer_id for h in successor}:
         return frozenset({error.failed_peer}) & leg.peers
     return reporter
 
@@ -92,9 +102,9 @@ class LegWatch:
         for hop in leg.route:
             trouble = hop_trouble(hop, self.view_of(hop.node_id))
             if trouble == "failed":
-                failed.add(hop.peer_id)
+                failed.add(PeerId(hop.blame_id))  # a relayed node's record speaks for that node alone
             elif trouble == "leaving":
-                leaving.add(hop.peer_id)
+                leaving.add(PeerId(hop.blame_id))
             peer = hop.peer_id
             if peer == self.me:
                 continue

@@ -78,6 +78,19 @@ class Hop:
     forward_url: str = ""
     """Set for a relayed legacy node: its HTTP forward endpoint."""
 
+    @property
+    def blame_id(self) -> str:
+        """Whom a failure of this hop blames, and a failover avoids: its peer, or a relayed
+        legacy node alone, by its node id. The relaying peer's own node and its other relays
+        are not at fault, and anyone may register a node for a peer to relay: a stranger's
+        failing node had entries avoid the relaying peer altogether, its own layers included
+        (with the entry's own, every chat in flight failed: an audit, 2026-12-07)."""
+        return self.node_id if self.forward_url else self.peer_id
+
+    def blamed_in(self, blamed: Collection[str]) -> bool:
+        """Whether ``blamed`` (peers, or relayed nodes: :attr:`blame_id`) takes this hop in."""
+        return self.peer_id in blamed or self.node_id in blamed
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -149,15 +162,16 @@ def choose_route(
     *,
     start: int = 0,
     end: int | None = None,
-    exclude: Collection[PeerId] = (),
+    exclude: Collection[str] = (),
 ) -> list[Hop]:
     """The cheapest chain of routable nodes from boundary ``start`` to boundary ``end`` (the
-    model's last layer when None: a failover may replace only a span in the middle)."""
+    model's last layer when None: a failover may replace only a span in the middle), through
+    no node of a peer in ``exclude`` and no relayed node it names (:attr:`Hop.blame_id`)."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
     if not candidates:
         raise NoRoute(model_id, 0, [])
     n_layers = max(r.n_layers for r in candidates)
-    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude]
+    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude and r.node_id not in exclude]
     edges: dict[int, list[tuple[float, Hop]]] = {}
     reference = reference_step_ms((r.step_ms_per_layer for r in candidates), costs.measured_step_ms)
     for r in candidates:

@@ -656,6 +656,43 @@ def test_the_last_hop_reporting_unreachable_with_nobody_after_it_blames_itself()
     assert blame(leg, report, PeerId("a")) == {PeerId("b")}
 
 
+def test_a_failing_legacy_node_is_blamed_alone_not_the_peer_relaying_it() -> None:
+    """Anyone may register a node for a peer to relay, and its failures blamed the relaying
+    peer: entries routed round that peer's own layers and every node it relays (with the
+    entry's own, every chat in flight failed with a 503: an audit, 2026-12-07). A peer that
+    is itself unreachable is still blamed with all its hops."""
+    from p2p.legs import blame
+
+    url = "http://10.0.0.9:9/forward"
+    full, tail = NodeId("p:full"), NodeId("p:tail")
+    swarm = [view("p", 0, 15), view("q", 15, 30), view(full, 0, 30, peer_id=PeerId("p"), relayed=True, forward_url=url),
+             view(tail, 15, 30, peer_id=PeerId("p"), relayed=True, forward_url=url)]  # fmt: skip
+    me, s = PeerId("me"), SessionId("s")
+
+    def leg(*hops: Hop) -> Leg:
+        return Leg(s, hops, trio.open_memory_channel[object](1)[1])
+
+    through_full = leg(Hop(full, PeerId("p"), LayerRange(0, 30), url))
+    blamed = blame(through_full, wire.Error(1, s, "engine_error", "legacy node answered 404", PeerId(full)), me)
+    assert blamed == {full}
+    assert ranges(choose_route(swarm, MODEL, me, exclude=blamed))[0] == ("p", LayerRange(0, 15))  # the peer serves on
+    own_then_tail = leg(Hop(NodeId("p"), PeerId("p"), LayerRange(0, 15)), Hop(tail, PeerId("p"), LayerRange(15, 30), url))
+    assert blame(own_then_tail, wire.Error(2, s, "engine_error", "node failed", PeerId(tail)), me) == {tail}
+    assert blame(own_then_tail, wire.Error(3, s, "unreachable", "cannot reach the next", PeerId("p")), me) == {tail}
+    lost = blame(own_then_tail, wire.Error(4, s, "unreachable", "link lost", me, failed_peer=PeerId("p")), me)
+    assert lost == {PeerId("p")}
+    with pytest.raises(NoRoute):  # the peer is down: none of its nodes is routed through
+        choose_route([v for v in swarm if v.record.node_id != "q"], MODEL, me, exclude=lost)
+    # The registry's word on a relayed node (held out: Joining) is about that node alone.
+    registry = {v.record.node_id: v for v in [*swarm, view(tail, 15, 30, "Joining", peer_id=PeerId("p"), relayed=True)]}
+    watch = LegWatch(me, registry.get, lambda _peer: True, None, FailoverPolicy())
+    assert trio.run(lambda: _trouble(watch, own_then_tail)) == ({tail}, set(), set())
+
+
+async def _trouble(watch: LegWatch, leg: Leg) -> tuple[frozenset[PeerId], frozenset[PeerId], frozenset[PeerId]]:
+    return watch.trouble(leg)
+
+
 class _ExcusingHop(_AnsweringHops):
     """Peer ``liar`` answers every frame through it with an error that blames nobody (the
     ``code`` given)."""

@@ -8,6 +8,7 @@ at the chat edge alone run against the app over the real model in this process i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import http.server
 import json
@@ -30,7 +31,7 @@ from body_flood import flood, rss_mb
 from forward_frames import attack, forward, hop, peer_id
 from hostile_peer import HostilePeer, hostile_peer, honest_record
 from p2p_flood import open_quietly
-from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, honest_nodes, three_peers
+from live_swarm import MAX_TOKENS, MODEL, QUESTION, assert_swarm_healthy, chat, honest_nodes, three_peers
 from local_context import LocalContext, serve
 from reference import whole_model_text
 from swarm import PeerProcess, Swarm, request_json
@@ -120,6 +121,27 @@ def test_a_legacy_node_with_a_bad_url_never_registers(live, expected, baseline) 
     assert_swarm_healthy([a, b, c], expected, baseline)
 
 
+def test_a_stranger_s_failing_legacy_node_costs_its_chats_a_failover_not_the_relaying_peer(
+        live, expected, baseline, fake_node_url: str) -> None:  # fmt: skip
+    """Anyone may register a node for a peer to relay. Its failure was blamed on the relaying
+    peer, here the entry: its failover then left out the entry's own layers 0-10, the only
+    holder, and every chat routed through the node failed with a 503 (an audit, 2026-12-07)."""
+    s, (a, b, c) = live
+    assert register(a, "whole", fake_node_url, (0, 30))[0] == 200
+    assert request_json("POST", a.url + "/nodes/whole/health", {"ready": True}, headers={RELAY: TOKEN})[0] == 200
+    s.wait(lambda: legacy_state(a, "whole") == "Ready", 10, "the fake node to be Ready")
+    logged = a.log_path.stat().st_size
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # routed through the node until it is held out
+        answers = list(pool.map(lambda _: chat(a), range(6)))
+    assert request_json("DELETE", a.url + "/nodes/whole", headers={RELAY: TOKEN})[0] == 204
+    assert [status for status, _ in answers] == [200] * 6, answers
+    assert {body["choices"][0]["message"]["content"] for _, body in answers} == {expected}
+    with a.log_path.open("rb") as log:
+        log.seek(logged)
+        assert b":whole sent a bad frame" in log.read(), "no chat went through the fake node: this tested nothing"
+    assert_swarm_healthy([a, b, c], expected, baseline)
+
+
 def test_a_legacy_node_that_fails_is_held_out_of_routing(live, expected, baseline, fake_node_url: str) -> None:
     s, (a, b, c) = live
     assert register(a, "liar", fake_node_url)[0] == 200
@@ -150,7 +172,8 @@ def test_a_legacy_node_that_fails_is_held_out_of_routing(live, expected, baselin
 
     replies = attack(a, s, run, settle=2.0, gossip=True)
     assert states == ["Ready"]
-    assert [r.code for r in replies if isinstance(r, wire.Error)] == ["session_limit", "unreachable"]
+    assert [(r.code, r.origin) for r in replies if isinstance(r, wire.Error)] == [
+        ("session_limit", peer_id(a)), ("engine_error", liar["node_id"])]  # the node's failure, in its name
     assert legacy_state(a, "liar") == "Joining"  # held out, although it still heartbeats ready
     assert request_json("POST", a.url + "/nodes/liar/health", {"ready": True}, headers={RELAY: TOKEN})[0] == 200
     assert legacy_state(a, "liar") == "Joining"
