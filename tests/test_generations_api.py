@@ -137,6 +137,8 @@ async def test_speech_max_duration_truncates(served: Served) -> None:
         ({"model": "piper:joe", "input": "hi", "reference_text": "hi"}, 400, "reference_text"),
         ({"model": "piper:joe", "input": "hi", "language": "fr"}, 400, "speaks en"),
         ({"model": "piper:joe", "input": "hi", "stream_format": "sse"}, 400, "stream_format 'sse' is not available"),
+        ({"model": "piper:joe", "input": "..."}, 400, "nothing to speak"),  # a failed job, a 500, before
+        ({"model": "piper:joe", "input": "a\u0000b"}, 400, "NUL character"),  # crashed the job in espeak
         ({"model": "nobody:tts", "input": "hi"}, 422, "no speech generator"),
         ({"model": "whisper:tiny.en", "input": "hi"}, 422, "no speech generator"),
     ],

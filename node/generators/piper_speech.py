@@ -111,6 +111,13 @@ class PiperSpeech:
             raise InvalidParams("params.text is required: the text to speak")
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidParams(f"params.text is longer than {MAX_TEXT_CHARS} characters")
+        # Refused here, before a job exists: a NUL crashed the job inside espeak (a C string),
+        # and text without a letter or digit ("...", a zero-width space) failed it with
+        # "nothing to speak": both were a 500 on /v1/audio/speech (an audit, 2026-12-07).
+        if "\x00" in text:
+            raise InvalidParams("params.text holds a NUL character (U+0000), which no voice can speak")
+        if not any(ch.isalnum() for ch in text):
+            raise InvalidParams("params.text has nothing to speak: it holds no letter or digit")
         voice = optional_str(params, "voice")
         if voice is not None and voice != self.voice_name:
             raise InvalidParams(f"unknown voice {voice!r} for {self.model}; voices: {self.voice_name}")
