@@ -20,6 +20,7 @@ A request that arrived forwarded (``local_only``) is answered from this peer alo
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -124,26 +125,43 @@ class GenerationService:
             seen.setdefault(record.peer_id, view)
         return [seen[p] for p in sorted(seen)]
 
-    def _generator_peer(self, model: str, modality: str) -> NodeView | None:
-        for view in self._live_peers():
-            if view.state == "Ready" and any(
-                e.get("model") == model and e.get("modality") == modality for e in view.record.generators
-            ):
-                return view
-        return None
+    def _generator_peers(self, model: str, modality: str) -> list[NodeView]:
+        """Other live, Ready peers advertising a generator of ``model`` for ``modality``,
+        by PeerID."""
+        return [view for view in self._live_peers() if view.state == "Ready" and any(
+            e.get("model") == model and e.get("modality") == modality for e in view.record.generators)]  # fmt: skip
+
+    def _key_home(self, new: NewJob) -> NodeView | None:
+        """Where a keyed submission runs when other peers have its generator too: the same
+        peer whichever peer is asked (the highest hash of PeerID and key among them and this
+        one), so a retry through another peer finds the first job in that peer's table
+        rather than queueing a second (the spec's ``idempotency_key``; each peer ran it
+        locally until 2026-12-07, an audit). None: this peer."""
+        key = new.idempotency_key
+        holders = self._generator_peers(new.model, new.modality) if key is not None else []
+        if key is None or not holders:
+            return None
+        best = max(holders, key=lambda view: _key_rank(view.record.peer_id, key))
+        return best if _key_rank(best.record.peer_id, key) > _key_rank(self.me, key) else None
 
     # -- submit --------------------------------------------------------------------------
 
     async def submit(self, new: NewJob, *, local_only: bool, known_chat_model: bool) -> dict[str, Any]:
         """Queue ``new`` where its generator is; the job record (spec shape)."""
         if self.check(new, n_inputs=len(new.input_artifacts)):
+            home = None if local_only else self._key_home(new)
+            if home is not None:
+                try:
+                    return await self._forward_submit(home, new)
+                except PeerUnreachable as exc:  # run here: a duplicate beats no job
+                    log.info("the home of idempotency key %r is unreachable (%s): submitting here", new.idempotency_key, exc)
             job, _ = self.runner.submit(new)
             return job.to_json()
         local = self.runner.generators.get(new.model)
         if not local_only and local is None:
-            remote = self._generator_peer(new.model, new.modality)
-            if remote is not None:
-                return await self._forward_submit(remote, new)
+            remotes = self._generator_peers(new.model, new.modality)
+            if remotes:
+                return await self._forward_submit(remotes[0], new)
         fallback = self.runner.generator(new.model) if local is None else None
         if new.modality == "text" and known_chat_model and fallback is not None:
             fallback.check(new.modality, new.params, len(new.input_artifacts))
@@ -492,3 +510,9 @@ def _job_body(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("state"), str):
         raise PeerUnreachable("the owning peer answered something that is not a job")
     return body
+
+
+def _key_rank(peer_id: str, key: str) -> bytes:
+    """A peer's rank for an idempotency key: rendezvous hashing, so every peer picks the same
+    home for a key and a peer joining or leaving moves only the keys it wins or held."""
+    return hashlib.sha256(f"{peer_id}\0{key}".encode()).digest()

@@ -85,6 +85,48 @@ async def test_the_same_key_racing_to_another_peer_is_409(service: GenerationSer
     assert sorted(outcomes) == ["409", "queued"]
 
 
+class _LocalSpeech:
+    """A generator as the service sees it before a job runs: its modality, and checks that pass."""
+
+    modality = "audio"
+
+    def capabilities(self) -> dict[str, Any]:
+        return REMOTE_ENTRY
+
+    def check(self, modality: str, params: Any, n_inputs: int) -> None:
+        pass
+
+
+async def test_a_keyed_submission_runs_on_one_peer_whichever_peer_with_the_generator_is_asked(tmp_path: Path) -> None:
+    """Every peer holding the generator ran a keyed submission itself, so the same key retried
+    through another peer queued a second job (the spec: the first job is returned; an audit,
+    2026-12-07). The key now has one home among those peers, the same from either side."""
+
+    def peer(me: str, other: str) -> GenerationService:
+        store = ArtifactStore(tmp_path / me, me)
+        runner = JobRunner(JobStore.in_dir(tmp_path / me), store, {"piper:joe": _LocalSpeech()}, me, read_input=None)  # type: ignore[arg-type, dict-item]
+        views = [view(other, 0, 30, generators=(REMOTE_ENTRY,), api_url=f"http://{other}")]
+        return GenerationService(me, runner, SwarmArtifacts(store), lambda: views, FakeHttp())  # type: ignore[arg-type]
+
+    me, other = peer(ME, OTHER), peer(OTHER, ME)
+    homes = []
+    for i in range(16):
+        new = NewJob("audio", "piper:joe", {"text": "hi"}, idempotency_key=f"key{i}")
+        homes.append(ME if me._key_home(new) is None else OTHER)
+        assert (other._key_home(new) is None) == (homes[-1] == OTHER)  # both sides agree
+        for service, name in ((me, ME), (other, OTHER)):
+            asked = len(service.http.calls)  # type: ignore[attr-defined]
+            await service.submit(new, local_only=False, known_chat_model=False)
+            assert len(service.http.calls) == asked + (homes[-1] != name)  # type: ignore[attr-defined]
+    assert set(homes) == {ME, OTHER}  # keys spread over the peers
+    unkeyed = NewJob("audio", "piper:joe", {"text": "hi"})
+    forwarded = NewJob("audio", "piper:joe", {"text": "hi"}, idempotency_key=f"key{homes.index(OTHER)}")
+    for new, local_only in ((unkeyed, False), (forwarded, True)):  # no key, or forwarded here already: run here
+        asked = len(me.http.calls)  # type: ignore[attr-defined]
+        await me.submit(new, local_only=local_only, known_chat_model=False)
+        assert len(me.http.calls) == asked  # type: ignore[attr-defined]
+
+
 async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
     theirs = new_id(OTHER)
     await service.get(theirs, local_only=False)
