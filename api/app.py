@@ -36,6 +36,7 @@ from api import (
     routes_system,
 )
 from api.context import PeerContext
+from api.downloads import is_cut_short
 from api.errors import error_headers, error_response_parts
 from api.request_guard import HostPolicy
 from api.sessions import ActiveSessions
@@ -117,6 +118,20 @@ def _closing_if_body_unread(response: Response) -> Response:
     return response
 
 
+def _quiet_about_cut_downloads(logger: logging.Logger) -> logging.Logger:
+    """``logger`` without hypercorn's "Error in ASGI Framework" for a download cut short
+    (:class:`api.downloads.DownloadCutShort`: already logged, at info, and the client's to
+    cause), so that the error log keeps meaning a fault of ours."""
+    if not any(isinstance(f, _CutDownloads) for f in logger.filters):
+        logger.addFilter(_CutDownloads())
+    return logger
+
+
+class _CutDownloads(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and is_cut_short(record.exc_info[1]))
+
+
 async def serve_api(
     app: QuartTrio,
     host: str,
@@ -130,7 +145,7 @@ async def serve_api(
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog = _quiet_about_cut_downloads(logging.getLogger("hypercorn.error"))
     config.graceful_timeout = 2.0
     config.keep_alive_timeout = 30.0
     # One ASGI message queued per connection: a websocket message is up to 16 MiB (see

@@ -11,15 +11,19 @@ only a known-inert set is served as recorded; everything else goes out as
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import quote
 
 from quart import Response, jsonify
 
 from api.errors import error_response_parts
+from inclavate.artifact_reads import ByteChunks
 from inclavate.artifact_swarm import SwarmArtifacts
-from inclavate.artifact_types import DEFAULT_MEDIA_TYPE
+from inclavate.artifact_types import DEFAULT_MEDIA_TYPE, ArtifactError
 from inclavate.artifacts import ArtifactRead
 from inclavate.byte_ranges import RangeNotSatisfiable
+
+log = logging.getLogger(__name__)
 
 INERT_MEDIA_TYPES = frozenset({
     "audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3", "audio/mp4",
@@ -74,10 +78,48 @@ def download_response(read: ArtifactRead, *, attachment_name: str | None = None)
         headers["Content-Range"] = read.range.content_range()
     if attachment_name is not None:
         headers["Content-Disposition"] = content_disposition(attachment_name)
-    response = Response(read.chunks, status=206 if read.range else 200, headers=headers,
+    response = Response(_Body(read), status=206 if read.range else 200, headers=headers,
                         content_type=served_media_type(read.meta.media_type))  # fmt: skip
     response.timeout = None  # a large object over a slow link takes as long as it takes
     return response
+
+
+class DownloadCutShort(Exception):
+    """A download's bytes stopped coming after its headers went out: its artifact was deleted
+    on its owner, or the owner left, mid-read. Ending the connection is all that is left to
+    tell the client (its body falls short of ``Content-Length``); it is logged at info here,
+    and hypercorn's "Error in ASGI Framework" for it is left out (:func:`is_cut_short`)."""
+
+
+class _Body:
+    """``read.chunks`` as a response body: a failure to read the next chunk ends the
+    connection as :class:`DownloadCutShort`. Any client could have a relayed download's
+    artifact deleted under it, and each logged an error with its traceback (an audit,
+    2026-12-07)."""
+
+    def __init__(self, read: ArtifactRead) -> None:
+        self._read = read
+        self._chunks: ByteChunks = read.chunks
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except ArtifactError as exc:
+            log.info("the download of artifact %s was cut short: %s", self._read.meta.id, exc)
+            raise DownloadCutShort(str(exc)) from None
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+
+def is_cut_short(error: BaseException | None) -> bool:
+    """Whether ``error`` is a :class:`DownloadCutShort`, alone or in a group of them."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(is_cut_short(e) for e in error.exceptions)
+    return isinstance(error, DownloadCutShort)
 
 
 def content_disposition(filename: str) -> str:

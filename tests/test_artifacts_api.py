@@ -4,6 +4,7 @@ restarts, and every error status the spec gives these routes, with hostile input
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -14,7 +15,9 @@ import trio
 from artifact_api_helpers import raw_http, serve_store
 
 from api.limits import RequestLimits
-from inclavate.artifact_types import ArtifactConfig
+from inclavate.artifact_reads import ArtifactRead
+from inclavate.artifact_swarm import SwarmArtifacts
+from inclavate.artifact_types import ArtifactConfig, ArtifactNotFound
 
 UNKNOWN = "1deaf021-07a3-407c-9d6f-1af47c23db18"
 
@@ -55,6 +58,48 @@ async def test_upload_read_meta_delete(tmp_path: Path, caplog: pytest.LogCapture
         for method, suffix in [("GET", ""), ("GET", "/meta"), ("DELETE", "")]:
             again = await call(httpx.request, method, f"{base}/v1/artifacts/{body['id']}{suffix}")
             assert again.status_code == 404 and "error" in again.json()
+
+
+class _VanishingChunks:
+    """A read whose artifact is deleted on its owner after the first chunk went out."""
+
+    def __init__(self, chunks) -> None:  # type: ignore[no-untyped-def]
+        self.chunks, self.sent = chunks, 0
+
+    def __aiter__(self) -> _VanishingChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self.sent += 1
+        if self.sent > 1:
+            raise ArtifactNotFound("no artifact here (deleted mid-read)")
+        return await self.chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self.chunks.aclose()
+
+
+async def test_a_download_whose_artifact_vanishes_mid_read_ends_its_connection_quietly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A relayed download whose artifact was deleted on its owner after the headers went out:
+    the read's error escaped into hypercorn, an "Error in ASGI Framework" with its traceback
+    that any client could cause (an audit, 2026-12-07). The connection still ends short of
+    ``Content-Length``, the only way left to tell the client; the log says so at info."""
+    caplog.set_level(logging.INFO)
+    opened = SwarmArtifacts.open
+
+    async def vanishing(self: SwarmArtifacts, id_: str, range_header: str | None = None) -> ArtifactRead:
+        read = await opened(self, id_, range_header)
+        return ArtifactRead(read.meta, read.range, _VanishingChunks(read.chunks))
+
+    monkeypatch.setattr(SwarmArtifacts, "open", vanishing)
+    async with serve_store(tmp_path) as (base, _):
+        body = await upload(base, os.urandom(2_000_000))
+        with pytest.raises(httpx.RemoteProtocolError):
+            await call(httpx.get, f"{base}/v1/artifacts/{body['id']}")
+        assert (await call(httpx.get, f"{base}/v1/artifacts/{body['id']}/meta")).status_code == 200  # the peer serves on
+    assert "Error in ASGI Framework" not in caplog.text
+    assert f"the download of artifact {body['id']} was cut short" in caplog.text
 
 
 async def test_content_type_is_recorded_and_defaults(tmp_path: Path) -> None:
