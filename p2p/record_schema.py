@@ -18,6 +18,7 @@ import binascii
 import json
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 from typing import Any, Final
 
 from inclavate.types import ModelId, NodeId, PeerId
@@ -167,6 +168,28 @@ def _read_header(d: dict[str, Any]) -> RecordHeader:
     )
 
 
+def _api_url(url: str) -> str:
+    """A peer's REST API as an origin, ``http(s)://host[:port]`` and nothing more, or "".
+
+    Other peers send requests there (a job's submission, read, cancel, listing: a fixed path
+    appended), so a path, query or fragment of the record's choosing let any peer have honest
+    peers send GET, POST and DELETE requests to any path of any host they can reach, a
+    volunteer's LAN included (its path before ours, ours cut off by a ``?``: an audit,
+    2026-12-07). A peer's own URL is what its server bound, an origin."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if (not port_ok or parts.scheme not in ("http", "https") or not parts.hostname or parts.username is not None
+            or parts.password is not None or parts.path or parts.query or parts.fragment or "#" in url or "?" in url
+            or any(ch <= " " or ch == "\x7f" for ch in url)):  # fmt: skip
+        raise Malformed(Reason.BAD_VALUE, "api_url", "must be an http(s) origin: scheme, host and port only")
+    return url
+
+
 def _read_record(d: dict[str, Any]) -> NodeRecord:
     def count(key: str) -> int:
         return read_int(d, key, lo=0, hi=MAX_COUNT, default=0)
@@ -185,7 +208,7 @@ def _read_record(d: dict[str, Any]) -> NodeRecord:
         ts_ms=header.ts_ms,
         vram_mb=count("vram_mb"),
         hardware=read_dict(d, "hardware", max_len=64, default={}),
-        api_url=read_str(d, "api_url", max_len=MAX_URL, default=""),
+        api_url=_api_url(read_str(d, "api_url", max_len=MAX_URL, default="")),
         multiaddrs=tuple(as_str(a, "multiaddrs", max_len=MAX_URL) for a in read_list(d, "multiaddrs", max_len=MAX_MULTIADDRS, default=[])),
         counters=_counters(read_dict(d, "counters", max_len=16, default={})),
         uptime_s=count("uptime_s"),

@@ -79,6 +79,20 @@ def test_a_mistyped_field_is_a_typed_rejection(changes: dict[str, Any], reason: 
     assert problem(envelope_of(good_fields(**changes))) == reason
 
 
+@pytest.mark.parametrize("url", [
+    "http://192.168.1.1/cgi-bin/reboot?", "http://169.254.169.254/latest/meta-data#", "http://10.0.0.1:80/admin",
+    "http://h:1/", "http://user:pw@h:1", "ftp://h:1", "file:///etc/passwd", "http://h:0", "http://h:1\x00", "http:///x",
+])  # fmt: skip
+def test_an_api_url_is_an_origin_and_nothing_more(url: str) -> None:
+    """Other peers send a job's requests to a record's ``api_url`` with a fixed path appended:
+    a path, query or fragment of the record's choosing had honest peers send GET, POST and
+    DELETE to any path of any host they reach, a volunteer's LAN included (an audit,
+    2026-12-07)."""
+    assert problem(envelope_of(good_fields(api_url=url))) == Reason.BAD_VALUE
+    for origin in ("", "http://127.0.0.1:8001", "https://peer.example.org", "http://[::1]:8001"):
+        assert decode_envelope(envelope_of(good_fields(api_url=origin))).record.api_url == origin
+
+
 def test_malformed_envelopes_are_typed_rejections() -> None:
     assert problem(b'{"records":1}') == Reason.MISSING
     assert problem(b"[" * 100_000) == Reason.TOO_DEEP
