@@ -378,7 +378,8 @@ class GenerationService:
 
     async def _remote_events(self, url: str, job_id: str) -> AsyncIterator[str]:
         try:
-            async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events") as lines:
+            # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".
+            async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64) as lines:
                 async for line in lines:
                     if line.startswith("data: "):
                         yield line.removeprefix("data: ")

@@ -14,7 +14,7 @@ answered is :class:`inclavate.errors.RelayedError`, relayed with its status and 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -109,21 +109,45 @@ class PeerHttp:
         return response.status_code, answer
 
     @asynccontextmanager
-    async def stream_lines(self, base_url: str, path: str) -> AsyncIterator[AsyncIterator[str]]:
+    async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int) -> AsyncIterator[AsyncIterator[str]]:
         """An SSE stream from the owner, line by line (errors before the stream opens raise;
-        PeerBusy past :data:`MAX_EVENT_STREAMS`)."""
+        PeerBusy past :data:`MAX_EVENT_STREAMS`; a line longer than ``max_line_bytes`` ends
+        it as :class:`PeerUnreachable`)."""
         self.check_stream_room()
         self._streams += 1
         try:
             async with self._stream_http().stream("GET", base_url + path) as response:
                 if response.status_code >= 400:
                     _raise_for_error(response.status_code, await response.aread())
-                async with aclosing(response.aiter_lines()) as lines:
+                async with aclosing(_lines(response.aiter_bytes(), max_line_bytes, base_url)) as lines:
                     yield lines
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
             self._streams -= 1
+
+
+async def _lines(chunks: AsyncGenerator[bytes, None], max_line_bytes: int, base_url: str) -> AsyncIterator[str]:
+    """``chunks`` split at newlines, no line held past ``max_line_bytes``. httpx's own
+    ``aiter_lines`` holds a line until its newline comes: an owner that never sent one had
+    the relaying peer buffer its stream until memory ran out (an audit, 2026-12-07). Each
+    chunk is searched once, so a line dripped a byte at a time costs no more than its bytes."""
+    pending = bytearray()
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            scan = len(pending)
+            pending += chunk
+            while (end := pending.find(b"\n", scan)) >= 0:
+                if end > max_line_bytes:
+                    break
+                line = bytes(pending[:end]).removesuffix(b"\r")
+                del pending[: end + 1]
+                scan = 0
+                yield line.decode("utf-8", errors="replace")
+            if len(pending) > max_line_bytes:
+                raise PeerUnreachable(f"peer {base_url} sent an event line longer than {max_line_bytes} bytes")
+    if pending:
+        yield bytes(pending).decode("utf-8", errors="replace")
 
 
 def parse_answer(raw: bytes, base_url: str, max_bytes: int) -> Any:

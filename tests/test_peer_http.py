@@ -12,7 +12,7 @@ from quart_trio import QuartTrio
 
 from api.app import serve_api
 from inclavate.local_swarm import free_port
-from inclavate.peer_http import MAX_EVENT_STREAMS, PeerBusy, PeerHttp
+from inclavate.peer_http import MAX_EVENT_STREAMS, PeerBusy, PeerHttp, PeerUnreachable
 
 
 async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarded_request() -> None:
@@ -49,7 +49,7 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
             await nursery.start(serve_api, owner, "127.0.0.1", port)
 
             async def watch() -> None:
-                async with http.stream_lines(url, "/events") as lines:
+                async with http.stream_lines(url, "/events", max_line_bytes=1024) as lines:
                     async for _ in lines:
                         pass
 
@@ -61,8 +61,46 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
             with trio.fail_after(5):
                 assert await http.json(url, "GET", "/job") == (200, {"id": "the job", "state": "running"})
                 with pytest.raises(PeerBusy):
-                    async with http.stream_lines(url, "/events"):
+                    async with http.stream_lines(url, "/events", max_line_bytes=1024):
                         pass
             nursery.cancel_scope.cancel()
     finally:
         await http.aclose()
+
+
+# httpx's nested body generators are finalized by the collector when a read stops early
+# (the response, and its connection, are closed by ``stream``'s context): a warning, not a leak.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_an_owner_s_event_line_is_bounded_whatever_it_streams() -> None:
+    """httpx's ``aiter_lines`` held a line until its newline: an owner streaming one without
+    end had the relaying peer buffer it until memory ran out (an audit, 2026-12-07)."""
+    owner = QuartTrio("owner")
+
+    @owner.get("/events")
+    async def events():  # type: ignore[no-untyped-def]
+        async def body() -> AsyncIterator[bytes]:
+            yield b"data: one\r\ndata: two\n\ndata: "
+            while True:  # then a line that never ends, in small pieces
+                yield b"x" * 100
+                await trio.sleep(0)
+
+        response = Response(body(), mimetype="text/event-stream")
+        response.timeout = None
+        return response
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    http = PeerHttp()
+    got: list[str] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, owner, "127.0.0.1", port)
+            with trio.fail_after(30), pytest.raises(PeerUnreachable, match="longer than 4096 bytes"):
+                async with http.stream_lines(url, "/events", max_line_bytes=4096) as lines:
+                    async for line in lines:
+                        got.append(line)
+            nursery.cancel_scope.cancel()
+    finally:
+        await http.aclose()
+    assert got == ["data: one", "data: two", ""]
