@@ -565,6 +565,21 @@ def test_nesting_from_another_peer_is_a_refusal_not_a_recursion_error() -> None:
     assert refused.value.body == {"error": "the owning peer answered 500"}
 
 
+def _recording_service(me: PeerId, table: Table) -> tuple[ForwardService, list[tuple[PeerId, wire.Message]]]:
+    """A forward service checking frames against ``table``; what it sends, recorded (peer,
+    message), not sent."""
+    service = ForwardService(SimpleNamespace(peer_id=me), node_id=NodeId(me), stage=None, direct_port=None)  # type: ignore[arg-type]
+    service.record_of = lambda node_id: held.record if (held := table.get(node_id)) else None
+    service.records_signed_by = table.records_signed_by
+    sent: list[tuple[PeerId, wire.Message]] = []
+
+    async def send(peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
+        sent.append((peer, msg))
+
+    service.send = send  # type: ignore[method-assign]
+    return service, sent
+
+
 async def test_a_stranger_cannot_have_an_honest_hop_refuse_a_frame_to_an_entry_it_names() -> None:
     """A refusal goes to the frame's ``reply_to`` in this peer's name: the entry fails the
     request (``invalid_batch``) or avoids this peer (``wrong_route``). Any stranger who
@@ -575,15 +590,7 @@ async def test_a_stranger_cannot_have_an_honest_hop_refuse_a_frame_to_an_entry_i
     table = Table()
     for record in (signed(prev, 0, 10), signed(entry, 20, 30)):
         table, _ = apply(table, record, 1_000_000, Liveness())
-    service = ForwardService(SimpleNamespace(peer_id=PeerId("me")), node_id=NodeId("me"), stage=None, direct_port=None)  # type: ignore[arg-type]
-    service.record_of = lambda node_id: held.record if (held := table.get(node_id)) else None
-    service.records_signed_by = table.records_signed_by
-    sent: list[tuple[PeerId, wire.Message]] = []
-
-    async def send(peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
-        sent.append((peer, msg))
-
-    service.send = send  # type: ignore[method-assign]
+    service, sent = _recording_service(PeerId("me"), table)
     hidden = tensors.encode(np.zeros((1, 4), np.float32))
     not_mine = (Hop(NodeId("gone"), PeerId("me"), LayerRange(10, 20)), Hop(NodeId("w"), PeerId("w"), LayerRange(20, 30)))
     gap = (Hop(NodeId("me"), PeerId("me"), LayerRange(10, 20)), Hop(NodeId("w"), PeerId("w"), LayerRange(25, 30)))
@@ -619,16 +626,8 @@ async def test_a_peer_relays_only_its_own_legacy_nodes_and_only_for_their_sessio
                    signed(stranger, 10, 20, node_id=theirs, relayed=True, forward_url=url), signed(entry, 20, 30)):  # fmt: skip
         table, verdict = apply(table, record, 1_000_000, Liveness())
         assert verdict is Verdict.ACCEPTED
-    service = ForwardService(SimpleNamespace(peer_id=me.peer_id), node_id=NodeId(me.peer_id), stage=None, direct_port=None)  # type: ignore[arg-type]
-    service.record_of = lambda node_id: held.record if (held := table.get(node_id)) else None
-    service.records_signed_by = table.records_signed_by
-    sent: list[tuple[PeerId, wire.Message]] = []
-
-    async def send(peer: PeerId, msg: wire.Message, *, wait_for_room: bool = True) -> None:
-        sent.append((peer, msg))
-
-    service.send = send  # type: ignore[method-assign]
-    nodes = LegacyNodes(SimpleNamespace(identity=me), None, send=send)  # type: ignore[arg-type]
+    service, sent = _recording_service(PeerId(me.peer_id), table)
+    nodes = LegacyNodes(SimpleNamespace(identity=me), None, send=service.send)  # type: ignore[arg-type]
     queue, relayed = trio.open_memory_channel[wire.Message](8)
     nodes._nodes[mine] = _Node(NodeRecord.__new__(NodeRecord), url, "t", queue=queue)
     service.relayed = nodes
