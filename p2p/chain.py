@@ -47,7 +47,7 @@ from p2p import wire
 from p2p.errors import P2PError
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.latency import usable_link_ms
-from p2p.legs import Leg, LegWatch, blame, seen_gone
+from p2p.legs import Leg, LegWatch, blame, seen_gone, speaker
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason
 from p2p.inbox import Inbox
@@ -391,13 +391,14 @@ class SwarmPipeline:
     def _on_reply(self, leg: Leg, reply: wire.Message, req: int) -> int | Broken | None:
         if isinstance(reply, wire.Error):
             failure = stage_failure(reply.code, reply.message, reply.origin)
+            origin = speaker(leg, reply.origin)
             if reply.code in CLIENT_ERRORS or reply.code == "session_evicted":
                 # The request's fault, or a fair share: no hop's, if the hop says true (_excuse).
-                return Broken(frozenset(), failure, excused=reply.origin)
+                return Broken(frozenset(), failure, excused=origin)
             me = self.service.me
             blamed = blame(leg, reply, me)
-            reported = reply.code == "unreachable" and reply.origin != me and reply.origin not in blamed
-            return Broken(blamed, failure, gone=seen_gone(blamed, reply, me), reporter=reply.origin if reported else None)
+            reported = reply.code == "unreachable" and origin != me and origin not in blamed
+            return Broken(blamed, failure, gone=seen_gone(blamed, reply, me), reporter=origin if reported else None)
         if isinstance(reply, wire.Result) and reply.req_id == req:
             if reply.token is None:
                 last = leg.route[-1].peer_id

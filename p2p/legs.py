@@ -20,6 +20,7 @@ from inclavate.types import NodeId, PeerId, SessionId
 from p2p import wire
 from p2p.failover import FailoverPolicy, hop_trouble
 from p2p.inbox import Inbox
+from p2p.records import legacy_owner
 from p2p.registry import NodeView
 from p2p.routing import Hop
 
@@ -65,10 +66,8 @@ def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     any hop. A hop is blamed by its :attr:`~p2p.routing.Hop.blame_id`: a relayed legacy
     node alone, not the peer relaying it; a peer named unreachable, with all its hops."""
     route = leg.route
-    ids = [h.blame_id for h in route]
-    peers = [h.peer_id for h in route]
-    at = ids.index(error.origin) if error.origin in ids else peers.index(error.origin) if error.origin in peers else None
-    reporter = frozenset({PeerId(ids[at])}) if at is not None else frozenset()
+    at = _hop_of(leg, error.origin)
+    reporter = frozenset({PeerId(route[at].blame_id)}) if at is not None else frozenset()
     if error.code != "unreachable":
         return reporter
     successor = route[at + 1 : at + 2] if at is not None else route[:1]
@@ -78,6 +77,26 @@ def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     if error.origin == me or error.failed_peer in {h.peer_id for h in successor}:
         return frozenset({error.failed_peer}) & leg.peers
     return reporter
+
+
+def speaker(leg: Leg, origin: PeerId) -> PeerId:
+    """Whom an error's ``origin`` blames on this leg (:attr:`~p2p.routing.Hop.blame_id`):
+    itself when it names a hop; the hop of the peer it is namespaced under when it names a
+    relayed node that is on no hop of the leg (a peer may speak for its own legacy nodes, so
+    a hop naming one it made up blamed nobody, and failed every request sent through it
+    unavoided: an audit, 2026-12-07); anyone else as it is."""
+    at = _hop_of(leg, origin)
+    return PeerId(leg.route[at].blame_id) if at is not None else origin
+
+
+def _hop_of(leg: Leg, origin: PeerId) -> int | None:
+    """The hop of the leg that ``origin`` speaks as: its own, or its peer's first."""
+    ids = [h.blame_id for h in leg.route]
+    if origin in ids:
+        return ids.index(origin)
+    peers = [h.peer_id for h in leg.route]
+    owner = origin if origin in peers else legacy_owner(origin)
+    return peers.index(PeerId(owner)) if owner in peers else None
 
 
 @dataclass

@@ -661,7 +661,7 @@ def test_a_failing_legacy_node_is_blamed_alone_not_the_peer_relaying_it() -> Non
     peer: entries routed round that peer's own layers and every node it relays (with the
     entry's own, every chat in flight failed with a 503: an audit, 2026-12-07). A peer that
     is itself unreachable is still blamed with all its hops."""
-    from p2p.legs import blame
+    from p2p.legs import blame, speaker
 
     url = "http://10.0.0.9:9/forward"
     full, tail = NodeId("p:full"), NodeId("p:tail")
@@ -679,6 +679,9 @@ def test_a_failing_legacy_node_is_blamed_alone_not_the_peer_relaying_it() -> Non
     own_then_tail = leg(Hop(NodeId("p"), PeerId("p"), LayerRange(0, 15)), Hop(tail, PeerId("p"), LayerRange(15, 30), url))
     assert blame(own_then_tail, wire.Error(2, s, "engine_error", "node failed", PeerId(tail)), me) == {tail}
     assert blame(own_then_tail, wire.Error(3, s, "unreachable", "cannot reach the next", PeerId("p")), me) == {tail}
+    # A peer may speak for its own legacy nodes: one on no hop of the route is the peer's word.
+    assert blame(own_then_tail, wire.Error(5, s, "engine_error", "boom", PeerId("p:made-up")), me) == {PeerId("p")}
+    assert [speaker(own_then_tail, PeerId(o)) for o in ("p:made-up", tail, "p", "x:y")] == ["p", tail, "p", "x:y"]
     lost = blame(own_then_tail, wire.Error(4, s, "unreachable", "link lost", me, failed_peer=PeerId("p")), me)
     assert lost == {PeerId("p")}
     with pytest.raises(NoRoute):  # the peer is down: none of its nodes is routed through
@@ -697,28 +700,31 @@ class _ExcusingHop(_AnsweringHops):
     """Peer ``liar`` answers every frame through it with an error that blames nobody (the
     ``code`` given)."""
 
-    def __init__(self, me: str, liar: str, code: str) -> None:
+    def __init__(self, me: str, liar: str, code: str, speaks_as: str = "") -> None:
         super().__init__(me, held=None)
-        self.liar, self.code = PeerId(liar), code
+        self.liar, self.code, self.speaks_as = PeerId(liar), code, PeerId(speaks_as or liar)
 
     def refusal(self, msg: wire.Forward, peers: list[PeerId]) -> wire.Error | None:
         if self.liar not in peers:
             return None
-        return wire.Error(msg.req_id, msg.session_id, self.code, "not me", self.liar)  # type: ignore[arg-type]
+        return wire.Error(msg.req_id, msg.session_id, self.code, "not me", self.speaks_as)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch"])
-def test_a_hop_that_answers_every_frame_with_an_error_blaming_nobody_is_routed_around(code: str) -> None:
+@pytest.mark.parametrize("speaks_as", ["e", "e:made-up"])
+@pytest.mark.parametrize("code", ["session_evicted", "context_full", "invalid_batch", "engine_error"])
+def test_a_hop_that_answers_every_frame_with_an_error_blaming_nobody_is_routed_around(code: str, speaks_as: str) -> None:
     """``e`` holds the whole model (the cheapest route) and answers every frame with an
     error that blames nobody: an eviction (replayed on the same route until the failovers
     were spent: a 503) or the request's fault (the client's error at once: a 400 or 503).
     Nobody was blamed, so every new request went through it again. Now such an error is
-    believed once per session: the session goes round ``e``, which is avoided."""
+    believed once per session: the session goes round ``e``, which is avoided. The same
+    when ``e`` answers in the name of a legacy node of its own that is on no route (its
+    word as a relay: it blamed nobody, whatever the code, until 2026-12-07)."""
     from node.sampling import SamplingParams
     from p2p.chain import SwarmPipeline
 
     views = [view("a", 0, 10), view("e", 0, 30), view("b", 10, 30)]
-    service = _ExcusingHop("a", liar="e", code=code)
+    service = _ExcusingHop("a", liar="e", code=code, speaks_as=speaks_as)
     policy = FailoverPolicy()
     pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
                              policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
