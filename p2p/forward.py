@@ -353,7 +353,7 @@ class ForwardService:
         self._nursery: trio.Nursery | None = None
         self.relayed: RelayedNodes | None = None
         """The legacy nodes this peer relays (set by the peer): a hop of theirs is carried
-        here only if this peer vouches for it (:meth:`_relays`), never for a record anyone
+        here only if this peer vouches for it (:meth:`_relayed_for`), never for a record anyone
         can publish naming a ``forward_url``."""
         self.record_of: RecordOf | None = None
         """The registry's record of a node (set by the peer): routes are checked against it,
