@@ -14,11 +14,12 @@ answered is :class:`inclavate.errors.RelayedError`, relayed with its status and 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
+import trio
 
 from inclavate.errors import InclavateError, RelayedError
 from inclavate.untrusted import Malformed, parse_json
@@ -30,6 +31,15 @@ READ_TIMEOUT_S = 60.0
 MAX_RELAYED_ERROR_BYTES = 64 * 1024
 MAX_ANSWER_BYTES = 32 * 1024 * 1024
 """A listing of 1000 jobs with large params fits; anything bigger is not a peer's answer."""
+MAX_IN_FLIGHT_PER_OWNER = 8
+"""Forwarded requests to one owner at once; one more is :class:`PeerUnreachable` at once.
+The requests of every owner share one pool of connections: an owner dripping a byte a
+minute into each answer held them all, and every other owner's relays failed (an audit,
+2026-12-07)."""
+_HEADERS = {FORWARDED_HEADER: "1", "Accept-Encoding": "identity"}
+"""Answers are asked for, and read, uncompressed (:func:`_raw_body`): httpx inflates each
+read whole before any bound on the answer is checked, so a gzip of a gzip (26 KB on the
+wire) froze the event loop for half a minute and took gigabytes (an audit, 2026-12-07)."""
 MAX_EVENT_STREAMS = 64
 """Owners' event streams relayed at once (``GET /v1/generations/:id/events`` of another
 peer's job). Each holds a connection while its job runs, so they have connections of their
@@ -50,19 +60,21 @@ class PeerHttp:
         self._client: httpx.AsyncClient | None = None
         self._stream_client: httpx.AsyncClient | None = None
         self._streams = 0
+        self._in_flight: dict[str, int] = {}
+        """Forwarded requests under way, by owner URL (rows only while some are)."""
 
     def _http(self) -> httpx.AsyncClient:
         # Created on first use, inside the trio run (httpx picks trio through anyio).
         if self._client is None:
             timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-            self._client = httpx.AsyncClient(timeout=timeout, headers={FORWARDED_HEADER: "1"})
+            self._client = httpx.AsyncClient(timeout=timeout, headers=_HEADERS)
         return self._client
 
     def _stream_http(self) -> httpx.AsyncClient:
         if self._stream_client is None:
             timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S)
             limits = httpx.Limits(max_connections=MAX_EVENT_STREAMS, max_keepalive_connections=0)
-            self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers={FORWARDED_HEADER: "1"})
+            self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=_HEADERS)
         return self._stream_client
 
     def check_stream_room(self) -> None:
@@ -92,21 +104,31 @@ class PeerHttp:
         """:meth:`json`'s answer unparsed, for a caller that parses it when its turn comes
         (:func:`parse_answer`; a job listing's answers, in a fan-out's decode phase:
         :meth:`inclavate.fan_out.FanOut.ask`)."""
-        try:
-            async with self._http().stream(
-                method, base_url + path, json=body, params=params, timeout=timeout or httpx.USE_CLIENT_DEFAULT
-            ) as response:
-                raw = bytearray()
-                async with aclosing(response.aiter_bytes()) as chunks:  # closed at once on an early raise
-                    async for chunk in chunks:
-                        raw += chunk
-                        if len(raw) > max_bytes:
-                            raise PeerUnreachable(f"peer {base_url} answered more than {max_bytes} bytes")
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # the URL is the peer's own claim
-            raise PeerUnreachable(f"peer {base_url!r} did not answer: {type(exc).__name__}") from exc
-        answer = bytes(raw)
+        deadline = timeout or READ_TIMEOUT_S
+        with self._owner_slot(base_url), trio.move_on_after(deadline) as late:
+            try:
+                async with self._http().stream(method, base_url + path, json=body, params=params) as response:
+                    answer = await _read_body(response, base_url, max_bytes)
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:  # the URL is the peer's own claim
+                raise PeerUnreachable(f"peer {base_url!r} did not answer: {type(exc).__name__}") from exc
+        if late.cancelled_caught:  # a whole answer, not each read: a drip held a request for ever
+            raise PeerUnreachable(f"peer {base_url} did not answer within {deadline:g} s")
         _raise_for_error(response.status_code, answer)
         return response.status_code, answer
+
+    @contextmanager
+    def _owner_slot(self, base_url: str) -> Iterator[None]:
+        """One of :data:`MAX_IN_FLIGHT_PER_OWNER` requests to ``base_url``, or PeerUnreachable."""
+        held = self._in_flight.get(base_url, 0)
+        if held >= MAX_IN_FLIGHT_PER_OWNER:
+            raise PeerUnreachable(f"peer {base_url} has {held} requests of ours unanswered; retry later")
+        self._in_flight[base_url] = held + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight.pop(base_url) - 1
+            if left:
+                self._in_flight[base_url] = left
 
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int) -> AsyncIterator[AsyncIterator[str]]:
@@ -118,13 +140,37 @@ class PeerHttp:
         try:
             async with self._stream_http().stream("GET", base_url + path) as response:
                 if response.status_code >= 400:
-                    _raise_for_error(response.status_code, await response.aread())
-                async with aclosing(_lines(response.aiter_bytes(), max_line_bytes, base_url)) as lines:
+                    raw = b""
+                    with trio.move_on_after(READ_TIMEOUT_S):  # what error it is, if it says so in time
+                        raw = await _read_body(response, base_url, MAX_RELAYED_ERROR_BYTES, cut=True)
+                    _raise_for_error(response.status_code, raw)
+                async with aclosing(_lines(_raw_body(response, base_url), max_line_bytes, base_url)) as lines:
                     yield lines
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
             self._streams -= 1
+
+
+def _raw_body(response: httpx.Response, base_url: str) -> AsyncGenerator[bytes, None]:
+    """``response``'s body as sent, which must be uncompressed (:data:`_HEADERS`)."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise PeerUnreachable(f"peer {base_url} answered in {encoding[:40]!r}; relayed answers must be uncompressed")
+    return response.aiter_raw()
+
+
+async def _read_body(response: httpx.Response, base_url: str, max_bytes: int, *, cut: bool = False) -> bytes:
+    """At most ``max_bytes`` of the body: more is PeerUnreachable, or with ``cut`` left unread."""
+    raw = bytearray()
+    async with aclosing(_raw_body(response, base_url)) as chunks:  # closed at once on an early end
+        async for chunk in chunks:
+            raw += chunk
+            if len(raw) > max_bytes:
+                if cut:
+                    return bytes(raw[:max_bytes])
+                raise PeerUnreachable(f"peer {base_url} answered more than {max_bytes} bytes")
+    return bytes(raw)
 
 
 async def _lines(chunks: AsyncGenerator[bytes, None], max_line_bytes: int, base_url: str) -> AsyncIterator[str]:

@@ -3,7 +3,12 @@ server on loopback: what a client watching jobs can and cannot take from other c
 
 from __future__ import annotations
 
+import gzip
+import http.server
+import threading
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import trio
@@ -12,7 +17,8 @@ from quart_trio import QuartTrio
 
 from api.app import serve_api
 from inclavate.local_swarm import free_port
-from inclavate.peer_http import MAX_EVENT_STREAMS, PeerBusy, PeerHttp, PeerUnreachable
+from inclavate.errors import RelayedError
+from inclavate.peer_http import MAX_EVENT_STREAMS, MAX_IN_FLIGHT_PER_OWNER, PeerBusy, PeerHttp, PeerUnreachable
 
 
 async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarded_request() -> None:
@@ -104,3 +110,81 @@ async def test_an_owner_s_event_line_is_bounded_whatever_it_streams() -> None:
     finally:
         await http.aclose()
     assert got == ["data: one", "data: two", ""]
+
+
+class _HostileOwner(http.server.BaseHTTPRequestHandler):
+    """An owner's API that answers as no honest peer would."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        try:
+            if self.path == "/bomb":  # 1 MiB of zeros, 1 KiB on the wire: a bomb's first layer
+                body = gzip.compress(b"0" * (1 << 20))
+                self._head(200, len(body), [("Content-Encoding", "gzip")])
+                self.wfile.write(body)
+            elif self.path == "/error-without-end":
+                self._head(500, None, [("Transfer-Encoding", "chunked")])
+                while True:
+                    self.wfile.write(b"10000\r\n" + b"e" * 0x10000 + b"\r\n")
+            elif self.path == "/drip":
+                self._head(200, 64, [])
+                for _ in range(64):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+        except OSError:
+            pass  # the peer gave up on us, as it should
+
+    def _head(self, status: int, length: int | None, headers: list[tuple[str, str]]) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+
+# httpx's nested body generators are finalized by the collector when a read stops early.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_an_owner_s_answer_is_bounded_in_bytes_as_sent_and_in_time() -> None:
+    """What a hostile owner made a relaying peer do (an audit, 2026-12-07): inflate a gzip of
+    a gzip in one call (26 KB on the wire: the event loop frozen for half a minute,
+    gigabytes), read an event stream's error body without end, and hold a request, and one
+    of the connections every owner's requests share, for as long as it dripped bytes."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HostileOwner)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    client = PeerHttp()
+    try:
+        with trio.fail_after(20):
+            with pytest.raises(PeerUnreachable, match="must be uncompressed"):
+                await client.json(url, "GET", "/bomb")
+            with pytest.raises(RelayedError) as refused:
+                async with client.stream_lines(url, "/error-without-end", max_line_bytes=1024):
+                    pass
+            assert refused.value.status == 500
+            with pytest.raises(PeerUnreachable, match="within 1 s"):
+                await client.json(url, "GET", "/drip", timeout=1.0)
+            unanswered: list[str] = []
+
+            async def drip() -> None:
+                with pytest.raises(PeerUnreachable) as late:
+                    await client.json(url, "GET", "/drip", timeout=3.0)
+                unanswered.append(str(late.value))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(MAX_IN_FLIGHT_PER_OWNER + 1):
+                    nursery.start_soon(drip)
+            assert sum("unanswered" in e for e in unanswered) == 1  # the one past the owner's share, at once
+            assert sum("within 3 s" in e for e in unanswered) == MAX_IN_FLIGHT_PER_OWNER
+    finally:
+        await client.aclose()
+        server.shutdown()
+        server.server_close()
