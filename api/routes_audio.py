@@ -43,6 +43,8 @@ REFUSED_FORMATS = ("verbose_json", "srt", "vtt")
 DEFAULT_TRANSCRIPTION_PROMPT = "Transcribe this audio."
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 MAX_SPEECH_BYTES = 256 * 1024 * 1024
+ABANDON_TIMEOUT_S = 10.0
+"""How long a left client's job may take to be cancelled (an owner's answer included)."""
 MAX_FIELD_BYTES = 64 * 1024
 """A form field's ceiling (a prompt longer than the generator takes gets its own message)."""
 
@@ -93,7 +95,9 @@ async def _finished(generations: GenerationService, job: dict[str, Any], timeout
         done = await generations.wait_finished(job["id"], timeout_s)
     except BaseException as exc:
         if not isinstance(exc, Exception):  # the request is being cancelled: its client left
-            with trio.CancelScope(shield=True):
+            # Shielded, and bounded: an owner that never answers the cancel held this for ever,
+            # through the peer's shutdown (an audit, 2026-12-07).
+            with trio.CancelScope(shield=True), trio.move_on_after(ABANDON_TIMEOUT_S):
                 await generations.abandon(job["id"])
         raise
     if done is None:

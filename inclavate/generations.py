@@ -37,9 +37,9 @@ from inclavate.generation_settings import GenerationSettings
 from inclavate.job_rows import Owns, PeerJobPage, decode_job_page_in_steps
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
 from inclavate.jobs import MAX_RECORD_BYTES, IdempotencyConflict, Job, NewJob
-from inclavate.owner_ids import Owners, owner_candidates, parse_id
+from inclavate.owner_ids import MalformedId, Owners, owner_candidates, parse_id
 from inclavate.peer_http import MAX_ANSWER_BYTES, PeerBusy, PeerHttp, PeerUnreachable, parse_answer
-from inclavate.untrusted import DropCounter, Malformed
+from inclavate.untrusted import DropCounter, Malformed, read_int
 from node.generators.base import InputMedia
 from p2p.registry import NodeView
 
@@ -58,6 +58,8 @@ EraseRemote = Callable[[str, str, bool], Awaitable[dict[str, Any]]]
 """``(owner peer id, job id, artifacts) -> answer``: an admin erase signed by this peer."""
 
 
+MAX_ERASED = 1 << 20
+"""The most artifacts an owner may say one erase deleted (a job publishes at most 16)."""
 LIST_MAX_LIMIT = 1000
 """The most jobs one ``GET /v1/generations`` answers (the spec's largest ``limit``). A
 swarm-wide listing asks every other peer for one such page, so this is also the deepest row
@@ -192,16 +194,17 @@ class GenerationService:
         if key is not None:
             self._pending_keys.add(key)
         try:
-            _, body = await self.http.json(view.record.api_url, "POST", "/v1/generations", body=_submission(new))
+            _, body = await self.http.json(view.record.api_url, "POST", "/v1/generations", body=_submission(new),
+                                           max_bytes=MAX_RECORD_BYTES)  # fmt: skip
         finally:
             if key is not None:
                 self._pending_keys.discard(key)
-        return _job_body(body)
+        return _job_body(body, owner=view.record.peer_id)
 
     # -- one job -------------------------------------------------------------------------
 
-    def _owner_url(self, job_id: str) -> str | None:
-        """None when the id is ours; the owner's API URL otherwise. An id whose tag names no
+    def _owner(self, job_id: str) -> NodeView | None:
+        """None when the id is ours; the owner's view otherwise. An id whose tag names no
         peer in the registry is JobNotFound (404); an owner the registry knows but believes
         Dead is PeerUnreachable (503: the job may well exist). Relayed peers count when
         choosing the owner (their whole tag wins over another peer's 32 bits) but are not
@@ -217,40 +220,48 @@ class GenerationService:
         others = [known[p] for p in candidates if p in known]
         for view in others:
             if view.state != "Dead" and view.record.api_url.startswith(("http://", "https://")):
-                return view.record.api_url
+                return view
         if others:
             raise PeerUnreachable(f"job {job_id} is held by peer {others[0].record.peer_id}, which is not reachable now")
         raise JobNotFound(f"no generation job {job_id}")
 
     async def get(self, job_id: str, *, local_only: bool) -> dict[str, Any]:
         job_id = parse_id(job_id)
-        url = None if local_only else self._owner_url(job_id)
-        if url is None:
+        owner = None if local_only else self._owner(job_id)
+        if owner is None:
             return self._local(job_id).to_json()
-        _, body = await self.http.json(url, "GET", f"/v1/generations/{job_id}")
-        return _job_body(body)
+        return await self._remote_job(owner, "GET", job_id)
 
     async def cancel(self, job_id: str, *, local_only: bool) -> dict[str, Any]:
         job_id = parse_id(job_id)
-        url = None if local_only else self._owner_url(job_id)
-        if url is None:
+        owner = None if local_only else self._owner(job_id)
+        if owner is None:
             return (await self.runner.cancel(job_id)).to_json()
-        _, body = await self.http.json(url, "DELETE", f"/v1/generations/{job_id}")
-        return _job_body(body)
+        return await self._remote_job(owner, "DELETE", job_id)
+
+    async def _remote_job(self, owner: NodeView, method: str, job_id: str) -> dict[str, Any]:
+        """The owner's answer about ``job_id``: that job's record, of a record's size at most."""
+        _, body = await self.http.json(owner.record.api_url, method, f"/v1/generations/{job_id}", max_bytes=MAX_RECORD_BYTES)
+        return _job_body(body, job_id)
 
     async def erase(self, job_id: str, *, artifacts: bool) -> dict[str, Any]:
-        """Admin: destroy the record (and by default the outputs) wherever the job lives."""
+        """Admin: destroy the record (and by default the outputs) wherever the job lives. The
+        signed command goes to the owner the id names: found by its ``api_url``, which any
+        record may copy, it went to whichever peer sorted first (an audit, 2026-12-07)."""
         job_id = parse_id(job_id)
-        url = self._owner_url(job_id)
-        if url is None:
+        owner = self._owner(job_id)
+        if owner is None:
             deleted = await self.runner.erase(job_id, artifacts=artifacts)
             return {"id": job_id, "artifacts_deleted": deleted}
-        await self.http.json(url, "GET", f"/v1/generations/{job_id}")  # 404 if there is no such job
-        owner = next(v.record.peer_id for v in self._live_peers() if v.record.api_url == url)
+        await self._remote_job(owner, "GET", job_id)  # 404 if there is no such job
         if self._erase_remote is None:
             raise PeerUnreachable("admin commands to other peers are not available here")
-        answer = await self._erase_remote(owner, job_id, artifacts)
-        return {"id": job_id, "artifacts_deleted": int(answer.get("artifacts_deleted", 0))}
+        answer = await self._erase_remote(owner.record.peer_id, job_id, artifacts)
+        try:
+            deleted = read_int(answer, "artifacts_deleted", lo=0, hi=MAX_ERASED, default=0)
+        except Malformed as exc:
+            raise PeerUnreachable(f"peer {owner.record.peer_id} answered the erase with {exc}") from None
+        return {"id": job_id, "artifacts_deleted": deleted}
 
     def _local(self, job_id: str) -> Job:
         job = self.runner.store.get(job_id)
@@ -354,12 +365,12 @@ class GenerationService:
         """Checks the job exists (raising before anything is streamed), then returns the
         SSE ``data:`` payloads: the current state, one per change, ``[DONE]``."""
         job_id = parse_id(job_id)
-        url = None if local_only else self._owner_url(job_id)
-        if url is None:
+        owner = None if local_only else self._owner(job_id)
+        if owner is None:
             return self._local_events(self._local(job_id))
         self.http.check_stream_room()  # 429 before the stream opens, as far as can be known
-        await self.http.json(url, "GET", f"/v1/generations/{job_id}")  # 404 before the stream opens
-        return self._remote_events(url, job_id)
+        await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
+        return self._remote_events(owner, job_id)
 
     async def _local_events(self, job: Job) -> AsyncIterator[str]:
         last = json.dumps(job.to_json())
@@ -376,7 +387,8 @@ class GenerationService:
                 yield payload
         yield "[DONE]"
 
-    async def _remote_events(self, url: str, job_id: str) -> AsyncIterator[str]:
+    async def _remote_events(self, owner: NodeView, job_id: str) -> AsyncIterator[str]:
+        url = owner.record.api_url
         try:
             # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".
             async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64) as lines:
@@ -390,8 +402,7 @@ class GenerationService:
             # same events, from polls of the owner, rather than a stream cut short.
             last = None
             while True:
-                _, job = await self.http.json(url, "GET", f"/v1/generations/{job_id}")
-                body = _job_body(job)
+                body = await self._remote_job(owner, "GET", job_id)
                 payload = json.dumps(body)
                 if payload != last:
                     last = payload
@@ -408,7 +419,7 @@ class GenerationService:
                 job = await self.get(job_id, local_only=False)
                 if job["state"] in ("completed", "failed", "cancelled", "expired"):
                     return job
-                if self._owner_url(job_id) is None:
+                if self._owner(job_id) is None:
                     await self.runner.wait_changed(1.0)
                 else:
                     await trio.sleep(POLL_S)
@@ -439,7 +450,7 @@ class GenerationService:
             try:
                 await self.cancel(job_id, local_only=False)
             except JobFinished:
-                if self._owner_url(job_id) is None:
+                if self._owner(job_id) is None:
                     await self.runner.erase(job_id, artifacts=True)
         except (InclavateError, OSError) as exc:  # another peer's finished job keeps its output
             log.warning("could not cancel job %s after its client left: %s", job_id, exc)
@@ -507,9 +518,20 @@ def _submission(new: NewJob) -> dict[str, Any]:
     return body
 
 
-def _job_body(body: Any) -> dict[str, Any]:
+def _job_body(body: Any, asked: str | None = None, *, owner: str | None = None) -> dict[str, Any]:
+    """A peer's answer about one job: a record of the job ``asked`` about, or of a job the
+    peer ``owner`` made (a submission's). Any id was taken: a peer that alone offers a model
+    answered a submission with another peer's job, whose audio the speech route then
+    served as this client's, and whose job it cancelled when the client left (an audit,
+    2026-12-07)."""
     if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not isinstance(body.get("state"), str):
         raise PeerUnreachable("the owning peer answered something that is not a job")
+    try:
+        job_id = parse_id(body["id"])
+    except MalformedId:
+        raise PeerUnreachable("the owning peer answered a job without a valid id") from None
+    if (asked is not None and job_id != asked) or (owner is not None and owner_candidates(job_id, [owner]) != [owner]):
+        raise PeerUnreachable(f"the peer answered with job {job_id}, which is not the one asked for")
     return body
 
 

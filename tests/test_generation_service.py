@@ -17,7 +17,7 @@ from inclavate.artifacts import ArtifactStore
 from inclavate.errors import RelayedError
 from inclavate.generations import LIST_MAX_LIMIT, GenerationService, ListingTooDeep, NoGenerator
 from inclavate.job_runner import JobNotFound, JobRunner
-from inclavate.jobs import IdempotencyConflict, Job, JobStore, NewJob
+from inclavate.jobs import MAX_RECORD_BYTES, IdempotencyConflict, Job, JobStore, NewJob
 from inclavate.owner_ids import new_id
 from inclavate.peer_http import PeerUnreachable
 
@@ -26,7 +26,8 @@ REMOTE_ENTRY = {"modality": "audio", "model": "piper:joe", "builtin_voices": ["j
 
 
 class FakeHttp:
-    """Answers forwarded requests like the owning peer would, slowly."""
+    """Answers forwarded requests like the owning peer would, slowly (the peer at
+    ``http://<PeerID>``, or OTHER at ``http://other``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str, Any]] = []
@@ -35,7 +36,9 @@ class FakeHttp:
                    max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
         self.calls.append((base_url, method, path, body))
         await trio.sleep(0.2)
-        return 202, {"id": new_id(OTHER), "state": "queued"}
+        asked = path.removeprefix("/v1/generations").strip("/")  # a job's own path names it
+        peer = OTHER if base_url == "http://other" else base_url.removeprefix("http://")
+        return 202, {"id": asked or new_id(peer), "state": "queued"}  # a submission's: a job of its own
 
     async def aclose(self) -> None:
         pass
@@ -125,6 +128,57 @@ async def test_a_keyed_submission_runs_on_one_peer_whichever_peer_with_the_gener
         asked = len(me.http.calls)  # type: ignore[attr-defined]
         await me.submit(new, local_only=local_only, known_chat_model=False)
         assert len(me.http.calls) == asked  # type: ignore[attr-defined]
+
+
+class _Answering(FakeHttp):
+    """An owner that answers every forwarded request with ``body``; the bounds asked, kept."""
+
+    def __init__(self, body: Any) -> None:
+        super().__init__()
+        self.body = body
+        self.max_bytes: list[int | None] = []
+
+    async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
+                   max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
+        self.calls.append((base_url, method, path, body))
+        self.max_bytes.append(max_bytes)
+        return 200, self.body
+
+
+async def test_an_owner_answers_only_for_the_job_asked_about_and_an_erase_goes_to_the_id_s_owner(tmp_path: Path) -> None:
+    """A peer's answer about a job was taken whatever job it named: a peer that alone offered a
+    model answered a submission with another peer's job, whose audio the speech route served
+    as this client's (and cancelled when the client left); the admin's erase went to
+    whichever peer sorted first among those claiming the owner's ``api_url``; an erase
+    answer's count that was no number was a 500 (an audit, 2026-12-07)."""
+    store = ArtifactStore(tmp_path, ME)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, ME, read_input=None)  # type: ignore[arg-type]
+    copycat = "12D3KooWaaa"  # sorts before OTHER, claims OTHER's api_url
+    views = [view(OTHER, 0, 30, generators=(REMOTE_ENTRY,), api_url="http://other"),
+             view(copycat, 0, 30, api_url="http://other")]  # fmt: skip
+    erased: list[str] = []
+
+    async def erase_remote(peer: str, job_id: str, artifacts: bool) -> dict[str, Any]:
+        erased.append(peer)
+        return {"artifacts_deleted": erase_answer}
+
+    theirs, someone_elses = new_id(OTHER), new_id(ME)
+    http = _Answering({"id": someone_elses, "state": "completed"})
+    service = GenerationService(ME, runner, SwarmArtifacts(store), lambda: views, http, erase_remote)  # type: ignore[arg-type]
+    with pytest.raises(PeerUnreachable, match="not the one asked for"):
+        await service.submit(NewJob("audio", "piper:joe", {"text": "hi"}), local_only=False, known_chat_model=False)
+    for call in (service.get, service.cancel):
+        with pytest.raises(PeerUnreachable, match="not the one asked for"):
+            await call(theirs, local_only=False)
+    assert set(http.max_bytes) == {MAX_RECORD_BYTES}  # an answer about one job is one record's size at most
+    http.body = {"id": theirs, "state": "completed"}
+    assert (await service.get(theirs, local_only=False))["id"] == theirs
+    erase_answer: Any = 2
+    assert await service.erase(theirs, artifacts=True) == {"id": theirs, "artifacts_deleted": 2}
+    assert erased == [OTHER]
+    erase_answer = "x"
+    with pytest.raises(PeerUnreachable):
+        await service.erase(theirs, artifacts=True)
 
 
 async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:
