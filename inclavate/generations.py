@@ -368,7 +368,7 @@ class GenerationService:
         owner = None if local_only else self._owner(job_id)
         if owner is None:
             return self._local_events(self._local(job_id))
-        self.http.check_stream_room()  # 429 before the stream opens, as far as can be known
+        self.http.check_stream_room(owner.record.api_url)  # 429 before the stream opens, as far as can be known
         await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
         return self._remote_events(owner, job_id)
 
@@ -393,10 +393,14 @@ class GenerationService:
             # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".
             async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64) as lines:
                 async for line in lines:
-                    if line.startswith("data: "):
-                        yield line.removeprefix("data: ")
-                        if line == "data: [DONE]":
-                            return
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line.removeprefix("data: ")
+                    if payload != "[DONE]":  # the owner's word about this job, nothing else
+                        _job_body(parse_answer(payload.encode(), url, MAX_RECORD_BYTES), job_id)
+                    yield payload
+                    if payload == "[DONE]":
+                        return
         except PeerBusy:
             # Streams filled up after this one's response began (its 429 check passed): the
             # same events, from polls of the owner, rather than a stream cut short.

@@ -40,6 +40,9 @@ _HEADERS = {FORWARDED_HEADER: "1", "Accept-Encoding": "identity"}
 """Answers are asked for, and read, uncompressed (:func:`_raw_body`): httpx inflates each
 read whole before any bound on the answer is checked, so a gzip of a gzip (26 KB on the
 wire) froze the event loop for half a minute and took gigabytes (an audit, 2026-12-07)."""
+MAX_EVENT_STREAMS_PER_OWNER = 16
+"""Of :data:`MAX_EVENT_STREAMS`, the most one owner's jobs may hold: watchers of 64 silent
+jobs of one peer held them all (an audit, 2026-12-07)."""
 MAX_EVENT_STREAMS = 64
 """Owners' event streams relayed at once (``GET /v1/generations/:id/events`` of another
 peer's job). Each holds a connection while its job runs, so they have connections of their
@@ -60,8 +63,10 @@ class PeerHttp:
         self._client: httpx.AsyncClient | None = None
         self._stream_client: httpx.AsyncClient | None = None
         self._streams = 0
-        self._in_flight: dict[str, int] = {}
-        """Forwarded requests under way, by owner URL (rows only while some are)."""
+        self._in_flight = _PerOwner(MAX_IN_FLIGHT_PER_OWNER)
+        """Forwarded requests under way, by owner URL."""
+        self._streams_of = _PerOwner(MAX_EVENT_STREAMS_PER_OWNER)
+        """Relayed event streams open, by owner URL."""
 
     def _http(self) -> httpx.AsyncClient:
         # Created on first use, inside the trio run (httpx picks trio through anyio).
@@ -77,10 +82,11 @@ class PeerHttp:
             self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=_HEADERS)
         return self._stream_client
 
-    def check_stream_room(self) -> None:
-        """PeerBusy when every relayed event stream is taken (before a response starts)."""
-        if self._streams >= MAX_EVENT_STREAMS:
-            raise PeerBusy(f"this peer already relays {MAX_EVENT_STREAMS} event streams from other peers; "
+    def check_stream_room(self, base_url: str) -> None:
+        """PeerBusy when every relayed event stream is taken, in all or of the owner at
+        ``base_url`` (before a response starts)."""
+        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(base_url):
+            raise PeerBusy("this peer already relays as many event streams from other peers as it may; "
                            "retry later, poll GET /v1/generations/:id, or watch on the peer that runs the job")  # fmt: skip
 
     async def aclose(self) -> None:
@@ -105,7 +111,9 @@ class PeerHttp:
         (:func:`parse_answer`; a job listing's answers, in a fan-out's decode phase:
         :meth:`inclavate.fan_out.FanOut.ask`)."""
         deadline = timeout or READ_TIMEOUT_S
-        with self._owner_slot(base_url), trio.move_on_after(deadline) as late:
+        if self._in_flight.full(base_url):
+            raise PeerUnreachable(f"peer {base_url} has {MAX_IN_FLIGHT_PER_OWNER} requests of ours unanswered; retry later")
+        with self._in_flight.held(base_url), trio.move_on_after(deadline) as late:
             try:
                 async with self._http().stream(method, base_url + path, json=body, params=params) as response:
                     answer = await _read_body(response, base_url, max_bytes)
@@ -116,40 +124,49 @@ class PeerHttp:
         _raise_for_error(response.status_code, answer)
         return response.status_code, answer
 
-    @contextmanager
-    def _owner_slot(self, base_url: str) -> Iterator[None]:
-        """One of :data:`MAX_IN_FLIGHT_PER_OWNER` requests to ``base_url``, or PeerUnreachable."""
-        held = self._in_flight.get(base_url, 0)
-        if held >= MAX_IN_FLIGHT_PER_OWNER:
-            raise PeerUnreachable(f"peer {base_url} has {held} requests of ours unanswered; retry later")
-        self._in_flight[base_url] = held + 1
-        try:
-            yield
-        finally:
-            left = self._in_flight.pop(base_url) - 1
-            if left:
-                self._in_flight[base_url] = left
-
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int) -> AsyncIterator[AsyncIterator[str]]:
         """An SSE stream from the owner, line by line (errors before the stream opens raise;
         PeerBusy past :data:`MAX_EVENT_STREAMS`; a line longer than ``max_line_bytes`` ends
         it as :class:`PeerUnreachable`)."""
-        self.check_stream_room()
+        self.check_stream_room(base_url)
         self._streams += 1
         try:
-            async with self._stream_http().stream("GET", base_url + path) as response:
-                if response.status_code >= 400:
-                    raw = b""
-                    with trio.move_on_after(READ_TIMEOUT_S):  # what error it is, if it says so in time
-                        raw = await _read_body(response, base_url, MAX_RELAYED_ERROR_BYTES, cut=True)
-                    _raise_for_error(response.status_code, raw)
-                async with aclosing(_lines(_raw_body(response, base_url), max_line_bytes, base_url)) as lines:
-                    yield lines
+            with self._streams_of.held(base_url):
+                async with self._stream_http().stream("GET", base_url + path) as response:
+                    if response.status_code >= 400:
+                        raw = b""
+                        with trio.move_on_after(READ_TIMEOUT_S):  # what error it is, if it says so in time
+                            raw = await _read_body(response, base_url, MAX_RELAYED_ERROR_BYTES, cut=True)
+                        _raise_for_error(response.status_code, raw)
+                    async with aclosing(_lines(_raw_body(response, base_url), max_line_bytes, base_url)) as lines:
+                        yield lines
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
             self._streams -= 1
+
+
+class _PerOwner:
+    """How many of something each owner holds now, each at most ``limit`` (rows only while
+    some are held, so a table of at most the owners asked at once)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def full(self, owner: str) -> bool:
+        return self._held.get(owner, 0) >= self.limit
+
+    @contextmanager
+    def held(self, owner: str) -> Iterator[None]:
+        self._held[owner] = self._held.get(owner, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._held.pop(owner) - 1
+            if left:
+                self._held[owner] = left
 
 
 def _raw_body(response: httpx.Response, base_url: str) -> AsyncGenerator[bytes, None]:

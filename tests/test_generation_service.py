@@ -4,6 +4,8 @@ goes to, capabilities merged from the registry, and the idempotency race (409)."
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +181,38 @@ async def test_an_owner_answers_only_for_the_job_asked_about_and_an_erase_goes_t
     erase_answer = "x"
     with pytest.raises(PeerUnreachable):
         await service.erase(theirs, artifacts=True)
+
+
+async def test_a_relayed_event_stream_carries_only_records_of_the_job_watched(tmp_path: Path) -> None:
+    """The owner's ``data:`` lines were relayed as they came, whatever they held (an audit,
+    2026-12-07): now each is a record of the job watched, or the stream ends there."""
+    theirs = new_id(OTHER)
+    lines = [f"data: {json.dumps({'id': theirs, 'state': 'running'})}", "",
+             f"data: {json.dumps({'id': new_id(OTHER), 'state': 'completed'})}", "data: [DONE]"]
+
+    class Streaming(_Answering):
+        def check_stream_room(self, base_url: str) -> None:
+            pass
+
+        @asynccontextmanager
+        async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int) -> AsyncIterator[AsyncIterator[str]]:
+            async def each() -> AsyncIterator[str]:
+                for line in lines:
+                    yield line
+
+            async with aclosing(each()) as relayed:
+                yield relayed
+
+    store = ArtifactStore(tmp_path, ME)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, ME, read_input=None)  # type: ignore[arg-type]
+    views = [view(OTHER, 0, 30, api_url="http://other")]
+    http = Streaming({"id": theirs, "state": "running"})
+    service = GenerationService(ME, runner, SwarmArtifacts(store), lambda: views, http)  # type: ignore[arg-type]
+    got: list[str] = []
+    with pytest.raises(PeerUnreachable, match="not the one asked for"):
+        async for payload in await service.events(theirs, local_only=False):
+            got.append(payload)
+    assert [json.loads(p)["id"] for p in got] == [theirs]
 
 
 async def test_ids_route_by_their_owner_tag(service: GenerationService) -> None:

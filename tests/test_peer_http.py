@@ -18,7 +18,14 @@ from quart_trio import QuartTrio
 from api.app import serve_api
 from inclavate.local_swarm import free_port
 from inclavate.errors import RelayedError
-from inclavate.peer_http import MAX_EVENT_STREAMS, MAX_IN_FLIGHT_PER_OWNER, PeerBusy, PeerHttp, PeerUnreachable
+from inclavate.peer_http import (
+    MAX_EVENT_STREAMS,
+    MAX_EVENT_STREAMS_PER_OWNER,
+    MAX_IN_FLIGHT_PER_OWNER,
+    PeerBusy,
+    PeerHttp,
+    PeerUnreachable,
+)
 
 
 async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarded_request() -> None:
@@ -27,8 +34,9 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
     110 watchers (one client) on a 3-peer swarm made every other forwarded request of the
     peer (a poll, a cancel, a submission, the listing's rows from the owner) wait 60 s for a
     connection and fail with 503 PoolTimeout, and watchers past 100 waited for ever. The
-    relayed event streams now have connections of their own, at most MAX_EVENT_STREAMS;
-    one more is refused at once."""
+    relayed event streams now have connections of their own, at most MAX_EVENT_STREAMS, of
+    which one owner's jobs hold at most MAX_EVENT_STREAMS_PER_OWNER (watchers of 64 silent
+    jobs of one peer held them all: an audit, 2026-12-07); one more is refused at once."""
     owner = QuartTrio("owner")
     watching = [0]
 
@@ -47,28 +55,39 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
     async def job():  # type: ignore[no-untyped-def]
         return {"id": "the job", "state": "running"}
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    owners = MAX_EVENT_STREAMS // MAX_EVENT_STREAMS_PER_OWNER
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(owners + 1)]
     http = PeerHttp()
+
+    async def watch(url: str) -> None:
+        async with http.stream_lines(url, "/events", max_line_bytes=1024) as lines:
+            async for _ in lines:
+                pass
+
+    async def refused(url: str) -> None:
+        with pytest.raises(PeerBusy):
+            async with http.stream_lines(url, "/events", max_line_bytes=1024):
+                pass
+
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_api, owner, "127.0.0.1", port)
-
-            async def watch() -> None:
-                async with http.stream_lines(url, "/events", max_line_bytes=1024) as lines:
-                    async for _ in lines:
-                        pass
-
-            for _ in range(MAX_EVENT_STREAMS):
-                nursery.start_soon(watch)
+            for url in urls:
+                await nursery.start(serve_api, owner, "127.0.0.1", int(url.rsplit(":", 1)[1]))
+            for _ in range(MAX_EVENT_STREAMS_PER_OWNER):
+                nursery.start_soon(watch, urls[0])
+            with trio.fail_after(30):
+                while watching[0] < MAX_EVENT_STREAMS_PER_OWNER:
+                    await trio.sleep(0.05)
+                await refused(urls[0])  # that owner's share is taken, not every stream
+            for url in urls[1:owners]:
+                for _ in range(MAX_EVENT_STREAMS_PER_OWNER):
+                    nursery.start_soon(watch, url)
             with trio.fail_after(30):
                 while watching[0] < MAX_EVENT_STREAMS:
                     await trio.sleep(0.05)
             with trio.fail_after(5):
-                assert await http.json(url, "GET", "/job") == (200, {"id": "the job", "state": "running"})
-                with pytest.raises(PeerBusy):
-                    async with http.stream_lines(url, "/events", max_line_bytes=1024):
-                        pass
+                assert await http.json(urls[0], "GET", "/job") == (200, {"id": "the job", "state": "running"})
+                await refused(urls[owners])  # every stream is taken, and this owner holds none
             nursery.cancel_scope.cancel()
     finally:
         await http.aclose()
