@@ -325,7 +325,10 @@ class LegacyNodes:
                 avg_latency_ms=read_float(body, "avg_latency_ms", lo=0, hi=1e9, default=old.avg_latency_ms),
             )
             vram_mb = read_int(body, "peak_vram_mb", lo=0, hi=1 << 40, default=node.record.vram_mb)
-            ready = read_bool(body, "ready", default=node.record.state == "Ready")
+            # The spec's heartbeat says nothing of readiness: a node that beats serves, unless
+            # it says ``"ready": false``. Defaulting to its state, a spec node stayed Joining for
+            # good, never routed (an audit, 2026-12-07).
+            ready = read_bool(body, "ready", default=True)
         except Malformed as exc:
             raise BadRegistration(f"bad heartbeat: {exc}") from None
         node.last_heartbeat = time.monotonic()
@@ -448,7 +451,10 @@ class LegacyNodes:
             return
         node.failures = 0
         if isinstance(out, wire.Error):  # in the node's name as the swarm knows it (under ours)
-            out = dataclasses.replace(out, origin=PeerId(node.record.node_id))
+            # A node sends nothing on (we do): its "unreachable" is its own failure, and it may
+            # name no other hop, or it would get the honest hop after it blamed.
+            code: wire.ErrorCode = "engine_error" if out.code == "unreachable" else out.code
+            out = dataclasses.replace(out, code=code, origin=PeerId(node.record.node_id), failed_peer=None)
         target = out.route[0].peer_id if isinstance(out, (wire.Forward, wire.Close)) else msg.reply_to
         await self.send(target, out)
 

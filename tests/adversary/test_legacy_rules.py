@@ -181,6 +181,30 @@ async def test_a_heartbeat_no_record_can_carry_is_a_400_and_a_leave_always_ends_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_spec_heartbeat_makes_a_node_ready_and_its_errors_blame_it_alone(node_server: Any) -> None:
+    """The spec's heartbeat has no ``ready``: defaulting to the node's state, a spec node stayed
+    Joining for good, never routed. A node sends nothing on, so its ``unreachable`` naming the
+    hop after it would have had that honest hop blamed: it is the node's own failure (an
+    audit, 2026-12-07)."""
+    registry, nodes, sent = _relaying()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        registry_id = NodeId((await nodes.register(_body("n1", node_server.url), assign=False))["registry_id"])
+        await nodes.heartbeat("n1", {"tokens_generated": 100, "requests_served": 5}, TOKEN)  # the spec's body
+        assert registry.own(registry_id).state == "Ready"  # type: ignore[union-attr]
+        route = _route_through(registry, registry_id, node_server.url)
+        node_server.answer = lambda msg: wire.encode(wire.Error(msg.req_id, msg.session_id, "unreachable", "cannot reach",
+                                                                PeerId("n1"), failed_peer=route[1].peer_id))  # fmt: skip
+        await nodes.relay(wire.Forward(1, SessionId("s"), 0, route, PeerId("entry"), None, tokens=np.array([1], np.int32)))
+        with trio.fail_after(10):
+            while not sent:
+                await trio.sleep(0.02)
+        (peer, error), = sent
+        assert peer == "entry" and isinstance(error, wire.Error)
+        assert (error.code, error.origin, error.failed_peer) == ("engine_error", registry_id, None)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_live_id_is_refused_to_a_stranger_and_kept_through_a_bad_restart(node_server: Any) -> None:
     registry, nodes = _legacy()
     async with trio.open_nursery() as nursery:
