@@ -9,9 +9,9 @@ exchange is bounded here:
   and take the whole peer down).
 * **No redirects and no proxies from the environment**: a node answers from the URL it
   registered, or not at all.
-* **Time**: one deadline for the whole exchange, checked between reads, so a node that drips
-  one byte per second cannot hold a thread for longer than the deadline plus one socket
-  timeout.
+* **Time**: one deadline for the whole exchange, checked between reads of one socket read
+  each (``read1``), so a node that drips one byte per second cannot hold a thread for longer
+  than the deadline plus one socket timeout.
 * **Size**: at most ``max_response_bytes`` are read, and no more than the caller says the
   answer can hold (a relayed frame's: its positions' hidden states).
 * **Threads**: blocking calls run on this module's own :class:`trio.CapacityLimiter`, never
@@ -124,7 +124,10 @@ def _read(response: Any, deadline: float, max_bytes: int) -> bytes:
     while True:
         if time.monotonic() > deadline:
             raise NodeUnreachable("the answer took too long")
-        chunk = response.read(_READ_CHUNK)
+        # One socket read a call: ``read(n)`` waits for all n bytes, each within the socket's
+        # timeout, so a node dripping a byte a second held the thread (and its place in the
+        # limiter) for days, past every deadline (an audit, 2026-12-07).
+        chunk = response.read1(_READ_CHUNK)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)

@@ -393,6 +393,12 @@ async def test_legacy_http_follows_no_redirect_and_bounds_size_and_time(scripted
     with pytest.raises(NodeUnreachable):
         await client.request("GET", scripted_url + "/drip")
     assert time.monotonic() - started < 10  # the deadline, not the 300 s the node would take
+    # ... and the thread ends too, within one socket timeout of it: it went on reading the
+    # drip, its place in the limiter taken, for as long as the node kept it up (two such
+    # nodes took every place here; four, every probe's: an audit, 2026-12-07).
+    with trio.fail_after(5):
+        while client._limiter.borrowed_tokens:
+            await trio.sleep(0.05)
     with pytest.raises(NodeUnreachable):
         await client.request("GET", "foo/forward")  # the old crash: ValueError from urllib
 
