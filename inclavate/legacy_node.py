@@ -73,6 +73,9 @@ class LegacyNode:
         self.url = advertise_url or f"http://{config.api_host}:{config.api_port}"
         self.stage: Stage | None = None
         self.requests = 0
+        self._registration: dict[str, Any] = {}
+        """The body this node registered with, its layers fixed: sent again when the peer
+        answers a heartbeat 404 (it had dropped the node, which then beat in vain for good)."""
 
     async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         headers = {TOKEN_HEADER: self.token}
@@ -101,6 +104,7 @@ class LegacyNode:
                 layers = LayerRange(answer["start_layer"], answer["end_layer"]) if status == 200 else None
             if status != 200 or layers is None:
                 raise ConfigError(f"{self.orchestrator} refused the registration ({status}): {answer}")
+            self._registration = {**body, "start_layer": layers.start, "end_layer": layers.end}
             log.info("registered as %s with %s: layers %s", self.node_id, self.orchestrator, layers)
             engine_thread = EngineThread(f"engine {layers}")  # the stage's: one thread calls the engine
             engine = await engine_thread.run(lambda: LlamaCppEngine(
@@ -121,7 +125,10 @@ class LegacyNode:
                 "avg_latency_ms": stats.step_ms_per_layer * len(self.stage.engine.info.layers),
                 "peak_vram_mb": self.stage.engine.memory().total_mb, "ready": True,
             })  # fmt: skip
-            if status != 200:
+            if status == 404:  # the peer forgot us (silent too long, or it restarted): register again
+                status, answer = await self._call("POST", "/nodes", self._registration)
+                log.warning("%s no longer knew this node; registering again: %s", self.orchestrator, status)
+            elif status != 200:
                 log.warning("heartbeat refused by %s (%s): %s", self.orchestrator, status, answer)
             await trio.sleep(self.config.liveness.heartbeat_s)
 

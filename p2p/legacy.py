@@ -125,6 +125,17 @@ class _Node:
         return time.monotonic() < self.held_out_until
 
 
+@dataclass
+class _Departed:
+    """A node gone from this peer's table while receivers may still hold its record."""
+
+    node: _Node
+    until: float
+    """``time.monotonic()`` past which no receiver keeps its record (the registry's drop horizon)."""
+    left: bool
+    """It said goodbye (``DELETE``); else it went silent, and a heartbeat with its token revives it."""
+
+
 ModelFacts = Callable[[str], tuple[int, int] | None]
 """(n_layers, d_model) of a model known to this peer, or None."""
 
@@ -145,6 +156,9 @@ class LegacyNodes:
         self._nodes: dict[NodeId, _Node] = {}
         self._registering: set[NodeId] = set()
         """Ids whose registration is under way (probing the node's URL, publishing)."""
+        self._departed: dict[NodeId, _Departed] = {}
+        """Nodes that left or went silent, for as long as receivers may hold their records
+        (:meth:`_depart`): their ids stay theirs, and they count against the bound."""
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -179,19 +193,29 @@ class LegacyNodes:
             # A wrong type is malformed (400), not a shape that does not match (422).
             if (claimed := read_int(body, key, lo=0, default=expected)) != expected:
                 raise NodeMismatch(f"{key} {claimed} does not match {model_id} ({expected})")
+        claimed = body.get("relay_token") if isinstance(body.get("relay_token"), str) else None
         previous = self._nodes.get(node_id)
-        if previous is not None and not previous.owns(body.get("relay_token") if isinstance(body.get("relay_token"), str) else None):
+        if previous is not None and not previous.owns(claimed):
             raise DuplicateNode(f"node {local_id} is already registered")
         # ``previous``: the same node (it holds the token), restarted. It stays registered
         # until its new registration is published: one refused half-way (a bad range, a URL
         # that does not answer yet) used to leave its old record vouched for by nobody's
         # entry, republished for ever, and its id refused to the node itself (409).
-        self._check_unique(node_id, previous)
+        self._forget_departed()
+        departed = self._departed.get(node_id)
+        if departed is not None and not departed.node.owns(claimed):
+            # Its record may still read Ready or Degraded somewhere: the id is still its own.
+            raise DuplicateNode(f"node {local_id} is already registered")
+        returning = previous is not None or departed is not None
+        self._check_unique(node_id, previous, returning=returning)
         if node_id in self._registering:
             raise DuplicateNode(f"node {local_id} is being registered right now")
         # Registrations still probing count: checking the table alone, any number of
         # concurrent ones passed while each waited for its URL (50 at once made 50 nodes).
-        if len(self._nodes.keys() | self._registering) - (previous is not None) >= MAX_LEGACY_NODES:
+        # Departed nodes count until receivers drop their records: registering and leaving
+        # fresh ids filled this peer's registry quota with Dead records, and the swarm then
+        # refused every record it signed for a quarter of an hour (an audit, 2026-12-07).
+        if len(self._nodes.keys() | self._registering | self._departed.keys()) - returning >= MAX_LEGACY_NODES:
             raise NoRangeAvailable(f"this peer already vouches for {MAX_LEGACY_NODES} legacy nodes; register with another peer")
         # The fields a node describes itself with, before a range is chosen: with every layer
         # held, a malformed one was a 503 "every layer is already covered", not a 400 naming it.
@@ -209,7 +233,7 @@ class LegacyNodes:
         self._registering.add(node_id)  # no await since the checks above
         try:
             await self._probe(http_url)
-            self._check_unique(node_id, previous)  # again: another registration may have won while we probed
+            self._check_unique(node_id, previous, returning=returning)  # again: another may have won meanwhile
             record = NodeRecord(
                 node_id=node_id, peer_id=self.registry.identity.peer_id, model_id=ModelId(model_id),
                 start_layer=layers.start, end_layer=layers.end, n_layers=n_layers, d_model=d_model, state="Joining",
@@ -227,8 +251,13 @@ class LegacyNodes:
                 if isinstance(exc, InvalidRecord):  # e.g. a hardware profile nested too deep to gossip
                     raise BadRegistration(f"the node's record would be refused by the swarm: {exc}") from exc
                 raise
+            if self.registry.view(node_id) is None:  # our own table refused it, so will everyone's
+                self._undo(node, previous if replaced else None)
+                raise NoRangeAvailable("the swarm refuses this peer's record of the node now (its registry "
+                                       "quota, or a ban of the id); register with another peer")  # fmt: skip
         finally:
             self._registering.discard(node_id)
+        self._departed.pop(node_id, None)
         if previous is not None and previous.queue is not None:
             previous.queue.close()  # its worker ends; the new one relays from now on
         log.info("vouching for legacy node %s (%s layers %s at %s)", node_id, model_id, layers, http_url)
@@ -270,18 +299,20 @@ class LegacyNodes:
             return NodeId(node_id)
         return legacy_node_id(self.registry.identity.peer_id, node_id)
 
-    def _check_unique(self, node_id: NodeId, previous: _Node | None = None) -> None:
+    def _check_unique(self, node_id: NodeId, previous: _Node | None = None, *, returning: bool = False) -> None:
         """409 for an id live anywhere in the swarm, under any vouching peer (namespacing
         makes a takeover impossible; this keeps the spec's "already registered" answer).
-        ``previous``: the caller proved it is this id's node (it holds the token of this
-        registration of it), so that registration and our own record of it are no conflict."""
+        ``previous``: this id's live registration; ``returning``: the caller proved it is
+        this id's node (it holds the token of its registration, live or departed), so that
+        registration and our own record of it are no conflict (a node silent for a few
+        seconds was refused its own id for as long as its record read Degraded)."""
         local = legacy_local_id(node_id)
         current = self._nodes.get(node_id)
         if current is not None and current is not previous:
             raise DuplicateNode(f"node {local} is already registered")
         for view in self.registry.views():
             record = view.record
-            if previous is not None and record.node_id == node_id:
+            if returning and record.node_id == node_id:
                 continue
             if view.state != "Dead" and record.relayed and legacy_local_id(record.node_id) == local:
                 raise DuplicateNode(f"node {local} is already registered")
@@ -314,6 +345,7 @@ class LegacyNodes:
         return LayerRange(gap.start, gap.start + min(width, len(gap)))
 
     async def heartbeat(self, node_id: str, body: dict[str, Any], token: str | None = None) -> None:
+        self._revive(node_id, token)
         node = self._owned(node_id, token)
         old = node.record.counters
         big = MAX_COUNT  # what every receiver takes: a record past it is never published (2^53 was)
@@ -342,7 +374,37 @@ class LegacyNodes:
     async def leave(self, node_id: str, token: str | None = None) -> None:
         node = self._owned(node_id, token)
         self._drop(node.record.node_id)
+        self._depart(node, left=True)
         await self.registry.withdraw(node.record.node_id)
+
+    def _depart(self, node: _Node, *, left: bool) -> None:
+        """Remember ``node``, gone from this peer's table, for as long as receivers may hold
+        its record (the drop horizon at this peer's heartbeat): its id stays its own (a
+        stranger took it, once it read Dead, with the same registry id), and it counts
+        against :data:`MAX_LEGACY_NODES` as its record counts against this peer's quota."""
+        horizon = self.registry.liveness.for_interval(self.registry.heartbeat_s()).drop_after_s
+        self._departed[node.record.node_id] = _Departed(node, time.monotonic() + horizon, left)
+
+    def _forget_departed(self) -> None:
+        now = time.monotonic()
+        for node_id in [n for n, d in self._departed.items() if d.until <= now]:
+            del self._departed[node_id]
+
+    def _revive(self, node_id: str, token: str | None) -> None:
+        """A node dropped for silence that heartbeats again with its token is back: a
+        stopped process (SIGSTOP, a suspended laptop) got 404 for good, and was refused its
+        own id when it restarted (an audit, 2026-12-07)."""
+        registry_id = self._registry_id(node_id)
+        departed = self._departed.get(registry_id)
+        if departed is None or departed.left or registry_id in self._nodes or not departed.node.owns(token):
+            return
+        del self._departed[registry_id]
+        node = departed.node
+        node.last_heartbeat = time.monotonic()
+        self._nodes[registry_id] = node
+        self._start_worker(node)
+        self.registry.remember(node.record)  # vouched for again from the next registry heartbeat
+        log.info("legacy node %s is heartbeating again; vouching for it again", registry_id)
 
     def _owned(self, node_id: str, token: str | None) -> _Node:
         node = self._node(node_id)
@@ -376,6 +438,7 @@ class LegacyNodes:
                 if node.queue is not None:
                     node.queue.close()
                 del self._nodes[node_id]
+                self._depart(node, left=False)
 
     # --------------------------------------------------------------- relay
 

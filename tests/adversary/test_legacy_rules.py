@@ -205,6 +205,82 @@ async def test_a_spec_heartbeat_makes_a_node_ready_and_its_errors_blame_it_alone
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_back_from_silence_keeps_its_id_and_a_stranger_cannot_take_it(node_server: Any) -> None:
+    """A node silent for a few seconds (SIGSTOP, a suspended laptop) was dropped: its
+    heartbeats got 404 for good, its restart 409 while its record read Degraded, and once it
+    read Dead anyone could register the id, under the same registry id (an audit,
+    2026-12-07). Its id now stays its own while receivers may hold its record."""
+    registry, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        registry_id = await _ready(nodes, "n1", node_server.url)
+        nodes._nodes[registry_id].last_heartbeat -= 3600  # silent for an hour
+        nodes._drop_silent()
+        assert not nodes.serves(registry_id) and registry.own(registry_id) is None
+        with pytest.raises(DuplicateNode):  # a stranger, with a token of its own
+            await nodes.register(_body("n1", node_server.url, token="s" * 16), assign=False)
+        await nodes.heartbeat("n1", {}, TOKEN)  # back: vouched for again
+        assert nodes.serves(registry_id) and registry.own(registry_id) is not None
+        nodes._nodes[registry_id].last_heartbeat -= 3600
+        nodes._drop_silent()
+        again = await nodes.register(_body("n1", node_server.url), assign=False)  # a restart, with its token
+        assert again["registry_id"] == registry_id and nodes.serves(registry_id)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_legacy_node_the_peer_forgot_registers_again(autojump_clock: trio.abc.Clock) -> None:
+    """Dropped by its peer (silent past the peer's memory of it, or the peer restarted), the
+    node's heartbeats were answered 404 for good and it was never routed again."""
+    from types import SimpleNamespace
+
+    from inclavate.legacy_node import LegacyNode
+
+    node = LegacyNode.__new__(LegacyNode)
+    node.node_id, node.orchestrator = "n1", "http://peer"
+    node._registration = {"node_id": "n1", "start_layer": 0, "end_layer": 10}
+    stats = SimpleNamespace(tokens=0, errors=0, step_ms_per_layer=0.0)
+    engine = SimpleNamespace(info=SimpleNamespace(layers=LayerRange(0, 10)), memory=lambda: SimpleNamespace(total_mb=1))
+    node.stage, node.requests = SimpleNamespace(stats=stats, engine=engine), 0  # type: ignore[assignment]
+    node.config = SimpleNamespace(liveness=SimpleNamespace(heartbeat_s=2.0))  # type: ignore[assignment]
+    calls: list[tuple[str, str]] = []
+
+    async def call(method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        calls.append((method, path))
+        forgotten = len(calls) == 2
+        return (404, {"error": "no legacy node"}) if forgotten else (200, {"ok": True})
+
+    node._call = call  # type: ignore[method-assign]
+    with trio.move_on_after(5):
+        await node._heartbeat()
+    assert calls[:4] == [("POST", "/nodes/n1/health"), ("POST", "/nodes/n1/health"), ("POST", "/nodes"),
+                         ("POST", "/nodes/n1/health")]  # fmt: skip
+
+
+async def test_nodes_that_left_count_until_the_swarm_forgets_them_and_a_refused_record_is_no_registration(
+        node_server: Any) -> None:  # fmt: skip
+    """Registering and leaving fresh ids (64 in a second) filled this peer's registry quota
+    with Dead records: the swarm refused every record the peer signed for a quarter of an
+    hour, and a registration then answered 200 for a node no peer listed (an audit,
+    2026-12-07)."""
+    registry, nodes = _legacy()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        for i in range(MAX_LEGACY_NODES):
+            await nodes.register(_body(f"churn{i}", node_server.url), assign=False)
+            await nodes.leave(f"churn{i}", TOKEN)
+        with pytest.raises(LegacyError, match=f"already vouches for {MAX_LEGACY_NODES}"):
+            await nodes.register(_body("next", node_server.url), assign=False)
+        for departed in nodes._departed.values():  # once receivers have dropped their records
+            departed.until = 0.0
+        await nodes.register(_body("next", node_server.url), assign=False)
+        banned = registry.identity.peer_id + ":banned"
+        registry.ban(banned, 600)  # what an admin's force-delete leaves
+        with pytest.raises(LegacyError, match="refuses this peer's record"):
+            await nodes.register(_body("banned", node_server.url), assign=False)
+        assert not nodes.serves(NodeId(banned))
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_live_id_is_refused_to_a_stranger_and_kept_through_a_bad_restart(node_server: Any) -> None:
     registry, nodes = _legacy()
     async with trio.open_nursery() as nursery:
