@@ -17,6 +17,7 @@ from typing import Any
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.peer_api import DEFAULT_API, PeerApi, PeerRefused
 from inclavate.swarm_view import DIM, RESET
+from inclavate.terminal import printable
 
 SESSION_HEADER = "x-dppan-session-id"
 
@@ -68,12 +69,12 @@ class Turn:
                 if not self._in_reasoning:
                     self._in_reasoning = True
                     out += self._dim("(thinking) ")
-                out += self._dim(thought)
+                out += self._dim(printable(str(thought)))  # the chain's last stage chose it
             if text:
                 self.chunks += 1
                 out += self._close_reasoning()
                 self.content += text
-                out += text
+                out += printable(str(text))
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return out
@@ -109,7 +110,8 @@ def pick_model(api: PeerApi, wanted: str | None) -> str:
     served = [m.get("id") for m in api.get("/v1/models").get("data", []) if isinstance(m, dict)]
     if wanted:
         if wanted not in served:
-            print(f"note: the swarm does not serve {wanted} right now (it serves: {', '.join(served) or 'nothing'})", file=sys.stderr)
+            served_text = printable(", ".join(str(m) for m in served)) or "nothing"
+            print(f"note: the swarm does not serve {printable(wanted)} right now (it serves: {served_text})", file=sys.stderr)
         return wanted
     if not served:
         raise InclavateError(f"the swarm at {api.base} serves no model right now; start peers, or pass --model")
@@ -137,14 +139,14 @@ def _answer(api: PeerApi, body: dict[str, Any], color: bool) -> Turn:
                 text = turn.feed(event)
                 if text:
                     first = first or time.monotonic()
-                    print(text, end="", flush=True)
+                    print(text, end="", flush=True)  # made printable by ``Turn.feed``
     except KeyboardInterrupt:
         turn.finish_reason = "stopped"  # leaving the block closed the stream: the peer stops
     print()
     if turn.error:
-        print(f"error: {turn.error}", file=sys.stderr)
+        print(f"error: {printable(str(turn.error))}", file=sys.stderr)
     elapsed = time.monotonic() - (first or started)
-    line = stats_line(turn, elapsed, _route(api, session_id))
+    line = printable(stats_line(turn, elapsed, _route(api, session_id)))
     print(f"{DIM}{line}{RESET}" if color else line, file=sys.stderr)
     return turn
 

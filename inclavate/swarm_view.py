@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from inclavate.terminal import printable, printable_tree
+
 Node = Mapping[str, Any]
 
 RED, GREEN, YELLOW, BLUE, GREY, BOLD, DIM, RESET = (
@@ -111,8 +113,10 @@ def coverage_strip(counts: Sequence[int], *, color: bool = False, max_cells: int
 
 
 def render_status(nodes: Sequence[Node], api: str, *, color: bool = False) -> str:
-    """The whole ``inclavate status`` screen."""
-    lines = [_paint(f"Inclavate swarm at {api}", BOLD, color)]
+    """The whole ``inclavate status`` screen. Every string of ``nodes`` is any peer's word
+    (a model id, a node id): it is printed without the characters a terminal acts on."""
+    nodes = [printable_tree(node) for node in nodes]
+    lines = [_paint(f"Inclavate swarm at {printable(api)}", BOLD, color)]
     models = models_of(nodes)
     if not nodes:
         return "\n".join([*lines, "", "No node is registered yet."])

@@ -12,6 +12,7 @@ from inclavate.cli import main
 from inclavate.local_swarm import free_port
 from inclavate.peer_api import PeerApi, PeerUnreachable, api_base, error_text, sse_events
 from inclavate.swarm_view import coverage_strip, layer_counts, models_of, render_status, runs
+from inclavate.terminal import printable
 
 
 def node(node_id: str, start: int, end: int, state: str = "Ready", *, idle: bool = False, model: str = "m:1",
@@ -84,6 +85,21 @@ def test_status_screen_lists_models_coverage_and_every_node() -> None:
     assert "…aaaaaaaa  m:1     0-10    Ready  40.0   3.2" in screen
     assert "1h02m" in screen
     assert "\x1b[" not in screen
+
+
+def test_what_peers_say_reaches_the_terminal_without_its_control_characters() -> None:
+    """A model id, a node id or a model's text is another machine's word: an escape in it
+    acted on the volunteer's terminal (the screen rewritten, the title set, with OSC 52 the
+    clipboard written; an audit, 2026-12-07). Shown as U+FFFD; tabs and newlines stay."""
+    hostile = "evil\x1b]52;c;cm0gLXJm\x07\x1b[2J\u202e:1"
+    screen = render_status([node("12D3KooW\x1b[31mred\x9b", 0, 30, model=hostile)], "http://x\x1b[H")
+    assert "\x1b" not in screen and "\x07" not in screen and "\x9b" not in screen and "\u202e" not in screen
+    assert "evil\ufffd]52;c;cm0gLXJm\ufffd\ufffd[2J\ufffd:1" in screen
+    assert printable("a\tb\nc\x00d\x7f") == "a\tb\nc\ufffdd\ufffd"
+    turn = Turn(color=True)
+    said = turn.feed({"choices": [{"delta": {"reasoning_content": "hm\x1b[8m"}}]}) + turn.feed(
+        {"choices": [{"delta": {"content": "ok\x1b]52;c;eA==\x07"}}]})
+    assert said == "\x1b[2m(thinking) \x1b[0m\x1b[2mhm\ufffd[8m\x1b[0m\nok\ufffd]52;c;eA==\ufffd"  # only our own dim
 
 
 def test_status_colours_states_only_when_asked() -> None:
