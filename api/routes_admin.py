@@ -15,6 +15,7 @@ from api.auth import require_admin
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import BadRequest
+from api.routes_nodes import find_node
 
 
 def _layer_range(ctx: PeerContext, node_id: str, body: dict[str, Any]) -> tuple[int, int]:
@@ -42,6 +43,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def admin_reassign(node_id: str):  # type: ignore[no-untyped-def]
         """Move a node to another layer range (it reloads: Joining, then Ready)."""
         require_admin(ctx.admin_token)
+        node_id = find_node(ctx, node_id).record.node_id  # a legacy node by its own id too, as /nodes/:id reads
         start, end = _layer_range(ctx, node_id, await json_object())
         result = await ctx.admin_command("reassign", node_id, start_layer=start, end_layer=end)
         return jsonify(ok=True, node_id=node_id, start_layer=result.get("start_layer", start), end_layer=result.get("end_layer", end))
@@ -50,6 +52,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def admin_state(node_id: str):  # type: ignore[no-untyped-def]
         """Set a node ready or idle (an idle node stays registered but gets no new chains)."""
         require_admin(ctx.admin_token)
+        node_id = find_node(ctx, node_id).record.node_id
         state = (await json_object()).get("state")
         if state not in ("ready", "idle"):
             raise BadRequest('state must be "ready" or "idle"')
@@ -60,5 +63,6 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def admin_force(node_id: str):  # type: ignore[no-untyped-def]
         """Deregister a node everywhere without notifying it."""
         require_admin(ctx.admin_token)
+        node_id = find_node(ctx, node_id).record.node_id
         await ctx.admin_command("force_remove", node_id)
         return jsonify(ok=True, node_id=node_id)

@@ -163,6 +163,10 @@ def test_a_legacy_node_serves_its_range_in_a_chain(swarm, expected: str, tmp_pat
     s.wait(lambda: node(peers["d"], legacy_id)["state"] == "Degraded", 15, "the legacy node to degrade")
     s.wait(lambda: node(peers["d"], legacy_id)["state"] == "Dead", 15, "the legacy node to die")
     assert chat(peers["d"]) == expected
+    # An admin names a legacy node by its own id, as /nodes/:id/hardware does (a 404 until 2026-12-07).
+    status, body = admin(peers["a"], "DELETE", f"/admin/nodes/{legacy_id}/force")
+    assert status == 200 and body["node_id"].endswith(":" + legacy_id), (status, body)
+    s.wait(lambda: node(peers["a"], legacy_id) is None, 10, "the legacy node forgotten")
 
 
 def test_reassign_moves_a_node_while_the_chain_keeps_answering(swarm, expected: str) -> None:
