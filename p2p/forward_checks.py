@@ -177,8 +177,12 @@ def relay_answer_matches(sent: object, answer: object) -> bool:
         return True
     if isinstance(sent, wire.Forward):
         if isinstance(answer, wire.Forward):
+            # ... nor change how the next hops treat it: a flipped ``discard`` had them compute
+            # and answer nothing (the entry waited out its deadline), and a ``replay`` may only
+            # be passed on or dropped (the end of its span), never made up (an audit, 2026-12-07).
             return (answer.route == sent.route[1:] and answer.reply_to == sent.reply_to and answer.start_pos == sent.start_pos
-                    and answer.sampling == sent.sampling and answer.hidden is not None)  # fmt: skip
+                    and answer.sampling == sent.sampling and answer.hidden is not None and answer.discard == sent.discard
+                    and answer.lane == sent.lane and answer.replay in (None, sent.replay))  # fmt: skip
         return isinstance(answer, wire.Result) and len(sent.route) == 1 and sent.sampling is not None
     if isinstance(answer, wire.Close):
         return answer.route == sent.route[1:] and answer.reply_to == sent.reply_to
