@@ -68,7 +68,7 @@ from node.generators.chat_reader import ChatModelReader
 from node.generators.loader import installed_generators
 from node.stage import Stage
 from p2p.chain import SwarmPipeline
-from p2p.coverage import ModelCoverage
+from p2p.coverage import ModelCoverage, agreed
 from p2p.discovery import run_discovery
 from p2p.failover import PeerHealth
 from p2p.forward import ForwardService
@@ -506,10 +506,9 @@ class Peer:
             return spec.n_layers, spec.d_model
         except InclavateError:
             pass
-        for view in self.views():
-            if view.record.model_id == model_id:
-                return view.record.n_layers, view.record.d_model
-        return None
+        records = [v.record for v in self.views() if v.record.model_id == model_id]
+        n_layers, d_model = agreed(records, lambda r: r.n_layers), agreed(records, lambda r: r.d_model)
+        return (n_layers, d_model) if n_layers is not None and d_model is not None else None
 
     def _load_engine(self, layers: LayerRange) -> LayerEngine:
         assert self._spec is not None and self._model_path is not None
@@ -824,12 +823,22 @@ class Peer:
                 probe=self.latency.responds if self.latency else None,
                 policy=self.config.failover, health=self._peer_health, lanes=self.config.decode_lanes,
             )  # fmt: skip
+        facts = self._model_facts(model_id)
+        pipeline.n_layers = facts[0] if facts else None
+        pipeline.context_length = self._chain_context(model_id)
         pipeline.check_route()  # raises NoRoute (503) before any work
         self.metrics.record_request(model_id)
-        views = [v for v in self.views() if v.record.model_id == model_id]
-        contexts = [v.record.context_length for v in views if v.routable and v.record.context_length]
-        pipeline.context_length = min(contexts) if contexts else self.config.engine.context_length
         return pipeline
+
+    def _chain_context(self, model_id: str) -> int:
+        """Positions a chain of ``model_id`` holds: this peer's own when it serves the model
+        (every stage of a chain runs the same context), else what most peers state. It was the
+        least any routable record stated: one record saying 2 refused every prompt of the
+        model, everywhere (an audit, 2026-12-07); routes now leave out nodes stating less."""
+        if self._spec is not None and self._spec.model_id == model_id:
+            return self.config.engine.context_length
+        routable = [v.record for v in self.views() if v.record.model_id == model_id and v.routable and v.record.context_length]
+        return agreed(routable, lambda r: r.context_length) or self.config.engine.context_length
 
 
 DATA_DIR_LOCK = "peer.lock"

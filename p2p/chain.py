@@ -232,8 +232,11 @@ class SwarmPipeline:
     views: Callable[[], Iterable[NodeView]]
     """The registry as it is now."""
     context_length: int
+    """Positions a session may hold: routes go only through nodes stating at least this."""
     view_of: Callable[[NodeId], NodeView | None]
     """One node's view: what a session's health poll asks (``views`` is for re-routing)."""
+    n_layers: int | None = None
+    """The model's layers as this peer knows them (its catalog); None: as most peers state."""
     link_ms: Callable[[], Mapping[PeerId, float]] = dict
     measured_step_ms: Callable[[], float] = float
     """This peer's own ms per layer for the model (0: unmeasured): the reference against
@@ -645,8 +648,8 @@ class SwarmPipeline:
             attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
             for prefix, boundary in attempts:
                 try:
-                    return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng,
-                                                 start=boundary, exclude=exclude)  # fmt: skip
+                    return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng, start=boundary,
+                                                 exclude=exclude, n_layers=self.n_layers, min_context=self.context_length)  # fmt: skip
                 except NoRoute as exc:
                     last = exc  # the last attempt (from layer 0, only the failed left out) says most
         assert last is not None
@@ -677,8 +680,8 @@ class SwarmPipeline:
         strict = self.health.avoided(now) | failed | kept | gone
         for exclude in (strict,) if voluntary else (strict, failed | kept | gone):
             try:
-                middle = choose_route(views, self.model_id, self.service.me, costs, self.rng,
-                                      start=start, end=end, exclude=exclude)  # fmt: skip
+                middle = choose_route(views, self.model_id, self.service.me, costs, self.rng, start=start, end=end,
+                                      exclude=exclude, n_layers=self.n_layers, min_context=self.context_length)  # fmt: skip
             except NoRoute:
                 continue
             return _Span(prefix + middle + suffix, len(prefix), len(prefix) + len(middle))

@@ -8,10 +8,11 @@ full union coverage is not enough; ``chain_complete`` asks whether boundaries co
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from inclavate.types import LayerRange, ModelId
+from p2p.records import NodeRecord
 from p2p.registry import NodeView
 
 
@@ -60,6 +61,17 @@ def has_chain(ranges: Iterable[LayerRange], n_layers: int) -> bool:
     return n_layers in reached
 
 
+def agreed(records: Iterable[NodeRecord], value: Callable[[NodeRecord], int]) -> int | None:
+    """The value of a model's records that the most peers state, each peer counted once (its
+    legacy nodes' records too), the smaller on a tie; None without records. A record costs
+    nothing to publish, so the largest or smallest of them is any stranger's to choose."""
+    votes = Counter(v for _, v in {(r.peer_id, value(r)) for r in records})
+    if not votes:
+        return None
+    most = max(votes.values())
+    return min(v for v, n in votes.items() if n == most)
+
+
 def model_coverage(views: Iterable[NodeView]) -> dict[ModelId, ModelCoverage]:
     grouped: dict[ModelId, list[NodeView]] = {}
     for view in views:
@@ -68,10 +80,11 @@ def model_coverage(views: Iterable[NodeView]) -> dict[ModelId, ModelCoverage]:
 
 
 def _coverage(model_id: ModelId, nodes: list[NodeView]) -> ModelCoverage:
-    # Every record of a model states its shape; the most common answer wins if a
-    # misconfigured peer disagrees (it could not join a chain anyway).
-    n_layers = Counter(v.record.n_layers for v in nodes).most_common(1)[0][0]
-    d_model = Counter(v.record.d_model for v in nodes).most_common(1)[0][0]
+    # Every record of a model states its shape; what most peers say wins (each peer counted
+    # once, as routing counts it: ``p2p.routing.agreed``) if a misconfigured peer disagrees.
+    records = [v.record for v in nodes]
+    n_layers = agreed(records, lambda r: r.n_layers) or 0
+    d_model = agreed(records, lambda r: r.d_model) or 0
     routable = [v.record.layers for v in nodes if v.routable and v.record.n_layers == n_layers]
     states = Counter(v.state for v in nodes)
     states["Idle"] = sum(1 for v in nodes if v.state == "Ready" and v.record.idle)

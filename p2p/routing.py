@@ -36,7 +36,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId
-from p2p.coverage import uncovered
+from p2p.coverage import agreed, uncovered
 from p2p.errors import P2PError
 from p2p.records import NodeRecord
 from p2p.registry import NodeView
@@ -163,15 +163,24 @@ def choose_route(
     start: int = 0,
     end: int | None = None,
     exclude: Collection[str] = (),
+    n_layers: int | None = None,
+    min_context: int = 0,
 ) -> list[Hop]:
     """The cheapest chain of routable nodes from boundary ``start`` to boundary ``end`` (the
     model's last layer when None: a failover may replace only a span in the middle), through
-    no node of a peer in ``exclude`` and no relayed node it names (:attr:`Hop.blame_id`)."""
+    no node of a peer in ``exclude`` and no relayed node it names (:attr:`Hop.blame_id`).
+
+    ``n_layers``: the model's layers as the caller knows them (its catalog), else the count
+    most peers state (:func:`agreed`); only nodes stating it are routed through. It was the
+    largest any record stated: one record claiming 100,000 layers made every chat of the model
+    a 503, one claiming a layer more and holding all of them drew every route (an audit,
+    2026-12-07). ``min_context``: nodes stating a shorter context are left out."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
-    if not candidates:
+    n_layers = n_layers or agreed(candidates, lambda r: r.n_layers)
+    if not candidates or n_layers is None:
         raise NoRoute(model_id, 0, [])
-    n_layers = max(r.n_layers for r in candidates)
-    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude and r.node_id not in exclude]
+    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude and r.node_id not in exclude
+                  and (not r.context_length or r.context_length >= min_context)]  # fmt: skip
     edges: dict[int, list[tuple[float, Hop]]] = {}
     reference = reference_step_ms((r.step_ms_per_layer for r in candidates), costs.measured_step_ms)
     for r in candidates:

@@ -49,6 +49,49 @@ def test_no_route_after_exclusion_names_the_layers_left_without_a_holder() -> No
         choose_route([view("a", 0, 15), view("d", 20, 30)], MODEL, PeerId("a"), start=15)
 
 
+def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> None:
+    """A record costs nothing to publish. The largest ``n_layers`` any record stated decided
+    the model's: one claiming 100,000 layers made every chat a 503; one claiming 31 and
+    holding all of them drew every route. The least context any record stated was every
+    chat's: one saying 2 refused every prompt (an audit, 2026-12-07)."""
+    from types import SimpleNamespace
+
+    from inclavate.errors import InclavateError
+    from inclavate.peer import Peer
+    from p2p.coverage import agreed
+
+    honest = [view(n, s, e, context_length=8192) for n, s, e in
+              [("a", 0, 10), ("b", 10, 20), ("c", 20, 30), ("a2", 0, 10), ("b2", 10, 20), ("c2", 20, 30)]]  # fmt: skip
+    for evil in (view("evil", 0, 1, n_layers=100_000), view("evil", 0, 31, n_layers=31, context_length=8192),
+                 view("evil", 0, 10, context_length=2)):  # fmt: skip
+        swarm = [*honest, evil]
+        for _ in range(20):
+            assert "evil" not in [h.node_id for h in choose_route(swarm, MODEL, PeerId("x"), min_context=8192)]
+        assert "evil" not in [h.node_id for h in choose_route(swarm, MODEL, PeerId("x"), n_layers=30)]
+
+        def catalog() -> None:
+            raise InclavateError("not in this peer's catalog")
+
+        peer = SimpleNamespace(shutting_down=False, forward=SimpleNamespace(me=PeerId("x")), _spec=None, _pipelines={},
+                               host=SimpleNamespace(is_connected=lambda _peer: True), views=lambda: list(swarm),
+                               view_of={v.record.node_id: v for v in swarm}.get, latency=None, _catalog=catalog,
+                               _measured_step_ms=lambda _model: 0.0, metrics=SimpleNamespace(record_request=lambda _model: None),
+                               config=SimpleNamespace(failover=FailoverPolicy(), decode_lanes=4, engine=SimpleNamespace(context_length=512)),
+                               _peer_health=PeerHealth(FailoverPolicy()))  # fmt: skip
+        peer._model_facts = lambda model: Peer._model_facts(peer, model)  # type: ignore[attr-defined]
+        peer._chain_context = lambda model: Peer._chain_context(peer, model)  # type: ignore[attr-defined]
+
+        async def entry() -> tuple[int | None, int]:
+            pipeline = Peer.pipeline(peer, MODEL)  # type: ignore[arg-type]  # its route checked (a 503 was raised)
+            return pipeline.n_layers, pipeline.context_length
+
+        assert trio.run(entry) == (30, 8192)
+    # Each peer counts once, whatever number of records it signs; the smaller on a tie.
+    assert agreed([view("p", 0, 1, n_layers=9).record] * 5 + [view("q", 0, 1).record], lambda r: r.n_layers) == 9
+    many = [view(f"p:{i}", 0, 1, peer_id=PeerId("p"), n_layers=9).record for i in range(5)]
+    assert agreed([*many, view("q", 0, 1).record, view("r", 0, 1).record], lambda r: r.n_layers) == 30
+
+
 def test_draining_nodes_get_no_new_routes() -> None:
     views = [view("a", 0, 30, draining=True), view("b", 0, 30)]
     assert {choose_route(views, MODEL, PeerId("x"))[0].node_id for _ in range(20)} == {"b"}
