@@ -153,9 +153,14 @@ def usable_link_ms(link_ms: Mapping[PeerId, float], is_connected: Callable[[Peer
     load a starved event loop misses pings of healthy peers, and the penalty used to decide
     alone where sessions go: eight sessions failing over at once all went to the one replica
     whose last ping happened to succeed. A peer that is really stalled is caught by the step
-    deadline; one that is gone, by its lost connection and its record."""
+    deadline; one that is gone, by its lost connection and its record.
+
+    Unknown is the slowest link measured, not a guess: at the default's 5 ms, a peer that
+    stays connected and answers no ping looked nearer than honest peers 40 ms away and drew
+    every route (an audit, 2026-12-07)."""
     penalty = UNREACHABLE_MS / 2  # link_ms is half the round trip
-    return {peer: DEFAULT_LINK_MS if ms >= penalty and is_connected(peer) else ms for peer, ms in link_ms.items()}
+    unknown = max((ms for ms in link_ms.values() if ms < penalty), default=DEFAULT_LINK_MS)
+    return {peer: unknown if ms >= penalty and is_connected(peer) else ms for peer, ms in link_ms.items()}
 
 
 async def _echo(stream: FramedStream, remote: PeerId) -> None:

@@ -21,7 +21,7 @@ from p2p.registry import NodeView
 from p2p.inbox import Alarm, Inbox
 from p2p.legs import Leg, LegWatch, seen_gone
 from p2p.latency import UNREACHABLE_MS, usable_link_ms
-from p2p.routing import DEFAULT_LINK_MS, NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
+from p2p.routing import NEAR_EQUAL, CostModel, Hop, NoRoute, choose_route
 
 
 def ranges(route) -> list[tuple[str, LayerRange]]:
@@ -67,7 +67,7 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
         swarm = [*honest, evil]
         for _ in range(20):
             assert "evil" not in [h.node_id for h in choose_route(swarm, MODEL, PeerId("x"), min_context=8192)]
-        assert "evil" not in [h.node_id for h in choose_route(swarm, MODEL, PeerId("x"), n_layers=30)]
+            assert "evil" not in [h.node_id for h in choose_route(swarm, MODEL, PeerId("x"), n_layers=30, min_context=8192)]
 
         def catalog() -> None:
             raise InclavateError("not in this peer's catalog")
@@ -90,6 +90,18 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
     assert agreed([view("p", 0, 1, n_layers=9).record] * 5 + [view("q", 0, 1).record], lambda r: r.n_layers) == 9
     many = [view(f"p:{i}", 0, 1, peer_id=PeerId("p"), n_layers=9).record for i in range(5)]
     assert agreed([*many, view("q", 0, 1).record, view("r", 0, 1).record], lambda r: r.n_layers) == 30
+
+
+def test_one_identity_s_many_records_get_one_vote_on_the_speed_reference() -> None:
+    """An entry that runs none of the model holds speed claims to their median; seven legacy
+    records of one identity claiming 0.001 ms a layer outvoted six honest nodes, and every
+    route went through them (an audit, 2026-12-07). A peer's records now vote once."""
+    honest = [view(n, s, e, step_ms_per_layer=1.0) for n, s, e in
+              [("a", 0, 10), ("a2", 0, 10), ("b", 10, 20), ("b2", 10, 20), ("c", 20, 30), ("c2", 20, 30)]]  # fmt: skip
+    fakes = [view(f"z:{i}", 10, 20, peer_id=PeerId("z"), relayed=True, forward_url="http://z:9/forward",
+                  step_ms_per_layer=0.001) for i in range(7)]  # fmt: skip
+    middles = Counter(choose_route([*honest, *fakes], MODEL, PeerId("x"), rng=random.Random(i))[1].peer_id for i in range(100))
+    assert middles[PeerId("b")] + middles[PeerId("b2")] > 0, middles  # held to the honest median, not theirs
 
 
 def test_draining_nodes_get_no_new_routes() -> None:
@@ -253,7 +265,11 @@ def test_a_missed_ping_from_a_connected_peer_does_not_decide_the_route() -> None
     live connection to is then costed as an unknown link, so replicas still share sessions."""
     links = usable_link_ms({PeerId("b"): 0.4, PeerId("c"): UNREACHABLE_MS / 2, PeerId("x"): UNREACHABLE_MS / 2},
                            lambda peer: peer != PeerId("x"))  # fmt: skip
-    assert links == {PeerId("b"): 0.4, PeerId("c"): DEFAULT_LINK_MS, PeerId("x"): UNREACHABLE_MS / 2}
+    assert links == {PeerId("b"): 0.4, PeerId("c"): 0.4, PeerId("x"): UNREACHABLE_MS / 2}  # the slowest measured
+    # A peer that stays connected and answers no ping is no nearer than the slowest honest
+    # link: at the default 5 ms it drew every route from honest peers 20 ms away.
+    far = usable_link_ms({PeerId("b"): 20.0, PeerId("c"): 20.0, PeerId("e"): UNREACHABLE_MS / 2}, lambda peer: True)
+    assert far[PeerId("e")] == 20.0 and usable_link_ms({}, lambda peer: True) == {}
     views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30)]
     load: Counter[PeerId] = Counter()
     for _ in range(8):
