@@ -64,6 +64,7 @@ def in_motion(views: Sequence[NodeView], n_layers: int) -> list[NodeId]:
     return [
         v.record.node_id for v in views
         if v.state == "Ready" and v.record.draining and not v.record.idle and v.record.n_layers == n_layers
+        and not v.record.relayed  # a legacy node never moves: one "draining" is nobody on the way
         and min(count[v.record.start_layer : v.record.end_layer]) >= 1
     ]  # fmt: skip
 
@@ -89,7 +90,10 @@ def plan_heal(views: Sequence[NodeView], n_layers: int, passed_over: Collection[
     gaps = _gaps(serving, n_layers)
     if not gaps or in_motion(views, n_layers):
         return None
-    count = replicas(views, n_layers)
+    # Only peers' own nodes make another spare: anyone may register a legacy node for a peer to
+    # relay, and one on an honest sole holder's span had that holder drain and move, then
+    # vanished, leaving a real gap, span after span (an audit, 2026-12-07).
+    count = replicas([v for v in views if not v.record.relayed], n_layers)
     spare = [v for v in serving if v.state == "Ready" and not v.record.relayed and _spare(v, count)]
     if not spare:
         return None

@@ -60,8 +60,17 @@ def test_idle_and_draining_peers_never_move_and_hold_nothing() -> None:
     views = [view("a", 0, 10), view("b", 10, 20, idle=True), view("c", 10, 20), view("c2", 10, 20),
              view("d", 20, 30, "Dead")]  # fmt: skip
     assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("c"))
-    # A legacy node (its range fixed at registration) is never elected.
+    # A legacy node (its range fixed at registration) is never elected, and makes nobody spare:
+    # anyone may register one for a peer to relay, and one on an honest sole holder's span had
+    # that holder drain and move, then vanished, a real gap opened, span after span; a
+    # "draining" one is no mover on its way either, and held every gap open for ever with a
+    # fresh id each minute (an audit, 2026-12-07).
     views = [view("a", 0, 10), view("b", 10, 20, relayed=True), view("c", 10, 20), view("d", 20, 30, "Dead")]
+    assert plan_heal(views, 30) is None
+    views = [view("a", 0, 10), view("b", 10, 20, relayed=True), view("c", 10, 20), view("c2", 10, 20),
+             view("d", 20, 30, "Dead")]  # fmt: skip
+    assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("c"))
+    views = [*views, view("x:fresh", 0, 10, relayed=True, draining=True)]
     assert plan_heal(views, 30) == HealPlan(LayerRange(20, 30), NodeId("c"))
     # A volunteer stopping the only holder of 20-30 opens the gap at once.
     views = [view("a", 0, 10), view("b", 10, 20), view("c", 10, 20), view("d", 20, 30, draining=True)]
