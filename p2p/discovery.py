@@ -28,6 +28,7 @@ the local network; without multicast it logs and the peer relies on bootstrap ad
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import random
@@ -217,15 +218,58 @@ def _shared_peers(host: P2PHost, limit: int, exclude: PeerId) -> list[PeerAddrs]
     return entries
 
 
-def _remember(host: P2PHost, peers: Sequence[PeerAddrs]) -> list[PeerAddrs]:
-    """Store peers' addresses; return the ones we are not connected to.
+_LOOPBACK, _PRIVATE, _PUBLIC = 0, 1, 2
+
+
+def _scope(ip: str) -> int | None:
+    """How far an IP address reaches: loopback, a private network (RFC 1918, link-local,
+    unique-local), the internet; None for one no peer is at (unspecified, multicast,
+    reserved) or that is no IP address."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_unspecified or address.is_multicast:
+        return None
+    if address.is_loopback:  # before is_reserved: ::1 is in the reserved ::/8
+        return _LOOPBACK
+    if address.is_private or address.is_link_local:
+        return _PRIVATE
+    return None if address.is_reserved else _PUBLIC
+
+
+def believable(entry: PeerAddrs, informant_ip: str | None) -> PeerAddrs:
+    """``entry`` with only the addresses its informant (the peer we learnt it from, reached at
+    ``informant_ip``) can speak for: IP addresses no nearer to us than the informant itself.
+    A peer on the internet names only internet addresses; one on our network, ours too; one
+    on this machine, loopback too. Every address learnt is dialled, again and again: a
+    stranger naming hosts and ports on our loopback or LAN made every honest peer a port
+    scanner of its own network (an audit, 2026-12-07). Names (``/dns``) are hearsay left out."""
+    floor = _scope(informant_ip) if informant_ip is not None else None
+    floor = _PUBLIC if floor is None else floor
+    kept = []
+    for addr in entry.addrs:
+        parts = addr.split("/")
+        scope = _scope(parts[2]) if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
+        if scope is not None and scope >= floor:
+            kept.append(addr)
+    return PeerAddrs(entry.peer_id, tuple(kept))
+
+
+def _remember(host: P2PHost, peers: Sequence[PeerAddrs], informant: PeerId) -> list[PeerAddrs]:
+    """Store peers' addresses, those ``informant`` can speak for (:func:`believable`); return
+    the peers we are not connected to.
 
     Strangers choose these entries, so the address book is capped: past
     ``_MAX_KNOWN_PEERS`` new peers are not remembered (known ones are still refreshed)."""
     known = set(host.known_peers())
+    informant_ip = host.remote_ip(informant)
     new = []
     for entry in peers:
-        if entry.peer_id == host.peer_id:
+        entry = believable(entry, informant_ip)
+        if entry.peer_id == host.peer_id or not entry.addrs:
             continue
         if entry.peer_id not in known and len(known) >= _MAX_KNOWN_PEERS:
             continue
@@ -243,9 +287,9 @@ async def _serve_peers(host: P2PHost, config: DiscoveryConfig, stream: FramedStr
                        remote: PeerId, book: AddressBook | None = None) -> None:
     asked = decode_peers(await stream.receive(config.exchange_timeout), max_peers=4)
     # Only the asker's own addresses are taken: it has no say about anyone else's.
-    own = [p for p in asked if p.peer_id == remote]
-    _remember(host, own)
-    if book is not None and own:
+    own = [believable(p, host.remote_ip(remote)) for p in asked if p.peer_id == remote]
+    _remember(host, own, remote)
+    if book is not None and own and own[0].addrs:
         book.met(own[0])
     await stream.send(encode_peers(_shared_peers(host, config.max_shared_peers, remote)),
                       config.exchange_timeout)
@@ -266,9 +310,11 @@ async def exchange_peers(host: P2PHost, peer: PeerId, config: DiscoveryConfig = 
     if book is not None:
         for entry in answer:
             if entry.peer_id == peer:  # its own word about itself; the rest is hearsay
-                book.met(entry)
+                entry = believable(entry, host.remote_ip(peer))
+                if entry.addrs:
+                    book.met(entry)
                 break
-    return _remember(host, answer)
+    return _remember(host, answer, peer)
 
 
 # -- dialing ------------------------------------------------------------------------

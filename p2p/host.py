@@ -83,6 +83,8 @@ DEFAULT_DIAL_TIMEOUT = 10.0
 # last heard of a peer we forget its addresses. Long enough to re-dial a peer that
 # restarts, short enough to stop dialing one that left for good.
 ADDR_TTL_SECONDS = 3600
+MAX_ADDRS_PER_PEER = 16
+"""Addresses kept for one peer (a peer-exchange entry carries at most as many)."""
 # See _build_libp2p_host: a libp2p 0.8.1 bug makes this a lifetime total, not a limit.
 _INBOUND_CONNECTIONS_PER_LIFETIME = 1_000_000
 # Budget for closing connections and listeners when the host exits.
@@ -357,7 +359,8 @@ class P2PHost:
         return [_peer_id(p) for p in peers if p != self._host.get_id()]
 
     def add_addrs(self, peer: str, addrs: Iterable[str], ttl: int = ADDR_TTL_SECONDS) -> None:
-        """Remember addresses for ``peer`` (``/p2p/`` suffix optional; others' ignored)."""
+        """Remember addresses for ``peer`` (``/p2p/`` suffix optional; others' ignored), at most
+        :data:`MAX_ADDRS_PER_PEER` of them, these first."""
         peer_id = _parse_peer(peer)
         parsed = []
         for addr in addrs:
@@ -373,8 +376,19 @@ class P2PHost:
                 logger.debug("ignoring malformed multiaddr %r for %s", addr, peer)
                 continue
             parsed.append(maddr)
-        if parsed and peer_id != self._host.get_id():
-            self._host.get_peerstore().add_addrs(peer_id, parsed, ttl)
+        if not parsed or peer_id == self._host.get_id():
+            return
+        # At most MAX_ADDRS_PER_PEER a peer, the newest first: the peerstore appends every new
+        # one, and one identity's exchanges left 19,000 of its own, walked every second (the
+        # event loop stalled for a second and a half: an audit, 2026-12-07).
+        store = self._host.get_peerstore()
+        try:
+            held = list(store.addrs(peer_id))
+        except PeerStoreError:
+            held = []
+        kept = list(dict.fromkeys([*parsed, *held]))[:MAX_ADDRS_PER_PEER]
+        store.clear_addrs(peer_id)
+        store.add_addrs(peer_id, kept, ttl)
 
     async def connect(self, addr: str) -> PeerId:
         """Connect to the peer at ``addr`` (which must end in ``/p2p/<peer id>``).

@@ -94,6 +94,40 @@ async def test_exchange_teaches_both_sides() -> None:
             nursery.cancel_scope.cancel()
 
 
+def test_an_informant_names_only_addresses_no_nearer_than_itself() -> None:
+    """Every address learnt is dialled, again and again: a stranger on the internet naming
+    hosts and ports on our loopback or LAN made every honest peer a port scanner of its own
+    network (an audit, 2026-12-07). A peer may name addresses as near as it is, no nearer."""
+    from p2p.discovery import believable
+
+    addrs = ("/ip4/127.0.0.1/tcp/22", "/ip4/10.0.0.1/tcp/22", "/ip4/192.168.1.1/tcp/80", "/ip6/::1/tcp/5",
+             "/ip6/fe80::1/tcp/5", "/ip4/0.0.0.0/tcp/1", "/ip4/224.0.0.1/tcp/1", "/dns4/intranet.lan/tcp/80",
+             "/ip4/93.184.216.34/tcp/4001", "/ip6/2606:4700::1/tcp/4001", "/ip4/::ffff:127.0.0.1/tcp/1")  # fmt: skip
+    entry = PeerAddrs(PeerId("x"), addrs)
+    public = ("/ip4/93.184.216.34/tcp/4001", "/ip6/2606:4700::1/tcp/4001")
+    assert believable(entry, "93.184.216.1").addrs == public
+    assert believable(entry, None).addrs == public  # an informant we are not connected to
+    assert believable(entry, "10.0.0.7").addrs == ("/ip4/10.0.0.1/tcp/22", "/ip4/192.168.1.1/tcp/80",
+                                                    "/ip6/fe80::1/tcp/5", *public)  # fmt: skip
+    assert believable(entry, "127.0.0.1").addrs == ("/ip4/127.0.0.1/tcp/22", "/ip4/10.0.0.1/tcp/22",
+                                                     "/ip4/192.168.1.1/tcp/80", "/ip6/::1/tcp/5", "/ip6/fe80::1/tcp/5",
+                                                     *public, "/ip4/::ffff:127.0.0.1/tcp/1")  # fmt: skip
+
+
+async def test_a_peer_s_addresses_are_capped_whoever_sends_them() -> None:
+    """The peerstore appended every new address: one identity's exchanges left 19,000 of its
+    own, walked every second, the event loop stalled for a second and a half (an audit,
+    2026-12-07). The newest MAX_ADDRS_PER_PEER are kept."""
+    from p2p.host import MAX_ADDRS_PER_PEER
+
+    async with open_host(Identity.generate()) as host:
+        other = Identity.generate().peer_id
+        for batch in range(50):
+            host.add_addrs(other, [f"/ip4/127.0.0.1/tcp/{1000 + batch * 16 + i}" for i in range(16)])
+        kept = host.known_addrs(other)
+        assert len(kept) == MAX_ADDRS_PER_PEER and kept[0].startswith("/ip4/127.0.0.1/tcp/1784/")
+
+
 async def test_five_peers_bootstrapped_from_one_address_mesh_up() -> None:
     with trio.fail_after(30):
         async with AsyncExitStack() as stack:
