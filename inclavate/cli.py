@@ -25,6 +25,7 @@ from inclavate.catalog import Catalog, ModelSpec
 from inclavate.config import inclavate_home
 from inclavate.errors import ConfigError, InclavateError
 from inclavate.progress import Progress
+from inclavate.terminal import printable
 from inclavate.speech_catalog import SpeechCatalog
 from inclavate.speech_store import SpeechStore
 from inclavate.store import ModelStore, PullResult, PullStatus
@@ -201,6 +202,18 @@ DEBUG_ENV = "INCLAVATE_DEBUG"
 module's detail (a bench reads it from a peer's log) without every library's debug flood."""
 
 
+def _message(record: logging.LogRecord) -> str:
+    """The record's message, its text arguments each on one printable line and the whole
+    without what a terminal acts on: arguments carry other machines' words (a stranger's
+    admin command target, a header, a node's answer), and a logged escape sequence reached
+    the operator's terminal, a logged newline forged a line of our own (an audit, 2026-12-07)."""
+    args = record.args
+    if isinstance(args, tuple) and args:
+        record = logging.makeLogRecord({**record.__dict__, "args": tuple(
+            printable(a, one_line=True) if isinstance(a, str) else a for a in args)})  # fmt: skip
+    return record.getMessage()
+
+
 class _CliFormatter(logging.Formatter):
     def __init__(self, *, timestamps: bool = False) -> None:
         super().__init__()
@@ -214,7 +227,7 @@ class _CliFormatter(logging.Formatter):
         return f"{clock}.{int(record.msecs):03d} {line}"
 
     def _line(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
+        message = _message(record)
         if record.exc_info and record.exc_info[1] is not None:
             if record.name.split(".")[0] in _OWN_PACKAGES:  # our bug: its traceback is what a report needs
                 message += "\n" + self.formatException(record.exc_info)
@@ -223,6 +236,7 @@ class _CliFormatter(logging.Formatter):
         if "\n" in message and record.name.split(".")[0] not in _OWN_PACKAGES:  # py-libp2p's reports span lines
             first, *rest = [line.strip() for line in message.splitlines() if line.strip()] or [""]
             message = f"{first} {'; '.join(rest)}" if rest else first
+        message = printable(message)  # tracebacks too: an exception's text may be a stranger's
         return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 

@@ -16,9 +16,14 @@ _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 reorder what follows them on screen)."""
 
 
-def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on replaced by U+FFFD."""
-    return _UNSAFE.sub("\ufffd", text)
+_UNSAFE_IN_A_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, *, one_line: bool = False) -> str:
+    """``text`` with every character a terminal would act on replaced by U+FFFD; with
+    ``one_line``, tabs and line breaks too (a stranger's text inside a log line must not
+    start a line of its own, one that would read as ours)."""
+    return (_UNSAFE_IN_A_LINE if one_line else _UNSAFE).sub("\ufffd", text)
 
 
 def printable_tree(value: Any) -> Any:

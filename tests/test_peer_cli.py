@@ -149,6 +149,22 @@ def test_a_logged_failure_of_ours_carries_its_traceback_and_a_librarys_one_line(
     assert formatted("hypercorn.error") == "error: handling failed: KeyError('lost')"
 
 
+def test_a_stranger_s_text_in_the_log_neither_starts_a_line_nor_reaches_the_terminal() -> None:
+    """Log arguments carry other machines' words (an admin command's target, a node's
+    answer): a flood of refused admin commands put 4,026 raw escape bytes (a clipboard write,
+    a screen clear) and 1,342 forged log lines on a peer's stderr (an audit, 2026-12-07)."""
+    import logging
+
+    from inclavate.cli import _CliFormatter
+
+    target = "n1\nwarning: forged line of ours\x1b]52;c;cm0gLXJm\x07\x1b[2J"
+    record = logging.getLogger("p2p.admin").makeRecord("p2p.admin", logging.WARNING, __file__, 1,
+                                                       "refused %s of %s", ("reassign", target), None)  # fmt: skip
+    line = _CliFormatter().format(record)
+    assert "\n" not in line and "\x1b" not in line and "\x07" not in line
+    assert line == "warning: refused reassign of n1\ufffdwarning: forged line of ours\ufffd]52;c;cm0gLXJm\ufffd\ufffd[2J"
+
+
 def test_libp2ps_warnings_reach_the_peer_log_as_one_stamped_line(capsys: pytest.CaptureFixture[str]) -> None:
     """py-libp2p sets its logger ``propagate = False`` with no handler (unless LIBP2P_DEBUG is
     set), so its warnings went to Python's last-resort handler: bare, unstamped and several

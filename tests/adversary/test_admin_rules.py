@@ -40,6 +40,16 @@ async def test_a_command_for_another_peer_is_refused() -> None:
     assert runs == [ours]
 
 
+async def test_a_stranger_s_commands_are_answered_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Any identity may send signed commands, as fast as it likes: each refusal was a warning
+    carrying the stranger's text, 780 KB of log in 3 s (an audit, 2026-12-07)."""
+    stranger = Identity.generate()
+    command = AdminCommand("reassign", "n1\nwarning: forged", stranger.peer_id, ME.peer_id, {})
+    with caplog.at_level("INFO"), pytest.raises(AdminRefused, match="not trusted"):
+        await service([])._obey(decode_command(encode_command(command, stranger)))
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize(
     "data",
     [
