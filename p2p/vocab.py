@@ -49,8 +49,15 @@ class VocabUnavailable(P2PError):
     """No peer could provide the model's vocabulary."""
 
 
+MAX_ANSWERS = 2
+"""Vocabulary answers sent at once; one more request is answered "busy" at once. Each holds
+the file twice until its asker reads it: 32 unread requests from 8 identities held 500 MiB
+(an audit, 2026-12-07). A peer fetches one vocabulary per model it routes, once."""
+
+
 def serve_vocab(host: P2PHost, local_vocab: Callable[[str], Path | None]) -> None:
     """Answer vocabulary requests with ``local_vocab(model_id)`` (None: we do not have it)."""
+    answering = trio.Semaphore(MAX_ANSWERS)
 
     async def handle(stream: FramedStream, remote: PeerId) -> None:
         try:
@@ -62,8 +69,16 @@ def serve_vocab(host: P2PHost, local_vocab: Callable[[str], Path | None]) -> Non
         if path is None:
             await stream.send(_ERR + f"this peer does not hold {model_id}".encode(), timeout=10.0)
             return
-        data = await trio.to_thread.run_sync(path.read_bytes)
-        await stream.send(_OK + data, timeout=60.0)
+        try:
+            answering.acquire_nowait()
+        except trio.WouldBlock:
+            await stream.send(_ERR + b"busy: other peers' vocabulary requests are being answered; retry", timeout=10.0)
+            return
+        try:
+            data = await trio.to_thread.run_sync(path.read_bytes)
+            await stream.send(_OK + data, timeout=60.0)
+        finally:
+            answering.release()
 
     # A peer fetches one vocabulary per model it serves or routes, rarely several at once;
     # each answer holds a file (up to 32 MiB) until read.
