@@ -831,14 +831,17 @@ class Peer:
         return pipeline
 
     def _chain_context(self, model_id: str) -> int:
-        """Positions a chain of ``model_id`` holds: this peer's own when it serves the model
-        (every stage of a chain runs the same context), else what most peers state. It was the
-        least any routable record stated: one record saying 2 refused every prompt of the
-        model, everywhere (an audit, 2026-12-07); routes now leave out nodes stating less."""
-        if self._spec is not None and self._spec.model_id == model_id:
-            return self.config.engine.context_length
+        """Positions a chain of ``model_id`` holds: what most peers state (every stage of a
+        chain should run the same context), no more than this peer's own when it serves the
+        model. It was the least any routable record stated: one record saying 2 refused every
+        prompt of the model, everywhere (an audit, 2026-12-07); routes now leave out nodes
+        stating less."""
         routable = [v.record for v in self.views() if v.record.model_id == model_id and v.routable and v.record.context_length]
-        return agreed(routable, lambda r: r.context_length) or self.config.engine.context_length
+        common = agreed(routable, lambda r: r.context_length)
+        own = self.config.engine.context_length
+        if self._spec is not None and self._spec.model_id == model_id:
+            return min(own, common or own)
+        return common or own
 
 
 DATA_DIR_LOCK = "peer.lock"

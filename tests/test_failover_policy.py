@@ -86,6 +86,13 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
             return pipeline.n_layers, pipeline.context_length
 
         assert trio.run(entry) == (30, 8192)
+        # A peer serving the model holds chains to what most peers state, no more than its own.
+        peer._spec = SimpleNamespace(model_id=MODEL)
+        for own, expected in ((4096, 4096), (16384, 8192)):
+            peer.config.engine.context_length = own
+            assert trio.run(entry) == (30, expected)
+        peer._spec = None
+        peer.config.engine.context_length = 512
     # Each peer counts once, whatever number of records it signs; the smaller on a tie.
     assert agreed([view("p", 0, 1, n_layers=9).record] * 5 + [view("q", 0, 1).record], lambda r: r.n_layers) == 9
     many = [view(f"p:{i}", 0, 1, peer_id=PeerId("p"), n_layers=9).record for i in range(5)]
