@@ -53,6 +53,7 @@ from p2p.forward_checks import FrameReason
 from p2p.inbox import Inbox
 from p2p import pace
 from p2p.pace import Pace
+from p2p.records import legacy_owner
 from p2p.registry import NodeView
 from p2p.routing import CostModel, Hop, NoRoute, choose_route, route_step_ms
 
@@ -499,13 +500,14 @@ class SwarmPipeline:
         probe = self.probe
         if broken.reporter is None or probe is None or not broken.peers:
             return broken
-        if not all(self.is_connected(peer) for peer in broken.peers):
+        accused = {PeerId(legacy_owner(p) or p) for p in broken.peers}  # a relayed node answers through its peer
+        if not all(self.is_connected(peer) for peer in accused):
             return broken  # our own connection to the accused ended too: no ping to wait for
         answered: list[bool] = []
         with trio.move_on_after(self.policy.probe_timeout_s):
-            for peer in broken.peers:
+            for peer in accused:
                 answered.append(await probe(peer))
-        if len(answered) < len(broken.peers) or not all(answered):
+        if len(answered) < len(accused) or not all(answered):
             return broken
         log.warning("peer %s reported %s unreachable, which answers us: blaming the reporter", broken.reporter[-6:],
                     ", ".join(sorted(p[-6:] for p in broken.peers)))  # fmt: skip
@@ -831,7 +833,7 @@ class SwarmPipeline:
             req = new_request_id()
             await self.service.ask(leg.route[0].peer_id, wire.Close(req, leg.wire_id, leg.route, self.service.me))
             if await self._await_closed(leg.inbox, {req}):
-                self.health.served(leg.peers)
+                self.health.served(leg.blame_ids)  # as failures are recorded: a relayed node by its id
                 return
             direct = {}
             for hop in leg.route:

@@ -108,7 +108,9 @@ class CostModel:
         """``reference``: see :func:`reference_step_ms`."""
         peer = record.peer_id
         cost = self.serve_ms(record, entry, reference) * (1 + SESSION_SHARE * self.load.get(peer, 0))
-        return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(peer, 1.0)))
+        # A relayed node's failures are its own (``Hop.blame_id``): its reliability too.
+        blamed_as = record.node_id if record.relayed else peer
+        return cost / max(MIN_RELIABILITY, min(1.0, self.reliability.get(blamed_as, 1.0)))
 
     def serve_ms(self, record: NodeRecord, entry: PeerId, reference: float) -> float:
         """What a step through the node should take, as far as its claim and our link to it

@@ -758,6 +758,37 @@ def test_a_failing_legacy_node_is_blamed_alone_not_the_peer_relaying_it() -> Non
     assert trio.run(lambda: _trouble(watch, own_then_tail)) == ({tail}, set(), set())
 
 
+def test_a_relayed_node_s_blame_reaches_its_cost_and_its_accuser_asks_its_peer() -> None:
+    """Blamed by its node id (above), a relayed node's failures were recorded where its cost
+    never looked (by PeerID), and a hop reporting it unreachable had the entry ping a node id,
+    which no host can dial: the failover raised (a review, 2026-12-07)."""
+    from p2p.chain import Broken, SwarmPipeline
+    from p2p.errors import DialError, P2PError
+
+    url = "http://10.0.0.9:9/forward"
+    tail = view("p:tail", 15, 30, peer_id=PeerId("p"), relayed=True, forward_url=url).record
+    costs = CostModel(reliability={PeerId("p:tail"): 0.25})
+    assert costs.edge_ms(tail, PeerId("x"), 1.0) == pytest.approx(4 * CostModel().edge_ms(tail, PeerId("x"), 1.0))
+
+    pinged: list[PeerId] = []
+
+    def connected(peer: PeerId) -> bool:
+        if ":" in peer:
+            raise DialError(f"not a peer id: {peer}")
+        return True
+
+    async def probe(peer: PeerId) -> bool:
+        connected(peer)
+        pinged.append(peer)
+        return True
+
+    pipeline = SwarmPipeline(_AnsweringHops("a", held=None), MODEL, list, 512, lambda _node: None,  # type: ignore[arg-type]
+                             is_connected=connected, probe=probe)  # fmt: skip
+    broken = Broken(frozenset({PeerId("p:tail")}), P2PError("unreachable"), reporter=PeerId("q"))
+    checked = trio.run(pipeline._check_report, broken)
+    assert pinged == [PeerId("p")] and checked.peers == {PeerId("q")}  # it answers: its accuser is blamed
+
+
 async def _trouble(watch: LegWatch, leg: Leg) -> tuple[frozenset[PeerId], frozenset[PeerId], frozenset[PeerId]]:
     return watch.trouble(leg)
 
