@@ -177,12 +177,12 @@ def relay_answer_matches(sent: object, answer: object) -> bool:
         return True
     if isinstance(sent, wire.Forward):
         if isinstance(answer, wire.Forward):
-            # ... nor change how the next hops treat it: a flipped ``discard`` had them compute
-            # and answer nothing (the entry waited out its deadline), and a ``replay`` may only
-            # be passed on or dropped (the end of its span), never made up (an audit, 2026-12-07).
+            # ... nor make up a replay for the next hops (one is passed on or dropped at the end
+            # of its span); its ``discard`` and ``lane`` are the frame's, set by the relay
+            # (``p2p.legacy``: a flipped ``discard`` had the next hops answer nothing).
             return (answer.route == sent.route[1:] and answer.reply_to == sent.reply_to and answer.start_pos == sent.start_pos
-                    and answer.sampling == sent.sampling and answer.hidden is not None and answer.discard == sent.discard
-                    and answer.lane == sent.lane and answer.replay in (None, sent.replay))  # fmt: skip
+                    and answer.sampling == sent.sampling and answer.hidden is not None
+                    and answer.replay in (None, sent.replay))  # fmt: skip
         return isinstance(answer, wire.Result) and len(sent.route) == 1 and sent.sampling is not None
     if isinstance(answer, wire.Close):
         return answer.route == sent.route[1:] and answer.reply_to == sent.reply_to

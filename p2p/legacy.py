@@ -513,6 +513,10 @@ class LegacyNodes:
             await self._node_failed(node, msg, f"answered bad hidden states: {fault}")
             return
         node.failures = 0
+        if isinstance(out, wire.Forward) and isinstance(msg, wire.Forward):
+            # How the next hops treat the frame is the frame's, whatever the node sent back (a
+            # flipped ``discard`` had them compute and answer nothing: an audit, 2026-12-07).
+            out = dataclasses.replace(out, discard=msg.discard, lane=msg.lane)
         if isinstance(out, wire.Error):  # in the node's name as the swarm knows it (under ours)
             # A node sends nothing on (we do): its "unreachable" is its own failure, and it may
             # name no other hop, or it would get the honest hop after it blamed.

@@ -4,6 +4,7 @@ in process and fast: a real registry service (its host keeps what it publishes),
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
 import time
@@ -355,6 +356,30 @@ def _hidden_answer(rows: int, cols: int, value: float = 0.0, dtype: str = "f32")
         return wire.encode(wire.Forward(msg.req_id, msg.session_id, msg.start_pos, msg.route[1:], msg.reply_to,
                                         msg.sampling, hidden=hidden))  # fmt: skip
     return answer
+
+
+async def test_a_node_s_answer_keeps_the_frame_s_discard_and_lane(node_server: Any) -> None:
+    """How the next hops treat a frame is the frame's: a node answering ``discard`` flipped had
+    them compute and answer nothing (the entry waited out its deadline), and an honest node
+    that does not echo the fields must still be relayed (a review, 2026-12-07)."""
+    registry, nodes, sent = _relaying()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nodes.run)
+        registry_id = await _ready(nodes, "n1", node_server.url)
+        route = _route_through(registry, registry_id, node_server.url)
+        answer = _hidden_answer(3, D_MODEL)
+        node_server.answer = lambda msg: answer(dataclasses.replace(msg, discard=not msg.discard, lane=9))
+        for discard in (False, True):
+            sent.clear()
+            frame = wire.Forward(1, SessionId("s"), 0, route, PeerId("entry"), None, tokens=np.array([1, 2, 3], np.int32),
+                                 discard=discard, lane=2)  # fmt: skip
+            await nodes.relay(frame)
+            with trio.fail_after(10):
+                while not sent:
+                    await trio.sleep(0.02)
+            (peer, out), = sent
+            assert peer == "next" and isinstance(out, wire.Forward) and (out.discard, out.lane) == (discard, 2)
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
