@@ -83,7 +83,7 @@ from p2p.placement import choose_range, should_move
 from p2p.record_schema import MAX_MULTIADDRS
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
-from p2p.routing import Hop
+from p2p.routing import Hop, NoRoute, choose_route
 from p2p.vocab import choose_vocab, fetch_vocab, serve_vocab, sha256_file
 from p2p.wire import max_frame_bytes
 
@@ -825,23 +825,36 @@ class Peer:
             )  # fmt: skip
         facts = self._model_facts(model_id)
         pipeline.n_layers = facts[0] if facts else None
-        pipeline.context_length = self._chain_context(model_id)
+        pipeline.context_length = self._chain_context(model_id, pipeline.n_layers)
         pipeline.check_route()  # raises NoRoute (503) before any work
         self.metrics.record_request(model_id)
         return pipeline
 
-    def _chain_context(self, model_id: str) -> int:
+    def _chain_context(self, model_id: str, n_layers: int | None) -> int:
         """Positions a chain of ``model_id`` holds: what most peers state (every stage of a
-        chain should run the same context), no more than this peer's own when it serves the
-        model. It was the least any routable record stated: one record saying 2 refused every
-        prompt of the model, everywhere (an audit, 2026-12-07); routes now leave out nodes
-        stating less."""
-        routable = [v.record for v in self.views() if v.record.model_id == model_id and v.routable and v.record.context_length]
-        common = agreed(routable, lambda r: r.context_length)
+        chain should run the same context), else the most that a complete chain still holds
+        (a sole holder of a span may run less), and no more than this peer's own when it
+        serves the model; routes leave out nodes stating less. It was the least any routable
+        record stated: one record saying 2 refused every prompt of the model, everywhere (an
+        audit, 2026-12-07). A larger claim than most peers' is never taken: a node claiming
+        the whole model and a huge context would then be the only route."""
+        views = self.views()
+        routable = [v.record for v in views if v.record.model_id == model_id and v.routable and v.record.context_length]
         own = self.config.engine.context_length
+        common = agreed(routable, lambda r: r.context_length)
+        context = own
+        if common is not None:
+            fallbacks = sorted({r.context_length for r in routable if r.context_length < common}, reverse=True)
+            for candidate in (common, *fallbacks):
+                try:
+                    choose_route(views, ModelId(model_id), PeerId(self.peer_id), n_layers=n_layers, min_context=candidate)
+                except NoRoute:
+                    continue
+                context = candidate
+                break
         if self._spec is not None and self._spec.model_id == model_id:
-            return min(own, common or own)
-        return common or own
+            return min(own, context)
+        return context
 
 
 DATA_DIR_LOCK = "peer.lock"

@@ -79,7 +79,8 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
                                config=SimpleNamespace(failover=FailoverPolicy(), decode_lanes=4, engine=SimpleNamespace(context_length=512)),
                                _peer_health=PeerHealth(FailoverPolicy()))  # fmt: skip
         peer._model_facts = lambda model: Peer._model_facts(peer, model)  # type: ignore[attr-defined]
-        peer._chain_context = lambda model: Peer._chain_context(peer, model)  # type: ignore[attr-defined]
+        peer._chain_context = lambda model, n_layers: Peer._chain_context(peer, model, n_layers)  # type: ignore[attr-defined]
+        peer.peer_id = "x"
 
         async def entry() -> tuple[int | None, int]:
             pipeline = Peer.pipeline(peer, MODEL)  # type: ignore[arg-type]  # its route checked (a 503 was raised)
@@ -93,6 +94,9 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
             assert trio.run(entry) == (30, expected)
         peer._spec = None
         peer.config.engine.context_length = 512
+    # An honest swarm whose only holder of a span runs a shorter context: chains hold that much.
+    swarm = [*honest[:2], *honest[3:5], view("c", 20, 30, context_length=2048)]
+    assert trio.run(entry) == (30, 2048)
     # Each peer counts once, whatever number of records it signs; the smaller on a tie.
     assert agreed([view("p", 0, 1, n_layers=9).record] * 5 + [view("q", 0, 1).record], lambda r: r.n_layers) == 9
     many = [view(f"p:{i}", 0, 1, peer_id=PeerId("p"), n_layers=9).record for i in range(5)]
