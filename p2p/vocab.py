@@ -49,15 +49,24 @@ class VocabUnavailable(P2PError):
     """No peer could provide the model's vocabulary."""
 
 
-MAX_ANSWERS = 2
-"""Vocabulary answers sent at once; one more request is answered "busy" at once. Each holds
-the file twice until its asker reads it: 32 unread requests from 8 identities held 500 MiB
-(an audit, 2026-12-07). A peer fetches one vocabulary per model it routes, once."""
-
-
 def serve_vocab(host: P2PHost, local_vocab: Callable[[str], Path | None]) -> None:
-    """Answer vocabulary requests with ``local_vocab(model_id)`` (None: we do not have it)."""
-    answering = trio.Semaphore(MAX_ANSWERS)
+    """Answer vocabulary requests with ``local_vocab(model_id)`` (None: we do not have it).
+
+    Every answer is one shared bytes object (the file's last state read): each answer read
+    and copied its own, held until its asker read it, and 32 unread requests from 8
+    identities held 500 MiB (an audit, 2026-12-07). A limit on answers at once instead let
+    one stranger's unread requests refuse every honest fetch (a review, the same day)."""
+    answers: dict[tuple[str, int, int], bytes] = {}  # at most one: the file last asked for
+
+    async def answer_of(path: Path) -> bytes:
+        stat = await trio.to_thread.run_sync(path.stat)
+        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        answer = answers.get(key)
+        if answer is None:
+            answer = _OK + await trio.to_thread.run_sync(path.read_bytes)
+            answers.clear()
+            answers[key] = answer
+        return answer
 
     async def handle(stream: FramedStream, remote: PeerId) -> None:
         try:
@@ -69,16 +78,7 @@ def serve_vocab(host: P2PHost, local_vocab: Callable[[str], Path | None]) -> Non
         if path is None:
             await stream.send(_ERR + f"this peer does not hold {model_id}".encode(), timeout=10.0)
             return
-        try:
-            answering.acquire_nowait()
-        except trio.WouldBlock:
-            await stream.send(_ERR + b"busy: other peers' vocabulary requests are being answered; retry", timeout=10.0)
-            return
-        try:
-            data = await trio.to_thread.run_sync(path.read_bytes)
-            await stream.send(_OK + data, timeout=60.0)
-        finally:
-            answering.release()
+        await stream.send(await answer_of(path), timeout=60.0)
 
     # A peer fetches one vocabulary per model it serves or routes, rarely several at once;
     # each answer holds a file (up to 32 MiB) until read.

@@ -60,27 +60,42 @@ async def test_a_peer_serving_other_bytes_is_refused_and_nothing_is_cached(tmp_p
             assert not dest.exists() and not any(dest.parent.iterdir())
 
 
-async def test_vocabulary_answers_are_bounded_however_many_strangers_ask(tmp_path: Path) -> None:
-    """Each answer held the file twice until its asker read it, four per identity with no
-    bound in all: 32 unread requests from 8 identities held 500 MiB (an audit, 2026-12-07).
-    Past MAX_ANSWERS at once, a request is answered "busy" at once."""
-    from p2p.vocab import MAX_ANSWERS, PROTOCOL
+async def test_vocabulary_answers_share_one_copy_however_many_strangers_ask(tmp_path: Path) -> None:
+    """Each answer read and copied the file for itself, held until its asker read it: 32
+    unread requests from 8 identities held 500 MiB (an audit, 2026-12-07). Every answer is
+    now one shared bytes object, and unread ones refuse no honest fetch."""
+    from p2p.vocab import PROTOCOL
 
     big = tmp_path / "vocab.gguf"
     big.write_bytes(b"v" * (4 << 20))  # more than a stream's window: an unread answer waits
-    with trio.fail_after(60):
+    reads: list[int] = []
+
+    def local_vocab(_model: str) -> Path:
+        reads.append(1)
+        return big
+
+    read_bytes = Path.read_bytes
+    counted: list[Path] = []
+
+    def counting(path: Path) -> bytes:
+        counted.append(path)
+        return read_bytes(path)
+
+    with trio.fail_after(60), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "read_bytes", counting)
         async with open_host(Identity.generate()) as holder, open_host(Identity.generate()) as asker:
-            serve_vocab(holder, lambda _model: big)
+            serve_vocab(holder, local_vocab)
             await asker.connect(holder.multiaddrs()[0])
             unread = []
-            for _ in range(MAX_ANSWERS):
+            for _ in range(3):  # with the one below, as many as one peer may open at once
                 stream = await asker.new_stream(holder.peer_id, PROTOCOL, timeout=10, max_frame_size=8 << 20)
                 await stream.send(b'{"model_id": "m:1"}', timeout=10)
                 unread.append(stream)
-            await trio.sleep(0.5)  # the holder starts both answers, and waits on their readers
+            await trio.sleep(0.5)  # the holder starts every answer, and waits on their readers
             another = await asker.new_stream(holder.peer_id, PROTOCOL, timeout=10, max_frame_size=8 << 20)
             await another.send(b'{"model_id": "m:1"}', timeout=10)
-            answer = await another.receive(timeout=10)
-            assert answer.startswith(b"\1busy"), answer[:40]
+            answer = await another.receive(timeout=30)
+            assert answer[:1] == b"\0" and len(answer) == (4 << 20) + 1
+            assert len(reads) == 4 and counted == [big]  # four answers, one read of the file
             for stream in unread:
                 await stream.reset()
