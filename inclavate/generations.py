@@ -195,7 +195,7 @@ class GenerationService:
             self._pending_keys.add(key)
         try:
             _, body = await self.http.json(view.record.api_url, "POST", "/v1/generations", body=_submission(new),
-                                           max_bytes=MAX_RECORD_BYTES)  # fmt: skip
+                                           max_bytes=MAX_RECORD_BYTES, owner=view.record.peer_id)  # fmt: skip
         finally:
             if key is not None:
                 self._pending_keys.discard(key)
@@ -241,7 +241,8 @@ class GenerationService:
 
     async def _remote_job(self, owner: NodeView, method: str, job_id: str) -> dict[str, Any]:
         """The owner's answer about ``job_id``: that job's record, of a record's size at most."""
-        _, body = await self.http.json(owner.record.api_url, method, f"/v1/generations/{job_id}", max_bytes=MAX_RECORD_BYTES)
+        _, body = await self.http.json(owner.record.api_url, method, f"/v1/generations/{job_id}", max_bytes=MAX_RECORD_BYTES,
+                                       owner=owner.record.peer_id)  # fmt: skip
         return _job_body(body, job_id)
 
     async def erase(self, job_id: str, *, artifacts: bool) -> dict[str, Any]:
@@ -307,7 +308,7 @@ class GenerationService:
 
         async def ask(peer: str) -> bytes:
             _, raw = await self.http.read(urls[peer], "GET", "/v1/generations", params={"limit": window},
-                                          max_bytes=max_bytes)  # fmt: skip
+                                          max_bytes=max_bytes, owner=peer)  # fmt: skip
             return raw
 
         async def decode(peer: str, raw: bytes) -> _JobAnswer:
@@ -368,7 +369,7 @@ class GenerationService:
         owner = None if local_only else self._owner(job_id)
         if owner is None:
             return self._local_events(self._local(job_id))
-        self.http.check_stream_room(owner.record.api_url)  # 429 before the stream opens, as far as can be known
+        self.http.check_stream_room(owner.record.peer_id)  # 429 before the stream opens, as far as can be known
         await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
         return self._remote_events(owner, job_id)
 
@@ -391,7 +392,8 @@ class GenerationService:
         url = owner.record.api_url
         try:
             # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".
-            async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64) as lines:
+            async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64,
+                                              owner=owner.record.peer_id) as lines:  # fmt: skip
                 async for line in lines:
                     if not line.startswith("data: "):
                         continue

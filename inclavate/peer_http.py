@@ -82,10 +82,10 @@ class PeerHttp:
             self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=_HEADERS)
         return self._stream_client
 
-    def check_stream_room(self, base_url: str) -> None:
-        """PeerBusy when every relayed event stream is taken, in all or of the owner at
-        ``base_url`` (before a response starts)."""
-        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(base_url):
+    def check_stream_room(self, owner: str) -> None:
+        """PeerBusy when every relayed event stream is taken, in all or of ``owner`` (a
+        PeerID: a URL any record may copy; before a response starts)."""
+        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(owner):
             raise PeerBusy("this peer already relays as many event streams from other peers as it may; "
                            "retry later, poll GET /v1/generations/:id, or watch on the peer that runs the job")  # fmt: skip
 
@@ -96,24 +96,27 @@ class PeerHttp:
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None,
                    params: Mapping[str, Any] | None = None, timeout: float | None = None,
-                   max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, Any]:  # fmt: skip
+                   max_bytes: int = MAX_ANSWER_BYTES, owner: str | None = None) -> tuple[int, Any]:  # fmt: skip
         """A forwarded JSON request; ``(status, decoded body)`` for 2xx, else raises. The
         answer is read up to ``max_bytes`` (a peer's answer is hostile input too; a caller that
         knows how large an honest answer can be passes that)."""
         status, raw = await self.read(base_url, method, path, body=body, params=params, timeout=timeout,
-                                      max_bytes=max_bytes)  # fmt: skip
+                                      max_bytes=max_bytes, owner=owner)  # fmt: skip
         return status, parse_answer(raw, base_url, max_bytes)
 
     async def read(self, base_url: str, method: str, path: str, *, body: Any = None,
                    params: Mapping[str, Any] | None = None, timeout: float | None = None,
-                   max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, bytes]:  # fmt: skip
+                   max_bytes: int = MAX_ANSWER_BYTES, owner: str | None = None) -> tuple[int, bytes]:  # fmt: skip
         """:meth:`json`'s answer unparsed, for a caller that parses it when its turn comes
         (:func:`parse_answer`; a job listing's answers, in a fan-out's decode phase:
-        :meth:`inclavate.fan_out.FanOut.ask`)."""
+        :meth:`inclavate.fan_out.FanOut.ask`). ``owner``: the PeerID the request is for,
+        whose share of requests it takes (by ``base_url`` when None: a URL any record may
+        copy, and free identities copying an honest owner's took its share)."""
         deadline = timeout or READ_TIMEOUT_S
-        if self._in_flight.full(base_url):
-            raise PeerUnreachable(f"peer {base_url} has {MAX_IN_FLIGHT_PER_OWNER} requests of ours unanswered; retry later")
-        with self._in_flight.held(base_url), trio.move_on_after(deadline) as late:
+        key = owner or base_url
+        if self._in_flight.full(key):
+            raise PeerUnreachable(f"peer {key} has {MAX_IN_FLIGHT_PER_OWNER} requests of ours unanswered; retry later")
+        with self._in_flight.held(key), trio.move_on_after(deadline) as late:
             try:
                 async with self._http().stream(method, base_url + path, json=body, params=params) as response:
                     answer = await _read_body(response, base_url, max_bytes)
@@ -125,14 +128,16 @@ class PeerHttp:
         return response.status_code, answer
 
     @asynccontextmanager
-    async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int) -> AsyncIterator[AsyncIterator[str]]:
-        """An SSE stream from the owner, line by line (errors before the stream opens raise;
-        PeerBusy past :data:`MAX_EVENT_STREAMS`; a line longer than ``max_line_bytes`` ends
-        it as :class:`PeerUnreachable`)."""
-        self.check_stream_room(base_url)
+    async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int,
+                           owner: str | None = None) -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
+        """An SSE stream from ``owner`` (a PeerID; by ``base_url`` when None), line by line
+        (errors before the stream opens raise; PeerBusy past :data:`MAX_EVENT_STREAMS`; a
+        line longer than ``max_line_bytes`` ends it as :class:`PeerUnreachable`)."""
+        key = owner or base_url
+        self.check_stream_room(key)
         self._streams += 1
         try:
-            with self._streams_of.held(base_url):
+            with self._streams_of.held(key):
                 async with self._stream_http().stream("GET", base_url + path) as response:
                     if response.status_code >= 400:
                         raw = b""

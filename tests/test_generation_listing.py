@@ -54,8 +54,9 @@ class FakePeers:
         self._answers: list[weakref.ref[_Raw]] = []
 
     async def read(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
-                   max_bytes: int = MAX_ANSWER_BYTES) -> tuple[int, bytes]:  # fmt: skip
+                   max_bytes: int = MAX_ANSWER_BYTES, owner: str | None = None) -> tuple[int, bytes]:  # fmt: skip
         peer = base_url.removeprefix("http://")
+        assert owner == peer  # its share of requests is the owner's, not its URL's
         assert (method, path) == ("GET", "/v1/generations")
         self.max_bytes[peer] = max_bytes
         self.in_flight += 1

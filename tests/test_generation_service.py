@@ -35,7 +35,7 @@ class FakeHttp:
         self.calls: list[tuple[str, str, str, Any]] = []
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
-                   max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
+                   max_bytes: int | None = None, owner: str | None = None) -> tuple[int, Any]:  # fmt: skip
         self.calls.append((base_url, method, path, body))
         await trio.sleep(0.2)
         asked = path.removeprefix("/v1/generations").strip("/")  # a job's own path names it
@@ -141,7 +141,7 @@ class _Answering(FakeHttp):
         self.max_bytes: list[int | None] = []
 
     async def json(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
-                   max_bytes: int | None = None) -> tuple[int, Any]:  # fmt: skip
+                   max_bytes: int | None = None, owner: str | None = None) -> tuple[int, Any]:  # fmt: skip
         self.calls.append((base_url, method, path, body))
         self.max_bytes.append(max_bytes)
         return 200, self.body
@@ -195,7 +195,8 @@ async def test_a_relayed_event_stream_carries_only_records_of_the_job_watched(tm
             pass
 
         @asynccontextmanager
-        async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int) -> AsyncIterator[AsyncIterator[str]]:
+        async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int,
+                               owner: str | None = None) -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
             async def each() -> AsyncIterator[str]:
                 for line in lines:
                     yield line
@@ -281,7 +282,7 @@ class PagingPeer:
         self.rows = [job_row(OTHER, 1_000_000 - i) for i in range(n)]
 
     async def read(self, base_url: str, method: str, path: str, *, body: Any = None, params: Any = None,
-                   max_bytes: int | None = None) -> tuple[int, bytes]:  # fmt: skip
+                   max_bytes: int | None = None, owner: str | None = None) -> tuple[int, bytes]:  # fmt: skip
         limit = params["limit"]
         if limit > LIST_MAX_LIMIT:
             raise RelayedError(400, {"error": "limit must be 1-1000"})

@@ -203,6 +203,20 @@ async def test_an_owner_s_answer_is_bounded_in_bytes_as_sent_and_in_time() -> No
                     nursery.start_soon(drip)
             assert sum("unanswered" in e for e in unanswered) == 1  # the one past the owner's share, at once
             assert sum("within 3 s" in e for e in unanswered) == MAX_IN_FLIGHT_PER_OWNER
+            # The share is the owner's (a PeerID), not its URL's, which any record may copy:
+            # free identities copying an honest owner's URL took its share (a review, 2026-12-07).
+            copied: list[str] = []
+
+            async def copying(identity: str) -> None:
+                with pytest.raises(PeerUnreachable) as late:
+                    await client.json(url, "GET", "/drip", timeout=2.0, owner=identity)
+                copied.append(str(late.value))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(MAX_IN_FLIGHT_PER_OWNER):
+                    nursery.start_soon(copying, f"copycat{i}")
+                nursery.start_soon(copying, "honest")
+            assert not any("unanswered" in e for e in copied)
     finally:
         await client.aclose()
         server.shutdown()
