@@ -263,7 +263,9 @@ def _remember(host: P2PHost, peers: Sequence[PeerAddrs], informant: PeerId) -> l
     the peers we are not connected to.
 
     Strangers choose these entries, so the address book is capped: past
-    ``_MAX_KNOWN_PEERS`` new peers are not remembered (known ones are still refreshed)."""
+    ``_MAX_KNOWN_PEERS`` new peers are not remembered (known ones are still refreshed, by
+    their own word only: a peer's addresses are kept at most 16, the newest first, and
+    hearsay of 16 made-up ones pushed its real ones out; a review, 2026-12-07)."""
     known = set(host.known_peers())
     informant_ip = host.remote_ip(informant)
     new = []
@@ -273,9 +275,11 @@ def _remember(host: P2PHost, peers: Sequence[PeerAddrs], informant: PeerId) -> l
             continue
         if entry.peer_id not in known and len(known) >= _MAX_KNOWN_PEERS:
             continue
+        hearsay_of_a_known_peer = entry.peer_id != informant and entry.peer_id in known
         known.add(entry.peer_id)
         try:
-            host.add_addrs(entry.peer_id, entry.addrs)
+            if not hearsay_of_a_known_peer:
+                host.add_addrs(entry.peer_id, entry.addrs)
         except DialError:  # not a peer id
             continue
         if not host.is_connected(entry.peer_id):

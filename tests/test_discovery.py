@@ -128,6 +128,27 @@ async def test_a_peer_s_addresses_are_capped_whoever_sends_them() -> None:
         assert len(kept) == MAX_ADDRS_PER_PEER and kept[0].startswith("/ip4/127.0.0.1/tcp/1784/")
 
 
+async def test_hearsay_does_not_push_a_known_peer_s_own_addresses_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's addresses are kept at most 16, the newest first: an informant's 16 made-up ones
+    for a peer we knew pushed its real ones out (a review, 2026-12-07). Hearsay teaches only
+    peers we know nothing of; a peer's own word replaces."""
+    with trio.fail_after(20):
+        async with AsyncExitStack() as stack:
+            a, b, c = [await stack.enter_async_context(open_host(Identity.generate())) for _ in range(3)]
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            await nursery.start(run_discovery, b, (), DiscoveryConfig(target_degree=1))
+            real = c.multiaddrs()[0]
+            a.add_addrs(c.peer_id, [real])  # a knows c, and is not connected to it
+            made_up = tuple(f"/ip4/127.0.0.1/tcp/{9000 + i}/p2p/{c.peer_id}" for i in range(16))
+            await a.connect(b.multiaddrs()[0])
+            from p2p import discovery
+
+            monkeypatch.setattr(discovery, "_shared_peers", lambda host, limit, exclude: [PeerAddrs(c.peer_id, made_up)])
+            await exchange_peers(a, b.peer_id)  # b lies about c
+            assert real in a.known_addrs(c.peer_id)
+            nursery.cancel_scope.cancel()
+
+
 async def test_five_peers_bootstrapped_from_one_address_mesh_up() -> None:
     with trio.fail_after(30):
         async with AsyncExitStack() as stack:
