@@ -158,7 +158,7 @@ def _chat(args: argparse.Namespace) -> int:
     model = pick_model(api, args.model)
     color = sys.stdout.isatty()
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"chatting with {model} through {api.base} (Ctrl-C stops an answer, Ctrl-D leaves)", file=sys.stderr)
+    print(printable(f"chatting with {model} through {api.base} (Ctrl-C stops an answer, Ctrl-D leaves)"), file=sys.stderr)
     while True:
         try:
             prompt = input("you> ")
@@ -174,7 +174,7 @@ def _chat(args: argparse.Namespace) -> int:
             turn = _answer(api, body, color)
         except PeerRefused as exc:
             history.pop()  # the peer refused the turn: it never happened
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {printable(str(exc))}", file=sys.stderr)
             continue
         if turn.content:
             history.append({"role": "assistant", "content": turn.content})

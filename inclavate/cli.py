@@ -210,8 +210,22 @@ def _message(record: logging.LogRecord) -> str:
     args = record.args
     if isinstance(args, tuple) and args:
         record = logging.makeLogRecord({**record.__dict__, "args": tuple(
-            printable(a, one_line=True) if isinstance(a, str) else a for a in args)})  # fmt: skip
+            a if isinstance(a, (int, float)) else _OneLine(a) for a in args)})  # fmt: skip
     return record.getMessage()
+
+
+class _OneLine:
+    """A log argument that formats (``%s``, ``%r``) on one printable line: an exception's
+    text carries a frame's words too (a node id in a refusal forged a line: a review)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return printable(str(self.value), one_line=True)
+
+    def __repr__(self) -> str:
+        return printable(repr(self.value), one_line=True)
 
 
 class _CliFormatter(logging.Formatter):

@@ -127,7 +127,7 @@ class LegacyNode:
             })  # fmt: skip
             if status == 404:  # the peer forgot us (silent too long, or it restarted): register again
                 status, answer = await self._call("POST", "/nodes", self._registration)
-                log.warning("%s no longer knew this node; registering again: %s", self.orchestrator, status)
+                log.warning("%s no longer knew this node; registering again: %s %s", self.orchestrator, status, answer)
             elif status != 200:
                 log.warning("heartbeat refused by %s (%s): %s", self.orchestrator, status, answer)
             await trio.sleep(self.config.liveness.heartbeat_s)

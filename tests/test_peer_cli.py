@@ -163,6 +163,12 @@ def test_a_stranger_s_text_in_the_log_neither_starts_a_line_nor_reaches_the_term
     line = _CliFormatter().format(record)
     assert "\n" not in line and "\x1b" not in line and "\x07" not in line
     assert line == "warning: refused reassign of n1\ufffdwarning: forged line of ours\ufffd]52;c;cm0gLXJm\ufffd\ufffd[2J"
+    refused = ValueError("the registry says n\nwarning: forged line")  # an exception's text is a frame's too
+    for fmt in ("refusing: %s", "refusing: %r"):
+        record = logging.getLogger("p2p.forward").makeRecord("p2p.forward", logging.INFO, __file__, 1, fmt, (refused,), None)
+        assert "\n" not in _CliFormatter().format(record)
+    record = logging.getLogger("p2p").makeRecord("p2p", logging.INFO, __file__, 1, "%d of %.1f", (3, 2.5), None)
+    assert _CliFormatter().format(record) == "3 of 2.5"
 
 
 def test_libp2ps_warnings_reach_the_peer_log_as_one_stamped_line(capsys: pytest.CaptureFixture[str]) -> None:
