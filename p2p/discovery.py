@@ -47,6 +47,7 @@ from inclavate.types import PeerId
 from inclavate.untrusted import Malformed, as_dict, as_str, parse_json, read_list, read_str
 from p2p.errors import DialError, P2PError, ProtocolError
 from p2p.framing import FramedStream
+from p2p.host import MAX_ADDRS_PER_PEER
 from p2p.ticks import sleep_to_tick
 
 if TYPE_CHECKING:
@@ -59,7 +60,6 @@ PEERS_PROTOCOL = "/inclavate/peers/1"
 _MAX_PEER_LIST_BYTES = 256 * 1024
 _MAX_ID = 128
 _MAX_ADDR = 512
-_MAX_ADDRS_PER_PEER = 16
 _MAX_KNOWN_PEERS = 1024
 _MAX_BACKOFF_ENTRIES = 4096
 """Dial schedules kept (one per address); beyond it the table is rebuilt from what is known."""
@@ -180,7 +180,7 @@ class PeerAddrs:
         try:
             entry = as_dict(obj, "peers", max_len=8)
             peer = read_str(entry, "id", max_len=_MAX_ID)
-            addrs = read_list(entry, "addrs", max_len=_MAX_ADDRS_PER_PEER)
+            addrs = read_list(entry, "addrs", max_len=MAX_ADDRS_PER_PEER)
             return cls(PeerId(peer), tuple(as_str(a, "addrs", max_len=_MAX_ADDR) for a in addrs))
         except Malformed as exc:
             raise ProtocolError(f"malformed peer entry: {exc}") from None
@@ -201,7 +201,7 @@ def decode_peers(frame: bytes, max_peers: int = 64) -> list[PeerAddrs]:
 
 
 def _self_entry(host: P2PHost) -> PeerAddrs:
-    return PeerAddrs(host.peer_id, tuple(host.multiaddrs()[:_MAX_ADDRS_PER_PEER]))
+    return PeerAddrs(host.peer_id, tuple(host.multiaddrs()[:MAX_ADDRS_PER_PEER]))
 
 
 def _shared_peers(host: P2PHost, limit: int, exclude: PeerId) -> list[PeerAddrs]:
@@ -214,7 +214,7 @@ def _shared_peers(host: P2PHost, limit: int, exclude: PeerId) -> list[PeerAddrs]
             break
         addrs = host.known_addrs(peer)
         if addrs:
-            entries.append(PeerAddrs(peer, tuple(addrs[:_MAX_ADDRS_PER_PEER])))
+            entries.append(PeerAddrs(peer, tuple(addrs[:MAX_ADDRS_PER_PEER])))
     return entries
 
 

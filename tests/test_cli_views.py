@@ -6,6 +6,7 @@ import socket
 import threading
 
 import pytest
+from fixed_answer import answering
 
 from inclavate.chat_cmd import Turn, stats_line
 from inclavate.cli import main
@@ -199,28 +200,8 @@ def test_chat_names_a_hostile_model_id_without_its_control_characters(capsys: py
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Without ``--model``, chat names the first model a peer lists: that id is any record's
     word, and its escape sequence reached the terminal (a review, 2026-12-07)."""
-    import http.server
-    import json as json_module
-
-    class Models(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            body = json_module.dumps({"data": [{"id": "evil\x1b]52;c;eA==\x07"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setattr("builtins.input", lambda _prompt: (_ for _ in ()).throw(EOFError))
-    try:
-        assert main(["chat", "--api", f"http://127.0.0.1:{server.server_address[1]}"]) == 0
-    finally:
-        server.shutdown()
-        server.server_close()
+    with answering({"data": [{"id": "evil\x1b]52;c;eA==\x07"}]}) as url:
+        assert main(["chat", "--api", url]) == 0
     err = capsys.readouterr().err
     assert "chatting with evil\ufffd]52;c;eA==\ufffd through" in err and "\x1b" not in err

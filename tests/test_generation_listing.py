@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trio
+from fixed_answer import answering
 from owner_grinding import ground
 from registry_helpers import view
 from test_generation_service import job_row
@@ -307,31 +308,11 @@ def test_the_largest_record_this_peer_writes_fits_its_bound(tmp_path: Path) -> N
 # (the response, and its connection, are closed by ``stream``'s context): a warning, not a leak.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_peer_http_refuses_an_answer_past_the_bound_its_caller_gives(tmp_path: Path) -> None:
-    import http.server
-    import threading
-
-    class Bloated(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            body = json.dumps({"generations": [], "junk": "x" * 100_000}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bloated)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     http_client = PeerHttp()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        with trio.fail_after(10):
+        with answering({"generations": [], "junk": "x" * 100_000}) as url, trio.fail_after(10):
             with pytest.raises(PeerUnreachable, match="more than 50000 bytes"):
                 await http_client.json(url, "GET", "/v1/generations", max_bytes=50_000)
             assert (await http_client.json(url, "GET", "/v1/generations"))[0] == 200  # the default ceiling
     finally:
         await http_client.aclose()
-        server.shutdown()
-        server.server_close()
