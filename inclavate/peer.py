@@ -842,9 +842,9 @@ class Peer:
         routable = [v.record for v in views if v.record.model_id == model_id and v.routable and v.record.context_length]
         own = self.config.engine.context_length
         common = agreed(routable, lambda r: r.context_length)
-        context = own
-        if common is not None:
-            fallbacks = sorted({r.context_length for r in routable if r.context_length < common}, reverse=True)
+        context = common or own
+        fallbacks = sorted({r.context_length for r in routable if r.context_length < context}, reverse=True)
+        if common is not None and fallbacks:  # else every node states it: the caller's route check is the test
             for candidate in (common, *fallbacks):
                 try:
                     choose_route(views, ModelId(model_id), PeerId(self.peer_id), n_layers=n_layers, min_context=candidate)
