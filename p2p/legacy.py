@@ -396,8 +396,9 @@ class LegacyNodes:
         own id when it restarted (an audit, 2026-12-07)."""
         registry_id = self._registry_id(node_id)
         departed = self._departed.get(registry_id)
-        if departed is None or departed.left or registry_id in self._nodes or not departed.node.owns(token):
-            return
+        if (departed is None or departed.left or departed.until <= time.monotonic() or registry_id in self._nodes
+                or not departed.node.owns(token)):  # fmt: skip
+            return  # past its horizon the id may be anyone's again: a new registration, not a revival
         del self._departed[registry_id]
         node = departed.node
         node.last_heartbeat = time.monotonic()
