@@ -226,6 +226,11 @@ async def test_a_node_back_from_silence_keeps_its_id_and_a_stranger_cannot_take_
         nodes._drop_silent()
         again = await nodes.register(_body("n1", node_server.url), assign=False)  # a restart, with its token
         assert again["registry_id"] == registry_id and nodes.serves(registry_id)
+        nodes._nodes[registry_id].last_heartbeat -= 3600
+        nodes._drop_silent()
+        nodes._departed[registry_id].until = 0.0  # past the horizon: no revival, a registration
+        with pytest.raises(UnknownLegacyNode):
+            await nodes.heartbeat("n1", {}, TOKEN)
         nursery.cancel_scope.cancel()
 
 
