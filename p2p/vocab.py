@@ -57,16 +57,18 @@ def serve_vocab(host: P2PHost, local_vocab: Callable[[str], Path | None]) -> Non
     identities held 500 MiB (an audit, 2026-12-07). A limit on answers at once instead let
     one stranger's unread requests refuse every honest fetch (a review, the same day)."""
     answers: dict[tuple[str, int, int], bytes] = {}  # at most one: the file last asked for
+    reading = trio.Lock()  # answers that arrive during a read wait for it, not read again
 
     async def answer_of(path: Path) -> bytes:
-        stat = await trio.to_thread.run_sync(path.stat)
-        key = (str(path), stat.st_mtime_ns, stat.st_size)
-        answer = answers.get(key)
-        if answer is None:
-            answer = _OK + await trio.to_thread.run_sync(path.read_bytes)
-            answers.clear()
-            answers[key] = answer
-        return answer
+        async with reading:
+            stat = await trio.to_thread.run_sync(path.stat)
+            key = (str(path), stat.st_mtime_ns, stat.st_size)
+            answer = answers.get(key)
+            if answer is None:
+                answer = _OK + await trio.to_thread.run_sync(path.read_bytes)
+                answers.clear()
+                answers[key] = answer
+            return answer
 
     async def handle(stream: FramedStream, remote: PeerId) -> None:
         try:

@@ -5,6 +5,7 @@ bytes that do not match are refused and never cached."""
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,7 @@ async def test_vocabulary_answers_share_one_copy_however_many_strangers_ask(tmp_
 
     def counting(path: Path) -> bytes:
         counted.append(path)
+        time.sleep(0.3)  # a slow disk: answers asked during a read must wait for it, not read again
         return read_bytes(path)
 
     with trio.fail_after(60), pytest.MonkeyPatch.context() as patch:
