@@ -25,6 +25,12 @@ from inclavate.types import SessionId
 
 _ROW_DTYPES = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}
 
+MAX_REPLAYS = 16
+"""Replays one session may have from a stage over its life. An honest entry moves a session
+a few times a request (three failovers at most, and moves off leaving or slow hops); anyone
+who may adopt a session (its stranger opener among them) got one re-sending of everything
+kept per adopt, a ~300-byte frame each (2026-12-07, an audit)."""
+
 
 @dataclass
 class _Kept:
@@ -33,6 +39,9 @@ class _Kept:
     replay_allowed: bool = False
     """Set when the session is adopted under a new leg: one replay may read it (a stage
     re-sends a session's states only when the entry just moved it, not on any frame's word)."""
+    adoptions: int = 0
+    """Adopts the session has had here, under any of its ids: past :data:`MAX_REPLAYS`
+    they allow no replay."""
 
     @property
     def nbytes(self) -> int:
@@ -135,11 +144,28 @@ class KeptOutputs:
         decoded = [tensors.decode(_encoded(d, r)) for d, r in parts]  # type: ignore[arg-type]
         return _encoded("f32", np.concatenate(decoded))
 
+    def shapes(self, session_id: SessionId, positions: int) -> list[int]:
+        """The lengths of the frames that carried positions ``[0, positions)`` to the next
+        hop, in order (the last cut at ``positions``). KeyError/IndexError when not held."""
+        kept = self._sessions[session_id]
+        if positions < 1 or positions > kept.length:
+            raise IndexError(f"{positions} positions of {kept.length} kept")
+        shapes, pos = [], 0
+        for chunk in kept.chunks:
+            if pos >= positions:
+                break
+            n = min(int(chunk.shape[0]), positions - pos)
+            shapes.append(n)
+            pos += n
+        return shapes
+
     def rename(self, old: SessionId, new: SessionId) -> None:
-        """The session continues under a new id (a failover adopted it); one replay allowed."""
+        """The session continues under a new id (a failover adopted it); one replay allowed,
+        up to :data:`MAX_REPLAYS` over the session's life."""
         kept = self._sessions.pop(old, None)
         if kept is not None:
-            kept.replay_allowed = True
+            kept.adoptions += 1
+            kept.replay_allowed = kept.adoptions <= MAX_REPLAYS
             self._sessions[new] = kept
 
     def take_replay(self, session_id: SessionId) -> bool:

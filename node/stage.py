@@ -288,6 +288,8 @@ class Stage:
         self.stats = StageStats(step_rounds_by_lane=[0] * self.decode_lanes)
         self._send, self._receive = trio.open_memory_channel[Job](queue_size)
         self._deferred: list[Job] = []
+        self._control_ran = False
+        """The last round ran a close or adopt (see :meth:`_steps_of_held_sessions`)."""
         self._pending: dict[SessionId, int] = {}
         """Jobs submitted and not yet delivered, by session (an adopt's under its new id too)."""
         self._last_used: dict[SessionId, float] = {}
@@ -459,9 +461,11 @@ class Stage:
                 self._parked = False
         self._drain(waiting)
         control = _first_ready_control(waiting)
-        if control is not None:
+        if control is not None and not (self._control_ran and self._steps_of_held_sessions(waiting)):
+            self._control_ran = True
             self._deferred = [job for job in waiting if job is not control]
             return [_Work(control, None)]
+        self._control_ran = False
         if len(self._streaming_sessions(waiting)) > 1 and self.gather_s > 0:
             await self._gather(waiting)
         self._drain(waiting)
@@ -516,6 +520,13 @@ class Stage:
             with trio.move_on_after(0.5):
                 self._deferred.append(await self._receive.receive())
         return batch
+
+    def _steps_of_held_sessions(self, waiting: list[Job]) -> bool:
+        """Whether work waits that needs no slot: a job of a session the engine holds. A
+        close or adopt goes first, but not twice in a row past such work: a registered
+        peer's adopts, one after another, kept every step waiting (2026-12-07, an audit).
+        Work for new sessions does not count: it may wait for the slot a close frees."""
+        return any(job.item is not None and self.engine.session_length(job.session_id) > 0 for job in waiting)
 
     async def _gather(self, waiting: list[Job]) -> None:
         """Let the other sessions' next steps join this call. They are usually a few scheduler

@@ -39,6 +39,7 @@ from p2p.admission import Admission, AdmissionLimits, held_bytes
 from p2p.asked import AskedRequests
 from p2p.direct import DirectLinks
 from p2p.errors import LinkFull, P2PError, StreamError
+from p2p.failover import replay_plan
 from p2p.forward_checks import FrameReason, FrameRejected, RecordOf
 from p2p.inbox import Alarm, Inbox
 from p2p.framing import DEFAULT_MAX_FRAME_SIZE, FramedStream
@@ -714,9 +715,9 @@ class ForwardService:
             if stage is None and relayed is None:
                 to = self._refusal_goes_to(msg, remote)
                 if self.leaving and hop.node_id == self.node_id:
-                    await self._fail(msg, "shutting_down", f"{self.me} has left the swarm", to=to)
+                    await self._fail(msg, "shutting_down", f"{self.me} has left the swarm", to=to, refused=True)
                     return
-                await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to)
+                await self._fail(msg, "wrong_route", f"{self.me} does not serve {hop.node_id} layers {hop.layers}", to=to, refused=True)
                 return
         else:
             stage = self._stage
@@ -751,7 +752,8 @@ class ForwardService:
             release = await self.admission.reserve(remote, held_bytes(msg.nbytes, decoded))
         except FrameRejected as exc:
             self.drops.count(exc.reason)
-            await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc), to=self._refusal_goes_to(msg, remote))
+            await self._fail(msg, _REJECTION_CODES.get(exc.reason, "protocol"), str(exc), to=self._refusal_goes_to(msg, remote),
+                             refused=True)  # fmt: skip
             return
         if stage is None or item is None:
             assert relayed is not None  # no stage here: the hop is a node this peer relays
@@ -843,6 +845,12 @@ class ForwardService:
         """Send the kept outputs of positions ``[0, k)`` into the replaced span, in the frames
         that built them, before the step itself (the same link keeps the order).
 
+        The frames are this stage's own plan (:func:`~p2p.failover.replay_plan` of the frames
+        it sent), not the request's: the frames a replay named were the sender's choice, and
+        a stranger had 500 kept rows re-sent as 500 one-row frames, filling this stage's
+        link to the next hop in its own name until every honest step on it was refused
+        (2026-12-07, an audit). An honest entry plans the same frames from the same steps.
+
         The frames wait for room on the link (a replay may be longer than its queue), and
         this runs in the stage's worker: the whole replay has one deadline, what the link
         gives its bytes. Frame by frame, a next hop that never reads held the worker, and
@@ -853,7 +861,8 @@ class ForwardService:
         try:
             if kept is None:
                 raise KeyError("this stage keeps no outputs")
-            frames = [(start, kept.rows(msg.session_id, start, n)) for start, n in replay.frames]
+            plan = replay_plan(kept.shapes(msg.session_id, replay.positions))
+            frames = [(start, kept.rows(msg.session_id, start, n)) for start, n in plan]
         except (KeyError, IndexError) as exc:
             await self._fail(msg, "engine_error", f"cannot replay session {msg.session_id}: {exc}", wait_for_room=False)
             return False
@@ -875,7 +884,7 @@ class ForwardService:
             forward_checks.check_route(msg.route, None, self.record_of)
         except FrameRejected as exc:
             self.drops.count(exc.reason)
-            log.info("refusing a %s from %s: %s", kind, remote, exc)
+            log.debug("refusing a %s from %s: %s", kind, remote, exc)  # counted: a stranger's flood is no log flood
             return False
         return True
 
@@ -885,10 +894,13 @@ class ForwardService:
         if not self._admits_control(msg, remote, "adopt"):
             return
         stage = self._serves(msg.route[0])
-        if stage is None:
+        if stage is None or not stage.holds(msg.session_id):
             # Nothing kept here, answered to whoever asked (an entry asks its hops itself): an
             # answer sent to the ``reply_to`` a frame names would let anyone put "nothing
             # kept" in this peer's mouth, to any entry, for a request it learnt the id of.
+            # Answered without a job: a stage runs a close or adopt ahead of every step, and
+            # a registered peer's adopts of made-up ids, ~2,000 a second, kept every session
+            # here waiting (2026-12-07, an audit).
             await self.send(remote, wire.Adopted(msg.req_id, msg.new_id, 0))
             return
 
@@ -910,6 +922,9 @@ class ForwardService:
                 return
             self._close_off_route(msg, remote, "its first hop is not this node's stage")
             return
+        if not self.stage.holds(msg.session_id):
+            await self._close_unheld(msg, remote)
+            return
 
         async def deliver(_: StageResult) -> None:
             self.admission.closed(msg.session_id)
@@ -925,9 +940,23 @@ class ForwardService:
 
         await self.stage.submit(Job(None, msg.session_id, deliver))
 
+    async def _close_unheld(self, msg: wire.Close, remote: PeerId) -> None:
+        """A close of a session this stage holds nothing of: no job (one would run ahead of
+        every step: :meth:`_on_adopt`), and passed on only along the route this stage sent
+        the session on, whoever asks. A registered peer's closes of made-up ids went on to
+        any registered hops it named, in this peer's name, filling its links to them. An
+        entry whose close this drops (this stage forgot where it sent the session) closes
+        each hop directly once its wait for ``closed`` ends."""
+        self.admission.closed(msg.session_id)
+        onward = self._onward.pop(msg.session_id, None)
+        if len(msg.route) > 1 and (onward is None or onward[0] != msg.route[1:]):
+            self._close_off_route(msg, remote, "this stage holds nothing of the session and did not send it on to those hops")
+            return
+        await self._pass_close(msg, wait_for_room=False)
+
     def _close_off_route(self, msg: wire.Close, remote: PeerId, why: str) -> None:
         self.drops.count(FrameReason.CLOSE_OFF_ROUTE)
-        log.info("not passing on a close of session %s from %s: %s", msg.session_id, remote, why)
+        log.debug("not passing on a close of session %s from %s: %s", msg.session_id, remote, why)
 
     async def _free_idle_stranger_sessions(self) -> None:
         period = max(0.5, self.admission.limits.stranger_idle_s / 4)
@@ -950,11 +979,13 @@ class ForwardService:
             await self.send(msg.reply_to, wire.Closed(msg.req_id, msg.session_id), wait_for_room=wait_for_room)
 
     async def _fail(self, msg: wire.Forward, code: wire.ErrorCode, message: str, *, to: PeerId | None = None,
-                    wait_for_room: bool = True) -> None:  # fmt: skip
+                    wait_for_room: bool = True, refused: bool = False) -> None:  # fmt: skip
         """Answer ``msg``'s entry (or ``to``) with an error. Where a frame's own reader
         answers, it waits for room: a sender that floods refused frames and reads no answer is
-        then no longer read either (see :meth:`send` for a stage's answers, which never wait)."""
-        log.info("session %s failed at %s: %s", msg.session_id, self.me, message)
+        then no longer read either (see :meth:`send` for a stage's answers, which never wait).
+        ``refused``: a frame refused on arrival, which any sender can make as fast as it
+        writes: logged at debug (the refusal is counted, and answered)."""
+        log.log(logging.DEBUG if refused else logging.INFO, "session %s failed at %s: %s", msg.session_id, self.me, message)
         await self.send(to or msg.reply_to, wire.Error(msg.req_id, msg.session_id, code, message, self.me),
                         wait_for_room=wait_for_room)  # fmt: skip
 

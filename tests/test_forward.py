@@ -113,6 +113,9 @@ async def test_a_replay_to_a_peer_that_never_reads_gives_up_at_one_deadline() ->
     replay may name 4,096); the whole replay now has the deadline of its bytes, and the
     entry hears that the hop after this one failed."""
     class Kept:
+        def shapes(self, session: SessionId, positions: int) -> list[int]:
+            return [33] * (positions // 33)  # prefill chunks: each replayed in its own frame
+
         def rows(self, session: SessionId, start: int, n: int) -> tensors.EncodedTensor:
             return tensors.encode(np.zeros((16, 1024), np.float32), "f32")  # 64 KiB a frame
 
@@ -124,9 +127,9 @@ async def test_a_replay_to_a_peer_that_never_reads_gives_up_at_one_deadline() ->
             sender._stage = Keeping()  # type: ignore[assignment]
             inbox = sender.open_inbox(SessionId("s"))
             route = (Hop(NodeId(sender.me), sender.me, LayerRange(0, 10)), Hop(NodeId(b), b, LayerRange(10, 20)))
-            frames = tuple((i, 1) for i in range(1500))  # ~94 MiB: far more than the link and the socket hold
+            frames = tuple((i * 33, 33) for i in range(1500))  # ~94 MiB: far more than the link and the socket hold
             replay = wire.Replay(at=10, until=20, frames=frames)
-            step = wire.Forward(9, SessionId("s"), len(frames), route, sender.me, None,
+            step = wire.Forward(9, SessionId("s"), replay.positions, route, sender.me, None,
                                 hidden=tensors.encode(np.zeros((1, 8), np.float32)), replay=replay)  # fmt: skip
             assert not await sender._send_replay(step, replay)
             error = await inbox.receive()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -25,10 +26,10 @@ from inclavate.errors import RelayedError
 from inclavate.peer_http import _raise_for_error
 from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from inclavate.untrusted import Malformed
-from node.engine import EngineInfo
+from node.engine import BatchItem, EngineInfo
 from node.errors import SessionLimitReached
 from node.sampling import SamplingParams, UnusableLogits, sample
-from node.stage import Stage, StageResult
+from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
@@ -983,3 +984,111 @@ async def test_a_peer_that_learnt_a_session_id_cannot_claim_its_next_leg_first(s
             assert engine.session_length(session.leg.wire_id) == 3 and engine.session_length(s) == 0
             assert [engine.session_length(SessionId(guess)) for guess in ("s.1", "s.2")] == [1, 1]
             nursery.cancel_scope.cancel()
+
+
+async def test_closes_and_adopts_of_sessions_the_stage_does_not_hold_take_no_job(smollm2, slice_cache) -> None:
+    """A stage runs a close or adopt ahead of every step, and queued one for any id a
+    registered peer named: that peer's adopts of made-up ids, ~2,000 a second, kept every
+    session waiting for three failovers and a 503 (2026-12-07, an audit). A session the stage
+    holds nothing of is answered at once (adopt: nothing kept, to whoever asked), and its close
+    goes on only where this stage sent the session. Here the stage's worker never runs: a
+    job queued for them would never be answered."""
+    me, y, z, k = _hop("me", 0, 10), _hop("y", 10, 20), _hop("z", 20, 30), _hop("k", 0, 30)
+    with smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=4) as engine, trio.fail_after(20):
+        service = _Wired(me, Stage(engine), y, z, k)
+        for i in range(100):
+            await service._dispatch(wire.Adopt(i, SessionId(f"nobody{i}"), SessionId(f"nobody{i}.1"), (me,), z.peer_id), k.peer_id)
+            await service._dispatch(wire.Close(i, SessionId(f"nobody{i}"), (me, y, z), k.peer_id), k.peer_id)
+        answers = [(peer, m.TYPE, getattr(m, "length", None)) for peer, m in service.sent]
+        assert answers == [(k.peer_id, "adopted", 0)] * 100  # no close passed on in this peer's name
+        assert service.drops[FrameReason.CLOSE_OFF_ROUTE] == 100
+
+
+async def test_a_close_or_adopt_goes_first_but_not_twice_in_a_row_past_a_held_sessions_step(smollm2, slice_cache) -> None:
+    """A close or adopt runs ahead of the steps queued before it (it may free the slot a new
+    session waits for), and each registered peer may close or adopt any session: one after
+    another, they kept a held session's step waiting for as long as they came (2026-12-07, an
+    audit). A step of a held session now runs between two of them."""
+    ran: list[str] = []
+
+    def noting(what: str):  # type: ignore[no-untyped-def]
+        async def deliver(_: StageResult) -> None:
+            ran.append(what)
+
+        return deliver
+
+    with smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=8) as engine, trio.fail_after(30):
+        stage = Stage(engine)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            for name in ("s", "h1", "h2", "h3"):
+                await stage.submit(Job(BatchItem(SessionId(name), 0, tokens=np.array([1, 2, 3], np.int32)), SessionId(name),
+                                       noting(f"open {name}"), None), in_place=False)  # fmt: skip
+            await _until(lambda: len(ran) == 4, "the sessions to open")
+            nursery.cancel_scope.cancel()
+        ran.clear()
+        stage._control_ran = False  # a fresh worker: nothing ran before these
+        for job in (Job(None, SessionId("h1"), noting("close h1")), Job(None, SessionId("h2"), noting("close h2")),
+                    Job(BatchItem(SessionId("s"), 3, tokens=np.array([4], np.int32)), SessionId("s"), noting("step s"), None),
+                    Job(None, SessionId("h3"), noting("close h3"))):  # fmt: skip
+            await stage.submit(job, in_place=False)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stage.run)
+            await _until(lambda: len(ran) == 4, "the queued jobs to run")
+            nursery.cancel_scope.cancel()
+    assert ran == ["close h1", "step s", "close h2", "close h3"]
+
+
+async def test_a_replay_is_sent_in_the_stages_own_frames_and_only_so_often_a_session(smollm2, slice_cache) -> None:
+    """A replay's frames were the request's: a stranger that adopted its own session (as its
+    opener may) had the stage re-send every kept row as a frame of its own, and again after
+    each adopt, filling the link to the next hop in this peer's name until every honest step
+    on it was refused (2026-12-07, an audit). The stage now plans the frames from the frames it
+    sent (small steps in frames of up to 32), and a session gets at most ``MAX_REPLAYS``."""
+    from node.kept_outputs import MAX_REPLAYS
+    from p2p.failover import EXACT_BATCH
+
+    me, y, z = _hop("me", 0, 10), _hop("y", 10, 20), _hop("z", 20, 30)
+    evil, route = PeerId("evil"), (me, y, z)
+    with smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=4) as engine, trio.fail_after(120):
+        service = _Wired(me, Stage(engine, keep_outputs="f32"), y, z)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.stage.run)
+            await service._dispatch(_tokens("x0", route, evil), evil)
+            for pos in range(3, 43):  # 40 one-token steps
+                await service._dispatch(wire.Forward(1, SessionId("x0"), pos, route, evil, None, tokens=np.array([5], np.int32)), evil)
+                await _until(lambda: engine.session_length(SessionId("x0")) == pos + 1, "the step")
+            one_row_frames = ((0, 3), *((pos, 1) for pos in range(3, 43)))
+            for i in range(MAX_REPLAYS + 1):
+                old, new = SessionId(f"x{i}"), SessionId(f"x{i + 1}")
+                service.sent.clear()
+                await service._dispatch(wire.Adopt(1, old, new, (me,), evil), evil)
+                await _until(lambda: service.sent, "the adopt's answer")
+                assert [(m.TYPE, m.length) for _, m in service.sent] == [("adopted", 43 + i)]
+                service.sent.clear()
+                step = wire.Forward(1, new, 43 + i, route, evil, None, tokens=np.array([5], np.int32),
+                                    replay=wire.Replay(10, 20, one_row_frames + tuple((43 + j, 1) for j in range(i))))  # fmt: skip
+                await service._dispatch(step, evil)
+                await _until(lambda: service.sent, "the replay or its refusal")
+                sent = [m for _, m in service.sent]
+                if i < MAX_REPLAYS:
+                    assert [(m.start_pos, m.n_tokens, m.discard) for m in sent[:-1]] == [(0, EXACT_BATCH, True), (EXACT_BATCH, 11 + i, True)]
+                    assert sent[-1].start_pos == 43 + i and not sent[-1].discard
+            assert [m.code for m in sent] == ["protocol"] and service.drops[FrameReason.REPLAY_REFUSED] == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_strangers_refused_frames_are_counted_and_answered_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Each refused close, adopt or forward frame wrote a line at info: a stranger with no
+    record wrote 17,711 lines into a peer's log at ~2,700 a second (2026-12-07, an audit)."""
+    me, y, z = _hop("me", 0, 10), _hop("y", 10, 20), _hop("z", 20, 30)
+    evil = PeerId("evil")
+    service = _Wired(me, None, y, z)
+    with caplog.at_level(logging.INFO, logger="p2p.forward"):
+        for i in range(50):
+            await service._dispatch(wire.Adopt(i, SessionId(f"s{i}"), SessionId(f"s{i}.1"), (me,), evil), evil)
+            await service._dispatch(wire.Close(i, SessionId(f"s{i}"), (me, y, z), evil), evil)
+            await service._dispatch(_tokens(f"s{i}", (y, z), evil), evil)  # a hop this peer does not serve
+    assert service.drops[FrameReason.SESSION_NOT_YOURS] == 100
+    assert [m.code for _, m in service.sent] == ["wrong_route"] * 50
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
