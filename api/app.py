@@ -148,10 +148,14 @@ async def serve_api(
     config.errorlog = _quiet_about_cut_downloads(logging.getLogger("hypercorn.error"))
     config.graceful_timeout = 2.0
     config.keep_alive_timeout = 30.0
-    # One ASGI message queued per connection: a websocket message is up to 16 MiB (see
-    # HandOverWebsocket); an HTTP body's messages are socket reads, and streamed bodies have
+    # One ASGI message queued per connection: a websocket message is up to a body's limit
+    # (see HandOverWebsocket); an HTTP body's messages are socket reads, and streamed bodies have
     # their own backpressure (api.uploads).
     config.max_app_queue_size = 1
+    # A ``/ws/chat`` request frame may be as large as a POST body, and is validated the same
+    # way: at hypercorn's 16 MiB default, a 17 MiB request the spec allows closed the
+    # connection (1009) with no error frame (2026-12-07, an audit from outside).
+    config.websocket_max_message_size = app.config.get("MAX_CONTENT_LENGTH") or config.websocket_max_message_size
     async with trio.open_nursery() as nursery:
         budget = app.extensions.get("inclavate.body_budget")
         if budget is not None:

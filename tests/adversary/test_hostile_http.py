@@ -307,6 +307,18 @@ async def test_an_empty_websocket_frame_is_a_400_frame_not_an_idle_close(local_c
             assert "choices" in json.loads(await ws.get_message())
 
 
+async def test_a_websocket_request_as_large_as_a_post_body_gets_the_same_answer(local_chat) -> None:
+    """hypercorn's 16 MiB websocket default closed the connection (1009) on a 17 MiB request
+    frame, with no error frame, where the same body over HTTP got its JSON answer: both
+    paths take a request up to the body limit, 24 MiB (2026-12-07, an audit from outside)."""
+    url, _ = local_chat
+    padding = "x" * (17 * 1024 * 1024)
+    body = json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": padding}]}).encode()
+    with trio.fail_after(60):
+        response, frame = await _chat_and_ws(url, body)
+    assert response.status_code == frame["status"] == 422 and "no-such-model" in frame["error"], (response.status_code, frame)
+
+
 async def test_a_content_part_type_that_is_not_a_string_is_a_media_400(local_chat) -> None:
     """``"type": ["x"]`` reached a dict lookup and raised ``TypeError: unhashable`` (500)."""
     url, _ = local_chat
