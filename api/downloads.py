@@ -39,10 +39,12 @@ ARTIFACT_ID_HEADER = "x-dppan-artifact-id"
 
 
 def served_media_type(media_type: str) -> str:
-    """The type to serve for a recorded one; text/plain always says it is UTF-8."""
-    if media_type not in INERT_MEDIA_TYPES:
+    """The type to serve for a recorded one, judged by its essence (a generator records
+    ``text/plain; charset=utf-8``); text/plain always says it is UTF-8."""
+    essence = media_type.split(";", 1)[0].strip().lower()
+    if essence not in INERT_MEDIA_TYPES:
         return DEFAULT_MEDIA_TYPE
-    return "text/plain; charset=utf-8" if media_type == "text/plain" else media_type
+    return "text/plain; charset=utf-8" if essence == "text/plain" else essence
 
 
 async def serve_artifact(artifacts: SwarmArtifacts, id_: str, range_header: str | None, *, attachment: bool) -> Response:

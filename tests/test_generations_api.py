@@ -115,6 +115,11 @@ async def test_openai_sdk_speech_then_transcription_round_trip(served: Served) -
     assert word_error_rate(SENTENCE, plain.text) <= SENTENCE_MAX_WER
     text_artifact = served.artifacts.meta(plain.headers["x-dppan-artifact-id"])
     assert text_artifact.kind == "generated" and text_artifact.media_type.startswith("text/plain")
+    # Re-fetched as the spec says, the transcript is text: its recorded type carries a charset,
+    # which a lookup of the whole string missed (octet-stream; 2026-12-07, an audit from outside).
+    async with client(served) as http:
+        again = await http.get(f"/v1/artifacts/{text_artifact.id}")
+    assert again.headers["content-type"] == "text/plain; charset=utf-8" and again.text == plain.text
 
 
 async def test_speech_max_duration_truncates(served: Served) -> None:
