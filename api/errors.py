@@ -50,12 +50,26 @@ __all__ = [
 ]
 
 
+MAX_MESSAGE_CHARS = 2000
+"""The longest error message a client is sent (and a log line shows). Messages quote what
+the caller sent: an 8 MiB model id came back as an 8 MiB error body (2026-12-07, an audit
+from outside)."""
+
+
+def bounded(message: str) -> str:
+    """``message``, cut to :data:`MAX_MESSAGE_CHARS` with a note of how much was left out."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 class ApiError(InclavateError):
     """A request the API refuses; subclasses fix the status, the message is for the client."""
 
     status: ClassVar[int] = 500
 
     def __init__(self, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
 
@@ -284,7 +298,7 @@ def error_response_parts(exc: BaseException) -> tuple[int, dict[str, Any]]:
         entry = _registry.get(cls)
         if entry is not None:
             status, render = entry
-            return status, {"error": render(exc)}
+            return status, {"error": bounded(render(exc))}
     if isinstance(exc, InclavateError):
         # Ours but unmapped: name the class so a bug report is actionable, keep the text
         # (which may hold paths or peer addresses) out of the response.

@@ -319,6 +319,21 @@ async def test_a_websocket_request_as_large_as_a_post_body_gets_the_same_answer(
     assert response.status_code == frame["status"] == 422 and "no-such-model" in frame["error"], (response.status_code, frame)
 
 
+async def test_an_error_quotes_at_most_a_bounded_part_of_what_was_sent(local_chat) -> None:
+    """Error messages quote the caller's input: an 8 MiB model id came back as an 8 MiB 422
+    body, a 60,000-character id in a path as a 60 KB 404 (2026-12-07, an audit from outside)."""
+    from api.errors import MAX_MESSAGE_CHARS
+
+    url, _ = local_chat
+    long_id = "m" * 60_000
+    body = json.dumps({"model": "x" * (8 << 20), "messages": [{"role": "user", "content": "hi"}]})
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        answers = [await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"}),
+                   await client.get(f"/v1/models/{long_id}"), await client.get(f"/metrics/model/{long_id}")]  # fmt: skip
+    for response, status in zip(answers, (422, 404, 404), strict=True):
+        assert response.status_code == status and len(response.json()["error"]) < MAX_MESSAGE_CHARS + 100, (status, len(response.content))
+
+
 async def test_a_content_part_type_that_is_not_a_string_is_a_media_400(local_chat) -> None:
     """``"type": ["x"]`` reached a dict lookup and raised ``TypeError: unhashable`` (500)."""
     url, _ = local_chat
