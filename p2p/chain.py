@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from inclavate.types import ModelId, NodeId, PeerId, SessionId
+from inclavate.types import LayerRange, ModelId, NodeId, PeerId, SessionId
 from node.sampling import SamplingParams
 from p2p import wire
 from p2p.errors import P2PError
 from p2p.failover import FailoverPolicy, PeerHealth, StepDeadline, hop_trouble, replay_plan
 from p2p.latency import usable_link_ms
-from p2p.legs import Leg, LegWatch, blame, seen_gone, speaker
+from p2p.legs import Leg, LegWatch, blame, refusal_suspects, seen_gone, speaker
 from p2p.forward import ForwardService
 from p2p.forward_checks import FrameReason
 from p2p.inbox import Inbox
@@ -76,7 +76,8 @@ _NO_TOKENS = np.zeros(0, np.int32)
 """The input of a frame made only to learn its step context."""
 
 CLIENT_ERRORS = frozenset({"context_full", "invalid_batch"})
-"""Error codes caused by the request itself: another route would fail the same way."""
+"""Error codes that refuse a hop's input: the request's fault (another route would fail the
+same way) only where that input is the request itself (:meth:`SwarmPipeline._refused_input`)."""
 
 
 class StageFailed(P2PError):
@@ -475,11 +476,16 @@ class SwarmPipeline:
         (an honest stage's fair share) is replayed blaming nobody, and blames its sender
         when it evicts the session again. Believed every time, any of them let a hop on
         the cheapest route fail every request sent through it (a 400, or a 503 after its
-        failovers) and never be avoided, since nobody was blamed."""
+        failovers) and never be avoided, since nobody was blamed. A refusal of input the
+        request did not make itself (hidden states, positions a hop passed on) is no
+        client's error at all: it blames whoever made that input (:meth:`_refused_input`)."""
         reporter = broken.excused
         if reporter is None:
             return broken
         if isinstance(broken.cause, StageFailed) and broken.cause.code in CLIENT_ERRORS:
+            refused = self._refused_input(session, reporter, broken.cause)
+            if refused is not None:
+                return refused
             if session.client_errors or session.failovers >= self.policy.max_failovers:
                 raise broken.cause
             session.client_errors += 1
@@ -488,6 +494,20 @@ class SwarmPipeline:
             return Broken(frozenset({reporter}), broken.cause, certain=False)
         session.evicted_by.add(reporter)
         return broken
+
+    def _refused_input(self, session: _Session, reporter: PeerId, cause: StageFailed) -> Broken | None:
+        """A hop refused its input: who is blamed when that input was not the request's own
+        (:func:`p2p.legs.refusal_suspects`: the reporter and the hop before it, as a guess;
+        only the hop before it, for certain, when the reporter is this peer); None when it
+        was (token ids at the first hop, or positions past the chain's context, which this
+        entry's own history holds). Either suspect is then out of the failover's prefix."""
+        if session.leg is None or (cause.code == "context_full" and len(session.history) > self.context_length):
+            return None
+        me = self.service.me
+        suspects = refusal_suspects(session.leg, reporter, me)
+        if not suspects:
+            return None
+        return Broken(suspects, cause, certain=reporter == me)
 
     async def _check_report(self, broken: Broken) -> Broken:
         """A hop reported the hop after it unreachable: its word against that hop's. When
@@ -645,17 +665,40 @@ class SwarmPipeline:
         avoided = (self.health.avoided(now) | failed) - back
         last: NoRoute | None = None
         passes = (avoided,) if voluntary else (avoided, failed) if certain else (avoided, failed, frozenset())
+        # Peers a pass may let back in when no route exists without them: neither one seen
+        # gone nor one failed for certain, and none on a voluntary move.
+        spare = avoided if voluntary else gone | (failed if certain else frozenset())
         for exclude in passes:
-            exclude |= gone
-            attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
-            for prefix, boundary in attempts:
+            try:
+                return self._route_without(views, costs, keep, start, exclude | gone)
+            except NoRoute as exc:
+                last = exc
+            # Only the suspects no route can do without come back, not all of them: a guess
+            # naming a framer and its successor, the sole holder of the next range, sent the
+            # session straight back through the framer (and so did every new session while
+            # the successor was avoided).
+            needed = _holders(views, self.model_id, last.missing) & (exclude - spare)
+            if needed:
                 try:
-                    return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng, start=boundary,
-                                                 exclude=exclude, n_layers=self.n_layers, min_context=self.context_length)  # fmt: skip
+                    return self._route_without(views, costs, keep, start, (exclude - needed) | gone)
                 except NoRoute as exc:
-                    last = exc  # the last attempt (from layer 0, only the failed left out) says most
+                    last = exc
         assert last is not None
         raise last
+
+    def _route_without(self, views: Sequence[NodeView], costs: CostModel, keep: list[Hop], start: int,
+                       exclude: frozenset[PeerId]) -> list[Hop]:  # fmt: skip
+        """The cheapest route through no peer of ``exclude``: ``keep`` then on from boundary
+        ``start``; failing that, from layer 0 (whose ``NoRoute`` says most: it is raised)."""
+        attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
+        for prefix, boundary in attempts:
+            try:
+                return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng, start=boundary,
+                                             exclude=exclude, n_layers=self.n_layers, min_context=self.context_length)  # fmt: skip
+            except NoRoute:
+                if boundary == 0:
+                    raise
+        raise AssertionError("the last attempt starts at layer 0")
 
     def _span_route(self, old: Sequence[Hop], failed: frozenset[PeerId], session: _Session,
                     voluntary: bool = False) -> _Span | None:  # fmt: skip
@@ -880,6 +923,14 @@ def _started_ms(views: Iterable[NodeView]) -> dict[PeerId, int]:
     node's start is its relay's business, not a sign of the peer's restart)."""
     return {v.record.peer_id: v.record.started_ms for v in views
             if v.record.node_id == v.record.peer_id and v.record.started_ms}  # fmt: skip
+
+
+def _holders(views: Iterable[NodeView], model_id: ModelId, missing: Sequence[LayerRange]) -> frozenset[PeerId]:
+    """The peers (and relayed nodes, by their ids) that hold any of ``missing`` layers of the
+    model in a routable record: those a route cannot do without."""
+    return frozenset(PeerId(who) for v in views if v.record.model_id == model_id and v.routable
+                     and any(v.record.layers.start < m.end and m.start < v.record.layers.end for m in missing)
+                     for who in (v.record.peer_id, v.record.node_id))  # fmt: skip
 
 
 def _departed(failed: frozenset[PeerId], gone: frozenset[PeerId] = frozenset()) -> Broken:

@@ -79,6 +79,25 @@ def blame(leg: Leg, error: wire.Error, me: PeerId) -> frozenset[PeerId]:
     return reporter
 
 
+def refusal_suspects(leg: Leg, origin: PeerId, me: PeerId) -> frozenset[PeerId] | None:
+    """Whom a hop's refusal of its input (``invalid_batch``, ``context_full``) blames: None
+    when the input was the request's own (the route's first hop refused the token ids this
+    entry sent; or ``origin`` is on no hop), else that hop and the one before it, which
+    produced the input (its hidden states, and the position it sent them at), never ``me``.
+
+    Past the first hop, input is what the hop before made of the request: treated as the
+    request's fault, a hop on the route that sent its successor NaN, or a position past what
+    the session holds there, had that honest successor blamed and every chat through it
+    failed as the client's error, itself never blamed (an audit, 2026-12-07). The refusal is
+    the reporter's word, which the entry cannot check (hidden states never travel back): a
+    lying reporter would have its honest predecessor avoided. So both are suspects, as a
+    guess, and the one that is in every such failure is the one that keeps losing trust."""
+    at = _hop_of(leg, origin)
+    if not at:
+        return None
+    return frozenset(PeerId(h.blame_id) for h in leg.route[at - 1 : at + 1] if h.peer_id != me)
+
+
 def speaker(leg: Leg, origin: PeerId) -> PeerId:
     """Whom an error's ``origin`` blames on this leg (:attr:`~p2p.routing.Hop.blame_id`):
     itself when it names a hop; the hop of the peer it is namespaced under when it names a

@@ -1035,3 +1035,66 @@ def test_a_slow_sole_holder_or_an_honest_slow_chain_keeps_serving() -> None:
             assert honest.deadline.seconds(1) > 10 * 2.0  # learnt as measured
 
     trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+class _FramingHop(_AnsweringHops):
+    """Peer ``framer`` sends the hop after it input that hop must refuse (NaN hidden states,
+    or a position past what the session holds there): that honest hop answers every frame
+    that came through the framer with ``code`` in its own name."""
+
+    def __init__(self, me: str, framer: str, code: str) -> None:
+        super().__init__(me, held=None)
+        self.framer, self.code = PeerId(framer), code
+
+    def refusal(self, msg: wire.Forward, peers: list[PeerId]) -> wire.Error | None:
+        if self.framer not in peers[:-1]:
+            return None
+        victim = peers[peers.index(self.framer) + 1]
+        return wire.Error(msg.req_id, msg.session_id, self.code, "hidden states must be finite", victim)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("code", ["invalid_batch", "context_full"])
+def test_a_hop_that_frames_the_hop_after_it_is_blamed_and_routed_around(code: str) -> None:
+    """``h`` (10-20, on the cheapest route) sends ``b`` (20-30, its only holder) input ``b``
+    must refuse. The refusal was read as the request's fault: ``b`` was blamed as a guess,
+    the failover kept ``h`` in its prefix, the second refusal was the client's error (a 503
+    naming ``b``), and every new chat went through ``h`` again (an audit, 2026-12-07). Now
+    ``h`` and ``b`` are suspects together (``b`` could be lying), the failover goes round
+    every suspect a route can do without (``h``), and so does the next session."""
+    from node.sampling import SamplingParams
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("h", 10, 20), view("c", 10, 15), view("f", 15, 20), view("b", 20, 30)]
+    assert [h.node_id for h in choose_route(views, MODEL, PeerId("a"))] == ["a", "h", "b"]  # one hop fewer
+    service = _FramingHop("a", framer="h", code=code)
+    policy = FailoverPolicy()
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+    greedy = SamplingParams(temperature=0.0)
+
+    async def main() -> None:
+        assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], greedy) == 7
+        assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "c", "f", "b"]
+        assert PeerId("h") in pipeline.health.avoided(trio.current_time())
+        sent = len(service.sent)
+        assert await pipeline.step(SessionId("s2"), 0, [1, 2, 3], greedy) == 7  # round h from the start
+        assert [h.node_id for h in pipeline.route_of(SessionId("s2")) or ()] == ["a", "c", "f", "b"]
+        assert PeerId("h") not in {peer for peer, msg in service.sent[sent:] if isinstance(msg, wire.Forward)}
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_a_refusal_blames_whoever_made_the_refused_input() -> None:
+    """Token ids at the first hop are the request's (None: the client's error path); past it,
+    the input is the hop before's work: it and the reporter are the suspects, never the
+    entry itself."""
+    from p2p.legs import refusal_suspects
+
+    route = tuple(Hop(NodeId(n), PeerId(n), LayerRange(s, e)) for n, s, e in (("a", 0, 10), ("h", 10, 20), ("b", 20, 30)))
+    leg = Leg(SessionId("s"), route, trio.open_memory_channel[object](1)[1])
+    assert refusal_suspects(leg, PeerId("a"), PeerId("x")) is None  # the first hop: the request's token ids
+    assert refusal_suspects(leg, PeerId("stranger"), PeerId("x")) is None
+    assert refusal_suspects(leg, PeerId("b"), PeerId("x")) == {PeerId("h"), PeerId("b")}
+    assert refusal_suspects(leg, PeerId("h"), PeerId("a")) == {PeerId("h")}  # fed by this entry's own stage
+    assert refusal_suspects(leg, PeerId("b"), PeerId("b")) == {PeerId("h")}  # our own refusal: only who fed us
+

@@ -147,3 +147,37 @@ def test_a_peer_that_refuses_every_frame_blaming_nobody_is_routed_around(live: t
             timed_chat(a, expected)
     finally:
         s.stop(quiet)
+
+
+def _blamed_lines(entry: PeerProcess, since: int) -> list[str]:
+    """The entry's failover lines after the first ``since`` characters of its log."""
+    return [line for line in entry.log_path.read_text(errors="replace")[since:].splitlines() if "(blamed:" in line]
+
+
+@pytest.mark.parametrize("mode", ["nan", "gap"])
+def test_a_peer_that_frames_the_hop_after_it_is_blamed_and_routed_around(live: tuple[Swarm, PeerProcess], expected: str,
+                                                                        mode: str) -> None:  # fmt: skip
+    """It holds 10-20 (one hop fewer than ``c`` + ``f``) and serves every frame, but sends
+    ``b`` (20-30, its only holder) input ``b`` must refuse: NaN hidden states, or a position
+    past what the session holds there. ``b`` answers ``invalid_batch``, which the entry read
+    as the request's fault: ``b`` was blamed, the framer kept in the failover's prefix, and
+    every chat was a 503 naming ``b`` (an audit, 2026-12-07). Now the framer is a suspect
+    with ``b`` and the only one a route can do without: each chat answers, and the framer
+    is blamed."""
+    s, a = live
+    since = len(a.log_path.read_text(errors="replace"))
+    framer = quiet_peer(s, a, f"framer-{mode}", f"frame:{mode}", layers="10-20")
+    framer_id = framer.get("/health")["peer_id"]
+    try:
+        for _ in range(4):  # each chat is bounded (120 s at most, 15 s to pass), and so are the tries
+            assert timed_chat(a, expected) < 15
+            if _blamed_lines(a, since):
+                break
+            time.sleep(4)  # this chat went round it: the entry's latency round has not measured it yet
+        blamed = _blamed_lines(a, since)
+        assert blamed, f"no chat met the framer\n{a.log_tail()}"
+        assert all(framer_id[-6:] in line.split("(blamed:")[1] for line in blamed), blamed
+        assert not any("client" in line for line in blamed)
+        assert timed_chat(a, expected) < 5, "a new chat went through the framer again"
+    finally:
+        s.stop(framer)
