@@ -428,7 +428,7 @@ class SwarmPipeline:
 
     async def _fail_over(self, session: _Session, broken: Broken, sampling: SamplingParams | None) -> int | None:
         """Blame, re-route, replay. Returns the request that will carry the step's token."""
-        broken = await self._check_report(broken)
+        broken = await self._check_report(broken, session.leg)
         broken = self._excuse(session, broken)
         now = trio.current_time()
         started = _started_ms(self.views()) if broken.gone else {}
@@ -509,19 +509,26 @@ class SwarmPipeline:
             return None
         return Broken(suspects, cause, certain=reporter == me)
 
-    async def _check_report(self, broken: Broken) -> Broken:
+    async def _check_report(self, broken: Broken, leg: Leg | None = None) -> Broken:
         """A hop reported the hop after it unreachable: its word against that hop's. When
         the accused answers our ping, the reporter is blamed instead, as a guess (it stays a
         last choice: it may really be cut off from its successor while we are not). Taken
         on its word, a hop on the cheapest route that answered every frame so got its
         honest successor avoided and kept every session: the sole holder of the next range
         was left out of the failover's route, and every request through the liar was a
-        503 naming layers a live peer held."""
+        503 naming layers a live peer held.
+
+        The ping is skipped only where our own connection to every accused ended on ``leg``
+        (we held one since the leg began, and hold none now): it agrees with the report. Not
+        being connected is also how a peer this entry never dialled looks (a middle hop past
+        the latency round's targets, or one whose idle connection was closed), and was read
+        as that agreement: the report was believed for certain without a ping, its honest
+        successor left out of the failover's routes (an audit, 2026-12-07). The probe dials."""
         probe = self.probe
         if broken.reporter is None or probe is None or not broken.peers:
             return broken
         accused = {PeerId(legacy_owner(p) or p) for p in broken.peers}  # a relayed node answers through its peer
-        if not all(self.is_connected(peer) for peer in accused):
+        if leg is not None and all(peer in leg.seen and not self.is_connected(peer) for peer in accused):
             return broken  # our own connection to the accused ended too: no ping to wait for
         answered: list[bool] = []
         with trio.move_on_after(self.policy.probe_timeout_s):
@@ -821,6 +828,9 @@ class SwarmPipeline:
         wire_id = session.session_id if session.legs == 0 else leg_id(session.session_id, session.legs)
         session.legs += 1
         session.leg = Leg(wire_id, tuple(route), self.service.open_inbox(wire_id, (h.peer_id for h in route)))
+        # Connected now: losing that connection later is the hop's going (``LegWatch.trouble``,
+        # ``_check_report``), not a peer never dialled. Polled only every ``poll_s`` otherwise.
+        session.leg.seen.update(h.peer_id for h in route if h.peer_id != self.service.me and self.is_connected(h.peer_id))
         session.flight_since, session.flight_tokens = None, 0
         session.pace.reset()
         session.checked = trio.current_time()

@@ -1098,3 +1098,34 @@ def test_a_refusal_blames_whoever_made_the_refused_input() -> None:
     assert refusal_suspects(leg, PeerId("h"), PeerId("a")) == {PeerId("h")}  # fed by this entry's own stage
     assert refusal_suspects(leg, PeerId("b"), PeerId("b")) == {PeerId("h")}  # our own refusal: only who fed us
 
+
+def test_a_report_about_a_hop_we_never_connected_to_is_checked_with_a_ping() -> None:
+    """``e`` (10-20) reports ``b`` (20-30, its only holder) unreachable, and this entry holds
+    no connection to ``b``: it never dialled it (a middle hop, past the latency round's
+    targets). That was read as our own connection to ``b`` having ended: the report was
+    believed for certain without a ping, ``b`` left out of every route, and the request was
+    a 503 naming 20-30 (an audit, 2026-12-07). Now ``b`` is pinged (the probe dials): it
+    answers, so its accuser is blamed and the step goes round it."""
+    from node.sampling import SamplingParams
+    from p2p.chain import SwarmPipeline
+
+    views = [view("a", 0, 10), view("e", 10, 20), view("c", 10, 15), view("f", 15, 20), view("b", 20, 30)]
+    service = _BlamingHop("a", liar="e")
+    pinged: list[PeerId] = []
+
+    async def dials(peer: PeerId) -> bool:
+        pinged.append(peer)
+        return True
+
+    policy = FailoverPolicy()
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             is_connected=lambda peer: peer != PeerId("b"), probe=dials, policy=policy,
+                             health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+
+    async def main() -> None:
+        assert await pipeline.step(SessionId("s1"), 0, [1, 2, 3], SamplingParams(temperature=0.0)) == 7
+        assert pinged == [PeerId("b")]
+        assert [h.node_id for h in pipeline.route_of(SessionId("s1")) or ()] == ["a", "c", "f", "b"]
+        assert pipeline.health.avoided(trio.current_time()) == {PeerId("e")}
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
