@@ -139,12 +139,12 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         """Which layer ranges of a model are covered (admin)."""
         require_admin(ctx.admin_token)
         cov = ctx.coverage().get(model_id)  # type: ignore[call-overload]
-        if cov is None:
-            raise NotFound(f"no node serves model {model_id!r}")
-        return jsonify(
-            model_id=cov.model_id,
-            n_layers=cov.n_layers,
-            covered=_ranges(cov.ranges),
-            gaps=_ranges(cov.gaps),
-            ready=cov.chain_complete,
-        )
+        if cov is not None:
+            return jsonify(model_id=cov.model_id, n_layers=cov.n_layers, covered=_ranges(cov.ranges),
+                           gaps=_ranges(cov.gaps), ready=cov.chain_complete)  # fmt: skip
+        # A model of the registry (``/models/registry``) that no node serves is one whole gap,
+        # as a chat with it is a 503 (a chain gap), not a 404 (2026-12-07, an audit from outside).
+        spec = next((spec for spec in ctx.catalog() if spec.model_id == model_id), None)
+        if spec is None:
+            raise NotFound(f"model {model_id!r} is neither served by a node nor in the registry")
+        return jsonify(model_id=spec.model_id, n_layers=spec.n_layers, covered=[], gaps=[[0, spec.n_layers]], ready=False)

@@ -97,6 +97,11 @@ def test_admin_routes_need_the_token(swarm) -> None:
     status, chain = admin(peers["a"], "GET", f"/admin/chain/{MODEL}")
     assert status == 200 and chain["ready"] and chain["gaps"] == [] and chain["n_layers"] == 30
     assert admin(peers["a"], "GET", "/admin/chain/unknown:model")[0] == 404
+    # A model of the registry no node serves is one whole gap (it was a 404 while its chats were a 503).
+    unserved = next(m for m in peers["a"].get("/models/registry") if m["model_id"] != MODEL)
+    status, chain = admin(peers["a"], "GET", f"/admin/chain/{unserved['model_id']}")
+    assert status == 200 and chain == {"model_id": unserved["model_id"], "n_layers": unserved["n_layers"], "covered": [],
+                                       "gaps": [[0, unserved["n_layers"]]], "ready": False}, chain  # fmt: skip
 
 
 def test_bad_admin_requests(swarm) -> None:
