@@ -27,8 +27,10 @@ Ids come from :func:`inclavate.owner_ids.new_id`, so any peer can tell whose sto
 
 Crash safety. Bytes go to ``tmp/<id>.part`` and are hashed as they arrive; commit fsyncs
 the file, renames it to ``objects/<id>``, fsyncs the directory, and only then marks the row
-ready (the row is inserted then, for a plain upload). Delete removes the row first, then
-the file. So at any kill -9 the disk holds at worst a temp file, or an object without a
+ready (the row is inserted then, for a plain upload). Delete removes the row first, cuts
+the local reads open on the object (:class:`~inclavate.artifact_reads.OpenReads`: their
+files close at once, so the disk never holds bytes the quota stopped counting), then
+removes the file. So at any kill -9 the disk holds at worst a temp file, or an object without a
 ready row; :meth:`ArtifactStore.__init__` removes both (and fails rows left pending by a
 writer that died), so a restart never shows a ready artifact with missing or partial bytes
 and never keeps an orphan.
@@ -67,7 +69,7 @@ from inclavate.artifact_types import (
     Usage,
     now_ms,
 )
-from inclavate.artifact_reads import READ_CHUNK, ArtifactRead, ByteChunks, FileChunks, read_whole
+from inclavate.artifact_reads import READ_CHUNK, ArtifactRead, ByteChunks, OpenReads, read_whole
 from inclavate.artifact_writer import ArtifactWriter
 from inclavate.owner_ids import new_id, parse_id
 
@@ -88,6 +90,7 @@ class ArtifactStore:
         self.index = ArtifactIndex(self.root / "index.db")
         self._inflight: dict[str, int] = {}  # open writer id -> bytes written so far
         self._unindexed_writers = 0  # open writers that hold no row yet (an object slot each)
+        self.reads = OpenReads()  # local reads open now, cut when their object is deleted
         self._recover()
         self._stored = self.index.stored()
 
@@ -246,7 +249,11 @@ class ArtifactStore:
         except OSError as exc:
             raise ArtifactUnavailable(f"cannot read artifact {meta.id}: {exc.strerror}") from exc
         start, length = (byte_range.start, byte_range.length) if byte_range else (0, meta.size_bytes)
-        return ArtifactRead(meta, byte_range, FileChunks(handle, start, length))
+        chunks = self.reads.track(meta.id, handle, start, length)
+        if self.index.get(meta.id) is None:  # deleted while the file was being opened: too late to be cut
+            await chunks.aclose()
+            raise ArtifactNotFound(f"no artifact {id_}")
+        return ArtifactRead(meta, byte_range, chunks)
 
     async def read_all(self, id_: str, max_bytes: int) -> tuple[ArtifactMeta, bytes]:
         """A whole ready artifact in memory, for inputs known to be small (ArtifactTooLarge)."""
@@ -267,11 +274,14 @@ class ArtifactStore:
     # -- deleting ----------------------------------------------------------------------
 
     async def delete(self, id_: str) -> ArtifactMeta:
-        """Remove row, then bytes (an open read keeps its file handle and finishes)."""
+        """Remove row, then bytes. Open local reads of it are cut (their next chunk fails,
+        and their file is closed at once): the quota stops counting the bytes now, so no
+        reader may keep them on disk (a slow download held a deleted object for hours)."""
         meta = self.index.delete(parse_id(id_))
         if meta is None:
             raise ArtifactNotFound(f"no artifact {id_}")
         self._stored = self._stored + Totals(-meta.size_bytes, -1)
+        self.reads.revoke(meta.id)
         await trio.to_thread.run_sync(lambda: self.object_path(meta.id).unlink(missing_ok=True))
         return meta
 

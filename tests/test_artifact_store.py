@@ -173,6 +173,26 @@ async def test_delete_during_a_pending_write_wins(tmp_path: Path) -> None:
     assert store.usage().total.objects == 0
 
 
+async def test_delete_cuts_open_reads_and_closes_their_files(tmp_path: Path) -> None:
+    """Deleting an object closed none of its open reads: each kept the file (and its blocks)
+    while the quota counted the bytes freed (an audit, 2026-12-07, F4). Now every open read
+    of it lets go of the file at once and fails its next chunk; reads of others go on."""
+    store = make_store(tmp_path)
+    data = os.urandom(3 * 1024 * 1024)
+    meta = await store.create(chunks_of(data))
+    other = await store.create(chunks_of(b"kept"))
+    reads = [await store.open(meta.id), await store.open(meta.id, "bytes=100-")]
+    kept = await store.open(other.id)
+    assert await reads[0].chunks.__anext__() == data[:256 * 1024]
+    await store.delete(meta.id)
+    for read in reads:
+        with pytest.raises(ArtifactNotFound):
+            await read.chunks.__anext__()
+        await read.chunks.aclose()  # what a response does on the way out: harmless twice
+    assert store.reads.count(meta.id) == 0 and store.usage().total.bytes == len(b"kept")
+    assert b"".join([c async for c in kept.chunks]) == b"kept" and store.reads.count(other.id) == 0
+
+
 async def test_unknown_and_malformed_ids(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     with pytest.raises(ArtifactNotFound):

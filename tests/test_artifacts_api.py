@@ -451,10 +451,9 @@ async def test_a_download_its_client_stops_reading_is_cut_and_lets_go_of_the_fil
             with trio.fail_after(5):
                 while _open_handles(path) == 0:
                     await trio.sleep(0.05)  # the download is open, and its client reads nothing
-            assert (await call(httpx.delete, f"{base}/v1/artifacts/{meta['id']}")).status_code == 204
             with trio.fail_after(20):
                 while _open_handles(path):
-                    await trio.sleep(0.2)  # cut once stalled: the deleted bytes are let go
+                    await trio.sleep(0.2)  # cut once stalled (not deleted: see the test below)
             received = b""
             with trio.fail_after(10):
                 while chunk := await stream.receive_some(1 << 20):
@@ -462,3 +461,48 @@ async def test_a_download_its_client_stops_reading_is_cut_and_lets_go_of_the_fil
             assert received.startswith(b"HTTP/1.1 200") and len(received) < len(data)  # cut short, then closed
         finally:
             await stream.aclose()
+
+
+async def _open_stalled_download(base: str, id_: str) -> trio.SocketStream:
+    """A ``GET`` of ``id_`` on a socket with a tiny receive buffer that reads nothing yet."""
+    sock = trio.socket.socket()
+    sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+    await sock.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    stream = trio.SocketStream(sock)
+    await stream.send_all(f"GET /v1/artifacts/{id_} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    return stream
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+async def test_deleting_an_artifact_cuts_its_slow_downloads_at_once(tmp_path: Path) -> None:
+    """A download read slowly (just above the 60 s write stall) kept a deleted object's file
+    open for hours while the quota counted its bytes freed: upload, slow download, delete,
+    again, stored 750 MiB on a 200 MB quota (an audit, 2026-12-07, F4). Deleting now closes
+    the downloads' files at once (no write stall involved) and ends them short, as a
+    relayed download is when its owner deletes; the disk holds what the quota counts."""
+    data = os.urandom(8 << 20)
+    config = ArtifactConfig(max_bytes=12 << 20)
+    async with serve_store(tmp_path, config) as (base, store):
+        for _ in range(2):  # twice the quota through it: each round's bytes are let go
+            meta = await upload(base, data)
+            path = store.object_path(meta["id"])
+            streams = [await _open_stalled_download(base, meta["id"]) for _ in range(2)]
+            try:
+                with trio.fail_after(5):
+                    while _open_handles(path) < 2:
+                        await trio.sleep(0.05)  # both downloads are open, their clients read nothing
+                assert (await call(httpx.delete, f"{base}/v1/artifacts/{meta['id']}")).status_code == 204
+                with trio.fail_after(5):  # the write stall is 60 s: only the delete can do this
+                    while _open_handles(path):
+                        await trio.sleep(0.05)
+                for stream in streams:
+                    received = b""
+                    with trio.fail_after(10):
+                        while chunk := await stream.receive_some(1 << 20):
+                            received += chunk
+                    assert received.startswith(b"HTTP/1.1 200") and len(received) < len(data)  # cut short, then closed
+            finally:
+                for stream in streams:
+                    await stream.aclose()
+        assert (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()["bytes"] == 0
+
