@@ -157,14 +157,45 @@ UPLOAD_IDLE_TIMEOUT_S = 60.0
 """A client that sends nothing for this long has its upload dropped (no slowloris holds a
 handler, a temp file and a quota reservation forever)."""
 
+MIN_UPLOAD_RATE = 32 * 1024
+"""Bytes per second an upload must average, over the whole upload, once its
+:data:`UPLOAD_GRACE_S` is spent (256 kbit/s: a poor mobile uplink still passes). The idle
+timeout alone let one byte every 50 s keep an upload, its temp file and its quota
+reservation for ever: one connection that sent nearly the quota then trickled had every
+other upload, clip and generation output refused with 507 while usage read empty (an audit,
+2026-12-07, F5). With the floor, a burst of B bytes buys at most B / rate seconds; holding
+the quota costs a sustained upload at this rate, as re-uploading committed junk that
+anyone may delete would. The average is over the whole upload, not a window, so an honest
+client's stalls (a handover, a busy disk) spend the credit its earlier bytes earned."""
+
+UPLOAD_GRACE_S = 60.0
+"""Seconds every upload has before :data:`MIN_UPLOAD_RATE` applies: TCP's slow start, a
+small clip over a slow link (1 MiB at 12 KiB/s passes)."""
+
+
+def rate_deadline(started: float, received: int, grace_s: float, min_rate: float) -> float:
+    """When an upload that began at ``started`` and has ``received`` bytes falls below
+    ``min_rate`` bytes/s averaged since then, ``grace_s`` aside: its next bytes are due by
+    this time. The same bound as a p2p read's (``p2p.artifacts.read_deadline``), taken as
+    the bytes arrive, so a body of unknown length is bounded too."""
+    return started + grace_s + received / min_rate
+
 
 class UploadTimeout(ApiError):
     status = 408
 
 
+class UploadTooSlow(UploadTimeout):
+    """An upload fell below :data:`MIN_UPLOAD_RATE` on average after its grace: dropped
+    with 408, its temp file removed and its quota reservation given back."""
+
+
 class RequestChunks:
     """The request body as it arrives, never buffered whole (an async iterator; a class
-    rather than a generator so that abandoning it half way leaves nothing to finalize)."""
+    rather than a generator so that abandoning it half way leaves nothing to finalize).
+
+    Each chunk must come within the idle timeout and before :func:`rate_deadline`. The
+    limits are read when the reader is made (tests shorten them)."""
 
     def __init__(self, idle_timeout: float | None = None, *, kept: bool = False) -> None:
         """``kept``: the caller keeps what it reads in memory, so the bytes stay in the body
@@ -174,11 +205,24 @@ class RequestChunks:
             request.body.keeps_what_it_takes = True
         self._body = request.body.__aiter__()
         self._idle_timeout = UPLOAD_IDLE_TIMEOUT_S if idle_timeout is None else idle_timeout
+        self._grace_s = UPLOAD_GRACE_S
+        self._min_rate = MIN_UPLOAD_RATE
+        self._started = trio.current_time()
+        self._received = 0
 
     def __aiter__(self) -> RequestChunks:
         return self
 
     async def __anext__(self) -> bytes:
-        with trio.move_on_after(self._idle_timeout):
-            return await self._body.__anext__()
+        too_slow_at = rate_deadline(self._started, self._received, self._grace_s, self._min_rate)
+        idle_at = trio.current_time() + self._idle_timeout
+        with trio.move_on_at(min(idle_at, too_slow_at)):
+            chunk = await self._body.__anext__()
+            self._received += len(chunk)
+            return chunk
+        if too_slow_at < idle_at:
+            raise UploadTooSlow(
+                f"the upload averaged under {self._min_rate} bytes/s ({self._received} bytes in "
+                f"{trio.current_time() - self._started:.0f} s); upload abandoned"
+            )
         raise UploadTimeout(f"no request body bytes for {self._idle_timeout:g} s; upload abandoned")

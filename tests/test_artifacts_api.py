@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import warnings
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -506,3 +508,79 @@ async def test_deleting_an_artifact_cuts_its_slow_downloads_at_once(tmp_path: Pa
                     await stream.aclose()
         assert (await call(httpx.get, f"{base}/v1/artifacts/usage")).json()["bytes"] == 0
 
+
+def _trickle_upload(base: str, declared: int, burst: int, *, every_s: float = 0.2, tries: int = 50) -> bytes:
+    """``POST /v1/artifacts`` declaring ``declared`` bytes: ``burst`` of them at once, then
+    one byte every ``every_s``; what the server answers (b"" if nothing in ``tries`` bytes)."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/artifacts HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode() + b"x" * burst)
+        sock.settimeout(every_s)
+        for _ in range(tries):
+            try:
+                sock.sendall(b"x")
+                if answer := sock.recv(65536):
+                    sock.settimeout(5)
+                    while more := sock.recv(65536):  # the server closes after its answer
+                        answer += more
+                    return answer
+            except TimeoutError:
+                continue
+            except OSError:
+                return b""
+        return b""
+
+
+async def test_an_upload_trickling_under_the_rate_floor_is_dropped_and_frees_the_quota(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One byte every 50 s kept an upload, its temp file and its quota reservation for
+    ever: an upload of nearly the quota, then a trickle, had every other upload refused with
+    507 while usage read empty (an audit, 2026-12-07, F5). An upload now averages at least
+    ``MIN_UPLOAD_RATE`` after its grace, or is dropped with 408 and its reservation freed."""
+    import api.uploads
+
+    monkeypatch.setattr(api.uploads, "UPLOAD_GRACE_S", 2.0)
+    monkeypatch.setattr(api.uploads, "MIN_UPLOAD_RATE", 2 << 20)  # the burst buys 0.9 s more
+    mib = 1 << 20
+    async with serve_store(tmp_path, ArtifactConfig(max_bytes=2 * mib)) as (base, _):
+        async with trio.open_nursery() as nursery:
+            answers: list[bytes] = []
+
+            async def trickle() -> None:
+                answers.append(await trio.to_thread.run_sync(_trickle_upload, base, 2 * mib - 100_000, 1_800_000))
+
+            nursery.start_soon(trickle)
+            with trio.fail_after(5):  # a MiB written (and more reserved): the quota is held
+                while not any(p.stat().st_size >= mib for p in (tmp_path / "artifacts" / "tmp").iterdir()):
+                    await trio.sleep(0.02)
+            honest = os.urandom(1_100_000)
+            held = await call(httpx.post, f"{base}/v1/artifacts", content=honest)
+            assert held.status_code == 507, held.text
+        assert answers[0].startswith(b"HTTP/1.1 408") and b"bytes/s" in answers[0], answers[0][:200]
+        assert not any((tmp_path / "artifacts" / "tmp").iterdir())
+        assert (await upload(base, honest, None))["size_bytes"] == len(honest)  # the quota is free again
+
+
+async def test_an_upload_that_pauses_within_the_credit_of_its_average_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The floor is an average over the whole upload: an honest client that stalls (a
+    handover, a busy disk) spends the credit its earlier bytes earned, and is not cut."""
+    import api.uploads
+
+    monkeypatch.setattr(api.uploads, "UPLOAD_GRACE_S", 2.0)
+    monkeypatch.setattr(api.uploads, "MIN_UPLOAD_RATE", 64 * 1024)
+    data = os.urandom(512 * 1024)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield data[:256 * 1024]  # due by 2 s + 4 s: a 3 s pause is within it
+        await trio.sleep(3.0)
+        yield data[256 * 1024 :]
+
+    async with serve_store(tmp_path) as (base, _):
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(f"{base}/v1/artifacts", content=body(),
+                                         headers={"Content-Length": str(len(data))})  # fmt: skip
+    assert response.status_code == 201, response.text
+    assert response.json()["digest"] == hashlib.sha256(data).hexdigest()

@@ -7,7 +7,7 @@ import trio
 
 from api.body_budget import BodyBudget, BodyBudgetFull
 from api.errors import error_headers, error_response_parts
-from api.uploads import HIGH_WATER_BYTES, StreamedBody
+from api.uploads import HIGH_WATER_BYTES, MIN_UPLOAD_RATE, UPLOAD_GRACE_S, UPLOAD_IDLE_TIMEOUT_S, StreamedBody, rate_deadline
 
 
 async def test_the_socket_waits_for_a_streaming_reader_that_fell_behind() -> None:
@@ -107,3 +107,13 @@ def test_a_full_budget_says_when_to_retry() -> None:
     refused = BodyBudget(10).full_error()
     assert error_response_parts(refused)[0] == 503
     assert error_headers(refused) == {"Retry-After": "1"}
+
+
+def test_the_rate_floor_is_an_average_over_the_whole_upload_after_a_grace() -> None:
+    """Bytes buy time at the floor rate: one byte every 50 s (an audit, 2026-12-07, F5)
+    is due ever sooner than the idle timeout would allow; a burst earns a pause."""
+    assert rate_deadline(100.0, 0, 60.0, 32 * 1024) == 160.0  # nothing yet: the grace alone
+    assert rate_deadline(100.0, 32 * 1024 * 10, 60.0, 32 * 1024) == 170.0  # 10 s of bytes: 10 s more
+    deadlines = [rate_deadline(0.0, n, 60.0, 32 * 1024) for n in range(1, 4)]  # a trickle earns nothing
+    assert all(d < 60.0 + 0.001 for d in deadlines)
+    assert MIN_UPLOAD_RATE > 0 and UPLOAD_GRACE_S <= UPLOAD_IDLE_TIMEOUT_S
