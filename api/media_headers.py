@@ -19,6 +19,7 @@ from typing import TypeVar
 __all__ = [
     "UnreadableHeader",
     "audio_duration",
+    "audio_sample_rate",
     "image_size",
     "sniff_audio",
     "sniff_image",
@@ -163,30 +164,44 @@ def audio_duration(fmt: str, data: bytes) -> float:
     return _wav_duration(data) if fmt == "wav" else _mp3_duration(data)
 
 
-@_guarded
+def audio_sample_rate(fmt: str, data: bytes) -> int:
+    """Samples per second of a file whose magic bytes already matched ``fmt``. A WAV names
+    any rate (1 Hz included, where each byte is a second); an MP3 frame can name only
+    8-48 kHz, and this reads its first frame's."""
+    return _wav_header(data)[0] if fmt == "wav" else _mp3_sample_rate(data)
+
+
 def _wav_duration(data: bytes) -> float:
+    _, byte_rate, data_size = _wav_header(data)
+    if byte_rate == 0:
+        raise UnreadableHeader("WAV byte rate is zero")
+    return data_size / byte_rate
+
+
+@_guarded
+def _wav_header(data: bytes) -> tuple[int, int, int]:
+    """(sample rate, byte rate, data size) of a WAV."""
     # RIFF chunks after "WAVE": FourCC, little-endian size, payload padded to even length.
-    # "fmt " gives the byte rate (correct for PCM and compressed formats alike), "data" the size.
+    # "fmt " gives the rates (the byte rate is correct for PCM and compressed formats alike),
+    # "data" the size.
     pos = 12
-    byte_rate: int | None = None
+    rates: tuple[int, int] | None = None
     data_size: int | None = None
-    while pos + 8 <= len(data) and (byte_rate is None or data_size is None):
+    while pos + 8 <= len(data) and (rates is None or data_size is None):
         chunk = data[pos : pos + 4]
         (size,) = struct.unpack_from("<I", data, pos + 4)
         body = pos + 8
         if chunk == b"fmt ":
-            (byte_rate,) = struct.unpack_from("<I", data, body + 8)
+            rates = struct.unpack_from("<II", data, body + 4)
         elif chunk == b"data":
             # Streaming writers leave the size 0 or 0xFFFFFFFF; then the rest of the file
             # is the audio. Never trust a size beyond the bytes actually sent.
             available = len(data) - body
             data_size = size if 0 < size <= available else available
         pos = body + size + (size & 1)
-    if byte_rate is None or data_size is None:
+    if rates is None or data_size is None:
         raise UnreadableHeader("WAV has no fmt or data chunk")
-    if byte_rate == 0:
-        raise UnreadableHeader("WAV byte rate is zero")
-    return data_size / byte_rate
+    return rates[0], rates[1], data_size
 
 
 # MPEG audio Layer III only ("mp3"); bitrates in kbit/s by index 1..14.
@@ -199,8 +214,14 @@ def _mpeg_sync(data: bytes, pos: int) -> bool:
     return data[pos : pos + 1] == b"\xff" and data[pos + 1 : pos + 2] >= b"\xe0"
 
 
+def _mp3_sample_rate(data: bytes) -> int:
+    _, b1, b2, _ = _mp3_first_frame(data)
+    return _SAMPLE_RATES[(b1 >> 3) & 3][(b2 >> 2) & 3]
+
+
 @_guarded
-def _mp3_duration(data: bytes) -> float:
+def _mp3_first_frame(data: bytes) -> tuple[int, int, int, int]:
+    """(offset, header bytes 1-3) of the first MPEG audio Layer III frame, checked."""
     pos = 0
     if data[:3] == b"ID3":
         # ID3v2: 10-byte header, tag size in four 7-bit "syncsafe" bytes, optional footer.
@@ -217,6 +238,13 @@ def _mp3_duration(data: bytes) -> float:
     bitrate_index, rate_index = b2 >> 4, (b2 >> 2) & 3
     if bitrate_index in (0, 15) or rate_index == 3:
         raise UnreadableHeader("MP3 frame has a free-format or invalid bitrate or sample rate")
+    return pos, b1, b2, b3
+
+
+@_guarded
+def _mp3_duration(data: bytes) -> float:
+    pos, b1, b2, b3 = _mp3_first_frame(data)
+    version, bitrate_index, rate_index = (b1 >> 3) & 3, b2 >> 4, (b2 >> 2) & 3
     mpeg1, mono = version == 3, b3 >> 6 == 3
     sample_rate = _SAMPLE_RATES[version][rate_index]
     # A Xing/Info tag (LAME and most VBR encoders) counts the frames exactly; it follows

@@ -21,13 +21,14 @@ from werkzeug.http import parse_options_header
 from api.bodies import json_object
 from api.context import PeerContext
 from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
-from api.media_headers import UnreadableHeader, audio_duration, sniff_audio
+from api.media_headers import UnreadableHeader, audio_duration, audio_sample_rate, sniff_audio
 from api.multipart import read_form
 from api.routes_generations import service
 from api.uploads import RequestChunks, set_body_limit
 from api.request_guard import takes_any_body
 from inclavate.generations import GenerationService, NoGenerator
 from inclavate.jobs import NewJob
+from node.generators.audio_decode import implausible_rate, too_long
 
 ARTIFACT_HEADER = "x-dppan-artifact-id"
 JOB_HEADER = "x-dppan-job-id"
@@ -37,8 +38,10 @@ MULTIPART_OVERHEAD = 1024 * 1024
 AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3")
 MP3_TYPES = ("audio/mpeg", "audio/mp3")
 """The MP3 types of ``AUDIO_TYPES``; the others are WAV."""
-UNREADABLE_INPUT_CODES = ("input_unreadable", "no_input")
-"""Job error codes that blame the clip the client sent, not this server: 400."""
+CLIENT_INPUT_CODES = ("input_unreadable", "no_input", "input_too_large", "unsupported_input")
+"""Job error codes that blame the clip the client sent, not this server: 400. The check
+before the job catches most; the owner of the job (another peer, perhaps with a lower
+``DPPAN_TRANSCRIPTION_MAX_SECONDS``) or the decoder (a header that lied) finds the rest."""
 REFUSED_FORMATS = ("verbose_json", "srt", "vtt")
 DEFAULT_TRANSCRIPTION_PROMPT = "Transcribe this audio."
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
@@ -103,7 +106,7 @@ async def _finished(generations: GenerationService, job: dict[str, Any], timeout
     if done is None:
         raise _TimedOut(job["id"])
     if done["state"] != "completed" or not done["output_artifacts"]:
-        raise (_InputUnreadable if done.get("error_code") in UNREADABLE_INPUT_CODES else _JobDidNotComplete)(done)
+        raise (_InputUnreadable if done.get("error_code") in CLIENT_INPUT_CODES else _JobDidNotComplete)(done)
     return done
 
 
@@ -131,8 +134,8 @@ class _JobDidNotComplete(ApiError):
 
 
 class _InputUnreadable(_JobDidNotComplete):
-    """The job failed on its input (the generator could not decode the clip, or there was
-    none): the client's request was bad, so 400 as the spec lists for "a container that
+    """The job failed on its input (the generator could not decode the clip, it was too long
+    or at an implausible sample rate, or there was none): the client's request was bad, so 400 as the spec lists for "a container that
     cannot be decoded", not a server error. The header check before the job catches most
     such clips; this catches those whose header reads but whose contents do not decode."""
 
@@ -252,7 +255,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         if media_type not in AUDIO_TYPES:
             raise BadRequest(f"audio format {media_type!r} is not accepted; use one of {', '.join(AUDIO_TYPES)}")
         data = upload.data
-        _check_container(data, media_type)
+        _check_container(data, media_type, generations.settings.transcription_max_seconds)
         _capability(generations, model, "transcribe")
         params: dict[str, Any] = {"prompt": form.get("prompt") or DEFAULT_TRANSCRIPTION_PROMPT}
         if form.get("language"):
@@ -291,16 +294,22 @@ async def _transcribed(generations: GenerationService, new: NewJob, data: bytes,
         raise
 
 
-def _check_container(data: bytes, media_type: str) -> None:
-    """Refuse (400) a clip whose bytes are not the declared container or whose header cannot
-    be read, before anything is stored or a job exists. Magic bytes alone let a RIFF/WAVE
+def _check_container(data: bytes, media_type: str, max_seconds: float) -> None:
+    """Refuse (400) a clip whose bytes are not the declared container, whose header cannot
+    be read, or whose header names an implausible sample rate or more audio than a job may
+    hold, before anything is stored or a job exists. Magic bytes alone let a RIFF/WAVE
     shell through to the decoder, which failed the job and answered 500; reading the header
-    the way chat audio parts are read (:mod:`api.media_headers`) refuses it here."""
+    the way chat audio parts are read (:mod:`api.media_headers`) refuses it here. A 2 KiB
+    WAV at 1 Hz claimed 2,048 s, which the decoder resampled to gigabytes (an audit,
+    2026-12-07); the generator checks again, and bounds the decode, for clips that reach it
+    otherwise (``POST /v1/generations``) or whose header lies."""
     fmt = "mp3" if media_type in MP3_TYPES else "wav"
     found = sniff_audio(data)
     if found != fmt:
         raise BadRequest(f"the file cannot be decoded as {media_type}: it is {found or 'not audio'}, not {fmt}")
     try:
-        audio_duration(fmt, data)
+        seconds, rate = audio_duration(fmt, data), audio_sample_rate(fmt, data)
     except UnreadableHeader as exc:
         raise BadRequest(f"the file cannot be decoded as {media_type}: {exc}") from None
+    if (why := implausible_rate(rate) or too_long(seconds, max_seconds)) is not None:
+        raise BadRequest(f"the clip is refused: {why}")

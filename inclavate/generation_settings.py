@@ -14,6 +14,8 @@ variable                                   default   meaning
 ``DPPAN_GENERATION_WORKERS``               1         jobs this peer runs at once
 ``DPPAN_GENERATION_QUEUE_MAX``             32        queued + running jobs accepted; more is 429
 ``DPPAN_GENERATION_HISTORY_MAX``           10000     finished job records kept (oldest forgotten)
+``DPPAN_TRANSCRIPTION_MAX_SECONDS``        1800      audio one transcription job may hold, all its
+                                                     clips together; a longer clip is refused
 =========================================  ========  ==============================================
 
 ``DPPAN_SPEECH_MODEL`` and ``DPPAN_SPEECH_MMPROJ`` (the spec's speech model named by file, a
@@ -29,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from inclavate.errors import ConfigError
+from node.generators.audio_decode import DEFAULT_MAX_SECONDS
 
 MAX_DEADLINE_S = 24 * 3600.0
 UNSUPPORTED = ("DPPAN_SPEECH_MODEL", "DPPAN_SPEECH_MMPROJ")
@@ -43,6 +46,9 @@ class GenerationSettings:
     workers: int = 1
     max_active: int = 32
     history_max: int = 10_000
+    transcription_max_seconds: float = DEFAULT_MAX_SECONDS
+    """A clip's sample rate and duration are the client's; decoding what a 20 KiB WAV at 1 Hz
+    claimed took the machine's memory (an audit, 2026-12-07)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> GenerationSettings:
@@ -60,6 +66,7 @@ class GenerationSettings:
             workers=_count(env, "DPPAN_GENERATION_WORKERS", 1, 64),
             max_active=_count(env, "DPPAN_GENERATION_QUEUE_MAX", 32, 100_000),
             history_max=_count(env, "DPPAN_GENERATION_HISTORY_MAX", 10_000, 10_000_000),
+            transcription_max_seconds=_seconds(env, "DPPAN_TRANSCRIPTION_MAX_SECONDS", DEFAULT_MAX_SECONDS, 24 * 3600.0),
         )
 
 

@@ -191,7 +191,7 @@ class Peer:
         """This peer's job runner over its installed generators, and the swarm-wide service."""
         assert self.artifact_store is not None and self._artifacts is not None
         runner = JobRunner(
-            jobs, self.artifact_store, installed_generators(self.config.home) if self.config.generators else {}, self.peer_id,
+            jobs, self.artifact_store, installed_generators(self.config.home, settings.transcription_max_seconds) if self.config.generators else {}, self.peer_id,
             read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
             config=RunnerConfig(workers=settings.workers, max_active=settings.max_active, history_max=settings.history_max),
             fallback=lambda model: ChatModelReader(model, partial(complete_turn, self)) if self.knows_model(model) else None,

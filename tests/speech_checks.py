@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import wave
 
 import numpy as np
@@ -47,3 +48,16 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
         for j, h in enumerate(hyp, start=1):
             prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
     return row[len(hyp)] / max(1, len(ref))
+
+
+def tone_wav(rate: int, seconds: float, bits: int = 8) -> bytes:
+    """A mono PCM WAV of a quiet 440 Hz tone at any sample rate the header can name, 1 Hz
+    included (what a hostile client sends): every byte of an 8-bit clip at 1 Hz is a second."""
+    n = max(1, int(rate * seconds))
+    tone = np.sin(2 * np.pi * 440 * np.arange(n) / max(rate, 1)) * 0.1
+    samples = ((tone * 127 + 128).astype(np.uint8).tobytes() if bits == 8
+               else (tone * 32767).astype("<i2").tobytes())  # fmt: skip
+    block = bits // 8
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * block, block, bits)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(samples)) + samples
+    return b"RIFF" + struct.pack("<I", len(body)) + body

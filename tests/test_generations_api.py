@@ -14,7 +14,7 @@ import openai
 import pytest
 import trio
 from generation_harness import ADMIN_TOKEN, CHAT_MODEL, Served, serve_generations
-from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, wav_facts, word_error_rate
+from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, tone_wav, wav_facts, word_error_rate
 
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_runner import RunnerConfig
@@ -298,6 +298,26 @@ async def test_a_clip_whose_samples_do_not_decode_is_a_400_and_keeps_nothing(ser
         job = (await http.get(f"/v1/generations/{response.json()['job_id']}")).json()
         assert (job["state"], job["error_code"]) == ("failed", "input_unreadable")
         assert await uploaded_objects(http) == 0
+
+
+async def test_a_clip_at_an_implausible_rate_or_too_long_is_refused_before_it_is_decoded(tmp_path: Path,
+                                                                                          speech_generators: dict) -> None:  # fmt: skip
+    """An audit (2026-12-07): a 2 KiB WAV at 1 Hz claims 2,048 s, which the peer decoded to
+    16 kHz float32 whole (+1.8 GB; ~20 KiB would take the machine). The route refuses it on
+    its header (400, nothing stored, no job); as a job's input it skips the route, and the
+    generator refuses it before decoding."""
+    settings = GenerationSettings(transcription_max_seconds=5.0)
+    async with serve_generations(tmp_path, speech_generators, settings=settings) as s, client(s) as http:
+        for clip, why in ((tone_wav(1, 2048), "sample rate of 1 Hz"), (tone_wav(8000, 6), "6 s long; at most 5 s")):
+            assert why in assert_error_shape(await transcribe(http, clip), 400)
+        assert (await http.get("/v1/generations")).json()["generations"] == []
+        assert await uploaded_objects(http) == 0
+        clip = await s.service.store_upload(tone_wav(1, 2048), "audio/wav")
+        body = {"model": "whisper:tiny.en", "modality": "text", "params": {"prompt": "x"}, "input_artifacts": [clip]}
+        job = (await http.post("/v1/generations", json=body)).json()
+        failed = await wait_state(http, job["id"], ("failed", "completed"), timeout=20)
+        assert (failed["error_code"], failed["error_message"]) == ("unsupported_input", "a sample rate of 1 Hz is "
+                                                                   "outside 8000-192000 Hz")  # fmt: skip
 
 
 async def test_job_lifecycle_events_listing_and_admin_erase(served: Served) -> None:

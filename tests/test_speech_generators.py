@@ -7,7 +7,7 @@ import wave
 
 import numpy as np
 import pytest
-from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, wav_facts, word_error_rate
+from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, tone_wav, wav_facts, word_error_rate
 
 from node.generators.base import GenerationCancelled, GenerationFailed, GenerationTask, InputMedia, InvalidParams
 from node.generators.piper_speech import MAX_PIECE_PHONEMES, pieces
@@ -159,6 +159,58 @@ def test_whisper_job_errors(speech_generators: dict) -> None:
     with pytest.raises(GenerationFailed) as unreadable:
         transcribe(speech_generators, b"RIFF\x00\x00\x00\x00WAVEgarbage" * 10)
     assert unreadable.value.code == "input_unreadable"
+
+
+def _whisper(generators: dict, max_seconds: float) -> object:
+    """The session's whisper generator with another audio limit (the model stays shared)."""
+    from copy import copy
+
+    whisper = copy(generators["whisper:tiny.en"])
+    whisper.max_seconds = max_seconds
+    return whisper
+
+
+def _refusal(generator: object, clips: list[bytes], cancelled: object = lambda: False,
+             raises: type[Exception] = GenerationFailed) -> tuple[Exception, int]:  # fmt: skip
+    """(the error, peak traced bytes) of a transcription that must fail with ``raises``."""
+    import tracemalloc
+
+    task = GenerationTask("job", "whisper:tiny.en", "text", {"prompt": "transcribe"}, None,
+                          tuple(InputMedia(clip, "audio/wav") for clip in clips))  # fmt: skip
+    tracemalloc.start()
+    try:
+        with pytest.raises(raises) as refused:
+            generator.run(task, cancelled, lambda stage, fraction: None)  # type: ignore[attr-defined]
+        return refused.value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_whisper_refuses_an_implausible_sample_rate_before_decoding(speech_generators: dict) -> None:
+    """An audit (2026-12-07): at 1 Hz every byte of an 8-bit WAV is a second of audio, which
+    the decoder resampled to 16 kHz float32 whole (~0.85 MB per uploaded byte). 300 bytes
+    here would have been 19 MB of samples; refused on the header, it allocates nothing."""
+    error, peak = _refusal(speech_generators["whisper:tiny.en"], [tone_wav(1, 300)])
+    assert error.code == "unsupported_input"  # type: ignore[attr-defined]
+    assert peak < 1_000_000, peak
+
+
+def test_whisper_refuses_a_clip_over_the_limit_on_its_header_and_while_decoding(speech_generators: dict) -> None:
+    whisper = _whisper(speech_generators, max_seconds=2.0)
+    error, peak = _refusal(whisper, [tone_wav(8000, 60)])  # the header says 60 s: refused before decoding
+    assert error.code == "input_too_large" and peak < 1_000_000, peak  # type: ignore[attr-defined]
+    # Each header is within the limit; the job's clips together are not: the decode stops.
+    error, _ = _refusal(whisper, [tone_wav(8000, 1.5), tone_wav(8000, 1.5)])
+    assert error.code == "input_too_large"  # type: ignore[attr-defined]
+
+
+def test_whisper_stops_decoding_when_cancelled(speech_generators: dict) -> None:
+    """The cancel flag is read between decoded frames: a job cancelled (or past its deadline)
+    while its clip decodes stops there, not after the whole clip is in memory."""
+    calls = iter([False])  # run's own check passes; the decode loop's first check stops it
+    _, peak = _refusal(speech_generators["whisper:tiny.en"], [tone_wav(8000, 600)], lambda: next(calls, True),
+                       raises=GenerationCancelled)  # fmt: skip
+    assert peak < 10_000_000, peak  # 600 s whole: 9.6 MB of s16, then 38 MB of float32
 
 
 CLAUSES = ("When the storm finally passed over the valley late on Sunday evening, the farmers walked out into their "

@@ -7,11 +7,14 @@ frames (cancel and progress are checked between them). ``params.prompt`` is requ
 job contract but a dedicated ASR model has nothing to do with it, so it is not passed to
 the model (as an initial prompt it would bias the transcript). ``params.language`` is a
 filter, not a hint: a clip the model reports in another language yields an empty transcript.
+
+The clips are decoded within ``max_seconds`` of audio for the whole job
+(:mod:`node.generators.audio_decode`): a clip's sample rate and duration are the client's,
+and a tiny WAV at 1 Hz decoded to gigabytes.
 """
 
 from __future__ import annotations
 
-import io
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +30,7 @@ from node.generators.base import (
     Modality,
     ProgressReport,
 )
+from node.generators.audio_decode import DEFAULT_MAX_SECONDS, SampleBudget, decode_bounded
 from node.generators.params import optional_int, optional_str
 
 AUDIO_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3"})
@@ -42,10 +46,13 @@ CPU_THREADS = 1
 class WhisperUnderstand:
     modality: Modality = "text"
 
-    def __init__(self, model: str, model_dir: Path, languages: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: str, model_dir: Path, languages: tuple[str, ...] = (),
+                 max_seconds: float = DEFAULT_MAX_SECONDS) -> None:  # fmt: skip
         self.model = model
         self.model_dir = model_dir
         self.languages = languages
+        self.max_seconds = max_seconds
+        """Audio a job's clips may hold together (``DPPAN_TRANSCRIPTION_MAX_SECONDS``)."""
         self._model: Any = None
         self._lock = threading.Lock()
 
@@ -66,7 +73,8 @@ class WhisperUnderstand:
         for media in task.inputs:
             if media.media_type.split(";")[0].strip().lower() not in AUDIO_TYPES:
                 raise GenerationFailed("unsupported_input", f"{self.model} reads audio (wav, mp3), not {media.media_type}")
-        clips = [self._decode(media.data) for media in task.inputs]
+        budget = SampleBudget(self.max_seconds)
+        clips = [decode_bounded(media.data, budget, cancelled) for media in task.inputs]
         model = self._loaded()
         wanted = task.params.get("language")
         texts: list[str] = []
@@ -95,14 +103,6 @@ class WhisperUnderstand:
         if len(data) > MAX_OUTPUT_BYTES:
             data = data[:MAX_OUTPUT_BYTES].decode(errors="ignore").encode()
         return GeneratorOutput(data, "text/plain; charset=utf-8")
-
-    def _decode(self, data: bytes) -> Any:
-        from faster_whisper import decode_audio
-
-        try:
-            return decode_audio(io.BytesIO(data), sampling_rate=16000)
-        except Exception as exc:  # PyAV raises av.error.* for anything it cannot read
-            raise GenerationFailed("input_unreadable", f"the audio could not be decoded: {exc}") from exc
 
     def _loaded(self) -> Any:
         with self._lock:
