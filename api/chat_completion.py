@@ -13,6 +13,7 @@ from typing import Any
 from api.chat_job import Collected, prepare_chat
 from api.context import PeerContext
 from api.reasoning_split import Delta
+from inclavate.errors import InclavateError
 from node.generators.base import CancelCheck, GenerationCancelled
 from node.generators.chat_reader import DEFAULT_MAX_TOKENS
 
@@ -37,3 +38,15 @@ async def complete_turn(ctx: PeerContext, model: str, message: str, params: Mapp
 
     await job.generation.run(emit)
     return "".join(collected.content)
+
+
+async def prompt_byte_limit(ctx: PeerContext, model: str) -> int | None:
+    """Bytes of text past which ``model``'s chain cannot hold a turn whatever it tokenizes to
+    (the bound a chat request's prompt is refused on, :meth:`ChatModel.max_prompt_bytes`), so
+    that a job refuses its inputs before decoding and joining them. None when unknown (no
+    route yet, say): :func:`complete_turn` then says why."""
+    try:
+        chat = await ctx.chat_model(model)
+        return chat.max_prompt_bytes(ctx.pipeline(model).context_length)
+    except InclavateError:
+        return None

@@ -87,9 +87,16 @@ class ChatModel:
         :attr:`max_bytes_per_token` of them, so the prompt has at least ``chars /
         max_bytes_per_token`` tokens; past ``context_length - 1`` tokens it is refused
         anyway (:class:`api.generation.Generation`). Never refuses a prompt that fits."""
+        limit = self.max_prompt_bytes(context_length)
+        if limit is not None and chars > limit:
+            raise PromptTooLong(-(-chars // self.max_bytes_per_token), context_length, at_least=True)  # type: ignore[operator]
+
+    def max_prompt_bytes(self, context_length: int) -> int | None:
+        """Bytes (or characters, fewer) of prompt past which no tokenization fits
+        ``context_length - 1`` tokens: a token stands for at most :attr:`max_bytes_per_token`
+        bytes. None when the vocabulary does not say."""
         per_token = self.max_bytes_per_token
-        if per_token and chars > per_token * (context_length - 1):
-            raise PromptTooLong(-(-chars // per_token), context_length, at_least=True)
+        return per_token * (context_length - 1) if per_token else None
 
     def prepare(
         self,

@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 """The spec's cap on each input artifact of a job."""
 
+MAX_JOB_INPUT_BYTES = 2 * MAX_INPUT_BYTES
+"""The cap on all of a job's inputs together, read into memory at once: two inputs of the
+largest size. Each input was capped alone, and a job may name 16 (the same one 16 times):
+a chat-model job held 16 copies of one 16 MiB upload and grew its peer by 2.8 GB (an audit,
+2026-12-07). A repeated input counts each time, since each is read and handed over again."""
+
 PROGRESS_INTERVAL_S = 0.25
 """Progress writes per job are throttled to this (each is a row write and an event)."""
 
@@ -266,12 +272,14 @@ class JobRunner:
             if not job.input_artifacts:
                 self._settle(job.id, "failed", error_code="no_input", error_message="no input_artifacts were given")
                 return None
-        inputs = []
+        inputs: list[InputMedia] = []
         for artifact_id in job.input_artifacts:
-            try:
-                inputs.append(await self._read_input(artifact_id, MAX_INPUT_BYTES))
+            left = MAX_JOB_INPUT_BYTES - sum(len(media.data) for media in inputs)
+            limit = min(MAX_INPUT_BYTES, left)
+            try:  # refused on the artifact's size before its bytes are read
+                inputs.append(await self._read_input(artifact_id, limit))
             except ArtifactTooLarge as exc:
-                self._settle(job.id, "failed", error_code="input_too_large", error_message=str(exc))
+                self._settle(job.id, "failed", error_code="input_too_large", error_message=_too_large(exc, limit))
                 return None
             except (ArtifactError, ArtifactNotReady, InclavateError) as exc:
                 self._settle(job.id, "failed", error_code="input_unreadable", error_message=str(exc))
@@ -316,3 +324,10 @@ class JobRunner:
                     self._expired.add(job.id)
                     self._cancel_flags[job.id].set()
             await sleep_to_tick(self.config.poll_s)
+
+
+def _too_large(exc: ArtifactTooLarge, limit: int) -> str:
+    """The refusal's message, saying which cap it hit: one input's, or the job's total."""
+    if limit >= MAX_INPUT_BYTES:
+        return str(exc)
+    return f"{exc}: a job's inputs together may be at most {MAX_JOB_INPUT_BYTES} bytes (a repeated input counts each time)"

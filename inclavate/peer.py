@@ -33,7 +33,7 @@ from typing import IO
 import trio
 
 from api.app import create_app, serve_api
-from api.chat_completion import complete_turn
+from api.chat_completion import complete_turn, prompt_byte_limit
 from api.chat_model import ChatModel
 from api.errors import NotFound, ServiceUnavailable, UnknownModel
 from api.limits import RequestLimits
@@ -194,7 +194,8 @@ class Peer:
             jobs, self.artifact_store, installed_generators(self.config.home, settings.transcription_max_seconds) if self.config.generators else {}, self.peer_id,
             read_input=lambda artifact_id, limit: self.generations.read_artifact(artifact_id, limit),  # type: ignore[union-attr]
             config=RunnerConfig(workers=settings.workers, max_active=settings.max_active, history_max=settings.history_max),
-            fallback=lambda model: ChatModelReader(model, partial(complete_turn, self)) if self.knows_model(model) else None,
+            fallback=lambda model: (ChatModelReader(model, partial(complete_turn, self), partial(prompt_byte_limit, self))
+                              if self.knows_model(model) else None),
         )  # fmt: skip
         return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job,
                                  settings)  # fmt: skip

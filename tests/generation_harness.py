@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from api.app import create_app, serve_api
-from api.chat_completion import complete_turn
+from api.chat_completion import complete_turn, prompt_byte_limit
 from api.limits import RequestLimits
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifacts import ArtifactStore
@@ -76,7 +76,9 @@ def _reader(model: str, chat: Any) -> ChatModelReader | None:
     """Chat models read text inputs through ``chat`` (a LocalContext with the real model)."""
     if model != CHAT_MODEL:
         return None
-    return ChatModelReader(model, partial(complete_turn, chat) if chat is not None else None)
+    if chat is None:
+        return ChatModelReader(model)
+    return ChatModelReader(model, partial(complete_turn, chat), partial(prompt_byte_limit, chat))
 
 
 @asynccontextmanager

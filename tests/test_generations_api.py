@@ -565,6 +565,22 @@ async def test_input_too_large_and_publish_failed(served: Served, monkeypatch: p
         assert (failed["state"], failed["error_code"]) == ("failed", "publish_failed")
 
 
+async def test_a_job_s_inputs_together_are_bounded_before_they_are_read(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audit (2026-12-07): a job may name one input 16 times, and each was read whole (up
+    to 64 MiB each). A repeated input counts each time against one total per job, checked on
+    the artifact's size before its bytes are read (the cap shrunk here to keep the test small)."""
+    from inclavate import job_runner
+
+    monkeypatch.setattr(job_runner, "MAX_JOB_INPUT_BYTES", 250, raising=False)
+    async with client(served) as http:
+        note = await served.service.store_upload(b"x" * 100, "text/plain")
+        body = {"model": CHAT_MODEL, "modality": "text", "params": {"prompt": "x"}, "input_artifacts": [note] * 3}
+        job = (await http.post("/v1/generations", json=body)).json()
+        failed = await wait_state(http, job["id"], ("failed", "completed"), timeout=20)
+        assert failed["error_code"] == "input_too_large", failed
+        assert "inputs together may be at most 250 bytes" in failed["error_message"]
+
+
 async def test_without_generation_every_route_is_503() -> None:
     from api.app import create_app, serve_api
     from generation_harness import GenerationContext
@@ -620,5 +636,14 @@ async def test_a_chat_model_reads_text_inputs_as_a_job(tmp_path: Path, speech_ge
             answer = (await s.service.read_artifact(done["output_artifacts"][0], 1 << 20)).data.decode()
             assert answer.strip()
             assert chat.open_sessions()["stage"] == 0  # the turn freed its KV cache
+            # An audit (2026-12-07): 16 copies of one upload were decoded, joined and encoded
+            # before the chat path refused them (+2.8 GB from 16 MiB). Text the context cannot
+            # hold whatever it tokenizes to is refused on its size, before it is decoded.
+            limit = chat.chat.max_bytes_per_token * (chat.local_pipeline.context_length - 1)  # the chat route's bound
+            big = await s.service.store_upload(b"a" * (limit // 16 + 1), "text/plain")
+            job = (await http.post("/v1/generations", json={**body, "input_artifacts": [big] * 16})).json()
+            failed = await wait_state(http, job["id"], ("completed", "failed"))
+            assert failed["error_code"] == "input_too_large", failed
+            assert f"cannot hold more than {limit} bytes" in failed["error_message"]
     finally:
         chat.close()

@@ -11,6 +11,11 @@ called in a worker thread like every other, hands the turn to ``complete`` with
 ``trio.from_thread.run`` and blocks until it returns. ``complete`` checks the cancel flag
 between tokens. This generator is never listed in capabilities: it exists so that naming
 a chat model reads text, and gives the clear job error for media, instead of "no generator".
+
+Text that cannot fit the model's context whatever it tokenizes to is refused
+(``input_too_large``) on its size in bytes, before it is decoded and joined: 16 copies of a
+16 MiB upload were decoded, joined and JSON-encoded (+2.8 GB) before the chat path refused
+them (an audit, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -36,15 +41,21 @@ from node.generators.params import optional_int
 Complete = Callable[[str, str, Mapping[str, Any], CancelCheck], Awaitable[str]]
 """``(model, user message, params, cancelled) -> answer``: one chat turn on the swarm."""
 
+PromptLimit = Callable[[str], Awaitable[int | None]]
+"""``model -> bytes``: the most text a turn of ``model`` can hold (None: unknown)."""
+
+SEPARATOR = "\n\n"
+
 DEFAULT_MAX_TOKENS = 1024
 
 
 class ChatModelReader:
     modality: Modality = "text"
 
-    def __init__(self, model: str, complete: Complete | None = None) -> None:
+    def __init__(self, model: str, complete: Complete | None = None, limit: PromptLimit | None = None) -> None:
         self.model = model
         self._complete = complete
+        self._limit = limit
 
     def capabilities(self) -> dict[str, Any]:
         return {}
@@ -61,11 +72,13 @@ class ChatModelReader:
         media = sorted({m.media_type for m in task.inputs if not m.media_type.startswith("text/")})
         if media or self._complete is None:
             raise GenerationFailed("unsupported_input", f"{self.model} reads text only and cannot read {', '.join(media) or 'these inputs'}")
+        prompt = str(task.params["prompt"])
+        self._refuse_if_it_cannot_fit(task, prompt)
         try:
             texts = [m.data.decode("utf-8") for m in task.inputs]
         except UnicodeDecodeError as exc:
             raise GenerationFailed("input_unreadable", f"a text input is not UTF-8: {exc}") from exc
-        message = "\n\n".join([*texts, str(task.params["prompt"])])
+        message = SEPARATOR.join([*texts, prompt])
         progress("understanding", 0.0)
         try:
             answer = trio.from_thread.run(self._complete, self.model, message, task.params, cancelled)
@@ -75,6 +88,15 @@ class ChatModelReader:
             raise GenerationFailed("inference_failed", str(exc)) from exc
         progress("publishing", 1.0)
         return GeneratorOutput(answer.encode(), "text/plain; charset=utf-8")
+
+    def _refuse_if_it_cannot_fit(self, task: GenerationTask, prompt: str) -> None:
+        """``input_too_large`` for a message longer in bytes than the model's context can hold
+        (the chat route's own bound), judged on the inputs' sizes before any is decoded."""
+        limit = None if self._limit is None else trio.from_thread.run(self._limit, self.model)
+        size = sum(len(m.data) for m in task.inputs) + len(SEPARATOR) * len(task.inputs) + len(prompt.encode())
+        if limit is not None and size > limit:
+            raise GenerationFailed("input_too_large", f"the inputs and prompt are {size} bytes; {self.model}'s context "
+                                   f"cannot hold more than {limit} bytes of text, however it tokenizes")  # fmt: skip
 
     def close(self) -> None:
         pass
