@@ -44,12 +44,6 @@ log = logging.getLogger(__name__)
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 """The spec's cap on each input artifact of a job."""
 
-MAX_JOB_INPUT_BYTES = 2 * MAX_INPUT_BYTES
-"""The cap on all of a job's inputs together, read into memory at once: two inputs of the
-largest size. Each input was capped alone, and a job may name 16 (the same one 16 times):
-a chat-model job held 16 copies of one 16 MiB upload and grew its peer by 2.8 GB (an audit,
-2026-12-07). A repeated input counts each time, since each is read and handed over again."""
-
 PROGRESS_INTERVAL_S = 0.25
 """Progress writes per job are throttled to this (each is a row write and an event)."""
 
@@ -272,19 +266,23 @@ class JobRunner:
             if not job.input_artifacts:
                 self._settle(job.id, "failed", error_code="no_input", error_message="no input_artifacts were given")
                 return None
-        inputs: list[InputMedia] = []
+        # An input named again is the same bytes, read once: a job may name one 16 times (the
+        # spec keeps their order), and each was read into a copy of its own (a chat-model job
+        # grew its peer by 2.8 GB from one 16 MiB upload; an audit, 2026-12-07).
+        read: dict[str, InputMedia] = {}
         for artifact_id in job.input_artifacts:
-            left = MAX_JOB_INPUT_BYTES - sum(len(media.data) for media in inputs)
-            limit = min(MAX_INPUT_BYTES, left)
+            if artifact_id in read:
+                continue
             try:  # refused on the artifact's size before its bytes are read
-                inputs.append(await self._read_input(artifact_id, limit))
+                read[artifact_id] = await self._read_input(artifact_id, MAX_INPUT_BYTES)
             except ArtifactTooLarge as exc:
-                self._settle(job.id, "failed", error_code="input_too_large", error_message=_too_large(exc, limit))
+                self._settle(job.id, "failed", error_code="input_too_large", error_message=str(exc))
                 return None
             except (ArtifactError, ArtifactNotReady, InclavateError) as exc:
                 self._settle(job.id, "failed", error_code="input_unreadable", error_message=str(exc))
                 return None
-        return GenerationTask(job.id, job.model, job.modality, job.params, job.seed, tuple(inputs))  # type: ignore[arg-type]
+        inputs = tuple(read[artifact_id] for artifact_id in job.input_artifacts)
+        return GenerationTask(job.id, job.model, job.modality, job.params, job.seed, inputs)  # type: ignore[arg-type]
 
     def _progress_reporter(self, job_id: str) -> Callable[[str, float], None]:
         token = trio.lowlevel.current_trio_token()
@@ -324,10 +322,3 @@ class JobRunner:
                     self._expired.add(job.id)
                     self._cancel_flags[job.id].set()
             await sleep_to_tick(self.config.poll_s)
-
-
-def _too_large(exc: ArtifactTooLarge, limit: int) -> str:
-    """The refusal's message, saying which cap it hit: one input's, or the job's total."""
-    if limit >= MAX_INPUT_BYTES:
-        return str(exc)
-    return f"{exc}: a job's inputs together may be at most {MAX_JOB_INPUT_BYTES} bytes (a repeated input counts each time)"

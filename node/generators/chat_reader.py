@@ -13,7 +13,7 @@ between tokens. This generator is never listed in capabilities: it exists so tha
 a chat model reads text, and gives the clear job error for media, instead of "no generator".
 
 Text that cannot fit the model's context whatever it tokenizes to is refused
-(``input_too_large``) on its size in bytes, before it is decoded and joined: 16 copies of a
+(``inference_failed``, as the chat path's own refusal of the prompt was) on its size in bytes, before it is decoded and joined: 16 copies of a
 16 MiB upload were decoded, joined and JSON-encoded (+2.8 GB) before the chat path refused
 them (an audit, 2026-12-07).
 """
@@ -90,12 +90,12 @@ class ChatModelReader:
         return GeneratorOutput(answer.encode(), "text/plain; charset=utf-8")
 
     def _refuse_if_it_cannot_fit(self, task: GenerationTask, prompt: str) -> None:
-        """``input_too_large`` for a message longer in bytes than the model's context can hold
+        """``inference_failed`` for a message longer in bytes than the model's context can hold
         (the chat route's own bound), judged on the inputs' sizes before any is decoded."""
         limit = None if self._limit is None else trio.from_thread.run(self._limit, self.model)
         size = sum(len(m.data) for m in task.inputs) + len(SEPARATOR) * len(task.inputs) + len(prompt.encode())
         if limit is not None and size > limit:
-            raise GenerationFailed("input_too_large", f"the inputs and prompt are {size} bytes; {self.model}'s context "
+            raise GenerationFailed("inference_failed", f"the inputs and prompt are {size} bytes; {self.model}'s context "
                                    f"cannot hold more than {limit} bytes of text, however it tokenizes")  # fmt: skip
 
     def close(self) -> None:
