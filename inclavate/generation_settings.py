@@ -14,7 +14,7 @@ variable                                   default   meaning
 ``DPPAN_GENERATION_WORKERS``               1         jobs this peer runs at once
 ``DPPAN_GENERATION_QUEUE_MAX``             32        queued + running jobs accepted; more is 429
 ``DPPAN_GENERATION_HISTORY_MAX``           10000     finished job records kept (oldest forgotten)
-``DPPAN_TRANSCRIPTION_MAX_SECONDS``        1800      audio one transcription job may hold, all its
+``DPPAN_TRANSCRIPTION_MAX_SECONDS``        3600      audio one transcription job may hold, all its
                                                      clips together; a longer clip is refused
 =========================================  ========  ==============================================
 

@@ -62,7 +62,7 @@ def test_the_default_deadline_is_the_servers() -> None:
 def test_settings_from_the_environment() -> None:
     settings = GenerationSettings.from_env({"DPPAN_SPEECH_SYNC_TIMEOUT_SECS": "5", "DPPAN_GENERATION_WORKERS": "2"})
     assert settings.speech_sync_timeout_s == 5.0 and settings.workers == 2 and settings.default_deadline_s == 600.0
-    assert settings.transcription_max_seconds == 1800.0
+    assert settings.transcription_max_seconds == 3600.0
     assert GenerationSettings.from_env({"DPPAN_TRANSCRIPTION_MAX_SECONDS": "300"}).transcription_max_seconds == 300.0
     for bad in ({"DPPAN_GENERATION_DEADLINE_SECS": "90000"}, {"DPPAN_SPEECH_SYNC_TIMEOUT_SECS": "soon"},
                 {"DPPAN_TRANSCRIPTION_MAX_SECONDS": "0"},

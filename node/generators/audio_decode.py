@@ -38,10 +38,11 @@ MAX_SAMPLE_RATE = 192000
 """The highest rate recorders and sound cards use; above it nothing is speech either, and a
 resampler group of 500,000 input samples stays above 2.6 s of audio."""
 
-DEFAULT_MAX_SECONDS = 1800.0
-"""Half an hour of audio per job (``DPPAN_TRANSCRIPTION_MAX_SECONDS``): a 64 MiB WAV at
-16 kHz, 16-bit mono (the cap on one input, at Whisper's own rate) holds 35 minutes. What
-transcribing costs grows with it (~0.85 MB of memory per second of audio)."""
+DEFAULT_MAX_SECONDS = 3600.0
+"""An hour of audio per job (``DPPAN_TRANSCRIPTION_MAX_SECONDS``): a meeting or a podcast
+(a 64 MiB MP3 at 128 kbit/s holds 70 minutes; half an hour, tried first, refused a 45-minute
+podcast the spec accepts: a review, 2026-12-07). What transcribing costs grows with it
+(~0.85 MB of memory per second of audio), so a small machine lowers it."""
 
 GROUP_SAMPLES = 500_000
 """Input samples resampled at once (faster-whisper's own grouping, kept so that a clip
@@ -103,7 +104,10 @@ def _check_header(container: Any, max_seconds: float) -> None:
     stream = container.streams.audio[0]
     if (why := implausible_rate(stream.codec_context.sample_rate or 0)) is not None:
         raise GenerationFailed("unsupported_input", why)
-    if container.duration is not None and (why := too_long(container.duration / 1_000_000, max_seconds)):
+    # Only a WAV's length is exact here; others (an MP3 without a Xing tag) are estimated,
+    # and may overstate an honest clip several times: the decode counts what they yield.
+    exact = container.format.name == "wav"
+    if exact and container.duration is not None and (why := too_long(container.duration / 1_000_000, max_seconds)):
         raise GenerationFailed("input_too_large", why)
 
 
