@@ -12,6 +12,7 @@ only a known-inert set is served as recorded; everything else goes out as
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import quote
 
 from quart import Response, jsonify
@@ -38,13 +39,21 @@ text/xml, application/pdf (scriptable viewers), application/javascript, text/css
 ARTIFACT_ID_HEADER = "x-dppan-artifact-id"
 
 
+_CHARSET = re.compile(r"charset\s*=\s*\"?([A-Za-z0-9._:-]{1,40})\"?\s*$", re.IGNORECASE)
+
+
 def served_media_type(media_type: str) -> str:
     """The type to serve for a recorded one, judged by its essence (a generator records
-    ``text/plain; charset=utf-8``); text/plain always says it is UTF-8."""
-    essence = media_type.split(";", 1)[0].strip().lower()
+    ``text/plain; charset=utf-8``). text/plain names its charset: the one recorded (an
+    upload's own, a plain token), else UTF-8; a UTF-16 upload labelled UTF-8 showed garbled."""
+    essence, _, parameters = media_type.partition(";")
+    essence = essence.strip().lower()
     if essence not in INERT_MEDIA_TYPES:
         return DEFAULT_MEDIA_TYPE
-    return "text/plain; charset=utf-8" if essence == "text/plain" else essence
+    if essence != "text/plain":
+        return essence
+    charset = next((m.group(1).lower() for p in parameters.split(";") if (m := _CHARSET.match(p.strip()))), "utf-8")
+    return f"text/plain; charset={charset}"
 
 
 async def serve_artifact(artifacts: SwarmArtifacts, id_: str, range_header: str | None, *, attachment: bool) -> Response:

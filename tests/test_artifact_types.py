@@ -66,3 +66,21 @@ def test_usage_json() -> None:
     assert Usage(default_ttl_hours=2.0).to_json()["default_ttl_hours"] == 2.0
     with pytest.raises(ValueError):
         Usage.from_json({"generated": {"bytes": -1, "objects": 0}, "uploaded": {}, "max_bytes": 0, "max_objects": 0})
+
+
+@pytest.mark.parametrize("recorded, served", [
+    ("text/plain", "text/plain; charset=utf-8"),
+    ("text/plain; charset=utf-8", "text/plain; charset=utf-8"),  # a transcript, as a generator records it
+    ("text/plain; charset=UTF-16", "text/plain; charset=utf-16"),  # an upload's own charset is kept
+    ('text/plain; format=flowed; charset="iso-8859-1"', "text/plain; charset=iso-8859-1"),
+    ("text/plain; charset=a b", "text/plain; charset=utf-8"),  # not a token: not repeated
+    ("audio/wav; codecs=1", "audio/wav"),
+    ("text/html; charset=utf-8", "application/octet-stream"),
+])  # fmt: skip
+def test_a_download_is_served_by_its_type_s_essence_with_text_s_own_charset(recorded: str, served: str) -> None:
+    """A transcript recorded as ``text/plain; charset=utf-8`` went out as octet-stream (an
+    audit from outside), and the first fix labelled every text UTF-8, garbling a UTF-16
+    upload (a review, the same day)."""
+    from api.downloads import served_media_type
+
+    assert served_media_type(recorded) == served
