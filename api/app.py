@@ -100,9 +100,9 @@ class HandOverWebsocket(TrioASGIWebsocketConnection):
     """A websocket whose frames are handed to the handler, not queued for it.
 
     ``/ws/chat`` reads its next request once the current one is answered. quart-trio queued
-    ten frames meanwhile (and hypercorn ten more, see :func:`serve_api`), each up to 16 MiB:
-    one client held ~330 MB of a peer per connection. Unbuffered, the frames the handler has
-    not asked for wait in the client's socket."""
+    ten frames meanwhile (and hypercorn ten more, see :func:`serve_api`), each up to 16 MiB
+    then (a body's limit, 24 MiB, now): one client held ~330 MB of a peer per connection.
+    Unbuffered, the frames the handler has not asked for wait in the client's socket."""
 
     def __init__(self, app: QuartTrio, scope: Any) -> None:
         super().__init__(app, scope)

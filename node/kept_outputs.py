@@ -39,9 +39,8 @@ class _Kept:
     replay_allowed: bool = False
     """Set when the session is adopted under a new leg: one replay may read it (a stage
     re-sends a session's states only when the entry just moved it, not on any frame's word)."""
-    adoptions: int = 0
-    """Adopts the session has had here, under any of its ids: past :data:`MAX_REPLAYS`
-    they allow no replay."""
+    replays: int = 0
+    """Replays the session has had from here, under any of its ids (:data:`MAX_REPLAYS`)."""
 
     @property
     def nbytes(self) -> int:
@@ -161,19 +160,20 @@ class KeptOutputs:
 
     def rename(self, old: SessionId, new: SessionId) -> None:
         """The session continues under a new id (a failover adopted it); one replay allowed,
-        up to :data:`MAX_REPLAYS` over the session's life."""
+        up to :data:`MAX_REPLAYS` over the session's life (counted in :meth:`take_replay`:
+        a hop after the replaced span is adopted too, and sends none)."""
         kept = self._sessions.pop(old, None)
         if kept is not None:
-            kept.adoptions += 1
-            kept.replay_allowed = kept.adoptions <= MAX_REPLAYS
+            kept.replay_allowed = True
             self._sessions[new] = kept
 
     def take_replay(self, session_id: SessionId) -> bool:
         """Whether a replay of this session may be sent now (consumes the permission)."""
         kept = self._sessions.get(session_id)
-        if kept is None or not kept.replay_allowed:
+        if kept is None or not kept.replay_allowed or kept.replays >= MAX_REPLAYS:
             return False
         kept.replay_allowed = False
+        kept.replays += 1
         return True
 
     def drop(self, session_id: SessionId) -> None:

@@ -522,11 +522,18 @@ class Stage:
         return batch
 
     def _steps_of_held_sessions(self, waiting: list[Job]) -> bool:
-        """Whether work waits that needs no slot: a job of a session the engine holds. A
-        close or adopt goes first, but not twice in a row past such work: a registered
-        peer's adopts, one after another, kept every step waiting (2026-12-07, an audit).
-        Work for new sessions does not count: it may wait for the slot a close frees."""
-        return any(job.item is not None and self.engine.session_length(job.session_id) > 0 for job in waiting)
+        """Whether work waits that could run now without a slot: a job of a session the
+        engine holds, with nothing of its session queued before it. A close or adopt goes
+        first, but not twice in a row past such work: a registered peer's adopts, one after
+        another, kept every step waiting (2026-12-07, an audit). Work for new sessions does
+        not count (it may wait for the slot a close frees), nor work behind a close of its
+        own session (it waits for that close: the round would run nothing)."""
+        earlier: set[SessionId] = set()
+        for job in waiting:
+            if job.item is not None and job.session_id not in earlier and self.engine.session_length(job.session_id) > 0:
+                return True
+            earlier.update(_ids(job))
+        return False
 
     async def _gather(self, waiting: list[Job]) -> None:
         """Let the other sessions' next steps join this call. They are usually a few scheduler

@@ -463,9 +463,9 @@ class ForwardService:
         previous hop of the route's first range), else back to ``remote``.
 
         Anyone may name any entry: a refusal sent there arrives in this peer's name, and the
-        entry fails the request (an ``invalid_batch``) or fails over and avoids this peer (a
-        ``wrong_route``): a stranger who learnt a session id could end it, or steer its
-        traffic, through honest hops (an audit, 2026-12-05)."""
+        entry fails the request or fails over and avoids this peer (or the hop before it): a
+        stranger who learnt a session id could end it, or steer its traffic, through honest
+        hops (an audit, 2026-12-05)."""
         if remote in (msg.reply_to, self.me) or self.record_of is None:
             return msg.reply_to
         hop = self.record_of(msg.route[0].node_id)  # a relayed node's model may not be our stage's
@@ -923,36 +923,35 @@ class ForwardService:
             self._close_off_route(msg, remote, "its first hop is not this node's stage")
             return
         if not self.stage.holds(msg.session_id):
-            await self._close_unheld(msg, remote)
+            # Nothing of it here: no job (one would run ahead of every step: see _on_adopt).
+            await self._close_here(msg, remote, held=False)
             return
 
         async def deliver(_: StageResult) -> None:
-            self.admission.closed(msg.session_id)
-            onward = self._onward.pop(msg.session_id, None)
-            if len(msg.route) > 1 and (onward is None or onward[0] != msg.route[1:]) and not self._is_known(remote):
-                # Passed on, it is this peer's word, which the next hops honour: a stranger's
-                # goes only where this stage sent its session. A known peer's goes on as before
-                # (it may close a session at any hop itself), so an entry whose session failed
-                # here still hears ``closed`` from the last hop at once.
-                self._close_off_route(msg, remote, "this stage did not send the session on to those hops")
-                return
-            await self._pass_close(msg, wait_for_room=False)
+            await self._close_here(msg, remote, held=True)
 
         await self.stage.submit(Job(None, msg.session_id, deliver))
 
-    async def _close_unheld(self, msg: wire.Close, remote: PeerId) -> None:
-        """A close of a session this stage holds nothing of: no job (one would run ahead of
-        every step: :meth:`_on_adopt`), and passed on only along the route this stage sent
-        the session on, whoever asks. A registered peer's closes of made-up ids went on to
-        any registered hops it named, in this peer's name, filling its links to them. An
-        entry whose close this drops (this stage forgot where it sent the session) closes
-        each hop directly once its wait for ``closed`` ends."""
+    async def _close_here(self, msg: wire.Close, remote: PeerId, *, held: bool) -> None:
+        """The session is closed here (``held``: its job just ran): pass the close on.
+
+        Passed on, it is this peer's word, which the next hops honour, so it goes only where
+        this stage sent the session; a known peer's close of a session held here goes on as
+        before (it may close a session at any hop itself), so an entry whose session failed
+        here still hears ``closed`` from the last hop at once. One of a session this stage
+        holds nothing of goes nowhere else, whoever asks: a registered peer's closes of
+        made-up ids went on to any registered hops it named, filling this peer's links to
+        them (2026-12-07, an audit). Its entry, asking itself, is told at once, and closes
+        each hop directly (it waited out its close timeout, 5 s, before: a review)."""
         self.admission.closed(msg.session_id)
         onward = self._onward.pop(msg.session_id, None)
-        if len(msg.route) > 1 and (onward is None or onward[0] != msg.route[1:]):
-            self._close_off_route(msg, remote, "this stage holds nothing of the session and did not send it on to those hops")
+        if len(msg.route) == 1 or (onward is not None and onward[0] == msg.route[1:]) or (held and self._is_known(remote)):
+            await self._pass_close(msg, wait_for_room=False)
             return
-        await self._pass_close(msg, wait_for_room=False)
+        self._close_off_route(msg, remote, "this stage did not send the session on to those hops")
+        if not held and remote == msg.reply_to and self._is_known(remote):
+            await self.send(remote, wire.Error(msg.req_id, msg.session_id, "wrong_route",
+                                               f"{self.me} holds nothing of session {msg.session_id} to close", self.me))  # fmt: skip
 
     def _close_off_route(self, msg: wire.Close, remote: PeerId, why: str) -> None:
         self.drops.count(FrameReason.CLOSE_OFF_ROUTE)

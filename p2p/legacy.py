@@ -509,8 +509,9 @@ class LegacyNodes:
         fault = _hidden_fault(msg, out, node.record.d_model)
         if fault is not None:
             # Checked here, not only by the next hop: that hop would refuse them in its own
-            # name (``invalid_batch``, which fails the request and blames it), while the node
-            # that made them stayed in routing, failing every request sent through it.
+            # name (``invalid_batch``, which blames it and this peer, the hop before it, as a
+            # guess), while the node that made them stayed in routing, costing every request
+            # sent through it a failover.
             await self._node_failed(node, msg, f"answered bad hidden states: {fault}")
             return
         node.failures = 0

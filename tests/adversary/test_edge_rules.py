@@ -999,9 +999,14 @@ async def test_closes_and_adopts_of_sessions_the_stage_does_not_hold_take_no_job
         for i in range(100):
             await service._dispatch(wire.Adopt(i, SessionId(f"nobody{i}"), SessionId(f"nobody{i}.1"), (me,), z.peer_id), k.peer_id)
             await service._dispatch(wire.Close(i, SessionId(f"nobody{i}"), (me, y, z), k.peer_id), k.peer_id)
-        answers = [(peer, m.TYPE, getattr(m, "length", None)) for peer, m in service.sent]
-        assert answers == [(k.peer_id, "adopted", 0)] * 100  # no close passed on in this peer's name
+        answers = [(peer, m.TYPE, m.length if m.TYPE == "adopted" else getattr(m, "code", None)) for peer, m in service.sent]
+        # No close passed on in this peer's name; the asker, which named itself the entry, is
+        # told at once (an entry then closes each hop itself, without waiting out its timeout).
+        assert answers == [(k.peer_id, "adopted", 0), (k.peer_id, "error", "wrong_route")] * 100
         assert service.drops[FrameReason.CLOSE_OFF_ROUTE] == 100
+        service.sent.clear()
+        await service._dispatch(wire.Close(7, SessionId("nobody"), (me, y, z), z.peer_id), k.peer_id)  # naming another entry
+        assert service.sent == []
 
 
 async def test_a_close_or_adopt_goes_first_but_not_twice_in_a_row_past_a_held_sessions_step(smollm2, slice_cache) -> None:
@@ -1036,7 +1041,12 @@ async def test_a_close_or_adopt_goes_first_but_not_twice_in_a_row_past_a_held_se
             await nursery.start(stage.run)
             await _until(lambda: len(ran) == 4, "the queued jobs to run")
             nursery.cancel_scope.cancel()
-    assert ran == ["close h1", "step s", "close h2", "close h3"]
+        assert ran == ["close h1", "step s", "close h2", "close h3"]
+        # A step behind a close of its own session cannot run before it: it does not hold the
+        # close back (the round would run nothing, and wait; a review, the same day).
+        step = Job(BatchItem(SessionId("s"), 4, tokens=np.array([4], np.int32)), SessionId("s"), noting("step s"), None)
+        assert stage._steps_of_held_sessions([step])
+        assert not stage._steps_of_held_sessions([Job(None, SessionId("s"), noting("close s")), step])
 
 
 async def test_a_replay_is_sent_in_the_stages_own_frames_and_only_so_often_a_session(smollm2, slice_cache) -> None:
@@ -1092,3 +1102,20 @@ async def test_a_strangers_refused_frames_are_counted_and_answered_not_logged(ca
     assert service.drops[FrameReason.SESSION_NOT_YOURS] == 100
     assert [m.code for _, m in service.sent] == ["wrong_route"] * 50
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+
+
+def test_a_session_may_be_adopted_any_number_of_times_and_replayed_sixteen() -> None:
+    """The replay cap counted adopts: a hop after the replaced span is adopted at every move
+    and sends no replay, so a long-lived session moved often had its next replay refused,
+    and the honest hop that refused it blamed (a review, 2026-12-07)."""
+    from node.kept_outputs import MAX_REPLAYS, KeptOutputs
+
+    kept = KeptOutputs(max_sessions=2, context_length=64, d_model=4, wire_dtype="f32")
+    kept.put(SessionId("s0"), 0, tensors.encode(np.ones((3, 4), np.float32), "f32"), lambda _: True)
+    for i in range(3 * MAX_REPLAYS):  # moves that replay nothing from here
+        kept.rename(SessionId(f"s{i}"), SessionId(f"s{i + 1}"))
+    replayed = []
+    for i in range(3 * MAX_REPLAYS, 4 * MAX_REPLAYS + 1):
+        kept.rename(SessionId(f"s{i}"), SessionId(f"s{i + 1}"))
+        replayed.append(kept.take_replay(SessionId(f"s{i + 1}")))
+    assert replayed == [True] * MAX_REPLAYS + [False]
