@@ -255,6 +255,7 @@ _register_lower_layers()
 def _register_generation_errors() -> None:
     """Generation jobs, generators and the peer-to-peer forwarding they use."""
     from inclavate.generations import ListingTooDeep, NoGenerator
+    from inclavate.job_feeds import WatchersFull
     from inclavate.job_runner import JobActive, JobFinished, JobNotFound
     from inclavate.jobs import IdempotencyConflict, JobStoreError, QueueFull
     from inclavate.peer_http import PeerBusy, PeerUnreachable
@@ -270,6 +271,7 @@ def _register_generation_errors() -> None:
         (NoGenerator, 422),
         (QueueFull, 429),
         (PeerBusy, 429),
+        (WatchersFull, 429),  # with Retry-After (error_headers): a job's or this peer's event streams are all taken
         (JobStoreError, 503),
         (PeerUnreachable, 503),
     ]:

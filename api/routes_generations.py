@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from quart import Response, jsonify, request
 from quart_trio import QuartTrio
@@ -68,8 +69,11 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
         payloads = await service(ctx).events(job_id, local_only=forwarded())
 
         async def body() -> AsyncIterator[bytes]:
-            async for payload in payloads:
-                yield b"data: " + payload.encode() + b"\n\n"
+            # Closed when the client leaves (Quart closes body()): the stream's place (its
+            # job's watcher, or a relayed stream) is given back then, not when collected.
+            async with aclosing(payloads):
+                async for payload in payloads:
+                    yield b"data: " + payload.encode() + b"\n\n"
 
         response = Response(body(), mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"

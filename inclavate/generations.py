@@ -23,7 +23,7 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -362,33 +362,20 @@ class GenerationService:
 
     # -- watching ------------------------------------------------------------------------
 
-    async def events(self, job_id: str, *, local_only: bool) -> AsyncIterator[str]:
-        """Checks the job exists (raising before anything is streamed), then returns the
-        SSE ``data:`` payloads: the current state, one per change, ``[DONE]``."""
+    async def events(self, job_id: str, *, local_only: bool) -> AsyncGenerator[str, None]:
+        """Checks the job exists and a stream has room (raising before anything is
+        streamed), then returns the SSE ``data:`` payloads: the current state, one per
+        change, ``[DONE]``. The caller closes it (``aclosing``) when its client leaves, which
+        gives its place back at once."""
         job_id = parse_id(job_id)
         owner = None if local_only else self._owner(job_id)
-        if owner is None:
-            return self._local_events(self._local(job_id))
+        if owner is None:  # one read per change of the job, for all its watchers; WatchersFull past the caps
+            return self.runner.feeds.watch(self._local(job_id))
         self.http.check_stream_room(owner.record.peer_id)  # 429 before the stream opens, as far as can be known
         await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
         return self._remote_events(owner, job_id)
 
-    async def _local_events(self, job: Job) -> AsyncIterator[str]:
-        last = json.dumps(job.to_json())
-        yield last
-        while not job.finished:
-            await self.runner.wait_changed(1.0)
-            current = self.runner.store.get(job.id)
-            if current is None:
-                break  # erased by an admin while watched
-            job = current
-            payload = json.dumps(job.to_json())
-            if payload != last:  # a write that changed nothing a client sees is no event
-                last = payload
-                yield payload
-        yield "[DONE]"
-
-    async def _remote_events(self, owner: NodeView, job_id: str) -> AsyncIterator[str]:
+    async def _remote_events(self, owner: NodeView, job_id: str) -> AsyncGenerator[str, None]:
         url = owner.record.api_url
         try:
             # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".

@@ -11,8 +11,9 @@ A finished generation is published as a ``kind: generated`` artifact in this pee
 artifact store, then the job completes with that artifact's id. Input artifacts (the clip a
 transcription reads) are fetched through ``read_input``, which may reach another peer.
 
-Every state change wakes :meth:`JobRunner.wait_changed`, which event streams use; they
-still re-read the job table, so a watcher sees what is stored, not what was announced.
+Every state change wakes :meth:`JobRunner.wait_changed` (the workers, cancels and sync
+waits), and a change to one job re-reads that job once for its event streams
+(:mod:`inclavate.job_feeds`), so a watcher sees what is stored, not what was announced.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import trio
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound, ArtifactNotReady, ArtifactTooLarge
 from inclavate.artifacts import ArtifactStore
 from inclavate.errors import InclavateError
+from inclavate.job_feeds import JobFeeds
 from inclavate.jobs import Job, JobStore, NewJob, now_ms
 from inclavate.owner_ids import new_id
 from node.generators.base import (
@@ -97,6 +99,8 @@ class JobRunner:
         self._read_input = read_input
         self._fallback = fallback
         self._changed = trio.Event()
+        self.feeds = JobFeeds(store.get)
+        """Event streams of this peer's jobs, one read per job change (not per watcher)."""
         self._cancel_flags: dict[str, threading.Event] = {}
         self._expired: set[str] = set()
         self._history_changed = True
@@ -127,13 +131,13 @@ class JobRunner:
         if job.finished:
             raise JobFinished(f"job {job_id} already {job.state}")
         if job.state == "queued" and self.store.finish(job_id, "cancelled", now_ms()) is not None:
-            self._notify()
+            self._notify(job_id)
             return self._get(job_id)
         if self.store.request_cancel(job_id) is not None:
             flag = self._cancel_flags.get(job_id)
             if flag is not None:
                 flag.set()
-            self._notify()
+            self._notify(job_id)
         with trio.move_on_after(CANCEL_SETTLE_S):
             while not (job := self._get(job_id)).finished:
                 await self.wait_changed(1.0)
@@ -154,7 +158,7 @@ class JobRunner:
                 except ArtifactNotFound:
                     pass
         self.store.delete(job_id)
-        self._notify()
+        self._notify(job_id)
         return deleted
 
     async def wait_changed(self, timeout: float) -> None:
@@ -182,8 +186,12 @@ class JobRunner:
             self._notify()
             self._history_changed = False  # our own pruning is no news to this check
 
-    def _notify(self) -> None:
+    def _notify(self, job_id: str | None = None) -> None:
+        """A job changed (``job_id``, whose watchers then get one read of it; None: a new
+        job or pruned finished ones, which nobody watches)."""
         self._history_changed = True
+        if job_id is not None:
+            self.feeds.changed(job_id)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -198,7 +206,7 @@ class JobRunner:
             started = self.store.start(job.id, now_ms())
             if started is None:
                 continue  # another worker claimed it
-            self._notify()
+            self._notify(job.id)
             try:
                 await self._execute(started)
             except Exception:  # noqa: BLE001 - one job's bug must not stop the worker
@@ -302,11 +310,11 @@ class JobRunner:
 
     def _progress(self, job_id: str, stage: str, fraction: float) -> None:
         if self.store.progress(job_id, stage, max(0.0, min(1.0, fraction))) is not None:
-            self._notify()
+            self._notify(job_id)
 
     def _settle(self, job_id: str, state: str, **fields: object) -> bool:
         done = self.store.finish(job_id, state, now_ms(), **fields) is not None  # type: ignore[arg-type]
-        self._notify()
+        self._notify(job_id)
         return done
 
     # -- deadlines -----------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""Watching this peer's jobs (``GET /v1/generations/:id/events``): one read per job change,
+whatever the number of watchers, and a bounded number of watchers.
+
+Each watched job has a :class:`_Feed`: the job's record as the API sends it (serialized
+once), a version, and an event its watchers wait on. :class:`~inclavate.job_runner.JobRunner`
+calls :meth:`JobFeeds.changed` after each write to a job; that re-reads the job once (if
+anyone watches it) and wakes that job's watchers only, who send the stored payload.
+
+Before (an audit, 2026-12-07): every watcher waited on one peer-wide event, and re-read its
+job from SQLite and re-serialized it (params up to 64 KiB) at every write of *any* job and
+at every 1 s tick, on the event loop, with no bound on watchers: 1,500 of them made every
+``/health`` time out for minutes and the swarm marked the peer Dead.
+
+A feed lives while it has watchers: the last one leaving (the job ended, or it
+disconnected) removes it, so the table holds at most :data:`MAX_WATCHERS` entries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+
+import trio
+
+from inclavate.errors import InclavateError
+from inclavate.jobs import Job
+
+MAX_WATCHERS_PER_JOB = 16
+"""Event streams one job may have open here. An honest job has a few: a tab or two, and the
+peers relaying for their clients (each relays at most
+:data:`~inclavate.peer_http.MAX_EVENT_STREAMS_PER_OWNER` = 16 of one owner's streams, the
+same number). Past it, one client is multiplying sends of the same record."""
+MAX_WATCHERS = 256
+"""Event streams all of this peer's jobs may have open here: the default queue's 32 live
+jobs (``RunnerConfig.max_active``) with 8 watchers each. Each holds a connection and gets a
+send of its job's record (up to ``MAX_RECORD_BYTES``) per change; unbounded, one client
+held the API's whole connection share."""
+RETRY_AFTER_S = 2
+"""A watcher's place frees when a job ends or a watcher leaves; jobs take seconds."""
+
+DONE = "[DONE]"
+
+
+class WatchersFull(InclavateError):
+    """This job, or this peer, has as many event streams open as it may (429: retry, or poll
+    ``GET /v1/generations/:id``)."""
+
+    retry_after_s = RETRY_AFTER_S
+
+
+class _Feed:
+    """One watched job: its latest payload, bumped ``version`` per change a client sees."""
+
+    __slots__ = ("payload", "version", "ended", "watchers", "moved")
+
+    def __init__(self, payload: str, ended: bool) -> None:
+        self.payload = payload
+        self.version = 0
+        self.ended = ended
+        """The job finished or was erased: no change comes any more."""
+        self.watchers = 0
+        self.moved = trio.Event()
+        """Set (and replaced) at each change; a watcher waits on its own job's only."""
+
+    def publish(self, payload: str | None, ended: bool) -> None:
+        """A new state (None: the job is gone); wakes the watchers if a client sees it."""
+        if payload is not None and payload != self.payload:  # a write that changed nothing a client sees is no event
+            self.payload = payload
+            self.version += 1
+        elif not ended or self.ended:
+            return
+        self.ended = ended
+        self.moved.set()
+        self.moved = trio.Event()
+
+
+class _Place:
+    """A watcher's place in :class:`JobFeeds`, given back once (at the stream's end, or, for
+    a stream never iterated, when it is collected: its generator's ``finally`` never runs)."""
+
+    def __init__(self, feeds: JobFeeds, job_id: str) -> None:
+        self._feeds: JobFeeds | None = feeds
+        self.job_id = job_id
+
+    def release(self) -> None:
+        if self._feeds is not None:
+            feeds, self._feeds = self._feeds, None
+            feeds._leave(self.job_id)
+
+    __del__ = release
+
+
+class JobFeeds:
+    """This peer's watched jobs (see the module's docstring); ``read`` reads one job's row."""
+
+    def __init__(self, read: Callable[[str], Job | None]) -> None:
+        self._read = read
+        self._feeds: dict[str, _Feed] = {}
+        self.watchers = 0
+        """Event streams open on this peer's jobs, all jobs together."""
+
+    def __len__(self) -> int:
+        """Jobs watched now (each has at least one watcher)."""
+        return len(self._feeds)
+
+    def watch(self, job: Job) -> AsyncGenerator[str, None]:
+        """``job``'s SSE payloads: its current state at once, then one per change, then
+        :data:`DONE`. Raises :class:`WatchersFull` here, before any stream opens."""
+        if job.finished:  # its outcome, then the end: nothing to wait for, no place taken
+            return _ended(json.dumps(job.to_json()))
+        feed = self._feeds.get(job.id)
+        if self.watchers >= MAX_WATCHERS or (feed is not None and feed.watchers >= MAX_WATCHERS_PER_JOB):
+            raise WatchersFull("this job or this peer has as many event streams open as it may; "
+                               "retry later, or poll GET /v1/generations/:id")  # fmt: skip
+        if feed is None:
+            feed = self._feeds[job.id] = _Feed(json.dumps(job.to_json()), ended=False)
+        feed.watchers += 1
+        self.watchers += 1
+        return _follow(feed, _Place(self, job.id))
+
+    def changed(self, job_id: str) -> None:
+        """After a write to ``job_id``: one read of it if watched, whatever the watchers."""
+        feed = self._feeds.get(job_id)
+        if feed is None:
+            return
+        job = self._read(job_id)
+        if job is None:  # erased by an admin while watched
+            feed.publish(None, ended=True)
+        else:
+            feed.publish(json.dumps(job.to_json()), ended=job.finished)
+
+    def _leave(self, job_id: str) -> None:
+        self.watchers -= 1
+        feed = self._feeds[job_id]
+        feed.watchers -= 1
+        if not feed.watchers:
+            del self._feeds[job_id]
+
+
+async def _ended(payload: str) -> AsyncGenerator[str, None]:
+    yield payload
+    yield DONE
+
+
+async def _follow(feed: _Feed, place: _Place) -> AsyncGenerator[str, None]:
+    """The feed's payloads from its current one on; a watcher slower than the changes gets
+    the latest state, never a stale one, and always the final one."""
+    try:
+        seen = feed.version
+        yield feed.payload
+        while True:
+            if feed.version != seen:
+                seen = feed.version
+                yield feed.payload
+            elif feed.ended:
+                break
+            else:
+                await feed.moved.wait()
+        yield DONE
+    finally:
+        place.release()

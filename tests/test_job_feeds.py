@@ -1,0 +1,233 @@
+"""Event streams of local jobs (``GET /v1/generations/:id/events``) over a real job runner and
+the real speech generators: one read and one serialization per change of a job, whatever
+its watchers, none at other jobs' changes; bounded watchers (429 with Retry-After); nothing
+left behind when watchers leave (an audit, 2026-12-07: 1,500 watchers, each re-reading its
+job at every write of any job, starved the event loop until the swarm marked the peer Dead).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from generation_harness import Served, serve_generations
+
+from inclavate.jobs import Job, JobStore
+from node.generators.base import GenerationCancelled, GenerationTask, Generator, GeneratorOutput
+
+pytestmark = pytest.mark.slow
+
+LONG_TEXT = " ".join(f"This is sentence number {n} of a long reading." for n in range(1, 40))
+PER_JOB = 16
+"""``inclavate.job_feeds.MAX_WATCHERS_PER_JOB`` (named here so the test reads, and fails on
+a tree without the cap, at the assertion)."""
+PAD = {"text": "Short.", "junk": "x" * 30_000}
+"""A queued job's params with 30 KB that its generator ignores (what each read re-parses)."""
+
+
+class Held:
+    """A real generator whose runs wait until stopped (then end as cancelled), so the jobs
+    behind the first one stay queued for as long as a test needs."""
+
+    def __init__(self, inner: Generator, stop: threading.Event) -> None:
+        self.inner, self.stop = inner, stop
+
+    def __getattr__(self, name: str) -> Any:  # what the service reads of it: the real one's
+        return getattr(self.inner, name)
+
+    def run(self, task: GenerationTask, cancelled: Any, progress: Any) -> GeneratorOutput:
+        while not (self.stop.wait(0.05) or cancelled()):
+            pass
+        raise GenerationCancelled()
+
+    def close(self) -> None:
+        pass
+
+
+async def stop_at_exit(stop: threading.Event) -> None:
+    """Lets held runs end when the test does, failed or not (a held thread blocks shutdown)."""
+    try:
+        await trio.sleep_forever()
+    finally:
+        stop.set()
+
+
+class Counts:
+    """Reads of job rows, serializations of job records (by job id) and progress writes."""
+
+    def __init__(self) -> None:
+        self.reads: Counter[str] = Counter()
+        self.serialized: Counter[str] = Counter()
+        self.progress = 0
+
+    def reset(self) -> None:
+        self.reads.clear()
+        self.serialized.clear()
+        self.progress = 0
+
+
+@pytest.fixture
+def counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counts]:
+    """Counting wrappers, set on the classes before a runner captures any bound method."""
+    seen = Counts()
+    get, to_json, progress = JobStore.get, Job.to_json, JobStore.progress
+
+    def counted_get(self: JobStore, job_id: str) -> Job | None:
+        seen.reads[job_id] += 1
+        return get(self, job_id)
+
+    def counted_to_json(self: Job) -> dict:
+        seen.serialized[self.id] += 1
+        return to_json(self)
+
+    def counted_progress(self: JobStore, *args: object, **kwargs: object) -> object:
+        seen.progress += 1
+        return progress(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(JobStore, "get", counted_get)
+    monkeypatch.setattr(Job, "to_json", counted_to_json)
+    monkeypatch.setattr(JobStore, "progress", counted_progress)
+    yield seen
+
+
+class Watcher:
+    """One client holding a job's event stream; ``leave`` disconnects it."""
+
+    def __init__(self, url: str, job_id: str) -> None:
+        self.url, self.job_id = url, job_id
+        self.events: list[str] = []
+        self.first = trio.Event()
+        self.status = 0
+        self.headers: httpx.Headers | None = None
+        self.body = b""
+        self._scope = trio.CancelScope()
+
+    async def run(self, http: httpx.AsyncClient) -> None:
+        with self._scope:
+            async with http.stream("GET", f"{self.url}/v1/generations/{self.job_id}/events") as stream:
+                self.status, self.headers = stream.status_code, stream.headers
+                if stream.status_code != 200:
+                    self.body = await stream.aread()
+                    self.first.set()
+                    return
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.first.set()
+
+    def leave(self) -> None:
+        self._scope.cancel()
+
+    def states(self) -> list[str]:
+        return [json.loads(e)["state"] if e != "[DONE]" else e for e in self.events]
+
+
+async def watch(nursery: trio.Nursery, http: httpx.AsyncClient, s: Served, job_id: str, n: int) -> list[Watcher]:
+    """``n`` watchers of ``job_id``, each past its first answer (an event, or an error)."""
+    watchers = [Watcher(s.url, job_id) for _ in range(n)]
+    for w in watchers:
+        nursery.start_soon(w.run, http)
+    with trio.fail_after(60):
+        for w in watchers:
+            await w.first.wait()
+    return watchers
+
+
+async def until(check, what: str) -> None:  # type: ignore[no-untyped-def]
+    """Wait (polling, bounded only against a hang) for ``check()``."""
+    with trio.fail_after(60):
+        while not check():
+            await trio.sleep(0.02)
+
+
+async def submit(http: httpx.AsyncClient, params: dict) -> str:
+    response = await http.post("/v1/generations", json={"model": "piper:joe", "modality": "audio", "params": params})
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def client(s: Served) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
+    return httpx.AsyncClient(base_url=s.url, timeout=60, limits=limits)
+
+
+async def test_a_change_is_read_and_serialized_once_whatever_the_watchers(
+        tmp_path: Path, speech_generators: dict, counts: Counts) -> None:  # fmt: skip
+    watchers_n = 12
+    async with serve_generations(tmp_path, speech_generators) as s, client(s) as http, trio.open_nursery() as nursery:
+        running = await submit(http, {"text": LONG_TEXT})
+        await until(lambda: counts.progress > 0, "the first job runs")
+        queued = await submit(http, PAD)  # waits behind it (one worker)
+        unwatched = await submit(http, PAD)
+        watchers = await watch(nursery, http, s, queued, watchers_n)
+        assert all(w.states() == ["queued"] for w in watchers)
+        # Another job's writes: no read of this one (each woke every watcher, who re-read it).
+        counts.reset()
+        await until(lambda: counts.progress >= 3, "the running job reports progress")
+        assert counts.reads[queued] == 0 and counts.serialized[queued] == 0
+        # Its own change: read and serialized once for all its watchers, on top of what the
+        # cancel itself costs (measured on an unwatched job); each watcher gets it, in order.
+        counts.reset()
+        assert (await http.delete(f"/v1/generations/{unwatched}")).json()["state"] == "cancelled"
+        alone = counts.reads[unwatched], counts.serialized[unwatched]
+        assert (await http.delete(f"/v1/generations/{queued}")).json()["state"] == "cancelled"
+        await until(lambda: all(w.events[-1:] == ["[DONE]"] for w in watchers), "every watcher sees the end")
+        assert (counts.reads[queued], counts.serialized[queued]) == (alone[0] + 1, alone[1] + 1), counts.reads
+        assert all(w.states() == ["queued", "cancelled", "[DONE]"] for w in watchers)
+        # Nothing left behind once its watchers are gone.
+        await until(lambda: s.runner.feeds.watchers == 0, "every watcher's place is given back")
+        assert len(s.runner.feeds) == 0
+        await http.delete(f"/v1/generations/{running}")
+
+
+async def test_watchers_past_a_job_s_or_the_peer_s_cap_get_429_then_room_when_one_leaves(
+        tmp_path: Path, speech_generators: dict, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    per_job = PER_JOB
+    stop = threading.Event()
+    held_generators = {model: Held(g, stop) for model, g in speech_generators.items()}
+    async with serve_generations(tmp_path, held_generators) as s, client(s) as http, trio.open_nursery() as nursery:
+        nursery.start_soon(stop_at_exit, stop)
+        await submit(http, {"text": LONG_TEXT})  # holds the one worker: the next two stay queued
+        first, second = await submit(http, PAD), await submit(http, PAD)
+        held = await watch(nursery, http, s, first, per_job)
+        assert all(w.status == 200 for w in held)
+        refused = (await watch(nursery, http, s, first, 1))[0]
+        assert refused.status == 429 and refused.headers is not None and refused.headers["retry-after"] == "2"
+        assert isinstance(json.loads(refused.body)["error"], str)
+        other = (await watch(nursery, http, s, second, 1))[0]
+        assert other.status == 200  # another job has room of its own
+        # The peer's cap, over all jobs: the next stream of any job is refused.
+        from inclavate import job_feeds
+
+        assert job_feeds.MAX_WATCHERS_PER_JOB == PER_JOB
+        monkeypatch.setattr(job_feeds, "MAX_WATCHERS", per_job + 1)
+        assert (await watch(nursery, http, s, second, 1))[0].status == 429
+        # A watcher leaving gives its place back at once (not when its stream is collected).
+        held[0].leave()
+        await until(lambda: s.runner.feeds.watchers == per_job, "the leaver's place is given back")
+        assert (await watch(nursery, http, s, second, 1))[0].status == 200
+        nursery.cancel_scope.cancel()
+    assert s.runner.feeds.watchers == 0 and len(s.runner.feeds) == 0
+
+
+async def test_an_ended_job_leaves_no_feed_and_its_watchers_see_the_end_in_order(
+        tmp_path: Path, speech_generators: dict) -> None:  # fmt: skip
+    async with serve_generations(tmp_path, speech_generators) as s, client(s) as http, trio.open_nursery() as nursery:
+        job = await submit(http, {"text": "One sentence. And another one."})
+        watchers = await watch(nursery, http, s, job, 3)
+        await until(lambda: all(w.events[-1:] == ["[DONE]"] for w in watchers), "the job ends")
+        for w in watchers:
+            states = w.states()
+            assert states[0] in ("queued", "running") and states[-2:] == ["completed", "[DONE]"]
+            assert "running" in states
+            final = json.loads(w.events[-2])
+            assert final["progress_stage"] == "publishing" and final["progress_fraction"] == 1.0
+        await until(lambda: len(s.runner.feeds) == 0, "the ended job's feed goes with its watchers")
+        assert s.runner.feeds.watchers == 0
