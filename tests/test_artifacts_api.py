@@ -456,13 +456,18 @@ async def test_a_download_its_client_stops_reading_is_cut_and_lets_go_of_the_fil
             with trio.fail_after(20):
                 while _open_handles(path):
                     await trio.sleep(0.2)  # cut once stalled (not deleted: see the test below)
-            received = b""
-            with trio.fail_after(10):
-                while chunk := await stream.receive_some(1 << 20):
-                    received += chunk
-            assert received.startswith(b"HTTP/1.1 200") and len(received) < len(data)  # cut short, then closed
+            await _assert_cut_short(stream, len(data))
         finally:
             await stream.aclose()
+
+
+async def _assert_cut_short(stream: trio.SocketStream, size: int) -> None:
+    """The download began (200) and its connection closed before ``size`` bytes of it."""
+    received = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(1 << 20):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and len(received) < size
 
 
 async def _open_stalled_download(base: str, id_: str) -> trio.SocketStream:
@@ -498,11 +503,7 @@ async def test_deleting_an_artifact_cuts_its_slow_downloads_at_once(tmp_path: Pa
                     while _open_handles(path):
                         await trio.sleep(0.05)
                 for stream in streams:
-                    received = b""
-                    with trio.fail_after(10):
-                        while chunk := await stream.receive_some(1 << 20):
-                            received += chunk
-                    assert received.startswith(b"HTTP/1.1 200") and len(received) < len(data)  # cut short, then closed
+                    await _assert_cut_short(stream, len(data))
             finally:
                 for stream in streams:
                     await stream.aclose()
