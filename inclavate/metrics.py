@@ -290,7 +290,7 @@ def summary(views: Iterable[NodeView]) -> Summary:
     views = list(views)
     return Summary(
         total_nodes=len(views),
-        ready_nodes=sum(v.state == "Ready" for v in views),
+        ready_nodes=sum(v.state == "Ready" and not v.record.idle for v in views),  # an idle node serves nothing
         total_tokens=round(sum(_model_tokens(v.record, v.record.counters.tokens_total) for v in views)),
         total_requests=sum(v.record.counters.requests_served for v in views),
         avg_latency_ms=_mean_latency(views),

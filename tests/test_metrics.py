@@ -258,8 +258,9 @@ def test_summary_counts_full_model_tokens_and_ready_latency() -> None:
         node("c", 0, 30, "Degraded", tokens=300, requests=3, latency=500),  # latency not counted
         node("d", 0, 30, "Dead", tokens=200),
         node("e", 0, 30, "Joining"),
+        node("f", 0, 30, idle=True),  # Ready, set idle by an admin: serves nothing (as /api/models counts it)
     ]
-    expected = Summary(total_nodes=5, ready_nodes=2, total_tokens=1500, total_requests=10, avg_latency_ms=30.0)
+    expected = Summary(total_nodes=6, ready_nodes=2, total_tokens=1500, total_requests=10, avg_latency_ms=30.0)
     assert summary(views) == expected
     assert summary([]) == Summary(0, 0, 0, 0, 0.0)
 
