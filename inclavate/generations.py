@@ -23,7 +23,7 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +85,12 @@ class ListingTooDeep(InclavateError):
 class GenerationService:
     def __init__(self, me: str, runner: JobRunner, artifacts: SwarmArtifacts, views: Callable[[], list[NodeView]],
                  http: PeerHttp, erase_remote: EraseRemote | None = None,
-                 settings: GenerationSettings = GenerationSettings()) -> None:  # fmt: skip
+                 settings: GenerationSettings = GenerationSettings(),
+                 chat_models: Callable[[], Mapping[str, bool]] = dict) -> None:  # fmt: skip
+        """``chat_models``: the chat models a text job may name (each read through the swarm
+        by the runner's fallback reader), and whether each can serve now."""
         self.me = me
+        self._chat_models = chat_models
         self.settings = settings
         self.runner = runner
         self.artifacts = artifacts
@@ -113,6 +117,13 @@ class GenerationService:
                 current = entries.get(advertised["model"])
                 if current is None or current.get("ready") is False:  # first, or better than unready
                     entries[advertised["model"]] = advertised
+        for model, ready in self._chat_models().items():
+            # A chat model reads text inputs as a job on any peer (the spec lists understanding
+            # generators "like any other"); unlisted, a client asking capabilities never found
+            # it, and one the registry knows but nobody serves was accepted, then failed
+            # (2026-12-07, an audit from outside).
+            entries.setdefault(model, {"modality": "text", "kind": "understand", "model": model, "ready": ready,
+                                       "input_modalities": ["text"]})  # fmt: skip
         return list(entries.values())
 
     def _live_peers(self) -> list[NodeView]:

@@ -198,7 +198,13 @@ class Peer:
                               if self.knows_model(model) else None),
         )  # fmt: skip
         return GenerationService(self.peer_id, runner, self._artifacts, self.views, PeerHttp(), self._erase_remote_job,
-                                 settings)  # fmt: skip
+                                 settings, self._readable_models)  # fmt: skip
+
+    def _readable_models(self) -> dict[str, bool]:
+        """The models a text job may name (:meth:`knows_model`'s), and whether a Ready chain
+        covers each now."""
+        served = {model: coverage.chain_complete for model, coverage in self.coverage().items()}
+        return {**{spec.model_id: False for spec in self.catalog()}, **served}
 
     async def _erase_remote_job(self, owner: str, job_id: str, artifacts: bool) -> dict:
         assert self.admin_service is not None

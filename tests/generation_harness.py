@@ -68,7 +68,9 @@ def build_service(data_dir: Path, generators: dict, config: RunnerConfig,
     runner = JobRunner(jobs, artifacts, generators, PEER_ID,
                        read_input=lambda artifact_id, limit: holder[0].read_artifact(artifact_id, limit),
                        config=config, fallback=lambda model: _reader(model, chat))  # fmt: skip
-    holder.append(GenerationService(PEER_ID, runner, SwarmArtifacts(artifacts), lambda: [], PeerHttp(), settings=settings))
+    chat_models = (lambda: {CHAT_MODEL: True}) if chat is not None else dict
+    holder.append(GenerationService(PEER_ID, runner, SwarmArtifacts(artifacts), lambda: [], PeerHttp(), settings=settings,
+                                    chat_models=chat_models))  # fmt: skip
     return holder[0]
 
 

@@ -631,6 +631,9 @@ async def test_a_chat_model_reads_text_inputs_as_a_job(tmp_path: Path, speech_ge
     chat = LocalContext(CHAT_MODEL, smollm2.path, slice_cache)
     try:
         async with serve_generations(tmp_path, speech_generators, chat=chat) as s, client(s) as http:
+            listed = (await http.get("/v1/generations/capabilities")).json()["generators"]
+            assert {"modality": "text", "kind": "understand", "model": CHAT_MODEL, "ready": True,
+                    "input_modalities": ["text"]} in listed  # an understanding generator "like any other"
             note = await s.service.store_upload(b"The meeting moved to Tuesday at noon.", "text/plain")
             body = {"model": CHAT_MODEL, "modality": "text", "input_artifacts": [note],
                     "params": {"prompt": "When is the meeting?", "max_tokens": 12}}  # fmt: skip

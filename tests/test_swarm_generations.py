@@ -23,6 +23,8 @@ from swarm import PeerProcess, Swarm
 
 from inclavate.owner_ids import owner_candidates
 
+SPEECH_MODELS = {"piper:joe", "whisper:tiny.en"}
+
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 LONG_TEXT = " ".join(f"This is sentence number {n} of a long reading." for n in range(1, 40))
@@ -47,7 +49,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory, smollm2: object, speech_home:
         y = swarm.start("y", "--layers", "0-30", "--no-generators", "--admin-token", TOKEN, bootstrap=x)
         swarm.wait_ready(x)
         swarm.wait_ready(y)
-        swarm.wait(lambda: len(y.get("/v1/generations/capabilities")["generators"]) == 2, 60, "Y to learn X's generators", y)
+        swarm.wait(lambda: SPEECH_MODELS <= {g["model"] for g in y.get("/v1/generations/capabilities")["generators"]}, 60,
+                   "Y to learn X's generators", y)  # fmt: skip
         yield swarm, x, y
 
 
@@ -55,9 +58,13 @@ def test_default_flags_offer_both_pulled_models_and_any_peer_lists_them(pair: tu
     _, x, y = pair
     for peer in (x, y):
         by_model = {g["model"]: g for g in peer.get("/v1/generations/capabilities")["generators"]}
-        assert set(by_model) == {"piper:joe", "whisper:tiny.en"}
+        readers = {model for model, g in by_model.items() if g.get("input_modalities") == ["text"]}
+        assert set(by_model) - readers == SPEECH_MODELS
         assert by_model["piper:joe"]["builtin_voices"] == ["joe"]
         assert by_model["whisper:tiny.en"]["input_modalities"] == ["audio"]
+        # The chat model both serve reads text as a job on either: listed, and ready.
+        assert by_model["smollm2:135m"] == {"modality": "text", "kind": "understand", "model": "smollm2:135m",
+                                            "ready": True, "input_modalities": ["text"]}  # fmt: skip
 
 
 def test_speech_and_transcription_through_a_peer_without_generators(pair: tuple) -> None:

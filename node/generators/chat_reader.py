@@ -9,8 +9,10 @@ user turn, and the answer is the job's ``text/plain`` artifact.
 The chat itself runs on the event loop (the swarm's pipeline is async): this generator,
 called in a worker thread like every other, hands the turn to ``complete`` with
 ``trio.from_thread.run`` and blocks until it returns. ``complete`` checks the cancel flag
-between tokens. This generator is never listed in capabilities: it exists so that naming
-a chat model reads text, and gives the clear job error for media, instead of "no generator".
+between tokens. It is not one of a peer's installed generators (its own ``capabilities`` is
+empty): the generation service lists every chat model a text job may name, as an
+understanding generator reading ``text`` and ``ready`` while a chain covers it
+(``GenerationService.capabilities``); naming one for media gives the clear job error.
 
 Text that cannot fit the model's context whatever it tokenizes to is refused
 (``inference_failed``, as the chat path's own refusal of the prompt was) on its size in bytes, before it is decoded and joined: 16 copies of a
