@@ -31,7 +31,7 @@ import trio
 
 from inclavate.artifact_swarm import SwarmArtifacts
 from inclavate.artifact_types import ArtifactError, ArtifactNotFound
-from inclavate.errors import InclavateError
+from inclavate.errors import InclavateError, RelayedError
 from inclavate.fan_out import AskBudget, in_steps, keep_best, listing_budget
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_rows import Owns, PeerJobPage, decode_job_page_in_steps
@@ -401,9 +401,13 @@ class GenerationService:
                     yield payload
                     if payload == "[DONE]":
                         return
-        except PeerBusy:
-            # Streams filled up after this one's response began (its 429 check passed): the
-            # same events, from polls of the owner, rather than a stream cut short.
+        except (PeerBusy, RelayedError) as exc:
+            if isinstance(exc, RelayedError) and exc.status != 429:
+                raise
+            # Streams filled up, here or at the owner (its watchers of the job, or of all its
+            # jobs: a 429), after this one's response began: the same events, from polls of the
+            # owner, rather than a stream cut short with a traceback in the log (a review,
+            # 2026-12-07: the owner's cap is newer than this relay).
             last = None
             while True:
                 body = await self._remote_job(owner, "GET", job_id)

@@ -81,13 +81,21 @@ class _Place:
     def __init__(self, feeds: JobFeeds, job_id: str) -> None:
         self._feeds: JobFeeds | None = feeds
         self.job_id = job_id
+        self._loop = trio.lowlevel.current_trio_token()
 
     def release(self) -> None:
         if self._feeds is not None:
             feeds, self._feeds = self._feeds, None
             feeds._leave(self.job_id)
 
-    __del__ = release
+    def __del__(self) -> None:
+        # The cycle collector may free a stream never iterated on any thread (a generator's
+        # worker among them): the table is the event loop's, so the release goes back to it.
+        if self._feeds is not None:
+            try:
+                self._loop.run_sync_soon(self.release)
+            except trio.RunFinishedError:
+                pass
 
 
 class JobFeeds:

@@ -19,6 +19,7 @@ waits), and a change to one job re-reads that job once for its event streams
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -190,10 +191,14 @@ class JobRunner:
         """A job changed (``job_id``, whose watchers then get one read of it; None: a new
         job or pruned finished ones, which nobody watches)."""
         self._history_changed = True
-        if job_id is not None:
-            self.feeds.changed(job_id)
-        self._changed.set()
-        self._changed = trio.Event()
+        try:
+            if job_id is not None:
+                self.feeds.changed(job_id)  # a read of the row just written: a failing disk is no worker's death
+        except sqlite3.Error:
+            log.exception("cannot read job %s back for its watchers", job_id)
+        finally:
+            self._changed.set()
+            self._changed = trio.Event()
 
     # -- workers -------------------------------------------------------------------------
 

@@ -302,3 +302,29 @@ async def test_a_swarm_listing_never_silently_misses_another_peers_rows(tmp_path
     with pytest.raises(ListingTooDeep):
         await service.list(100, 950, local_only=False)
     assert await service.list(100, 10**15, local_only=True) == ([], False)  # this peer alone: any depth
+
+
+async def test_a_watch_the_owner_refuses_with_429_falls_back_to_polls(service: GenerationService) -> None:
+    """The owner now caps its watchers (16 a job, 256 in all) and answers 429; the relay
+    caught only its own cap's refusal, so a client watching through another peer got a 200
+    that ended with no event and no ``[DONE]``, and that peer's log a traceback (a review,
+    2026-12-07). The owner's 429 is read like the relay's own: the job's states from polls."""
+
+    class BusyOwner(FakeHttp):
+        def check_stream_room(self, owner: str) -> None:
+            pass
+
+        @asynccontextmanager
+        async def stream_lines(self, base_url: str, path: str, **_: Any) -> AsyncIterator[AsyncIterator[str]]:
+            raise RelayedError(429, {"error": "this job has as many event streams open as it may"})
+            yield  # pragma: no cover - an async generator that refuses at once
+
+        async def json(self, base_url: str, method: str, path: str, **_: Any) -> tuple[int, Any]:
+            return 200, {"id": path.removeprefix("/v1/generations/"), "state": "completed"}
+
+    service.http = BusyOwner()  # type: ignore[assignment]
+    job_id = new_id(OTHER)
+    with trio.fail_after(10):
+        async with aclosing(await service.events(job_id, local_only=False)) as events:
+            payloads = [payload async for payload in events]
+    assert payloads == [json.dumps({"id": job_id, "state": "completed"}), "[DONE]"]
