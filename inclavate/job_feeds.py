@@ -18,12 +18,15 @@ disconnected) removes it, so the table holds at most :data:`MAX_WATCHERS` entrie
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, Callable
 
 import trio
 
 from inclavate.errors import InclavateError
-from inclavate.jobs import Job
+from inclavate.jobs import Job, JobStoreError
+
+log = logging.getLogger(__name__)
 
 MAX_WATCHERS_PER_JOB = 16
 """Event streams one job may have open here. An honest job has a few: a tab or two, and the
@@ -93,9 +96,17 @@ class _Place:
         # worker among them): the table is the event loop's, so the release goes back to it.
         if self._feeds is not None:
             try:
-                self._loop.run_sync_soon(self.release)
+                self._loop.run_sync_soon(self._release_quietly)
             except trio.RunFinishedError:
                 pass
+
+    def _release_quietly(self) -> None:
+        """:meth:`release` from the event loop's callback queue, where an exception would
+        cancel every task of the peer: logged instead."""
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - a bookkeeping slip must not stop the peer
+            log.exception("giving back the place of a stream of job %s", self.job_id)
 
 
 class JobFeeds:
@@ -120,18 +131,25 @@ class JobFeeds:
         if self.watchers >= MAX_WATCHERS or (feed is not None and feed.watchers >= MAX_WATCHERS_PER_JOB):
             raise WatchersFull("this job or this peer has as many event streams open as it may; "
                                "retry later, or poll GET /v1/generations/:id")  # fmt: skip
+        place = _Place(self, job.id)  # before any count: it asks for the event loop's token
         if feed is None:
             feed = self._feeds[job.id] = _Feed(json.dumps(job.to_json()), ended=False)
         feed.watchers += 1
         self.watchers += 1
-        return _follow(feed, _Place(self, job.id))
+        return _follow(feed, place)
 
     def changed(self, job_id: str) -> None:
         """After a write to ``job_id``: one read of it if watched, whatever the watchers."""
         feed = self._feeds.get(job_id)
         if feed is None:
             return
-        job = self._read(job_id)
+        try:
+            job = self._read(job_id)
+        except (JobStoreError, ValueError, KeyError):  # the row just written cannot be read back
+            # Its watchers' streams end (they may poll); waiting on, one ending here would
+            # never hear it. The runner, which called this after a write, goes on.
+            log.exception("cannot read job %s back for its watchers: their streams end", job_id)
+            job = None
         if job is None:  # erased by an admin while watched
             feed.publish(None, ended=True)
         else:

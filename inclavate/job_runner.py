@@ -19,7 +19,6 @@ waits), and a change to one job re-reads that job once for its event streams
 from __future__ import annotations
 
 import logging
-import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -191,14 +190,10 @@ class JobRunner:
         """A job changed (``job_id``, whose watchers then get one read of it; None: a new
         job or pruned finished ones, which nobody watches)."""
         self._history_changed = True
-        try:
-            if job_id is not None:
-                self.feeds.changed(job_id)  # a read of the row just written: a failing disk is no worker's death
-        except sqlite3.Error:
-            log.exception("cannot read job %s back for its watchers", job_id)
-        finally:
-            self._changed.set()
-            self._changed = trio.Event()
+        if job_id is not None:
+            self.feeds.changed(job_id)  # a row that cannot be read back ends its watchers' streams, nothing else
+        self._changed.set()
+        self._changed = trio.Event()
 
     # -- workers -------------------------------------------------------------------------
 

@@ -231,3 +231,34 @@ async def test_an_ended_job_leaves_no_feed_and_its_watchers_see_the_end_in_order
             assert final["progress_stage"] == "publishing" and final["progress_fraction"] == 1.0
         await until(lambda: len(s.runner.feeds) == 0, "the ended job's feed goes with its watchers")
         assert s.runner.feeds.watchers == 0
+
+
+async def test_a_row_that_cannot_be_read_back_ends_its_watchers_streams_and_nothing_else(tmp_path: Path) -> None:
+    """The runner reads a watched job back after each write; a failing read raised out of the
+    worker that wrote it, ending every worker and the peer's nursery (the first fix caught
+    ``sqlite3.Error``, which the store never raises: a review, 2026-12-07). The watchers'
+    streams end instead, and the place each held is given back."""
+    from inclavate.job_feeds import JobFeeds
+    from inclavate.jobs import JobStoreError, NewJob
+    from inclavate.owner_ids import new_id
+
+    store = JobStore.in_dir(tmp_path)
+    try:
+        job, _ = store.create(new_id("12D3KooWme"), NewJob("audio", "piper:joe", {"text": "Hi."}), max_active=4, now=0)
+        failing = [False]
+
+        def read(job_id: str) -> Job | None:
+            if failing[0]:
+                raise JobStoreError("disk I/O error")
+            return store.get(job_id)
+
+        feeds = JobFeeds(read)
+        with trio.fail_after(10):
+            stream = feeds.watch(job)
+            first = await stream.__anext__()
+            failing[0] = True
+            feeds.changed(job.id)  # does not raise
+            assert [first, *[payload async for payload in stream]] == [json.dumps(job.to_json()), "[DONE]"]
+        assert feeds.watchers == 0 and len(feeds) == 0
+    finally:
+        store.close()
