@@ -14,14 +14,15 @@ answered is :class:`inclavate.errors.RelayedError`, relayed with its status and 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
-from contextlib import aclosing, asynccontextmanager, contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
 import trio
 
 from inclavate.errors import InclavateError, RelayedError
+from inclavate.key_counts import KeyCounts
 from inclavate.untrusted import Malformed, parse_json
 
 FORWARDED_HEADER = "x-inclavate-forwarded"
@@ -63,9 +64,9 @@ class PeerHttp:
         self._client: httpx.AsyncClient | None = None
         self._stream_client: httpx.AsyncClient | None = None
         self._streams = 0
-        self._in_flight = _PerOwner(MAX_IN_FLIGHT_PER_OWNER)
+        self._in_flight = KeyCounts(MAX_IN_FLIGHT_PER_OWNER)
         """Forwarded requests under way, by owner URL."""
-        self._streams_of = _PerOwner(MAX_EVENT_STREAMS_PER_OWNER)
+        self._streams_of = KeyCounts(MAX_EVENT_STREAMS_PER_OWNER)
         """Relayed event streams open, by owner URL."""
 
     def _http(self) -> httpx.AsyncClient:
@@ -150,28 +151,6 @@ class PeerHttp:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
             self._streams -= 1
-
-
-class _PerOwner:
-    """How many of something each owner holds now, each at most ``limit`` (rows only while
-    some are held, so a table of at most the owners asked at once)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: dict[str, int] = {}
-
-    def full(self, owner: str) -> bool:
-        return self._held.get(owner, 0) >= self.limit
-
-    @contextmanager
-    def held(self, owner: str) -> Iterator[None]:
-        self._held[owner] = self._held.get(owner, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._held.pop(owner) - 1
-            if left:
-                self._held[owner] = left
 
 
 def _raw_body(response: httpx.Response, base_url: str) -> AsyncGenerator[bytes, None]:
