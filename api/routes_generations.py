@@ -20,11 +20,21 @@ from api.errors import BadRequest, ServiceUnavailable, Unauthorized
 from api.generation_request import parse_generation, parse_page
 from inclavate.generations import GenerationService
 from inclavate.peer_http import FORWARDED_HEADER
+from inclavate.source_table import source_of
 
 
 def forwarded() -> bool:
     """The request came from another peer on a client's behalf: answer from this peer only."""
     return request.headers.get(FORWARDED_HEADER) == "1"
+
+
+def client_source() -> str:
+    """Whom the request counts against: its connection's address as the server saw it (the
+    ASGI scope's, never a header the client wrote), an IPv4 address or an IPv6 /64. A
+    peer relaying for its clients is one source: ``inclavate.job_feeds.MAX_WATCHERS_PER_SOURCE``
+    says why that fits."""
+    client = request.scope.get("client")
+    return source_of(client[0] if client else None)
 
 
 def service(ctx: PeerContext) -> GenerationService:
@@ -66,7 +76,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/v1/generations/<job_id>/events")
     async def generation_events(job_id: str):  # type: ignore[no-untyped-def]
         """Live progress as Server-Sent Events; ends with ``data: [DONE]``."""
-        payloads = await service(ctx).events(job_id, local_only=forwarded())
+        payloads = await service(ctx).events(job_id, local_only=forwarded(), source=client_source())
 
         async def body() -> AsyncIterator[bytes]:
             # Closed when the client leaves (Quart closes body()): the stream's place (its

@@ -373,15 +373,17 @@ class GenerationService:
 
     # -- watching ------------------------------------------------------------------------
 
-    async def events(self, job_id: str, *, local_only: bool) -> AsyncGenerator[str, None]:
+    async def events(self, job_id: str, *, local_only: bool, source: str = "?") -> AsyncGenerator[str, None]:
         """Checks the job exists and a stream has room (raising before anything is
         streamed), then returns the SSE ``data:`` payloads: the current state, one per
         change, ``[DONE]``. The caller closes it (``aclosing``) when its client leaves, which
-        gives its place back at once."""
+        gives its place back at once. ``source``: the client's (``source_of`` its address),
+        whose share of this peer's streams a local job's stream takes
+        (:data:`~inclavate.job_feeds.MAX_WATCHERS_PER_SOURCE`)."""
         job_id = parse_id(job_id)
         owner = None if local_only else self._owner(job_id)
         if owner is None:  # one read per change of the job, for all its watchers; WatchersFull past the caps
-            return self.runner.feeds.watch(self._local(job_id))
+            return self.runner.feeds.watch(self._local(job_id), source)
         self.http.check_stream_room(owner.record.peer_id)  # 429 before the stream opens, as far as can be known
         await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
         return self._remote_events(owner, job_id)

@@ -13,6 +13,10 @@ at every 1 s tick, on the event loop, with no bound on watchers: 1,500 of them m
 
 A feed lives while it has watchers: the last one leaving (the job ended, or it
 disconnected) removes it, so the table holds at most :data:`MAX_WATCHERS` entries.
+
+Each stream also counts against its client's source (``inclavate.source_table.source_of``:
+an IPv4 address, an IPv6 /64), at most :data:`MAX_WATCHERS_PER_SOURCE` (a review,
+2026-12-07: one address could hold all 256 places, and every other client's watch was a 429).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import trio
 
 from inclavate.errors import InclavateError
 from inclavate.jobs import Job, JobStoreError
+from inclavate.key_counts import KeyCounts
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,18 @@ MAX_WATCHERS = 256
 jobs (``RunnerConfig.max_active``) with 8 watchers each. Each holds a connection and gets a
 send of its job's record (up to ``MAX_RECORD_BYTES``) per change; unbounded, one client
 held the API's whole connection share."""
+MAX_WATCHERS_PER_SOURCE = 32
+"""Of :data:`MAX_WATCHERS`, the event streams one source (an IPv4 address, an IPv6 /64) may
+hold here. 32 is ``RunnerConfig.max_active``: one client may watch every live job of this
+peer once. A peer relaying for its clients is one source too, and holds at most
+:data:`~inclavate.peer_http.MAX_EVENT_STREAMS_PER_OWNER` = 16 of this peer's streams (its
+own cap per owner), so an honest relay never meets this bound and leaves as many again to
+the clients, or another peer, behind the same address. Relayed streams are not exempt:
+the forwarded header grants nothing (anyone may send it), and exempting it would give any
+client the whole peer back. Several relays behind one address past 32 (a NAT, a local swarm
+on one host) get the 429, and their relays fall back to polling the job
+(:meth:`~inclavate.generations.GenerationService.events`): late by a second, not lost.
+It takes 8 sources to fill the peer."""
 RETRY_AFTER_S = 2
 """A watcher's place frees when a job ends or a watcher leaves; jobs take seconds."""
 
@@ -45,8 +62,8 @@ DONE = "[DONE]"
 
 
 class WatchersFull(InclavateError):
-    """This job, or this peer, has as many event streams open as it may (429: retry, or poll
-    ``GET /v1/generations/:id``)."""
+    """This job, this peer, or this client's address has as many event streams open as it
+    may (429: retry, or poll ``GET /v1/generations/:id``)."""
 
     retry_after_s = RETRY_AFTER_S
 
@@ -81,15 +98,16 @@ class _Place:
     """A watcher's place in :class:`JobFeeds`, given back once (at the stream's end, or, for
     a stream never iterated, when it is collected: its generator's ``finally`` never runs)."""
 
-    def __init__(self, feeds: JobFeeds, job_id: str) -> None:
+    def __init__(self, feeds: JobFeeds, job_id: str, source: str) -> None:
         self._feeds: JobFeeds | None = feeds
         self.job_id = job_id
+        self.source = source
         self._loop = trio.lowlevel.current_trio_token()
 
     def release(self) -> None:
         if self._feeds is not None:
             feeds, self._feeds = self._feeds, None
-            feeds._leave(self.job_id)
+            feeds._leave(self.job_id, self.source)
 
     def __del__(self) -> None:
         # The cycle collector may free a stream never iterated on any thread (a generator's
@@ -117,25 +135,33 @@ class JobFeeds:
         self._feeds: dict[str, _Feed] = {}
         self.watchers = 0
         """Event streams open on this peer's jobs, all jobs together."""
+        self.of_source = KeyCounts(MAX_WATCHERS_PER_SOURCE)
+        """Event streams open, by source (rows only while a source holds some)."""
 
     def __len__(self) -> int:
         """Jobs watched now (each has at least one watcher)."""
         return len(self._feeds)
 
-    def watch(self, job: Job) -> AsyncGenerator[str, None]:
+    def watch(self, job: Job, source: str = "?") -> AsyncGenerator[str, None]:
         """``job``'s SSE payloads: its current state at once, then one per change, then
-        :data:`DONE`. Raises :class:`WatchersFull` here, before any stream opens."""
+        :data:`DONE`. ``source``: whom the stream counts against (``source_of`` the client's
+        address; "?" where none is known). Raises :class:`WatchersFull` here, before any
+        stream opens."""
         if job.finished:  # its outcome, then the end: nothing to wait for, no place taken
             return _ended(json.dumps(job.to_json()))
         feed = self._feeds.get(job.id)
         if self.watchers >= MAX_WATCHERS or (feed is not None and feed.watchers >= MAX_WATCHERS_PER_JOB):
             raise WatchersFull("this job or this peer has as many event streams open as it may; "
                                "retry later, or poll GET /v1/generations/:id")  # fmt: skip
-        place = _Place(self, job.id)  # before any count: it asks for the event loop's token
+        if self.of_source.full(source):
+            raise WatchersFull(f"your address has {self.of_source.limit} event streams open here, as many as it may; "
+                               "close one, retry later, or poll GET /v1/generations/:id")  # fmt: skip
+        place = _Place(self, job.id, source)  # before any count: it asks for the event loop's token
         if feed is None:
             feed = self._feeds[job.id] = _Feed(json.dumps(job.to_json()), ended=False)
         feed.watchers += 1
         self.watchers += 1
+        self.of_source.take(source)
         return _follow(feed, place)
 
     def changed(self, job_id: str) -> None:
@@ -155,8 +181,9 @@ class JobFeeds:
         else:
             feed.publish(json.dumps(job.to_json()), ended=job.finished)
 
-    def _leave(self, job_id: str) -> None:
+    def _leave(self, job_id: str, source: str) -> None:
         self.watchers -= 1
+        self.of_source.give(source)
         feed = self._feeds[job_id]
         feed.watchers -= 1
         if not feed.watchers:

@@ -153,9 +153,15 @@ async def submit(http: httpx.AsyncClient, params: dict) -> str:
     return response.json()["id"]
 
 
-def client(s: Served) -> httpx.AsyncClient:
+def client(s: Served, *, address: str | None = None, relay: bool = False) -> httpx.AsyncClient:
+    """A client of ``s`` (from ``address``, a loopback address of its own, when given; with
+    the header a peer relaying for its clients sends, when ``relay``)."""
+    from inclavate.peer_http import FORWARDED_HEADER
+
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
-    return httpx.AsyncClient(base_url=s.url, timeout=60, limits=limits)
+    transport = httpx.AsyncHTTPTransport(local_address=address, limits=limits) if address else None
+    headers = {FORWARDED_HEADER: "1"} if relay else None
+    return httpx.AsyncClient(base_url=s.url, timeout=60, limits=limits, transport=transport, headers=headers)
 
 
 async def test_a_change_is_read_and_serialized_once_whatever_the_watchers(
@@ -215,6 +221,44 @@ async def test_watchers_past_a_job_s_or_the_peer_s_cap_get_429_then_room_when_on
         assert (await watch(nursery, http, s, second, 1))[0].status == 200
         nursery.cancel_scope.cancel()
     assert s.runner.feeds.watchers == 0 and len(s.runner.feeds) == 0
+
+
+async def test_one_address_past_its_share_gets_429_others_and_relays_do_not(
+        tmp_path: Path, speech_generators: dict) -> None:  # fmt: skip
+    """One source held all 256 places and every other client's watch was a 429 (a review,
+    2026-12-07). Now a source holds at most ``MAX_WATCHERS_PER_SOURCE``; a peer relaying
+    for its clients (its own cap: 16 streams per owner) fits in it with room to spare."""
+    from inclavate import job_feeds
+    from inclavate.peer_http import MAX_EVENT_STREAMS_PER_OWNER
+
+    share = 32  # job_feeds.MAX_WATCHERS_PER_SOURCE, named here so the test fails at the 429 on a tree without it
+    assert share == 2 * MAX_EVENT_STREAMS_PER_OWNER == 2 * PER_JOB and share < job_feeds.MAX_WATCHERS
+    stop = threading.Event()
+    held_generators = {model: Held(g, stop) for model, g in speech_generators.items()}
+    async with (serve_generations(tmp_path, held_generators) as s, client(s) as http, client(s, relay=True) as relay,
+                client(s, address="127.0.0.2") as stranger, trio.open_nursery() as nursery):  # fmt: skip
+        nursery.start_soon(stop_at_exit, stop)
+        await submit(http, {"text": LONG_TEXT})  # holds the one worker: the next ones stay queued
+        first, second, third = await submit(http, PAD), await submit(http, PAD), await submit(http, PAD)
+        # A relaying peer's whole share of this owner's streams, from 127.0.0.1: all taken.
+        relayed = await watch(nursery, relay, s, first, MAX_EVENT_STREAMS_PER_OWNER)
+        assert [w.status for w in relayed] == [200] * MAX_EVENT_STREAMS_PER_OWNER
+        # Clients behind the same address fill the rest of its share (another job: its own cap is 16).
+        local = await watch(nursery, http, s, second, share - MAX_EVENT_STREAMS_PER_OWNER)
+        assert all(w.status == 200 for w in local)
+        # Past the address's share: a 429, though the job and the peer have room.
+        refused = (await watch(nursery, http, s, third, 1))[0]
+        assert refused.status == 429 and refused.headers is not None and refused.headers["retry-after"] == "2"
+        assert "address" in json.loads(refused.body)["error"]
+        assert s.runner.feeds.watchers == share
+        # Another address is unaffected.
+        assert (await watch(nursery, stranger, s, third, 1))[0].status == 200
+        # One of 127.0.0.1's streams leaving gives that address its place back.
+        local[0].leave()
+        await until(lambda: s.runner.feeds.watchers == share, "the leaver's place is given back")
+        assert (await watch(nursery, http, s, third, 1))[0].status == 200
+        nursery.cancel_scope.cancel()
+    assert s.runner.feeds.watchers == 0 and len(s.runner.feeds.of_source) == 0
 
 
 async def test_an_ended_job_leaves_no_feed_and_its_watchers_see_the_end_in_order(
