@@ -3,8 +3,10 @@ whatever the number of watchers, and a bounded number of watchers.
 
 Each watched job has a :class:`_Feed`: the job's record as the API sends it (serialized
 once), a version, and an event its watchers wait on. :class:`~inclavate.job_runner.JobRunner`
-calls :meth:`JobFeeds.changed` after each write to a job; that re-reads the job once (if
-anyone watches it) and wakes that job's watchers only, who send the stored payload.
+calls :meth:`JobFeeds.changed` after each write to a job with the row the write returned;
+that serializes it once (if anyone watches it) and wakes that job's watchers only, who send
+the stored payload. Only where no row is at hand (an erasure, a write that matched nothing)
+does it read the job back.
 
 Before (an audit, 2026-12-07): every watcher waited on one peer-wide event, and re-read its
 job from SQLite and re-serialized it (params up to 64 KiB) at every write of *any* job and
@@ -164,10 +166,16 @@ class JobFeeds:
         self.of_source.take(source)
         return _follow(feed, place)
 
-    def changed(self, job_id: str) -> None:
-        """After a write to ``job_id``: one read of it if watched, whatever the watchers."""
+    def changed(self, job_id: str, job: Job | None = None) -> None:
+        """After a write to ``job_id``, whatever the watchers: ``job``, the row as the write
+        left it (the store's writes return it), costs no read; without it (an erasure, a
+        write that matched nothing) one read, if the job is watched. Before (a review,
+        2026-12-07) every change read back the row its writer had just been handed."""
         feed = self._feeds.get(job_id)
         if feed is None:
+            return
+        if job is not None:
+            feed.publish(json.dumps(job.to_json()), ended=job.finished)
             return
         try:
             job = self._read(job_id)

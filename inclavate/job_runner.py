@@ -12,8 +12,9 @@ artifact store, then the job completes with that artifact's id. Input artifacts 
 transcription reads) are fetched through ``read_input``, which may reach another peer.
 
 Every state change wakes :meth:`JobRunner.wait_changed` (the workers, cancels and sync
-waits), and a change to one job re-reads that job once for its event streams
-(:mod:`inclavate.job_feeds`), so a watcher sees what is stored, not what was announced.
+waits), and a change to one job hands the row its write returned to that job's event
+streams (:mod:`inclavate.job_feeds`; read back only where no write returned one), so a
+watcher sees what is stored, not what was announced, at no read of its own.
 """
 
 from __future__ import annotations
@@ -130,14 +131,14 @@ class JobRunner:
         job = self._get(job_id)
         if job.finished:
             raise JobFinished(f"job {job_id} already {job.state}")
-        if job.state == "queued" and self.store.finish(job_id, "cancelled", now_ms()) is not None:
-            self._notify(job_id)
+        if job.state == "queued" and (cancelled := self.store.finish(job_id, "cancelled", now_ms())) is not None:
+            self._notify(job_id, cancelled)
             return self._get(job_id)
-        if self.store.request_cancel(job_id) is not None:
+        if (asked := self.store.request_cancel(job_id)) is not None:
             flag = self._cancel_flags.get(job_id)
             if flag is not None:
                 flag.set()
-            self._notify(job_id)
+            self._notify(job_id, asked)
         with trio.move_on_after(CANCEL_SETTLE_S):
             while not (job := self._get(job_id)).finished:
                 await self.wait_changed(1.0)
@@ -186,12 +187,13 @@ class JobRunner:
             self._notify()
             self._history_changed = False  # our own pruning is no news to this check
 
-    def _notify(self, job_id: str | None = None) -> None:
-        """A job changed (``job_id``, whose watchers then get one read of it; None: a new
-        job or pruned finished ones, which nobody watches)."""
+    def _notify(self, job_id: str | None = None, job: Job | None = None) -> None:
+        """A job changed (``job_id``, whose watchers then get ``job``, the row the write
+        returned, or where there is none one read of it; None: a new job or pruned finished
+        ones, which nobody watches)."""
         self._history_changed = True
         if job_id is not None:
-            self.feeds.changed(job_id)  # a row that cannot be read back ends its watchers' streams, nothing else
+            self.feeds.changed(job_id, job)  # a row that cannot be read back ends its watchers' streams, nothing else
         self._changed.set()
         self._changed = trio.Event()
 
@@ -206,7 +208,7 @@ class JobRunner:
             started = self.store.start(job.id, now_ms())
             if started is None:
                 continue  # another worker claimed it
-            self._notify(job.id)
+            self._notify(job.id, started)
             try:
                 await self._execute(started)
             except Exception:  # noqa: BLE001 - one job's bug must not stop the worker
@@ -309,13 +311,13 @@ class JobRunner:
         return report
 
     def _progress(self, job_id: str, stage: str, fraction: float) -> None:
-        if self.store.progress(job_id, stage, max(0.0, min(1.0, fraction))) is not None:
-            self._notify(job_id)
+        if (job := self.store.progress(job_id, stage, max(0.0, min(1.0, fraction)))) is not None:
+            self._notify(job_id, job)
 
     def _settle(self, job_id: str, state: str, **fields: object) -> bool:
-        done = self.store.finish(job_id, state, now_ms(), **fields) is not None  # type: ignore[arg-type]
-        self._notify(job_id)
-        return done
+        job = self.store.finish(job_id, state, now_ms(), **fields)  # type: ignore[arg-type]
+        self._notify(job_id, job)  # None (it had ended already): read back, as before
+        return job is not None
 
     # -- deadlines -----------------------------------------------------------------------
 

@@ -178,19 +178,39 @@ async def test_a_change_is_read_and_serialized_once_whatever_the_watchers(
         counts.reset()
         await until(lambda: counts.progress >= 3, "the running job reports progress")
         assert counts.reads[queued] == 0 and counts.serialized[queued] == 0
-        # Its own change: read and serialized once for all its watchers, on top of what the
-        # cancel itself costs (measured on an unwatched job); each watcher gets it, in order.
+        # Its own change: serialized once for all its watchers and read not at all (the feed
+        # gets the row the cancel's write returned), on top of what the cancel itself costs
+        # (measured on an unwatched job); each watcher gets it, in order.
         counts.reset()
         assert (await http.delete(f"/v1/generations/{unwatched}")).json()["state"] == "cancelled"
         alone = counts.reads[unwatched], counts.serialized[unwatched]
         assert (await http.delete(f"/v1/generations/{queued}")).json()["state"] == "cancelled"
         await until(lambda: all(w.events[-1:] == ["[DONE]"] for w in watchers), "every watcher sees the end")
-        assert (counts.reads[queued], counts.serialized[queued]) == (alone[0] + 1, alone[1] + 1), counts.reads
+        assert (counts.reads[queued], counts.serialized[queued]) == (alone[0], alone[1] + 1), counts.reads
         assert all(w.states() == ["queued", "cancelled", "[DONE]"] for w in watchers)
         # Nothing left behind once its watchers are gone.
         await until(lambda: s.runner.feeds.watchers == 0, "every watcher's place is given back")
         assert len(s.runner.feeds) == 0
         await http.delete(f"/v1/generations/{running}")
+
+
+async def test_a_watched_job_s_writes_cost_no_read_beyond_the_write_s_own(
+        tmp_path: Path, speech_generators: dict, counts: Counts) -> None:  # fmt: skip
+    """The runner handed each watched job's change to its feed as a job id, and the feed read
+    back the row the store's write had just returned: two reads per progress write of a
+    watched job (a review, 2026-12-07). Now the write's row is passed on: one, the write's own."""
+    async with serve_generations(tmp_path, speech_generators) as s, client(s) as http, trio.open_nursery() as nursery:
+        running = await submit(http, {"text": LONG_TEXT})
+        await until(lambda: counts.progress > 0, "the job runs")
+        watcher = (await watch(nursery, http, s, running, 1))[0]
+        counts.reset()
+        await until(lambda: counts.progress >= 3, "the watched job reports progress")
+        assert counts.reads[running] == counts.progress, (counts.reads[running], counts.progress)
+        await until(lambda: len(watcher.events) > 1, "its watcher sees a change")
+        assert json.loads(watcher.events[-1])["state"] == "running"
+        await http.delete(f"/v1/generations/{running}")
+        await until(lambda: watcher.events[-1:] == ["[DONE]"], "its watcher sees the end")
+        assert watcher.states()[-2:] == ["cancelled", "[DONE]"]
 
 
 async def test_watchers_past_a_job_s_or_the_peer_s_cap_get_429_then_room_when_one_leaves(
@@ -303,6 +323,51 @@ async def test_a_row_that_cannot_be_read_back_ends_its_watchers_streams_and_noth
             failing[0] = True
             feeds.changed(job.id)  # does not raise
             assert [first, *[payload async for payload in stream]] == [json.dumps(job.to_json()), "[DONE]"]
+        assert feeds.watchers == 0 and len(feeds) == 0
+    finally:
+        store.close()
+
+
+async def test_a_change_with_its_row_reads_nothing_an_erasure_reads_once(tmp_path: Path) -> None:
+    """``changed(job_id, job)`` publishes the row its writer has (no read); with no row at
+    hand (an erasure) it reads the job back once, and a job gone ends its watchers' streams."""
+    from inclavate.job_feeds import JobFeeds
+    from inclavate.jobs import NewJob
+    from inclavate.owner_ids import new_id
+
+    store = JobStore.in_dir(tmp_path)
+    try:
+        job, _ = store.create(new_id("12D3KooWme"), NewJob("audio", "piper:joe", {"text": "Hi."}), max_active=4, now=0)
+        reads: list[str] = []
+
+        def read(job_id: str) -> Job | None:
+            reads.append(job_id)
+            return store.get(job_id)
+
+        feeds = JobFeeds(read)
+        with trio.fail_after(10):
+            stream = feeds.watch(job)
+            assert json.loads(await stream.__anext__())["state"] == "queued"
+            started = store.start(job.id, 1)
+            assert started is not None
+            feeds.changed(job.id, started)
+            assert reads == []
+            assert json.loads(await stream.__anext__())["state"] == "running"
+            finished = store.finish(job.id, "cancelled", 2)
+            assert finished is not None
+            store.delete(job.id)
+            feeds.changed(job.id, finished)  # the row as written, though it is gone meanwhile
+            assert reads == []
+            assert json.loads(await stream.__anext__())["state"] == "cancelled"
+            assert [payload async for payload in stream] == ["[DONE]"]
+            # An erasure while watched: no row at hand, one read, and the stream ends.
+            again, _ = store.create(new_id("12D3KooWme"), NewJob("audio", "piper:joe", {"text": "Hi."}), max_active=4, now=3)
+            stream = feeds.watch(again)
+            await stream.__anext__()
+            store.delete(again.id)
+            feeds.changed(again.id)
+            assert reads == [again.id]
+            assert [payload async for payload in stream] == ["[DONE]"]
         assert feeds.watchers == 0 and len(feeds) == 0
     finally:
         store.close()
