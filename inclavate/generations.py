@@ -384,16 +384,16 @@ class GenerationService:
         owner = None if local_only else self._owner(job_id)
         if owner is None:  # one read per change of the job, for all its watchers; WatchersFull past the caps
             return self.runner.feeds.watch(self._local(job_id), source)
-        self.http.check_stream_room(owner.record.peer_id)  # 429 before the stream opens, as far as can be known
+        self.http.check_stream_room(owner.record.peer_id, source)  # 429 before the stream opens, as far as can be known
         await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
-        return self._remote_events(owner, job_id)
+        return self._remote_events(owner, job_id, source)
 
-    async def _remote_events(self, owner: NodeView, job_id: str) -> AsyncGenerator[str, None]:
+    async def _remote_events(self, owner: NodeView, job_id: str, source: str) -> AsyncGenerator[str, None]:
         url = owner.record.api_url
         try:
             # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".
             async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64,
-                                              owner=owner.record.peer_id) as lines:  # fmt: skip
+                                              owner=owner.record.peer_id, source=source) as lines:  # fmt: skip
                 async for line in lines:
                     if not line.startswith("data: "):
                         continue

@@ -44,6 +44,11 @@ wire) froze the event loop for half a minute and took gigabytes (an audit, 2026-
 MAX_EVENT_STREAMS_PER_OWNER = 16
 """Of :data:`MAX_EVENT_STREAMS`, the most one owner's jobs may hold: watchers of 64 silent
 jobs of one peer held them all (an audit, 2026-12-07)."""
+MAX_EVENT_STREAMS_PER_SOURCE = 16
+"""Of :data:`MAX_EVENT_STREAMS`, the most one client's source (``source_of`` its address: an
+IPv4 address, an IPv6 /64) may hold, whatever owners its jobs are on: one client watching
+four owners' jobs held all 64 (a review, 2026-12-07). 16 is one owner's share, a client
+watching that many jobs at once."""
 MAX_EVENT_STREAMS = 64
 """Owners' event streams relayed at once (``GET /v1/generations/:id/events`` of another
 peer's job). Each holds a connection while its job runs, so they have connections of their
@@ -68,6 +73,8 @@ class PeerHttp:
         """Forwarded requests under way, by owner URL."""
         self._streams_of = KeyCounts(MAX_EVENT_STREAMS_PER_OWNER)
         """Relayed event streams open, by owner URL."""
+        self._streams_from = KeyCounts(MAX_EVENT_STREAMS_PER_SOURCE)
+        """Relayed event streams open, by the source of the client they are relayed to."""
 
     def _http(self) -> httpx.AsyncClient:
         # Created on first use, inside the trio run (httpx picks trio through anyio).
@@ -83,10 +90,11 @@ class PeerHttp:
             self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=_HEADERS)
         return self._stream_client
 
-    def check_stream_room(self, owner: str) -> None:
-        """PeerBusy when every relayed event stream is taken, in all or of ``owner`` (a
-        PeerID: a URL any record may copy; before a response starts)."""
-        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(owner):
+    def check_stream_room(self, owner: str, source: str = "?") -> None:
+        """PeerBusy when every relayed event stream is taken, in all, of ``owner`` (a
+        PeerID: a URL any record may copy) or of the client's ``source`` (before a response
+        starts)."""
+        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(owner) or self._streams_from.full(source):
             raise PeerBusy("this peer already relays as many event streams from other peers as it may; "
                            "retry later, poll GET /v1/generations/:id, or watch on the peer that runs the job")  # fmt: skip
 
@@ -129,16 +137,17 @@ class PeerHttp:
         return response.status_code, answer
 
     @asynccontextmanager
-    async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int,
-                           owner: str | None = None) -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
-        """An SSE stream from ``owner`` (a PeerID; by ``base_url`` when None), line by line
-        (errors before the stream opens raise; PeerBusy past :data:`MAX_EVENT_STREAMS`; a
-        line longer than ``max_line_bytes`` ends it as :class:`PeerUnreachable`)."""
+    async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int, owner: str | None = None,
+                           source: str = "?") -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
+        """An SSE stream from ``owner`` (a PeerID; by ``base_url`` when None), line by line,
+        for a client at ``source`` (errors before the stream opens raise; PeerBusy past
+        :data:`MAX_EVENT_STREAMS` or a share of them; a line longer than ``max_line_bytes``
+        ends it as :class:`PeerUnreachable`)."""
         key = owner or base_url
-        self.check_stream_room(key)
+        self.check_stream_room(key, source)
         self._streams += 1
         try:
-            with self._streams_of.held(key):
+            with self._streams_of.held(key), self._streams_from.held(source):
                 async with self._stream_http().stream("GET", base_url + path) as response:
                     if response.status_code >= 400:
                         raw = b""

@@ -191,12 +191,12 @@ async def test_a_relayed_event_stream_carries_only_records_of_the_job_watched(tm
              f"data: {json.dumps({'id': new_id(OTHER), 'state': 'completed'})}", "data: [DONE]"]
 
     class Streaming(_Answering):
-        def check_stream_room(self, base_url: str) -> None:
+        def check_stream_room(self, base_url: str, source: str = "?") -> None:
             pass
 
         @asynccontextmanager
-        async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int,
-                               owner: str | None = None) -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
+        async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int, owner: str | None = None,
+                               source: str = "?") -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
             async def each() -> AsyncIterator[str]:
                 for line in lines:
                     yield line
@@ -311,7 +311,7 @@ async def test_a_watch_the_owner_refuses_with_429_falls_back_to_polls(service: G
     2026-12-07). The owner's 429 is read like the relay's own: the job's states from polls."""
 
     class BusyOwner(FakeHttp):
-        def check_stream_room(self, owner: str) -> None:
+        def check_stream_room(self, owner: str, source: str = "?") -> None:
             pass
 
         @asynccontextmanager

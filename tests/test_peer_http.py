@@ -21,6 +21,7 @@ from inclavate.errors import RelayedError
 from inclavate.peer_http import (
     MAX_EVENT_STREAMS,
     MAX_EVENT_STREAMS_PER_OWNER,
+    MAX_EVENT_STREAMS_PER_SOURCE,
     MAX_IN_FLIGHT_PER_OWNER,
     PeerBusy,
     PeerHttp,
@@ -59,14 +60,16 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(owners + 1)]
     http = PeerHttp()
 
-    async def watch(url: str) -> None:
-        async with http.stream_lines(url, "/events", max_line_bytes=1024) as lines:
+    clients = iter(range(10**6))
+
+    async def watch(url: str) -> None:  # each watch from a client of its own
+        async with http.stream_lines(url, "/events", max_line_bytes=1024, source=f"client {next(clients)}") as lines:
             async for _ in lines:
                 pass
 
     async def refused(url: str) -> None:
         with pytest.raises(PeerBusy):
-            async with http.stream_lines(url, "/events", max_line_bytes=1024):
+            async with http.stream_lines(url, "/events", max_line_bytes=1024, source="a newcomer"):
                 pass
 
     try:
@@ -88,6 +91,57 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
             with trio.fail_after(5):
                 assert await http.json(urls[0], "GET", "/job") == (200, {"id": "the job", "state": "running"})
                 await refused(urls[owners])  # every stream is taken, and this owner holds none
+            nursery.cancel_scope.cancel()
+    finally:
+        await http.aclose()
+
+
+async def test_one_client_watching_jobs_on_several_owners_leaves_the_others_room() -> None:
+    """Relayed event streams were bounded in all (64) and per owner (16), not per client: one
+    client watching 16 jobs on each of four owners held every relayed stream of the peer,
+    and every other client's watch was a 429 (a review, 2026-12-07). A client's source now
+    holds at most MAX_EVENT_STREAMS_PER_SOURCE of them, whatever owners they are on."""
+    owner = QuartTrio("owner")
+    watching = [0]
+
+    @owner.get("/events")
+    async def events():  # type: ignore[no-untyped-def]
+        async def body() -> AsyncIterator[bytes]:
+            watching[0] += 1
+            yield b"data: {}\n\n"
+            await trio.sleep_forever()
+
+        response = Response(body(), mimetype="text/event-stream")
+        response.timeout = None
+        return response
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    http = PeerHttp()
+
+    async def watch(url: str, source: str) -> None:
+        async with http.stream_lines(url, "/events", max_line_bytes=1024, source=source) as lines:
+            async for _ in lines:
+                pass
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for url in urls:
+                await nursery.start(serve_api, owner, "127.0.0.1", int(url.rsplit(":", 1)[1]))
+            for i in range(MAX_EVENT_STREAMS_PER_SOURCE):  # spread over two owners: no owner's share is full
+                nursery.start_soon(watch, urls[i % 2], "203.0.113.7")
+            with trio.fail_after(30):
+                while watching[0] < MAX_EVENT_STREAMS_PER_SOURCE:
+                    await trio.sleep(0.05)
+            with pytest.raises(PeerBusy):
+                http.check_stream_room(urls[0], "203.0.113.7")
+            with trio.fail_after(5), pytest.raises(PeerBusy):
+                async with http.stream_lines(urls[1], "/events", max_line_bytes=1024, source="203.0.113.7"):
+                    pass
+            http.check_stream_room(urls[0], "198.51.100.1")  # another client: room
+            nursery.start_soon(watch, urls[0], "198.51.100.1")
+            with trio.fail_after(30):
+                while watching[0] < MAX_EVENT_STREAMS_PER_SOURCE + 1:
+                    await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     finally:
         await http.aclose()
