@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,8 +85,14 @@ PREPARE_THREADS = 2
 _PREPARE = trio.CapacityLimiter(PREPARE_THREADS)
 
 
-def _parse(raw: bytes | str, ctx: PeerContext) -> tuple[ChatRequest, int]:
-    request = parse_chat_request(decode_json(raw), ctx.limits)
+Translate = Callable[[object], object]
+"""A decoded body of another OpenAI shape to the chat request body it means (raising
+BadRequest for what it cannot mean): ``POST /v1/responses`` (:mod:`api.responses_request`)."""
+
+
+def _parse(raw: bytes | str, ctx: PeerContext, translate: Translate | None) -> tuple[ChatRequest, int]:
+    body = decode_json(raw)
+    request = parse_chat_request(body if translate is None else translate(body), ctx.limits)
     return request, _user_text_chars(request)
 
 
@@ -108,9 +115,11 @@ def _require_tools_if_demanded(request: ChatRequest, chat: ChatModel) -> None:
                          "tool_choice cannot be required or name a function")  # fmt: skip
 
 
-async def prepare_chat(ctx: PeerContext, raw: bytes | str) -> ChatJob:
-    """``raw``: the request body, size-checked by the caller."""
-    request, user_chars = await trio.to_thread.run_sync(_parse, raw, ctx, limiter=_PREPARE)
+async def prepare_chat(ctx: PeerContext, raw: bytes | str, translate: Translate | None = None) -> ChatJob:
+    """``raw``: the request body, size-checked by the caller. ``translate``: applied to the
+    decoded body in the same worker thread, so another route's bodies cost the event loop
+    no more than a chat body, and go through the same validation after it."""
+    request, user_chars = await trio.to_thread.run_sync(_parse, raw, ctx, translate, limiter=_PREPARE)
     if not ctx.knows_model(request.model):
         raise UnknownModel(f"model {request.model!r} is not in the registry")
     chat = await ctx.chat_model(request.model)

@@ -3,7 +3,8 @@
 A streamed generation runs as a task in the app's nursery and hands deltas to the response
 over a channel (``api.relay``). If the client goes away, the response is cancelled and
 cancels the task, whose own cleanup frees the session's KV cache on every stage (see
-``api.generation``).
+``api.generation``). :class:`ChatRunner` is that whole path (guards, preparation, tracking,
+streaming) for ``POST /v1/responses`` too, which only translates (``api.routes_responses``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ import trio
 from quart import Response, jsonify, request, websocket
 from quart_trio import QuartTrio
 
-from api.chat_job import ChatJob, Collected, chunk, completion_body, delta_chunk, final_chunks, prepare_chat, settle
+from api.chat_job import (
+    ChatJob,
+    Collected,
+    Translate,
+    chunk,
+    completion_body,
+    delta_chunk,
+    final_chunks,
+    prepare_chat,
+    settle,
+)
 from api.context import PeerContext
 from api.errors import Conflict, NotFound, error_response_parts
 from api.generation import GenerationResult
@@ -103,38 +114,87 @@ def _events(app: QuartTrio, job: ChatJob, tracking: _Tracking) -> AsyncIterator[
     return relay(app.nursery, produce)
 
 
+@dataclass(frozen=True)
+class ChatRunner:
+    """A chat turn run exactly as ``POST /v1/chat/completions`` runs it: the same guards
+    before any work (body size, the 429 when every place is taken), the same preparation,
+    and the same tracking (``GET``/``DELETE /sessions/:id``, freeing the session when the
+    client leaves). Kept in ``app.extensions[RUNNER]`` for routes that speak another OpenAI
+    shape over it (``api.routes_responses``) and only translate."""
+
+    app: QuartTrio
+    tracking: _Tracking
+
+    async def prepare(self, translate: Translate | None = None) -> ChatJob:
+        """The current request's body, size-checked, admitted and prepared."""
+        limits = self.tracking.ctx.limits
+        length = request.content_length
+        if length is not None:
+            limits.check_body_size(length)
+        raw = await request.get_data(cache=False)
+        limits.check_body_size(len(raw))
+        with self.tracking.sessions.admitting():  # after the body: a client that never sends it holds no place
+            return await prepare_chat(self.tracking.ctx, raw, translate)
+
+    async def complete(self, job: ChatJob) -> dict[str, Any]:
+        """The whole turn, as a ``chat.completion`` body."""
+        collected = Collected()
+        result = await _run(job, self.tracking, collected.add)
+        outcome = await settle(self.tracking.ctx, job, result, "".join(collected.content))
+        return completion_body(job, result, collected, outcome)
+
+    def chunks(self, job: ChatJob) -> AsyncIterator[dict[str, Any]]:
+        """The turn as ``chat.completion.chunk`` objects (errors as ``{"error": ..., "status": ...}``)."""
+        return _events(self.app, job, self.tracking)
+
+
+RUNNER = "inclavate.chat_runner"
+
+
+def sse_response(body: AsyncIterator[bytes], job: ChatJob) -> Response:
+    """A stream that lasts as long as its generation, with the session's header."""
+    response = Response(body, mimetype="text/event-stream", headers=session_headers(job))
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response
+
+
+ID_PREFIXES = ("chatcmpl-", "resp_")
+"""What a session id is known by in the answers: a completion's id, a response's id."""
+
+
+def session_of(answer_id: str) -> SessionId:
+    """The session an answer's id (or the bare session id, as in the header) names."""
+    for prefix in ID_PREFIXES:
+        if answer_id.startswith(prefix):
+            return SessionId(answer_id.removeprefix(prefix))
+    return SessionId(answer_id)
+
+
+def session_headers(job: ChatJob) -> dict[str, str]:
+    return {SESSION_HEADER: job.session_id}
+
+
 def install(app: QuartTrio, ctx: PeerContext) -> None:
     app.config["RESPONSE_TIMEOUT"] = None  # generations stream for as long as they take
     sessions: ActiveSessions = app.extensions["inclavate.sessions"]
     tracking = _Tracking(ctx, sessions, RouteBook())
+    runner = app.extensions[RUNNER] = ChatRunner(app, tracking)
 
     @app.post("/v1/chat/completions")
     async def chat_completions():  # type: ignore[no-untyped-def]
         """OpenAI-compatible chat completion, plain JSON or SSE (``stream: true``)."""
-        length = request.content_length
-        if length is not None:
-            ctx.limits.check_body_size(length)
-        raw = await request.get_data(cache=False)
-        ctx.limits.check_body_size(len(raw))
-        with sessions.admitting():  # after the body: a client that never sends it holds no place
-            job = await prepare_chat(ctx, raw)
-        headers = {SESSION_HEADER: job.session_id}
+        job = await runner.prepare()
         if job.request.stream:
 
             async def body() -> AsyncIterator[bytes]:
-                async for item in _events(app, job, tracking):
+                async for item in runner.chunks(job):
                     yield _sse(item)
                 yield b"data: [DONE]\n\n"
 
-            response = Response(body(), mimetype="text/event-stream", headers=headers)
-            response.headers["Cache-Control"] = "no-cache"
-            response.timeout = None
-            return response
-        collected = Collected()
-        result = await _run(job, tracking, collected.add)
-        outcome = await settle(ctx, job, result, "".join(collected.content))
-        response = jsonify(completion_body(job, result, collected, outcome))
-        response.headers.update(headers)
+            return sse_response(body(), job)
+        response = jsonify(await runner.complete(job))
+        response.headers.update(session_headers(job))
         return response
 
     @app.websocket("/ws/chat")
@@ -184,7 +244,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.get("/sessions/<session_id>")
     async def session_route(session_id: str):  # type: ignore[no-untyped-def]
         """Which peers (and layers) a recent session of this peer went through; read-only."""
-        found = tracking.routes.get(SessionId(session_id.removeprefix("chatcmpl-")))
+        found = tracking.routes.get(session_of(session_id))
         if found is None:
             raise NotFound(f"no recent generation session {session_id[:80]!r} on this peer")
         return jsonify(found.to_json())
@@ -192,7 +252,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     @app.delete("/sessions/<session_id>")
     async def close_session(session_id: str):  # type: ignore[no-untyped-def]
         """Stop a generation in flight and free its KV cache on every node of its chain."""
-        sid = SessionId(session_id.removeprefix("chatcmpl-"))
+        sid = session_of(session_id)
         if not sessions.close(sid):
             raise NotFound(f"no generation session {session_id!r} is open on this peer")
         return no_content()
