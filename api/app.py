@@ -33,6 +33,7 @@ from api import (
     routes_metrics,
     routes_models,
     routes_nodes,
+    routes_responses,
     routes_system,
 )
 from api.context import PeerContext
@@ -52,6 +53,7 @@ INSTALLERS: list[Installer] = [
     routes_metrics.install,  # before routes_nodes: /nodes/rankings is not a node id
     routes_nodes.install,
     routes_chat.install,
+    routes_responses.install,  # after routes_chat: it runs its turns through the chat runner
     routes_admin.install,
     routes_artifacts.install,
     routes_files.install,

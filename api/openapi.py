@@ -2,7 +2,7 @@
 
 Paths and methods come from the app's URL map, so the document cannot list a route that is
 not served or miss one that is; summaries come from the handlers' docstrings. Request and
-response schemas are written out for the main contracts (chat, errors).
+response schemas are written out for the main contracts (chat, responses, errors).
 """
 
 from __future__ import annotations
@@ -63,6 +63,36 @@ CHAT_REQUEST = {
         "parallel_tool_calls": {"type": "boolean", "default": True},
     },
     "required": ["model", "messages"],
+}
+
+_INPUT_ITEM = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["message"]},
+        "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "properties": {
+            "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}, "required": ["type", "text"]}}]},
+    },
+    "required": ["role", "content"],
+}
+
+RESPONSES_REQUEST = {
+    "type": "object",
+    "description": "OpenAI's Responses API, text only (api/responses_request.py says what is refused)",
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _INPUT_ITEM, "minItems": 1}]},
+        "instructions": {"type": "string"},
+        "max_output_tokens": {"type": "integer", "minimum": 1, "default": ChatRequest.max_tokens},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": ChatRequest.temperature},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": ChatRequest.top_p},
+        "stream": {"type": "boolean", "default": False},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}, "maxProperties": 16},
+        "user": {"type": "string"},
+        "store": {"type": "boolean", "description": "accepted; nothing is stored"},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "properties": {"type": {"enum": ["text"]}}}}},
+    },
+    "required": ["model", "input"],
 }
 
 GENERATION_REQUEST = {
@@ -127,6 +157,7 @@ NODE_HEARTBEAT = {
 
 _BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("post", "/v1/chat/completions"): CHAT_REQUEST,
+    ("post", "/v1/responses"): RESPONSES_REQUEST,
     ("post", "/v1/generations"): GENERATION_REQUEST,
     ("post", "/v1/audio/speech"): SPEECH_REQUEST,
     ("post", "/nodes"): NODE_REGISTRATION,
@@ -136,6 +167,7 @@ _BODIES: dict[tuple[str, str], dict[str, Any]] = {
 
 _STATUS = {
     ("post", "/v1/chat/completions"): ["200", "400", "413", "422", "429", "503"],
+    ("post", "/v1/responses"): ["200", "400", "413", "422", "429", "503"],
     ("get", "/v1/models/{model_id}"): ["200", "404"],
     ("post", "/v1/artifacts"): ["201", "400", "408", "413", "503", "507"],
     ("get", "/v1/artifacts"): ["200", "400", "503"],
