@@ -146,24 +146,24 @@ def parse_chat_request(body: object, limits: RequestLimits) -> ChatRequest:
     if n is not None and (_is_bool(n) or n != 1):
         raise BadRequest("n must be 1: one choice per request")
     _refuse_what_cannot_be_honoured(body)
-    stream_options = _opt(body, "stream_options", _object, {})
+    stream_options = optional_field(body, "stream_options", _object, {})
     return ChatRequest(
         model=_string(body.get("model"), "model", nonempty=True),
         max_tokens=_max_tokens(body),
-        temperature=_opt(body, "temperature", _number(0.0, 2.0), ChatRequest.temperature),
-        top_p=_opt(body, "top_p", _number(0.0, 1.0, low_open=True), ChatRequest.top_p),
-        stream=_opt(body, "stream", _boolean, False),
-        include_usage=_opt(stream_options, "include_usage", _boolean, False, "stream_options."),
-        stop=_opt(body, "stop", _stop, ()),
-        thinking=_opt(body, "thinking", _boolean, None),
-        reasoning_effort=_opt(body, "reasoning_effort", _string, None),
-        seed=_opt(body, "seed", _integer(None), None),
-        tools=_opt(body, "tools", _tools, ()),
-        tool_choice=_opt(body, "tool_choice", _tool_choice, None),
-        parallel_tool_calls=_opt(body, "parallel_tool_calls", _boolean, True),
-        generation_model=_opt(body, "generation_model", _string, None),
-        generation_voice=_opt(body, "generation_voice", _string, None),
-        generation_max_duration_seconds=_opt(
+        temperature=optional_field(body, "temperature", _number(0.0, 2.0), ChatRequest.temperature),
+        top_p=optional_field(body, "top_p", _number(0.0, 1.0, low_open=True), ChatRequest.top_p),
+        stream=optional_field(body, "stream", _boolean, False),
+        include_usage=optional_field(stream_options, "include_usage", _boolean, False, "stream_options."),
+        stop=optional_field(body, "stop", _stop, ()),
+        thinking=optional_field(body, "thinking", _boolean, None),
+        reasoning_effort=optional_field(body, "reasoning_effort", _string, None),
+        seed=optional_field(body, "seed", integer_field(None), None),
+        tools=optional_field(body, "tools", _tools, ()),
+        tool_choice=optional_field(body, "tool_choice", _tool_choice, None),
+        parallel_tool_calls=optional_field(body, "parallel_tool_calls", _boolean, True),
+        generation_model=optional_field(body, "generation_model", _string, None),
+        generation_voice=optional_field(body, "generation_voice", _string, None),
+        generation_max_duration_seconds=optional_field(
             body, "generation_max_duration_seconds", _number(0.0, math.inf, low_open=True), None
         ),
         # Last, as arguments are evaluated in order: a request with a bad scalar field is
@@ -176,12 +176,12 @@ def _refuse_what_cannot_be_honoured(body: Mapping[str, Any]) -> None:
     """OpenAI fields this server accepts only in their default form. Ignored, a request for
     JSON output or for log probabilities got prose without them and no sign of why; their
     defaults (``{"type": "text"}``, ``false``), which some clients always send, pass."""
-    response_format = _opt(body, "response_format", _object, {"type": "text"})
+    response_format = optional_field(body, "response_format", _object, {"type": "text"})
     kind = response_format.get("type")
     if kind != "text":
         raise BadRequest(f"response_format {kind!r} is not supported: output cannot be constrained to JSON "
                          "here; ask for JSON in the messages and parse the reply")  # fmt: skip
-    if _opt(body, "logprobs", _boolean, False) or body.get("top_logprobs") is not None:
+    if optional_field(body, "logprobs", _boolean, False) or body.get("top_logprobs") is not None:
         raise BadRequest("logprobs are not supported: leave logprobs and top_logprobs out (or false)")
     # Sampling here is temperature, top_p and seed (node/sampling.py, on the last stage):
     # penalties and biases would change which tokens are drawn, so a reply without them is
@@ -209,7 +209,7 @@ _V = TypeVar("_V")
 _D = TypeVar("_D")
 
 
-def _opt(
+def optional_field(
     obj: Mapping[str, Any], key: str, parse: Callable[[Any, str], _V], default: _D, prefix: str = ""
 ) -> _V | _D:
     """An optional field: absent or null gives the default, anything else must parse."""
@@ -239,7 +239,7 @@ def _object(value: Any, name: str) -> dict[str, Any]:
     return value
 
 
-def _integer(minimum: int | None) -> Callable[[Any, str], int]:
+def integer_field(minimum: int | None) -> Callable[[Any, str], int]:
     def parse(value: Any, name: str) -> int:
         if (
             _is_bool(value)
@@ -266,9 +266,9 @@ def _number(low: float, high: float, *, low_open: bool = False) -> Callable[[Any
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:
-    parse = _integer(1)
-    legacy = _opt(body, "max_tokens", parse, None)
-    newer = _opt(body, "max_completion_tokens", parse, None)
+    parse = integer_field(1)
+    legacy = optional_field(body, "max_tokens", parse, None)
+    newer = optional_field(body, "max_completion_tokens", parse, None)
     if legacy is not None and newer is not None and legacy != newer:
         raise BadRequest("max_tokens and max_completion_tokens disagree; send one of them")
     return newer or legacy or ChatRequest.max_tokens
@@ -296,8 +296,8 @@ def _tool(value: Any, name: str) -> Tool:
     function = _function_of(value, name)
     return Tool(
         name=_string(function.get("name"), f"{name}.function.name", nonempty=True),
-        description=_opt(function, "description", _string, None, f"{name}.function."),
-        parameters=_opt(function, "parameters", _object, None, f"{name}.function."),
+        description=optional_field(function, "description", _string, None, f"{name}.function."),
+        parameters=optional_field(function, "parameters", _object, None, f"{name}.function."),
     )
 
 
@@ -372,7 +372,7 @@ def _message_shell(value: Any, name: str) -> dict[str, Any]:
     if role is None:
         roles = ", ".join([*Role, *_ROLE_ALIASES])
         raise BadRequest(f"{name}.role must be one of {roles}, got {raw_role!r}")
-    tool_calls = _opt(value, "tool_calls", _tool_calls, (), f"{name}.")
+    tool_calls = optional_field(value, "tool_calls", _tool_calls, (), f"{name}.")
     content = value.get("content")
     if content is None and role is Role.ASSISTANT:
         content = ""  # an assistant turn that only called tools has null content
@@ -381,7 +381,7 @@ def _message_shell(value: Any, name: str) -> dict[str, Any]:
     return {
         "role": role,
         "content": content,
-        "name": _opt(value, "name", _string, None, f"{name}."),
+        "name": optional_field(value, "name", _string, None, f"{name}."),
         "tool_calls": tool_calls,
-        "tool_call_id": _opt(value, "tool_call_id", _string, None, f"{name}."),
+        "tool_call_id": optional_field(value, "tool_call_id", _string, None, f"{name}."),
     }

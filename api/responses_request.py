@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.chat_request import _integer, _opt
+from api.chat_request import integer_field, optional_field
 from api.errors import BadRequest
 
 MAX_METADATA_KEYS = 16
@@ -82,7 +82,7 @@ def chat_body(body: object) -> dict[str, Any]:
     _echoed(body)
     messages = _instructions(body.get("instructions")) + _input(body.get("input"))
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
-    max_tokens = _opt(body, "max_output_tokens", _integer(1), None)
+    max_tokens = optional_field(body, "max_output_tokens", integer_field(1), None)
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
     for key in ("temperature", "top_p", "stream"):
