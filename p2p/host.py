@@ -212,11 +212,17 @@ def _expand_wildcards(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multia
     return expanded
 
 
+_KEPT_QUIET = ("Failed to open TCP stream", "Failed to open stream to peer")
+
+
 def _dial_failure_kept_quiet(record: logging.LogRecord) -> bool:
-    """py-libp2p logs every failed TCP dial at error level, then raises it to the dialer,
-    which decides what it means: redialling a peer that died is routine, and one peer's log
-    held 119 such lines in 25 minutes of failover tests. They show at debug level only."""
-    if record.levelno >= logging.ERROR and record.getMessage().startswith("Failed to open TCP stream"):
+    """py-libp2p logs every failed TCP dial, and every stream a peer would not open, at error
+    level, then raises it to the caller, which decides what it means: redialling a peer that
+    died is routine (one peer's log held 119 such lines in 25 minutes of failover tests), and
+    a stranger's identity that refuses our protocols cost each honest peer 6-9 lines of
+    ~450 characters, even peers it never dialled, which dialled it from its record (an
+    audit, 2026-12-07: 12 identities, 72-119 lines a peer). They show at debug level only."""
+    if record.levelno >= logging.ERROR and record.getMessage().startswith(_KEPT_QUIET):
         return logger.isEnabledFor(logging.DEBUG)
     return True
 
@@ -225,9 +231,9 @@ def _build_libp2p_host(identity: Identity, listen: multiaddr.Multiaddr, dial_tim
                        inbound: InboundStreams, guard: ConnectionGuard) -> BasicHost:
     yamux_credit.install()
     yamux_window.install()
-    tcp_log = logging.getLogger(libp2p_tcp.__name__)
-    if _dial_failure_kept_quiet not in tcp_log.filters:
-        tcp_log.addFilter(_dial_failure_kept_quiet)
+    for library_log in (logging.getLogger(libp2p_tcp.__name__), logging.getLogger(BasicHost.__module__)):
+        if _dial_failure_kept_quiet not in library_log.filters:
+            library_log.addFilter(_dial_failure_kept_quiet)
     key_pair = identity.key_pair
     swarm = new_swarm(
         key_pair=key_pair,
