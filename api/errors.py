@@ -111,9 +111,11 @@ class ServiceUnavailable(ApiError):
 
 
 class GatewayTimeout(ApiError):
-    """A bounded wait ran out; the work goes on (the message says where to look)."""
+    """A bounded wait ran out; the work goes on (the message says where to look), so a
+    client's automatic retry would start it again (:func:`error_headers`)."""
 
     status = 504
+    should_retry = False
 
 
 class MediaCode(StrEnum):
@@ -281,13 +283,25 @@ def _register_generation_errors() -> None:
 _register_generation_errors()
 
 
+NO_RETRY_HEADER = "x-should-retry"
+"""OpenAI's SDKs retry every 408, 409, 429 and 5xx twice unless the answer says
+``x-should-retry: false``. A speech or transcription call whose wait ran out (504: the job
+keeps running) was submitted three times, each a job of its own, and a 507 re-uploaded the
+clip three times (an audit, 2026-12-07)."""
+
+
 def error_headers(exc: BaseException) -> dict[str, str]:
     """Headers an error's answer carries: ``Retry-After`` for one that says when to retry
-    (a ``retry_after_s`` attribute, whole seconds)."""
+    (a ``retry_after_s`` attribute, whole seconds); ``x-should-retry: false`` for one a
+    retry would only repeat (a ``should_retry`` attribute that is False: the work goes on,
+    the job failed, the store is full)."""
+    headers = {}
     retry = getattr(exc, "retry_after_s", None)
     if isinstance(retry, int) and not isinstance(retry, bool):
-        return {"Retry-After": str(retry)}
-    return {}
+        headers["Retry-After"] = str(retry)
+    if getattr(exc, "should_retry", None) is False:
+        headers[NO_RETRY_HEADER] = "false"
+    return headers
 
 
 def error_response_parts(exc: BaseException) -> tuple[int, dict[str, Any]]:

@@ -20,7 +20,7 @@ from werkzeug.http import parse_options_header
 
 from api.bodies import json_object
 from api.context import PeerContext
-from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge
+from api.errors import ApiError, BadRequest, GatewayTimeout, PayloadTooLarge, error_headers
 from api.media_headers import UnreadableHeader, audio_duration, audio_sample_rate, sniff_audio
 from api.multipart import read_form
 from api.routes_generations import service
@@ -120,9 +120,11 @@ class _TimedOut(GatewayTimeout):
 
 
 class _JobDidNotComplete(ApiError):
-    """The job ended without output: failed (with its error_code), cancelled or expired."""
+    """The job ended without output: failed (with its error_code), cancelled or expired. The
+    answer names the job and why; an SDK's retry would submit the same job again."""
 
     status = 500
+    should_retry = False
 
     def __init__(self, job: dict[str, Any]) -> None:
         code = job.get("error_code") or job["state"]
@@ -154,6 +156,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
     async def _on_timeout(exc: _TimedOut) -> Response:
         response = jsonify(exc.body())
         response.status_code = 504
+        response.headers.update(error_headers(exc))
         response.headers[JOB_HEADER] = exc.job_id
         return response
 

@@ -78,7 +78,9 @@ class ArtifactTooLarge(ArtifactError):
 
 
 class QuotaExceeded(ArtifactError):
-    """The store is at its byte or object ceiling (507)."""
+    """The store is at its byte or object ceiling (507); retrying at once frees nothing."""
+
+    should_retry = False
 
 
 class ArtifactUnavailable(ArtifactError):

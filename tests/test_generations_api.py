@@ -16,6 +16,9 @@ import trio
 from generation_harness import ADMIN_TOKEN, CHAT_MODEL, Served, serve_generations
 from speech_checks import SENTENCE, SENTENCE_MAX_WER, rms, tone_wav, wav_facts, word_error_rate
 
+from api.errors import error_headers
+from api.routes_audio import _JobDidNotComplete
+from inclavate.artifact_types import QuotaExceeded
 from inclavate.generation_settings import GenerationSettings
 from inclavate.job_runner import RunnerConfig
 
@@ -162,6 +165,25 @@ async def test_speech_wait_bound_is_a_504_naming_the_job_that_keeps_running(tmp_
         job_id = response.headers["x-dppan-job-id"]
         assert job_id in response.json()["error"] and response.json()["job_id"] == job_id
         assert (await wait_state(http, job_id, ("completed",)))["output_artifacts"]
+
+
+async def test_the_sdk_does_not_retry_a_wait_that_ran_out_nor_a_failed_job(tmp_path: Path, speech_generators: dict) -> None:
+    """OpenAI's SDK retries every 5xx twice unless told not to: a speech call whose wait ran
+    out (504, the job keeps running) submitted three jobs, and a 507 re-uploaded the clip
+    three times (an audit, 2026-12-07). Such answers say ``x-should-retry: false``."""
+    settings = GenerationSettings(speech_sync_timeout_s=0.05)
+    async with serve_generations(tmp_path, speech_generators, settings=settings) as served, client(served) as http:
+        api = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=2)
+        with pytest.raises(openai.InternalServerError) as raised:
+            await trio.to_thread.run_sync(lambda: api.audio.speech.create(model="piper:joe", voice="joe", input=SENTENCE))
+        assert raised.value.response.status_code == 504 and raised.value.response.headers["x-should-retry"] == "false"
+        jobs = (await http.get("/v1/generations")).json()["generations"]
+        assert len(jobs) == 1, [j["state"] for j in jobs]
+    # The failed job's 500 and the full store's 507 say the same (neither frees by retrying).
+    failed = {"id": "j", "state": "failed", "error_code": "engine_error", "error_message": "boom"}
+    for exc in (_JobDidNotComplete(failed), QuotaExceeded("the store is full")):
+        assert error_headers(exc)["x-should-retry"] == "false"
+    assert "x-should-retry" not in error_headers(RuntimeError("a bug: a retry may meet a fixed peer"))
 
 
 @pytest.mark.parametrize(
