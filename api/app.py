@@ -80,9 +80,14 @@ def create_app(ctx: PeerContext, *, sessions: ActiveSessions | None = None,
 
     @app.errorhandler(HTTPException)
     async def _on_http_error(exc: HTTPException) -> Response:
-        # Routing and protocol errors (404, 405, 413 from MAX_CONTENT_LENGTH) in our shape.
+        # Routing and protocol errors (404, 405, 413 from MAX_CONTENT_LENGTH) in our shape,
+        # with the headers they carry besides their HTML body's type (a 405's ``Allow``,
+        # which HTTP requires: it went missing here, an audit, 2026-12-07).
         response = jsonify({"error": exc.description or exc.name})
         response.status_code = exc.code or 500
+        for name, value in exc.get_headers():
+            if name.lower() != "content-type":
+                response.headers[name] = value
         return _closing_if_body_unread(response)
 
     @app.errorhandler(Exception)

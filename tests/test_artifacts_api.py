@@ -146,6 +146,8 @@ async def test_a_write_to_a_route_that_does_not_exist_is_404_not_415(tmp_path: P
             assert missing.status_code == 404 and "error" in missing.json(), (path, missing.text)
         wrong_method = await call(httpx.put, f"{base}/v1/artifacts", content=b"x", headers={"Content-Type": "text/plain"})
         assert wrong_method.status_code == 405, wrong_method.text
+        assert set(wrong_method.headers["allow"].split(", ")) >= {"GET", "POST"}  # HTTP requires it on a 405
+        assert wrong_method.headers["content-type"] == "application/json" and "error" in wrong_method.json()
         not_json = await call(httpx.post, f"{base}/nodes", content=b"x", headers={"Content-Type": "text/plain"})
         assert not_json.status_code == 415
         sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
