@@ -15,6 +15,7 @@ before its body is parsed or its prompt tokenized.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -31,11 +32,23 @@ class SessionClosed(Conflict):
 
 class Busy(ApiError):
     """Every turn and waiting place of this entry is taken (429: retry, or ask another peer).
-    ``Retry-After: 2``: a generation takes seconds, and the ``openai`` SDK's automatic retry
-    waits what the header says."""
+    ``Retry-After`` says when a place should be free (:meth:`ActiveSessions.retry_after_s`):
+    the ``openai`` SDK's automatic retry waits what the header says."""
 
     status = 429
-    retry_after_s = 2
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+TURN_S_PRIOR = 2.0
+"""What a turn is taken to last before any has ended here."""
+MAX_RETRY_AFTER_S = 60
+"""The ``openai`` SDKs ignore a ``Retry-After`` above 60 s (and fall back to their own short
+backoff), so a longer estimate would be read as none."""
+_TURN_WEIGHT = 0.2
+"""The weight of the latest turn in the running mean of turns' lengths."""
 
 
 class ActiveSessions:
@@ -47,6 +60,8 @@ class ActiveSessions:
         self._max_waiting = max_waiting
         self._wait_s = wait_s
         self._preparing = 0
+        self._turn_s = TURN_S_PRIOR
+        """Running mean of how long a turn is held (a generation, start to end)."""
 
     @classmethod
     def for_limits(cls, limits: RequestLimits) -> ActiveSessions:
@@ -59,7 +74,7 @@ class ActiveSessions:
         if self._preparing + len(self._scopes) >= self._max_running + self._max_waiting:
             raise Busy(
                 f"this peer is driving {self._max_running} generations with {self._max_waiting} more waiting "
-                "their turn; retry shortly, or ask another peer"
+                "their turn; retry shortly, or ask another peer", self.retry_after_s()
             )
         self._preparing += 1
         try:
@@ -76,16 +91,29 @@ class ActiveSessions:
                 with trio.move_on_after(self._wait_s) as waited:
                     await self._turns.acquire()
                 if waited.cancelled_caught:
-                    raise Busy(f"no turn to generate came free on this peer within {self._wait_s:g} s; retry")
+                    raise Busy(f"no turn to generate came free on this peer within {self._wait_s:g} s; retry",
+                               self.retry_after_s())  # fmt: skip
+                taken = trio.current_time()
                 try:
                     yield scope
                 finally:
                     self._turns.release()
+                    held = trio.current_time() - taken
+                    self._turn_s += _TURN_WEIGHT * (held - self._turn_s)
             finally:
                 del self._scopes[session_id]
         if session_id in self._closed:
             self._closed.discard(session_id)
             raise SessionClosed(f"session {session_id} was closed by DELETE /sessions/{session_id}")
+
+    def retry_after_s(self) -> int:
+        """Whole seconds until the generations running, waiting and being prepared now should
+        have had their turns: rounds of ``max_running`` at the mean turn's length, 1 to
+        :data:`MAX_RETRY_AFTER_S`. A fixed 2 s had a burst's refused chats retry twice, 2 and 4
+        s later, while the first admitted one ran 5.6 s: every retry met a full queue and
+        failed, though the whole burst was served in 27 s (an audit, 2026-12-07)."""
+        rounds = (self._preparing + len(self._scopes)) / self._max_running
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(rounds * self._turn_s)))
 
     def close(self, session_id: SessionId) -> bool:
         scope = self._scopes.get(session_id)

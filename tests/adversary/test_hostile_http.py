@@ -442,7 +442,7 @@ async def test_a_flood_of_chats_past_the_entrys_turns_is_a_429_before_any_work(s
             prepared = len(calls)
             refused = await client.post(url + "/v1/chat/completions", json={**body, "max_tokens": 3})
             assert refused.status_code == 429 and isinstance(refused.json()["error"], str), refused.text
-            assert refused.headers["retry-after"] == "2"  # the openai SDK's retry waits this long
+            assert 1 <= int(refused.headers["retry-after"]) <= 60  # the openai SDK's retry waits this long
             streamed = await stream(3)
             await streamed.aread()
             assert streamed.status_code == 429 and isinstance(streamed.json()["error"], str), streamed.text

@@ -1,0 +1,59 @@
+"""An entry's turns (``api.sessions.ActiveSessions``): when a refused chat is told to retry."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from api.errors import error_headers
+from api.sessions import MAX_RETRY_AFTER_S, TURN_S_PRIOR, ActiveSessions, Busy
+from inclavate.types import SessionId
+
+
+async def _generate(sessions: ActiveSessions, name: str, seconds: float) -> None:
+    with sessions.admitting():
+        pass
+    async with sessions.track(SessionId(name)):
+        await trio.sleep(seconds)
+
+
+async def _refusal(sessions: ActiveSessions) -> Busy:
+    with pytest.raises(Busy) as refused, sessions.admitting():
+        pass
+    return refused.value
+
+
+async def test_a_refused_chat_is_told_to_retry_when_the_queue_ahead_of_it_should_have_run(
+        autojump_clock: trio.abc.Clock) -> None:  # fmt: skip
+    """A fixed ``Retry-After: 2`` had a burst's refused chats retry at 2 and 4 s while the
+    first admitted one ran 5.6 s: all ten retries met a full queue and failed with the
+    openai SDK's RateLimitError, though the whole burst was served within 27 s (an audit,
+    2026-12-07). The answer now covers the rounds of turns ahead, at the turns' mean length."""
+    sessions = ActiveSessions(max_running=2, max_waiting=4)
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(_generate, sessions, f"first {i}", 5.0)
+        await trio.sleep(0.1)
+        refused = await _refusal(sessions)  # 6 ahead, 2 at a time, no turn ended yet: 3 rounds of the prior
+        assert refused.retry_after_s == 3 * TURN_S_PRIOR
+        assert error_headers(refused)["Retry-After"] == str(int(3 * TURN_S_PRIOR))
+    for i in range(6):  # the mean turn learns the 5 s
+        await _generate(sessions, f"more {i}", 5.0)
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(_generate, sessions, f"burst {i}", 5.0)
+        await trio.sleep(0.1)
+        refused = await _refusal(sessions)
+        assert 3 * 4.5 <= refused.retry_after_s <= 3 * 5.0 + 1  # what 3 rounds of 5 s turns take
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_retry_after_is_never_past_what_the_sdk_reads(autojump_clock: trio.abc.Clock) -> None:
+    sessions = ActiveSessions(max_running=1, max_waiting=40)
+    await _generate(sessions, "long", 600.0)
+    async with trio.open_nursery() as nursery:
+        for i in range(41):
+            nursery.start_soon(_generate, sessions, f"queued {i}", 1.0)
+        await trio.sleep(0.1)
+        assert (await _refusal(sessions)).retry_after_s == MAX_RETRY_AFTER_S
+        nursery.cancel_scope.cancel()
