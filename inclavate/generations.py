@@ -38,7 +38,8 @@ from inclavate.job_rows import Owns, PeerJobPage, decode_job_page_in_steps
 from inclavate.job_runner import JobFinished, JobNotFound, JobRunner
 from inclavate.jobs import MAX_RECORD_BYTES, IdempotencyConflict, Job, NewJob
 from inclavate.owner_ids import MalformedId, Owners, owner_candidates, parse_id
-from inclavate.peer_http import MAX_ANSWER_BYTES, PeerBusy, PeerHttp, PeerUnreachable, parse_answer
+from inclavate.peer_http import MAX_ANSWER_BYTES, PeerHttp, PeerUnreachable, parse_answer
+from inclavate.places import Place
 from inclavate.untrusted import DropCounter, Malformed, read_int
 from node.generators.base import InputMedia
 from p2p.registry import NodeView
@@ -384,16 +385,22 @@ class GenerationService:
         owner = None if local_only else self._owner(job_id)
         if owner is None:  # one read per change of the job, for all its watchers; WatchersFull past the caps
             return self.runner.feeds.watch(self._local(job_id), source)
-        self.http.check_stream_room(owner.record.peer_id, source)  # 429 before the stream opens, as far as can be known
-        await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
-        return self._remote_events(owner, job_id, source)
+        place = self.http.reserve_stream(owner.record.peer_id, source)  # 429 before the stream opens
+        try:
+            await self._remote_job(owner, "GET", job_id)  # 404 before the stream opens
+        except BaseException:
+            place.release()
+            raise
+        return self._remote_events(owner, job_id, place)
 
-    async def _remote_events(self, owner: NodeView, job_id: str, source: str) -> AsyncGenerator[str, None]:
+    async def _remote_events(self, owner: NodeView, job_id: str, place: Place) -> AsyncGenerator[str, None]:
+        """The owner's events, relayed, or its job's states from polls when the owner refuses
+        the stream (its 429); ``place`` (of this peer's relayed streams) is held throughout."""
         url = owner.record.api_url
         try:
             # An event is a job record (at most MAX_RECORD_BYTES) after "data: ".
             async with self.http.stream_lines(url, f"/v1/generations/{job_id}/events", max_line_bytes=MAX_RECORD_BYTES + 64,
-                                              owner=owner.record.peer_id, source=source) as lines:  # fmt: skip
+                                              owner=owner.record.peer_id, place=place) as lines:  # fmt: skip
                 async for line in lines:
                     if not line.startswith("data: "):
                         continue
@@ -403,13 +410,14 @@ class GenerationService:
                     yield payload
                     if payload == "[DONE]":
                         return
-        except (PeerBusy, RelayedError) as exc:
-            if isinstance(exc, RelayedError) and exc.status != 429:
+        except RelayedError as exc:
+            if exc.status != 429:
                 raise
-            # Streams filled up, here or at the owner (its watchers of the job, or of all its
-            # jobs: a 429), after this one's response began: the same events, from polls of the
-            # owner, rather than a stream cut short with a traceback in the log (a review,
-            # 2026-12-07: the owner's cap is newer than this relay).
+            # The owner's streams filled up (its watchers of the job, or of all its jobs: a
+            # 429) after this one's response began: the same events, from polls of the owner,
+            # rather than a stream cut short with a traceback in the log (a review, 2026-12-07:
+            # the owner's cap is newer than this relay). This peer's own bounds were taken
+            # with the place, before the response began.
             last = None
             while True:
                 body = await self._remote_job(owner, "GET", job_id)
@@ -421,6 +429,8 @@ class GenerationService:
                     yield "[DONE]"
                     return
                 await trio.sleep(BUSY_POLL_S)
+        finally:
+            place.release()
 
     async def wait_finished(self, job_id: str, timeout: float) -> dict[str, Any] | None:
         """The job once it ended, or None when ``timeout`` ran out first (it keeps running)."""

@@ -23,6 +23,7 @@ an IPv4 address, an IPv6 /64), at most :data:`MAX_WATCHERS_PER_SOURCE` (a review
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -32,6 +33,7 @@ import trio
 from inclavate.errors import InclavateError
 from inclavate.jobs import Job, JobStoreError
 from inclavate.key_counts import KeyCounts
+from inclavate.places import Place
 
 log = logging.getLogger(__name__)
 
@@ -96,39 +98,6 @@ class _Feed:
         self.moved = trio.Event()
 
 
-class _Place:
-    """A watcher's place in :class:`JobFeeds`, given back once (at the stream's end, or, for
-    a stream never iterated, when it is collected: its generator's ``finally`` never runs)."""
-
-    def __init__(self, feeds: JobFeeds, job_id: str, source: str) -> None:
-        self._feeds: JobFeeds | None = feeds
-        self.job_id = job_id
-        self.source = source
-        self._loop = trio.lowlevel.current_trio_token()
-
-    def release(self) -> None:
-        if self._feeds is not None:
-            feeds, self._feeds = self._feeds, None
-            feeds._leave(self.job_id, self.source)
-
-    def __del__(self) -> None:
-        # The cycle collector may free a stream never iterated on any thread (a generator's
-        # worker among them): the table is the event loop's, so the release goes back to it.
-        if self._feeds is not None:
-            try:
-                self._loop.run_sync_soon(self._release_quietly)
-            except trio.RunFinishedError:
-                pass
-
-    def _release_quietly(self) -> None:
-        """:meth:`release` from the event loop's callback queue, where an exception would
-        cancel every task of the peer: logged instead."""
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - a bookkeeping slip must not stop the peer
-            log.exception("giving back the place of a stream of job %s", self.job_id)
-
-
 class JobFeeds:
     """This peer's watched jobs (see the module's docstring); ``read`` reads one job's row."""
 
@@ -158,9 +127,10 @@ class JobFeeds:
         if self.of_source.full(source):
             raise WatchersFull(f"your address has {self.of_source.limit} event streams open here, as many as it may; "
                                "close one, retry later, or poll GET /v1/generations/:id")  # fmt: skip
-        place = _Place(self, job.id, source)  # before any count: it asks for the event loop's token
         if feed is None:
-            feed = self._feeds[job.id] = _Feed(json.dumps(job.to_json()), ended=False)
+            feed = _Feed(json.dumps(job.to_json()), ended=False)  # what can fail, before anything is held
+        place = Place(functools.partial(self._leave, job.id, source), f"a stream of job {job.id}")  # before any count
+        self._feeds[job.id] = feed
         feed.watchers += 1
         self.watchers += 1
         self.of_source.take(source)
@@ -203,7 +173,7 @@ async def _ended(payload: str) -> AsyncGenerator[str, None]:
     yield DONE
 
 
-async def _follow(feed: _Feed, place: _Place) -> AsyncGenerator[str, None]:
+async def _follow(feed: _Feed, place: Place) -> AsyncGenerator[str, None]:
     """The feed's payloads from its current one on; a watcher slower than the changes gets
     the latest state, never a stale one, and always the final one."""
     try:

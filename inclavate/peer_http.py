@@ -14,6 +14,7 @@ answered is :class:`inclavate.errors.RelayedError`, relayed with its status and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -23,6 +24,7 @@ import trio
 
 from inclavate.errors import InclavateError, RelayedError
 from inclavate.key_counts import KeyCounts
+from inclavate.places import Place
 from inclavate.untrusted import Malformed, parse_json
 
 FORWARDED_HEADER = "x-inclavate-forwarded"
@@ -44,11 +46,11 @@ wire) froze the event loop for half a minute and took gigabytes (an audit, 2026-
 MAX_EVENT_STREAMS_PER_OWNER = 16
 """Of :data:`MAX_EVENT_STREAMS`, the most one owner's jobs may hold: watchers of 64 silent
 jobs of one peer held them all (an audit, 2026-12-07)."""
-MAX_EVENT_STREAMS_PER_SOURCE = 16
+MAX_EVENT_STREAMS_PER_SOURCE = 8
 """Of :data:`MAX_EVENT_STREAMS`, the most one client's source (``source_of`` its address: an
 IPv4 address, an IPv6 /64) may hold, whatever owners its jobs are on: one client watching
-four owners' jobs held all 64 (a review, 2026-12-07). 16 is one owner's share, a client
-watching that many jobs at once."""
+four owners' jobs held all 64 (a review, 2026-12-07). Half an owner's share: at 16, one
+address still took every stream of the one owner a small swarm has (the same review)."""
 MAX_EVENT_STREAMS = 64
 """Owners' event streams relayed at once (``GET /v1/generations/:id/events`` of another
 peer's job). Each holds a connection while its job runs, so they have connections of their
@@ -90,13 +92,28 @@ class PeerHttp:
             self._stream_client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=_HEADERS)
         return self._stream_client
 
-    def check_stream_room(self, owner: str, source: str = "?") -> None:
-        """PeerBusy when every relayed event stream is taken, in all, of ``owner`` (a
-        PeerID: a URL any record may copy) or of the client's ``source`` (before a response
-        starts)."""
-        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(owner) or self._streams_from.full(source):
+    def reserve_stream(self, owner: str, source: str = "?") -> Place:
+        """A relayed event stream's place, taken now, in all, of ``owner`` (a PeerID: a URL
+        any record may copy) and of the client's ``source``; PeerBusy when one is full.
+        Taken at the check, before any wait: checked first and taken when the stream
+        opened, a burst of watches passed the check together and each one past the bound
+        became an uncounted poll of the owner (a review, 2026-12-07)."""
+        if self._streams_from.full(source):
+            raise PeerBusy(f"your address already watches {self._streams_from.limit} jobs of other peers through "
+                           "this peer; close one, poll GET /v1/generations/:id, or watch on the peer that runs the job")  # fmt: skip
+        if self._streams >= MAX_EVENT_STREAMS or self._streams_of.full(owner):
             raise PeerBusy("this peer already relays as many event streams from other peers as it may; "
                            "retry later, poll GET /v1/generations/:id, or watch on the peer that runs the job")  # fmt: skip
+        place = Place(functools.partial(self._stream_ended, owner, source), f"a relayed stream from {owner}")
+        self._streams += 1
+        self._streams_of.take(owner)
+        self._streams_from.take(source)
+        return place
+
+    def _stream_ended(self, owner: str, source: str) -> None:
+        self._streams -= 1
+        self._streams_of.give(owner)
+        self._streams_from.give(source)
 
     async def aclose(self) -> None:
         for client in (self._client, self._stream_client):
@@ -138,28 +155,28 @@ class PeerHttp:
 
     @asynccontextmanager
     async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int, owner: str | None = None,
-                           source: str = "?") -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
+                           source: str = "?", place: Place | None = None) -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
         """An SSE stream from ``owner`` (a PeerID; by ``base_url`` when None), line by line,
-        for a client at ``source`` (errors before the stream opens raise; PeerBusy past
-        :data:`MAX_EVENT_STREAMS` or a share of them; a line longer than ``max_line_bytes``
-        ends it as :class:`PeerUnreachable`)."""
-        key = owner or base_url
-        self.check_stream_room(key, source)
-        self._streams += 1
+        for a client at ``source`` (errors before the stream opens raise; a line longer than
+        ``max_line_bytes`` ends it as :class:`PeerUnreachable`). ``place``: the stream's,
+        from :meth:`reserve_stream`, which the caller gives back; when None, one is taken
+        here (PeerBusy when full) and given back when the stream ends, whichever way."""
+        own = place is None
+        place = place or self.reserve_stream(owner or base_url, source)
         try:
-            with self._streams_of.held(key), self._streams_from.held(source):
-                async with self._stream_http().stream("GET", base_url + path) as response:
-                    if response.status_code >= 400:
-                        raw = b""
-                        with trio.move_on_after(READ_TIMEOUT_S):  # what error it is, if it says so in time
-                            raw = await _read_body(response, base_url, MAX_RELAYED_ERROR_BYTES, cut=True)
-                        _raise_for_error(response.status_code, raw)
-                    async with aclosing(_lines(_raw_body(response, base_url), max_line_bytes, base_url)) as lines:
-                        yield lines
+            async with self._stream_http().stream("GET", base_url + path) as response:
+                if response.status_code >= 400:
+                    raw = b""
+                    with trio.move_on_after(READ_TIMEOUT_S):  # what error it is, if it says so in time
+                        raw = await _read_body(response, base_url, MAX_RELAYED_ERROR_BYTES, cut=True)
+                    _raise_for_error(response.status_code, raw)
+                async with aclosing(_lines(_raw_body(response, base_url), max_line_bytes, base_url)) as lines:
+                    yield lines
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise PeerUnreachable(f"peer {base_url} did not answer: {type(exc).__name__}") from exc
         finally:
-            self._streams -= 1
+            if own:
+                place.release()
 
 
 def _raw_body(response: httpx.Response, base_url: str) -> AsyncGenerator[bytes, None]:

@@ -22,6 +22,7 @@ from inclavate.job_runner import JobNotFound, JobRunner
 from inclavate.jobs import MAX_RECORD_BYTES, IdempotencyConflict, Job, JobStore, NewJob
 from inclavate.owner_ids import new_id
 from inclavate.peer_http import PeerUnreachable
+from inclavate.places import Place
 
 ME, OTHER = "12D3KooWme", "12D3KooWother"
 REMOTE_ENTRY = {"modality": "audio", "model": "piper:joe", "builtin_voices": ["joe"], "requires_speaker": False}
@@ -191,12 +192,12 @@ async def test_a_relayed_event_stream_carries_only_records_of_the_job_watched(tm
              f"data: {json.dumps({'id': new_id(OTHER), 'state': 'completed'})}", "data: [DONE]"]
 
     class Streaming(_Answering):
-        def check_stream_room(self, base_url: str, source: str = "?") -> None:
-            pass
+        def reserve_stream(self, owner: str, source: str = "?") -> Place:
+            return Place(lambda: None, "a test's stream")
 
         @asynccontextmanager
         async def stream_lines(self, base_url: str, path: str, *, max_line_bytes: int, owner: str | None = None,
-                               source: str = "?") -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
+                               place: Place | None = None) -> AsyncIterator[AsyncIterator[str]]:  # fmt: skip
             async def each() -> AsyncIterator[str]:
                 for line in lines:
                     yield line
@@ -311,8 +312,8 @@ async def test_a_watch_the_owner_refuses_with_429_falls_back_to_polls(service: G
     2026-12-07). The owner's 429 is read like the relay's own: the job's states from polls."""
 
     class BusyOwner(FakeHttp):
-        def check_stream_room(self, owner: str, source: str = "?") -> None:
-            pass
+        def reserve_stream(self, owner: str, source: str = "?") -> Place:
+            return Place(lambda: None, "a test's stream")
 
         @asynccontextmanager
         async def stream_lines(self, base_url: str, path: str, **_: Any) -> AsyncIterator[AsyncIterator[str]]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import json
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,12 +135,12 @@ async def test_one_client_watching_jobs_on_several_owners_leaves_the_others_room
             with trio.fail_after(30):
                 while watching[0] < MAX_EVENT_STREAMS_PER_SOURCE:
                     await trio.sleep(0.05)
-            with pytest.raises(PeerBusy):
-                http.check_stream_room(urls[0], "203.0.113.7")
+            with pytest.raises(PeerBusy, match="your address"):
+                http.reserve_stream(urls[0], "203.0.113.7")
             with trio.fail_after(5), pytest.raises(PeerBusy):
                 async with http.stream_lines(urls[1], "/events", max_line_bytes=1024, source="203.0.113.7"):
                     pass
-            http.check_stream_room(urls[0], "198.51.100.1")  # another client: room
+            http.reserve_stream(urls[0], "198.51.100.1").release()  # another client: room
             nursery.start_soon(watch, urls[0], "198.51.100.1")
             with trio.fail_after(30):
                 while watching[0] < MAX_EVENT_STREAMS_PER_SOURCE + 1:
@@ -275,3 +278,76 @@ async def test_an_owner_s_answer_is_bounded_in_bytes_as_sent_and_in_time() -> No
         await client.aclose()
         server.shutdown()
         server.server_close()
+
+
+async def test_a_burst_of_watches_from_one_address_is_refused_past_its_share_not_polled(tmp_path: Path) -> None:
+    """A relayed watch's place was checked, then taken when its stream opened, an owner's
+    round trip later: watches sent together all passed the check, and each one past the
+    bound was refused only after its 200 began, which the fallback for an owner's 429 turned
+    into an uncounted poll of the owner every second (one address: 16 streams and 7 pollers,
+    a review, 2026-12-07). The place is now taken at the check: past the address's share, a
+    429 before any response, and the owner is never polled."""
+    from quart_trio import QuartTrio as Owner
+    from registry_helpers import view
+
+    from inclavate.artifact_swarm import SwarmArtifacts
+    from inclavate.artifacts import ArtifactStore
+    from inclavate.generations import GenerationService
+    from inclavate.job_runner import JobRunner
+    from inclavate.jobs import JobStore
+    from inclavate.owner_ids import new_id
+
+    me, other = "12D3KooWme", "12D3KooWother"
+    owner = Owner("owner")
+    polls = [0]
+
+    @owner.get("/v1/generations/<job_id>/events")
+    async def events(job_id: str):  # type: ignore[no-untyped-def]
+        async def body() -> AsyncIterator[bytes]:
+            yield f"data: {json.dumps({'id': job_id, 'state': 'running'})}\n\n".encode()
+            await trio.sleep_forever()
+
+        response = Response(body(), mimetype="text/event-stream")
+        response.timeout = None
+        return response
+
+    @owner.get("/v1/generations/<job_id>")
+    async def job(job_id: str):  # type: ignore[no-untyped-def]
+        polls[0] += 1
+        await trio.sleep(0.05)  # the round trip the burst's checks all passed within
+        return {"id": job_id, "state": "running"}
+
+    port = free_port()
+    store = ArtifactStore(tmp_path, me)
+    runner = JobRunner(JobStore.in_dir(tmp_path), store, {}, me, read_input=None)  # type: ignore[arg-type]
+    http = PeerHttp()
+    views = [view(other, 0, 30, api_url=f"http://127.0.0.1:{port}")]
+    service = GenerationService(me, runner, SwarmArtifacts(store), lambda: views, http)  # type: ignore[arg-type]
+    accepted, refused, streaming = [0], [0], [0]
+
+    async def watch() -> None:
+        try:
+            payloads = await service.events(new_id(other), local_only=False, source="203.0.113.7")
+        except PeerBusy:
+            refused[0] += 1
+            return
+        accepted[0] += 1
+        async with aclosing(payloads) as relayed:
+            async for _ in relayed:
+                streaming[0] += 1
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, owner, "127.0.0.1", port)
+            with trio.fail_after(30):
+                for _ in range(MAX_EVENT_STREAMS_PER_SOURCE + 4):  # all at once
+                    nursery.start_soon(watch)
+                while accepted[0] + refused[0] < MAX_EVENT_STREAMS_PER_SOURCE + 4 or streaming[0] < accepted[0]:
+                    await trio.sleep(0.05)
+            existence_checks = polls[0]
+            await trio.sleep(2.5)  # a poller would ask every second
+            assert (accepted[0], refused[0]) == (MAX_EVENT_STREAMS_PER_SOURCE, 4)
+            assert polls[0] == existence_checks == MAX_EVENT_STREAMS_PER_SOURCE
+            nursery.cancel_scope.cancel()
+    finally:
+        await http.aclose()
