@@ -83,7 +83,7 @@ from p2p.placement import choose_range, should_move
 from p2p.record_schema import MAX_MULTIADDRS
 from p2p.records import NodeRecord, now_ms
 from p2p.registry import NodeView
-from p2p.routing import Hop, NoRoute, choose_route
+from p2p.routing import Hop, chain_context
 from p2p.vocab import choose_vocab, fetch_vocab, serve_vocab, sha256_file
 from p2p.wire import max_frame_bytes
 
@@ -838,31 +838,19 @@ class Peer:
         return pipeline
 
     def _chain_context(self, model_id: str, n_layers: int | None) -> int:
-        """Positions a chain of ``model_id`` holds: what most peers state (every stage of a
-        chain should run the same context), else the most that a complete chain still holds
-        (a sole holder of a span may run less), and no more than this peer's own when it
-        serves the model; routes leave out nodes stating less. It was the least any routable
-        record stated: one record saying 2 refused every prompt of the model, everywhere (an
-        audit, 2026-12-07). A larger claim than most peers' is never taken: a node claiming
-        the whole model and a huge context would then be the only route."""
-        views = self.views()
-        routable = [v.record for v in views if v.record.model_id == model_id and v.routable and v.record.context_length]
-        own = self.config.engine.context_length
-        common = agreed(routable, lambda r: r.context_length)
-        context = common or own
-        fallbacks = sorted({r.context_length for r in routable if r.context_length < context}, reverse=True)
-        if common is not None and fallbacks:  # else every node states it: the caller's route check is the test
-            for candidate in (common, *fallbacks):
-                try:
-                    choose_route(views, ModelId(model_id), PeerId(self.peer_id), n_layers=n_layers, min_context=candidate)
-                except NoRoute:
-                    continue
-                context = candidate
-                break
-        if self._spec is not None and self._spec.model_id == model_id:
-            return min(own, context)
-        return context
-
+        """Positions a chain of ``model_id`` holds (:func:`p2p.routing.chain_context`): the
+        largest context a complete chain still holds, up to this peer's own when it serves the
+        model, else up to its own or what most peers state, whichever is more. Records only
+        ever leave themselves out of routes: a vote of three free records saying 2 refused
+        every chat on every peer (an audit, 2026-12-07; it was what most peers stated, and one
+        record saying 2 before that). A larger claim than that cap is never taken: a node
+        claiming the whole model and a huge context would then be the only route."""
+        views, own = self.views(), self.config.engine.context_length
+        cap = own
+        if self._spec is None or self._spec.model_id != model_id:
+            routable = [v.record for v in views if v.record.model_id == model_id and v.routable and v.record.context_length]
+            cap = max(own, agreed(routable, lambda r: r.context_length) or 0)
+        return chain_context(views, ModelId(model_id), PeerId(self.peer_id), cap, n_layers=n_layers)
 
 DATA_DIR_LOCK = "peer.lock"
 

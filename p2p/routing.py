@@ -240,3 +240,41 @@ def _shortest(
             if best[boundary] + edge_cost <= best[end] * (1 + NEAR_EQUAL) + _EPSILON:
                 preds.setdefault(end, []).append(hop)
     return best, preds
+
+
+def chain_context(views: Iterable[NodeView], model_id: ModelId, entry: PeerId, cap: int, *,
+                  n_layers: int | None = None) -> int:  # fmt: skip
+    """The most positions a complete chain of ``model_id`` holds, at most ``cap``: the largest
+    context (``cap`` itself, else one a routable record states below it) at which
+    :func:`choose_route` with ``min_context`` still finds a chain; the least of them when none
+    does (the caller's route check then names the missing layers).
+
+    Only a route's own hops decide it: a record stating less is left out of the routes (a
+    sole holder of a span running less lowers it to its own, an honest replica running less
+    is routed round), never counted as a vote. It was what most peers stated: three free
+    records of fresh identities on layers 0-1 saying 2 outvoted three honest peers, and every
+    chat on every peer was a 400 (an audit, 2026-12-07). ``cap`` is the caller's to choose
+    (its own engine's context): a record claiming the whole model and a huge context must not
+    become the only route."""
+    views = list(views)
+    stated = {v.record.context_length for v in views
+              if v.record.model_id == model_id and v.routable and 0 < v.record.context_length < cap}  # fmt: skip
+    candidates = sorted({cap, *stated})
+
+    def holds(context: int) -> bool:
+        try:
+            choose_route(views, model_id, entry, n_layers=n_layers, min_context=context)
+        except NoRoute:
+            return False
+        return True
+
+    # A chain holding a context holds every smaller one: a binary search, so that records
+    # stating many distinct contexts cost a few route searches, not one each.
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holds(candidates[middle]):
+            low = middle
+        else:
+            high = middle - 1
+    return candidates[low]

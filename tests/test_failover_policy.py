@@ -103,6 +103,68 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
     assert agreed([*many, view("q", 0, 1).record, view("r", 0, 1).record], lambda r: r.n_layers) == 30
 
 
+def _entry_context(swarm: list[NodeView], own: int, serving: bool) -> tuple[int | None, int]:
+    """(n_layers, context_length) of the pipeline a peer ``x`` hands a chat of ``MODEL`` to,
+    its route checked (a 503 is raised), with ``swarm`` as its registry."""
+    from types import SimpleNamespace
+
+    from inclavate.errors import InclavateError
+    from inclavate.peer import Peer
+
+    def catalog() -> None:
+        raise InclavateError("not in this peer's catalog")
+
+    peer = SimpleNamespace(shutting_down=False, forward=SimpleNamespace(me=PeerId("x")), _pipelines={},
+                           _spec=SimpleNamespace(model_id=MODEL) if serving else None,
+                           host=SimpleNamespace(is_connected=lambda _peer: True), views=lambda: list(swarm),
+                           view_of={v.record.node_id: v for v in swarm}.get, latency=None, _catalog=catalog,
+                           _measured_step_ms=lambda _model: 0.0, metrics=SimpleNamespace(record_request=lambda _model: None),
+                           config=SimpleNamespace(failover=FailoverPolicy(), decode_lanes=4, engine=SimpleNamespace(context_length=own)),
+                           _peer_health=PeerHealth(FailoverPolicy()), peer_id="x")  # fmt: skip
+    peer._model_facts = lambda model: Peer._model_facts(peer, model)  # type: ignore[attr-defined]
+    peer._chain_context = lambda model, n_layers: Peer._chain_context(peer, model, n_layers)  # type: ignore[attr-defined]
+
+    async def entry() -> tuple[int | None, int]:
+        pipeline = Peer.pipeline(peer, MODEL)  # type: ignore[arg-type]
+        return pipeline.n_layers, pipeline.context_length
+
+    return trio.run(entry)
+
+
+def test_free_records_outvoting_the_honest_peers_cannot_shrink_the_context() -> None:
+    """Three records of fresh identities on layers 0-1 (no route uses them) saying 2 outvoted
+    three honest peers stating 512, and every chat on every peer was a 400 "context holds 2"
+    (an audit, 2026-12-07). A chain's context is now the most a complete chain holds: records
+    stating less only leave themselves out of routes."""
+    honest = [view("a", 0, 10, context_length=512), view("b", 10, 20, context_length=512),
+              view("c", 20, 30, context_length=512)]  # fmt: skip
+    for claimed in ((0, 1), (0, 10), (10, 20)):  # useless ranges, and ranges routes could use
+        strangers = [view(f"s{i}", *claimed, context_length=2) for i in range(3)]
+        swarm = [*honest, *strangers]
+        for own, serving in ((512, True), (2048, False), (512, False)):
+            assert _entry_context(swarm, own, serving) == (30, 512), (claimed, own, serving)
+        for _ in range(20):
+            route = choose_route(swarm, MODEL, PeerId("x"), min_context=512)
+            assert {h.node_id for h in route} == {"a", "b", "c"}
+    from p2p.routing import chain_context
+
+    # Many records stating distinct contexts: still the honest chain's (found by bisection).
+    many = [view(f"z{i}", 0, 1, context_length=i + 1) for i in range(300)]
+    assert chain_context([*honest, *many], MODEL, PeerId("x"), 2048) == 512
+    # A record claiming the whole model and a huge context is held to the cap: not the only route.
+    huge = [*honest, view("w", 0, 30, context_length=1_000_000)]
+    assert chain_context(huge, MODEL, PeerId("x"), 512) == 512
+    assert _entry_context(huge, 512, True) == (30, 512)
+    # An honest replica running a shorter context is routed round, and used when it must be.
+    mixed = [*honest, view("b2", 10, 20, context_length=256)]
+    assert _entry_context(mixed, 512, True) == (30, 512)
+    assert all("b2" not in {h.node_id for h in choose_route(mixed, MODEL, PeerId("x"), min_context=512)} for _ in range(20))
+    assert _entry_context([v for v in mixed if v.record.node_id != "b"], 512, True) == (30, 256)
+    # No chain at all: the least context, so the route check names the missing layers.
+    with pytest.raises(NoRoute, match="layers 10-20 have no Ready node"):
+        _entry_context([honest[0], honest[2], view("s", 0, 1, context_length=2)], 512, True)
+
+
 def test_one_identity_s_many_records_get_one_vote_on_the_speed_reference() -> None:
     """An entry that runs none of the model holds speed claims to their median; seven legacy
     records of one identity claiming 0.001 ms a layer outvoted six honest nodes, and every
