@@ -68,7 +68,7 @@ from node.generators.chat_reader import ChatModelReader
 from node.generators.loader import installed_generators
 from node.stage import Stage
 from p2p.chain import SwarmPipeline
-from p2p.coverage import ModelCoverage, agreed
+from p2p.coverage import ModelCoverage, agreed, model_coverage
 from p2p.discovery import run_discovery
 from p2p.failover import PeerHealth
 from p2p.forward import ForwardService
@@ -506,13 +506,18 @@ class Peer:
         await self._set_flags(idle=idle)
         return {"node_id": target, "state": "Idle" if idle else "Ready"}
 
-    def _model_facts(self, model_id: str) -> tuple[int, int] | None:
-        """(n_layers, d_model) of a model, from the catalog or the registry."""
+    def _catalog_shape(self, model_id: str) -> tuple[int, int] | None:
+        """(n_layers, d_model) of a model of this peer's catalog; None for any other."""
         try:
             spec = self._catalog().get(model_id)
-            return spec.n_layers, spec.d_model
         except InclavateError:
-            pass
+            return None
+        return spec.n_layers, spec.d_model
+
+    def _model_facts(self, model_id: str) -> tuple[int, int] | None:
+        """(n_layers, d_model) of a model, from the catalog or the registry."""
+        if (shape := self._catalog_shape(model_id)) is not None:
+            return shape
         records = [v.record for v in self.views() if v.record.model_id == model_id]
         n_layers, d_model = agreed(records, lambda r: r.n_layers), agreed(records, lambda r: r.d_model)
         return (n_layers, d_model) if n_layers is not None and d_model is not None else None
@@ -604,7 +609,9 @@ class Peer:
         return self.registry.view(node_id) if self.registry else None
 
     def coverage(self) -> dict[ModelId, ModelCoverage]:
-        return self.registry.coverage() if self.registry else {}  # type: ignore[return-value]
+        """Each model's coverage, a model of the catalog in the catalog's shape (records stating
+        another hold no part of it: routes leave them out too)."""
+        return model_coverage(self.views(), self._catalog_shape)
 
     def catalog(self) -> list[ModelSpec]:
         return self._catalog().all()
@@ -830,14 +837,15 @@ class Peer:
                 probe=self.latency.responds if self.latency else None,
                 policy=self.config.failover, health=self._peer_health, lanes=self.config.decode_lanes,
             )  # fmt: skip
-        facts = self._model_facts(model_id)
+        facts, shape = self._model_facts(model_id), self._catalog_shape(model_id)
         pipeline.n_layers = facts[0] if facts else None
-        pipeline.context_length = self._chain_context(model_id, pipeline.n_layers)
+        pipeline.d_model = shape[1] if shape else None
+        pipeline.context_length = self._chain_context(model_id, pipeline.n_layers, pipeline.d_model)
         pipeline.check_route()  # raises NoRoute (503) before any work
         self.metrics.record_request(model_id)
         return pipeline
 
-    def _chain_context(self, model_id: str, n_layers: int | None) -> int:
+    def _chain_context(self, model_id: str, n_layers: int | None, d_model: int | None = None) -> int:
         """Positions a chain of ``model_id`` holds (:func:`p2p.routing.chain_context`): the
         largest context a complete chain still holds, up to this peer's own when it serves the
         model, else up to its own or what most peers state, whichever is more. Records only
@@ -850,7 +858,7 @@ class Peer:
         if self._spec is None or self._spec.model_id != model_id:
             routable = [v.record for v in views if v.record.model_id == model_id and v.routable and v.record.context_length]
             cap = max(own, agreed(routable, lambda r: r.context_length) or 0)
-        return chain_context(views, ModelId(model_id), PeerId(self.peer_id), cap, n_layers=n_layers)
+        return chain_context(views, ModelId(model_id), PeerId(self.peer_id), cap, n_layers=n_layers, d_model=d_model)
 
 DATA_DIR_LOCK = "peer.lock"
 

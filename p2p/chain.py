@@ -239,6 +239,9 @@ class SwarmPipeline:
     """One node's view: what a session's health poll asks (``views`` is for re-routing)."""
     n_layers: int | None = None
     """The model's layers as this peer knows them (its catalog); None: as most peers state."""
+    d_model: int | None = None
+    """The model's width as this peer's catalog has it: nodes stating another are no hops of
+    it; None (a model outside the catalog): any."""
     link_ms: Callable[[], Mapping[PeerId, float]] = dict
     measured_step_ms: Callable[[], float] = float
     """This peer's own ms per layer for the model (0: unmeasured): the reference against
@@ -701,7 +704,8 @@ class SwarmPipeline:
         for prefix, boundary in attempts:
             try:
                 return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng, start=boundary,
-                                             exclude=exclude, n_layers=self.n_layers, min_context=self.context_length)  # fmt: skip
+                                             exclude=exclude, n_layers=self.n_layers, d_model=self.d_model,
+                                             min_context=self.context_length)  # fmt: skip
             except NoRoute:
                 if boundary == 0:
                     raise
@@ -733,7 +737,8 @@ class SwarmPipeline:
         for exclude in (strict,) if voluntary else (strict, failed | kept | gone):
             try:
                 middle = choose_route(views, self.model_id, self.service.me, costs, self.rng, start=start, end=end,
-                                      exclude=exclude, n_layers=self.n_layers, min_context=self.context_length)  # fmt: skip
+                                      exclude=exclude, n_layers=self.n_layers, d_model=self.d_model,
+                                      min_context=self.context_length)  # fmt: skip
             except NoRoute:
                 continue
             return _Span(prefix + middle + suffix, len(prefix), len(prefix) + len(middle))

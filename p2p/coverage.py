@@ -72,19 +72,33 @@ def agreed(records: Iterable[NodeRecord], value: Callable[[NodeRecord], int]) ->
     return min(v for v, n in votes.items() if n == most)
 
 
-def model_coverage(views: Iterable[NodeView]) -> dict[ModelId, ModelCoverage]:
+Shape = Callable[[ModelId], "tuple[int, int] | None"]
+"""A model's (n_layers, d_model) as this peer's catalog has it; None outside the catalog."""
+
+
+def model_coverage(views: Iterable[NodeView], shape: Shape = lambda _model: None) -> dict[ModelId, ModelCoverage]:
     grouped: dict[ModelId, list[NodeView]] = {}
     for view in views:
         grouped.setdefault(view.record.model_id, []).append(view)
-    return {model: _coverage(model, nodes) for model, nodes in sorted(grouped.items())}
+    coverage = {model: _coverage(model, nodes, shape(model)) for model, nodes in sorted(grouped.items())}
+    return {model: cov for model, cov in coverage.items() if cov is not None}
 
 
-def _coverage(model_id: ModelId, nodes: list[NodeView]) -> ModelCoverage:
-    # Every record of a model states its shape; what most peers say wins (each peer counted
-    # once, as routing counts it: ``p2p.routing.agreed``) if a misconfigured peer disagrees.
-    records = [v.record for v in nodes]
-    n_layers = agreed(records, lambda r: r.n_layers) or 0
-    d_model = agreed(records, lambda r: r.d_model) or 0
+def _coverage(model_id: ModelId, nodes: list[NodeView], known: tuple[int, int] | None) -> ModelCoverage | None:
+    # A model of the catalog has the catalog's shape (routing is given the same): a record
+    # stating another is not a holder of it. It was what most peers stated: three free records
+    # saying 29 layers outvoted three honest peers, and /api/models showed 30 layers' model as
+    # 29 with a gap (an audit, 2026-12-07). Outside the catalog, what most peers say wins, each
+    # peer counted once, as routing counts it (``p2p.routing.agreed``); None: no holder left.
+    if known is not None:
+        n_layers, d_model = known
+        nodes = [v for v in nodes if (v.record.n_layers, v.record.d_model) == known]
+        if not nodes:
+            return None
+    else:
+        records = [v.record for v in nodes]
+        n_layers = agreed(records, lambda r: r.n_layers) or 0
+        d_model = agreed(records, lambda r: r.d_model) or 0
     routable = [v.record.layers for v in nodes if v.routable and v.record.n_layers == n_layers]
     states = Counter(v.state for v in nodes)
     states["Idle"] = sum(1 for v in nodes if v.state == "Ready" and v.record.idle)

@@ -176,6 +176,7 @@ def choose_route(
     end: int | None = None,
     exclude: Collection[str] = (),
     n_layers: int | None = None,
+    d_model: int | None = None,
     min_context: int = 0,
 ) -> list[Hop]:
     """The cheapest chain of routable nodes from boundary ``start`` to boundary ``end`` (the
@@ -186,12 +187,15 @@ def choose_route(
     most peers state (:func:`agreed`); only nodes stating it are routed through. It was the
     largest any record stated: one record claiming 100,000 layers made every chat of the model
     a 503, one claiming a layer more and holding all of them drew every route (an audit,
-    2026-12-07). ``min_context``: nodes stating a shorter context are left out."""
+    2026-12-07). ``d_model``: the model's width as the caller's catalog has it; a node stating
+    another holds some other model (None: any). ``min_context``: nodes stating a shorter
+    context are left out."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
     n_layers = n_layers or agreed(candidates, lambda r: r.n_layers)
     if not candidates or n_layers is None:
         raise NoRoute(model_id, 0, [])
-    candidates = [r for r in candidates if r.n_layers == n_layers and r.peer_id not in exclude and r.node_id not in exclude
+    candidates = [r for r in candidates if r.n_layers == n_layers and d_model in (None, r.d_model)
+                  and r.peer_id not in exclude and r.node_id not in exclude
                   and (not r.context_length or r.context_length >= min_context)]  # fmt: skip
     edges: dict[int, list[tuple[float, Hop]]] = {}
     reference = reference_step_ms(_claim_per_peer(candidates), costs.measured_step_ms)
@@ -243,7 +247,7 @@ def _shortest(
 
 
 def chain_context(views: Iterable[NodeView], model_id: ModelId, entry: PeerId, cap: int, *,
-                  n_layers: int | None = None) -> int:  # fmt: skip
+                  n_layers: int | None = None, d_model: int | None = None) -> int:  # fmt: skip
     """The most positions a complete chain of ``model_id`` holds, at most ``cap``: the largest
     context (``cap`` itself, else one a routable record states below it) at which
     :func:`choose_route` with ``min_context`` still finds a chain; the least of them when none
@@ -263,7 +267,7 @@ def chain_context(views: Iterable[NodeView], model_id: ModelId, entry: PeerId, c
 
     def holds(context: int) -> bool:
         try:
-            choose_route(views, model_id, entry, n_layers=n_layers, min_context=context)
+            choose_route(views, model_id, entry, n_layers=n_layers, d_model=d_model, min_context=context)
         except NoRoute:
             return False
         return True

@@ -79,7 +79,8 @@ def test_one_record_cannot_set_the_model_s_shape_or_context_for_everyone() -> No
                                config=SimpleNamespace(failover=FailoverPolicy(), decode_lanes=4, engine=SimpleNamespace(context_length=512)),
                                _peer_health=PeerHealth(FailoverPolicy()))  # fmt: skip
         peer._model_facts = lambda model: Peer._model_facts(peer, model)  # type: ignore[attr-defined]
-        peer._chain_context = lambda model, n_layers: Peer._chain_context(peer, model, n_layers)  # type: ignore[attr-defined]
+        peer._catalog_shape = lambda model: Peer._catalog_shape(peer, model)  # type: ignore[attr-defined]
+        peer._chain_context = lambda *args: Peer._chain_context(peer, *args)  # type: ignore[attr-defined]
         peer.peer_id = "x"
 
         async def entry() -> tuple[int | None, int]:
@@ -122,7 +123,8 @@ def _entry_context(swarm: list[NodeView], own: int, serving: bool) -> tuple[int 
                            config=SimpleNamespace(failover=FailoverPolicy(), decode_lanes=4, engine=SimpleNamespace(context_length=own)),
                            _peer_health=PeerHealth(FailoverPolicy()), peer_id="x")  # fmt: skip
     peer._model_facts = lambda model: Peer._model_facts(peer, model)  # type: ignore[attr-defined]
-    peer._chain_context = lambda model, n_layers: Peer._chain_context(peer, model, n_layers)  # type: ignore[attr-defined]
+    peer._catalog_shape = lambda model: Peer._catalog_shape(peer, model)  # type: ignore[attr-defined]
+    peer._chain_context = lambda *args: Peer._chain_context(peer, *args)  # type: ignore[attr-defined]
 
     async def entry() -> tuple[int | None, int]:
         pipeline = Peer.pipeline(peer, MODEL)  # type: ignore[arg-type]

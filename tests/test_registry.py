@@ -116,6 +116,38 @@ def test_coverage_needs_ranges_that_meet() -> None:
     assert not broken.chain_complete and broken.gaps == (LayerRange(10, 20),)
 
 
+def test_free_records_cannot_outvote_the_catalog_on_a_model_s_shape() -> None:
+    """Three records of fresh identities on layers 0-1 saying 29 layers outvoted three honest
+    peers, and /api/models showed the catalog's 30-layer model as 29 layers with a gap 1-29
+    (an audit, 2026-12-07). A model of the catalog has the catalog's shape; a record stating
+    another holds no part of it, and no route goes through it."""
+    from types import SimpleNamespace
+
+    from inclavate.peer import Peer
+    from inclavate.types import PeerId
+    from p2p.routing import choose_route
+
+    honest = [view("a", 0, 10), view("b", 10, 20), view("c", 20, 30)]
+    strangers = [view(f"s{i}", 0, 1, n_layers=29) for i in range(3)]
+    wide = [view(f"w{i}", 0, 30, d_model=1024) for i in range(3)]
+    catalog = {MODEL: (30, 576)}.get
+    for swarm in ([*honest, *strangers], [*honest, *wide]):
+        peer = SimpleNamespace(views=lambda swarm=swarm: list(swarm), _catalog_shape=catalog,
+                               registry=SimpleNamespace(coverage=lambda swarm=swarm: model_coverage(swarm)))  # fmt: skip
+        cov = Peer.coverage(peer)[MODEL]  # type: ignore[arg-type]  # what /api/models and /admin/chain read
+        assert (cov.n_layers, cov.d_model, cov.chain_complete, cov.gaps) == (30, 576, True, ())
+        assert cov.ranges == (LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30))
+        assert cov.node_count == 3 and cov.states["Ready"] == 3
+        assert model_coverage(swarm, catalog)[MODEL] == cov
+        for _ in range(20):
+            route = choose_route(swarm, MODEL, PeerId("x"), n_layers=30, d_model=576)
+            assert [h.node_id for h in route] == ["a", "b", "c"]
+    # Only records of another shape: no holder of the catalog's model.
+    assert MODEL not in model_coverage(strangers, catalog)
+    # Outside the catalog, what most peers state (a tie: the smaller).
+    assert model_coverage([*honest, *strangers])[MODEL].n_layers == 29
+
+
 def test_generator_entries_in_records_are_small_and_shaped() -> None:
     from p2p.records import MAX_GENERATORS, InvalidRecord, check_generators
 
