@@ -337,6 +337,10 @@ class ForwardService:
         """For each session this stage passes on: the rest of its route and its entry (what
         closing it after an eviction needs). Pruned to what the stage holds when it grows
         past ``_ONWARD_SLACK`` x its slots."""
+        self._sent_as: dict[SessionId, SessionId] = {}
+        """For a session adopted here under a new id and not sent on since: the id the hops
+        after this one still hold it under (a row of ``_onward``). Closed there when the
+        session goes on under its new id or is freed here (:meth:`_close_sent_as`)."""
         self.wire_dtype = wire_dtype
         self.timeouts = timeouts
         self.max_frame_bytes = max_frame_bytes
@@ -389,6 +393,7 @@ class ForwardService:
     def stage(self, stage: Stage | None) -> None:
         self._stage = stage
         self._onward.clear()
+        self._sent_as.clear()
         self._passed_routes.clear()
         if stage is not None:
             stage.on_evict = self._on_evicted
@@ -405,6 +410,7 @@ class ForwardService:
         too: a known peer's session there (this stage is their known previous hop) would
         otherwise keep its slot until their idle timeout (10 minutes), so that one stranger
         identity per slot, each allowed one session here, held every later stage's slots."""
+        await self._close_sent_as(session_id)
         onward = self._onward.pop(session_id, None)
         if onward is None:
             return
@@ -415,13 +421,62 @@ class ForwardService:
             except P2PError as exc:
                 log.info("cannot close session %s onward at %s: %s", session_id, route[0].peer_id, exc)
 
+    async def _close_sent_as(self, session_id: SessionId) -> None:
+        """Close the id the hops after this one hold an adopted session under, now that it
+        goes on under its new id (or is freed here). The hop that adopted it and fed them is
+        the one that knows: an honest entry closes its old leg itself (its close along the
+        route takes the row first), but anyone who may adopt a session, its stranger opener
+        among them, renamed it here again and again, and each new id went on to the next hop
+        beside the last: one stranger session here held every slot of the next stage
+        (2026-12-07, an audit; ``tests/adversary/test_edge_rules.py -k left_at_the_next_hop``)."""
+        old = self._sent_as.pop(session_id, None)
+        if old is not None:
+            await self._close_onward(old)
+
+    async def _going_on(self, session_id: SessionId, route: tuple[Hop, ...], entry: PeerId) -> None:
+        """``session_id`` goes on along ``route``: first close where the hops after this one
+        hold it and will not be fed it again (an adopted session's old id; this id on a route
+        that is neither part of nor longer than the one it took), then note the route.
+
+        An honest session goes on along one route per id (a rebuild frame along the first
+        hops of it, then its steps along all of it), so only what a stranger sends is closed:
+        its one session here, sent on along one route and then another, then adopted and sent
+        on again, left an id at every turn (2026-12-07, an audit)."""
+        if self._sent_as:
+            await self._close_sent_as(session_id)
+        row = self._onward.get(session_id)
+        if row is not None and row[0] != route:
+            took = row[0]
+            if took[: len(route)] == route:
+                return  # part of the route it took: the longer one reaches every hop that holds it
+            if route[: len(took)] != took:
+                await self._close_onward(session_id)
+        self._note_onward(session_id, route, entry)
+
+    def _renamed(self, old: SessionId, new: SessionId) -> None:
+        """``old`` was adopted here as ``new``: the hops after this one hold it under the id
+        it last went on with, until it goes on again (:meth:`_close_sent_as`)."""
+        sent_as = self._sent_as.pop(old, old)
+        if sent_as in self._onward:
+            self._sent_as[new] = sent_as
+            self._prune_onward()
+
     def _note_onward(self, session_id: SessionId, route: tuple[Hop, ...], entry: PeerId) -> None:
         self._onward[session_id] = (route, entry)
+        self._prune_onward()
+
+    def _prune_onward(self) -> None:
+        """Keep ``_onward`` and ``_sent_as`` to the sessions the stage holds (and the ids
+        their next hops hold them under) once they grow past ``_ONWARD_SLACK`` x its slots."""
         stage = self._stage
-        if stage is not None and len(self._onward) > _ONWARD_SLACK * stage.engine.config.max_sessions:
-            held = set(stage.engine.sessions())
-            for sid in [sid for sid in self._onward if sid not in held]:
-                del self._onward[sid]
+        limit = _ONWARD_SLACK * stage.engine.config.max_sessions if stage is not None else 0
+        if stage is None or (len(self._onward) <= limit and len(self._sent_as) <= limit):
+            return
+        held = set(stage.engine.sessions())
+        self._sent_as = {new: old for new, old in self._sent_as.items() if new in held}
+        keep = held | set(self._sent_as.values())
+        for sid in [sid for sid in self._onward if sid not in keep]:
+            del self._onward[sid]
 
     def _is_known(self, peer: PeerId) -> bool:
         if peer == self.me or self.record_of is None:
@@ -830,13 +885,17 @@ class ForwardService:
         if len(msg.route) > 1:
             hidden = result.output.hidden
             assert hidden is not None
+            route, row = msg.route[1:], self._onward.get(msg.session_id)
+            if self._sent_as or (row is not None and row[0] != route):  # rare: no coroutine for every step
+                await self._going_on(msg.session_id, route, msg.reply_to)  # its closes go ahead of its frames
+            else:
+                self._note_onward(msg.session_id, route, msg.reply_to)
             replay = msg.replay
             if replay is not None and msg.route[0].layers.end == replay.at:
                 if not await self._send_replay(msg, replay):
                     return
                 replay = None
             nxt = msg.onward(result.sent or tensors.encode(hidden, self.wire_dtype, half=result.output.half), replay)
-            self._note_onward(msg.session_id, nxt.route, msg.reply_to)
             await self.send(nxt.route[0].peer_id, nxt, wait_for_room=False)
         elif msg.sampling is not None:
             await self.send(msg.reply_to, wire.Result(msg.req_id, msg.session_id, result.token), wait_for_room=False)
@@ -907,6 +966,7 @@ class ForwardService:
         async def deliver(result: StageResult) -> None:
             if result.length:
                 self.admission.renamed(msg.session_id, msg.new_id)
+                self._renamed(msg.session_id, msg.new_id)
             await self.send(msg.reply_to, wire.Adopted(msg.req_id, msg.new_id, result.length or 0), wait_for_room=False)
 
         await stage.submit(Job(None, msg.session_id, deliver, rename_to=msg.new_id))
@@ -944,8 +1004,17 @@ class ForwardService:
         them (2026-12-07, an audit). Its entry, asking itself, is told at once, and closes
         each hop directly (it waited out its close timeout, 5 s, before: a review)."""
         self.admission.closed(msg.session_id)
-        onward = self._onward.pop(msg.session_id, None)
-        if len(msg.route) == 1 or (onward is not None and onward[0] == msg.route[1:]) or (held and self._is_known(remote)):
+        onward = self._onward.get(msg.session_id)
+        along = onward is not None and onward[0] == msg.route[1:]
+        if along or not held:
+            self._onward.pop(msg.session_id, None)
+        else:
+            # Freed here, and the close does not follow it to the hops this stage sent it to
+            # (a close of this hop alone, or along another route): this stage closes it there.
+            # Its stranger opener closed it here alone, opened another, and so on: each
+            # session it had left at the next hop took a slot there (2026-12-07, an audit).
+            await self._close_onward(msg.session_id)
+        if len(msg.route) == 1 or along or (held and self._is_known(remote)):
             await self._pass_close(msg, wait_for_room=False)
             return
         self._close_off_route(msg, remote, "this stage did not send the session on to those hops")

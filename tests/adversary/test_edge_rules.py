@@ -33,7 +33,7 @@ from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
 from p2p.admission import FRAME_OVERHEAD_BYTES, Admission, AdmissionLimits
 from p2p.artifact_wire import decode_answer, decode_request
-from p2p.chain import SwarmPipeline, _Session, new_request_id
+from p2p.chain import SwarmPipeline, _Session, _Span, new_request_id
 from p2p.errors import ProtocolError
 from p2p.failover import FailoverPolicy
 from p2p.forward import ForwardService
@@ -769,7 +769,8 @@ async def test_a_close_goes_on_only_along_the_route_the_stage_sent_the_session(s
             await _until(lambda: engine.session_length(honest) == 0, "the honest session to close")
             await trio.sleep(0.1)
             closes = [(peer, m.session_id, m.route) for peer, m in service.sent if isinstance(m, wire.Close)]
-            assert closes == [(y.peer_id, honest, (y, z))]
+            # The stranger's session freed here goes on closed where this stage sent it, in its name.
+            assert closes == [(y.peer_id, mine, (y, z)), (y.peer_id, honest, (y, z))]
             assert service.drops[FrameReason.CLOSE_OFF_ROUTE] == 2
             nursery.cancel_scope.cancel()
 
@@ -1080,11 +1081,108 @@ async def test_a_replay_is_sent_in_the_stages_own_frames_and_only_so_often_a_ses
                                     replay=wire.Replay(10, 20, one_row_frames + tuple((43 + j, 1) for j in range(i))))  # fmt: skip
                 await service._dispatch(step, evil)
                 await _until(lambda: service.sent, "the replay or its refusal")
-                sent = [m for _, m in service.sent]
+                sent = [m for _, m in service.sent if not isinstance(m, wire.Close)]  # the old id, at the next hop
                 if i < MAX_REPLAYS:
                     assert [(m.start_pos, m.n_tokens, m.discard) for m in sent[:-1]] == [(0, EXACT_BATCH, True), (EXACT_BATCH, 11 + i, True)]
                     assert sent[-1].start_pos == 43 + i and not sent[-1].discard
             assert [m.code for m in sent] == ["protocol"] and service.drops[FrameReason.REPLAY_REFUSED] == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_strangers_sessions_are_not_left_at_the_next_hop(smollm2, slice_cache) -> None:
+    """A stranger's one session at a stage, adopted by its opener again and again (a replay
+    after an adopt, or a rewind to 0), went on to the next hop under each new id beside the
+    last; closed at this stage alone, it stayed there too, and its opener could open another.
+    Each took a slot at the next stage, fed by a registered hop, until every slot there was
+    the stranger's (2026-12-07, an audit: ``stage: 4``). The stage that fed the next hops
+    closes there what it no longer sends on: the old id ahead of the new id's frames, the
+    id on a route it leaves for another, a session freed here that the close does not follow."""
+    b, c, c2 = _hop("b", 10, 20), _hop("c", 20, 30), _hop("c2", 20, 30)
+    evil = PeerId("evil")
+    with (smollm2_engine(smollm2, slice_cache, (10, 20), max_sessions=4) as first,
+          smollm2_engine(smollm2, slice_cache, (20, 30), max_sessions=4) as last,
+          smollm2_engine(smollm2, slice_cache, (20, 30), max_sessions=4) as other, trio.fail_after(120)):  # fmt: skip
+        hop = _Wired(b, Stage(first, keep_outputs="f32"), c, c2)
+        hop.peers = {c.peer_id: _Wired(c, Stage(last), b), c2.peer_id: _Wired(c2, Stage(other), b)}
+        rows = tensors.encode(np.random.default_rng(0).normal(size=(3, first.info.d_model)).astype(np.float32), "f32")
+        step = tensors.encode(np.ones((1, first.info.d_model), np.float32), "f32")
+
+        def prompt(session: str, to: Hop) -> wire.Forward:
+            return wire.Forward(1, SessionId(session), 0, (b, to), evil, None, hidden=rows)
+
+        async def then(held: list[int], why: str) -> None:
+            await _until(lambda: [e.memory().sessions for e in (first, last, other)] == held, why, 5)
+
+        async def adopt(old: str, new: str) -> None:
+            await hop._dispatch(wire.Adopt(1, SessionId(old), SessionId(new), (b,), evil), evil)
+            await _until(lambda: any(isinstance(m, wire.Adopted) and m.session_id == new for _, m in hop.sent), "the adopt")
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hop.stage.run)
+            for peer in hop.peers.values():
+                await nursery.start(peer.stage.run)
+            await hop._dispatch(prompt("x0", c), evil)
+            await then([1, 1, 0], "the stranger's session at the next hop")
+            await adopt("x0", "x1")
+            await hop._dispatch(wire.Forward(1, SessionId("x1"), 3, (b, c), evil, None, hidden=step,
+                                             replay=wire.Replay(20, 30, ((0, 3),))), evil)  # fmt: skip
+            await _until(lambda: last.session_length(SessionId("x1")) == 4, "the replay")
+            await then([1, 1, 0], "the old id closed at the next hop")
+            await hop._dispatch(prompt("x1", c2), evil)  # on along another route
+            await then([1, 0, 1], "the id closed on the route it left")
+            await adopt("x1", "x2")
+            await hop._dispatch(prompt("x2", c), evil)
+            await then([1, 1, 0], "the old id closed on its route")
+            await hop._dispatch(wire.Close(2, SessionId("x2"), (b,), evil), evil)  # here alone
+            await then([0, 0, 0], "the session closed at the next hop too")
+            await hop._dispatch(prompt("y", c2), evil)  # another, its quota here free again
+            await then([1, 0, 1], "the next session")
+            closes = [(peer, m.session_id) for peer, m in hop.sent if isinstance(m, wire.Close)]
+            assert closes == [(c.peer_id, "x0"), (c.peer_id, "x1"), (c2.peer_id, "x1"), (c.peer_id, "x2")]
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_honest_span_move_leaves_the_session_only_under_its_new_leg(smollm2, slice_cache) -> None:
+    """After a span move every live hop holds the session once, under the new leg's id: the
+    kept hops adopted it, the new span was rebuilt from the kept outputs, the old leg was
+    closed; and the session's close frees it everywhere but on the dead hop."""
+    entry, a, dead, m, c = _hop("entry", 0, 30), _hop("a", 0, 10), _hop("dead", 10, 20), _hop("m", 10, 20), _hop("c", 20, 30)
+    s, hops = SessionId("s"), (entry, a, dead, m, c)
+    with (smollm2_engine(smollm2, slice_cache, (0, 10), max_sessions=2) as e_a,
+          smollm2_engine(smollm2, slice_cache, (10, 20), max_sessions=2) as e_dead,
+          smollm2_engine(smollm2, slice_cache, (10, 20), max_sessions=2) as e_m,
+          smollm2_engine(smollm2, slice_cache, (20, 30), max_sessions=2) as e_c, trio.fail_after(120)):  # fmt: skip
+        side = _Wired(entry, None, *hops)
+        ha, hd = _Wired(a, Stage(e_a, keep_outputs="f32"), *hops), _Wired(dead, Stage(e_dead, keep_outputs="f32"), *hops)
+        hm, hc = _Wired(m, Stage(e_m, keep_outputs="f32"), *hops), _Wired(c, Stage(e_c), *hops)
+        side.peers = {a.peer_id: ha, m.peer_id: hm, c.peer_id: hc}
+        ha.peers = {dead.peer_id: hd, m.peer_id: hm, entry.peer_id: side}
+        hd.peers = hm.peers = {c.peer_id: hc, entry.peer_id: side}
+        hc.peers = {entry.peer_id: side}
+        pipeline = SwarmPipeline(side, MODEL, list, 128, lambda _: None, policy=FailoverPolicy(poll_s=60.0),
+                                 is_connected=lambda peer: peer != dead.peer_id)  # fmt: skip
+
+        def held() -> list[int]:
+            return [e.memory().sessions for e in (e_a, e_dead, e_m, e_c)]
+
+        async with trio.open_nursery() as nursery:
+            for stage in (ha.stage, hd.stage, hm.stage, hc.stage):
+                await nursery.start(stage.run)
+            session = _Session(s)
+            pipeline._sessions[s] = session
+            pipeline._open_leg(session, [a, dead, c])
+            await pipeline.step(s, 0, [1, 2, 3, 4], None)
+            for pos in (4, 5):
+                await pipeline.step(s, pos, [5], SamplingParams(seed=1))
+            assert held() == [1, 1, 0, 1]
+            del ha.peers[dead.peer_id]  # the middle hop dies
+            req = await pipeline._move_span(session, _Span([a, m, c], 1, 2), frozenset({dead.peer_id}), SamplingParams(seed=1))
+            assert isinstance(await pipeline._await_token(session, req), int)
+            assert session.leg is not None and session.leg.wire_id != s
+            assert held() == [1, 1, 1, 1]
+            assert all(e.session_length(session.leg.wire_id) == 6 for e in (e_a, e_m, e_c))
+            await pipeline.close_session(s)
+            await _until(lambda: held() == [0, 1, 0, 0], "the session closed on every live hop")
             nursery.cancel_scope.cancel()
 
 
