@@ -171,6 +171,10 @@ class Admission:
             return True
         return remote in self.fed_by(session_id)
 
+    def opened_by_stranger(self, session_id: SessionId) -> bool:
+        """Whether a peer outside the registry opened the session here."""
+        return session_id in self._strangers
+
     def renamed(self, old: SessionId, new: SessionId) -> None:
         """A failover adopted the session under a new id: its opener keeps it."""
         owner = self._strangers.pop(old, None)

@@ -32,6 +32,7 @@ from inclavate.types import NodeId, PeerId, SessionId
 from inclavate.untrusted import DropCounter
 from node.engine import BatchItem
 from node.errors import ContextFull, InvalidBatch, SessionEvicted, SessionLimitReached
+from node.kept_outputs import MAX_REPLAYS, STRANGER_REPLAYS
 from node.slot_share import relayed
 from node.stage import Job, Stage, StageResult
 from p2p import forward_checks, wire
@@ -855,15 +856,15 @@ class ForwardService:
             del routes[next(iter(routes))]
         routes[(msg.context, remote)] = known
 
-    @staticmethod
-    def _check_replay(msg: wire.Forward, stage: Stage) -> None:
-        """A replay this hop must send: only what it kept, and once per adopt (it consumes the
-        permission the adopt gave)."""
+    def _check_replay(self, msg: wire.Forward, stage: Stage) -> None:
+        """A replay this hop must send: only what it kept, once per adopt (it consumes the
+        permission the adopt gave), and a stranger's session fewer times over its life."""
         replay = msg.replay
         if replay is None or not forward_checks.check_replay(msg.route, replay.at, replay.until):
             return
         kept = stage.kept
-        if kept is None or kept.length(msg.session_id) < replay.positions or not kept.take_replay(msg.session_id):
+        limit = STRANGER_REPLAYS if self.admission.opened_by_stranger(msg.session_id) else MAX_REPLAYS
+        if kept is None or kept.length(msg.session_id) < replay.positions or not kept.take_replay(msg.session_id, limit):
             raise FrameRejected(FrameReason.REPLAY_REFUSED, f"no replay of session {msg.session_id} is due here")
 
     @staticmethod

@@ -1055,8 +1055,10 @@ async def test_a_replay_is_sent_in_the_stages_own_frames_and_only_so_often_a_ses
     opener may) had the stage re-send every kept row as a frame of its own, and again after
     each adopt, filling the link to the next hop in this peer's name until every honest step
     on it was refused (2026-12-07, an audit). The stage now plans the frames from the frames it
-    sent (small steps in frames of up to 32), and a session gets at most ``MAX_REPLAYS``."""
-    from node.kept_outputs import MAX_REPLAYS
+    sent (small steps in frames of up to 32), and a session a stranger opened gets at most
+    ``STRANGER_REPLAYS`` (each recomputes everything kept at the next stage: with 16, an
+    honest chat through it took 28 s against 6; a registered entry's: ``-k sixteen``)."""
+    from node.kept_outputs import STRANGER_REPLAYS
     from p2p.failover import EXACT_BATCH
 
     me, y, z = _hop("me", 0, 10), _hop("y", 10, 20), _hop("z", 20, 30)
@@ -1070,7 +1072,7 @@ async def test_a_replay_is_sent_in_the_stages_own_frames_and_only_so_often_a_ses
                 await service._dispatch(wire.Forward(1, SessionId("x0"), pos, route, evil, None, tokens=np.array([5], np.int32)), evil)
                 await _until(lambda: engine.session_length(SessionId("x0")) == pos + 1, "the step")
             one_row_frames = ((0, 3), *((pos, 1) for pos in range(3, 43)))
-            for i in range(MAX_REPLAYS + 1):
+            for i in range(STRANGER_REPLAYS + 1):
                 old, new = SessionId(f"x{i}"), SessionId(f"x{i + 1}")
                 service.sent.clear()
                 await service._dispatch(wire.Adopt(1, old, new, (me,), evil), evil)
@@ -1082,7 +1084,7 @@ async def test_a_replay_is_sent_in_the_stages_own_frames_and_only_so_often_a_ses
                 await service._dispatch(step, evil)
                 await _until(lambda: service.sent, "the replay or its refusal")
                 sent = [m for _, m in service.sent if not isinstance(m, wire.Close)]  # the old id, at the next hop
-                if i < MAX_REPLAYS:
+                if i < STRANGER_REPLAYS:
                     assert [(m.start_pos, m.n_tokens, m.discard) for m in sent[:-1]] == [(0, EXACT_BATCH, True), (EXACT_BATCH, 11 + i, True)]
                     assert sent[-1].start_pos == 43 + i and not sent[-1].discard
             assert [m.code for m in sent] == ["protocol"] and service.drops[FrameReason.REPLAY_REFUSED] == 1
