@@ -114,9 +114,10 @@ def from_completion(shell: Shell, completion: dict[str, Any]) -> dict[str, Any]:
     status = status_of(choice["finish_reason"])
     message = choice["message"]
     output = []
-    if message.get("reasoning_content"):
-        output.append(reasoning_item(shell, message["reasoning_content"], "completed"))
-    output.append(message_item(shell, message.get("content") or "", status))
+    content = message.get("content") or ""
+    if message.get("reasoning_content"):  # cut off at the cap while it reasoned: incomplete too
+        output.append(reasoning_item(shell, message["reasoning_content"], "completed" if content else status))
+    output.append(message_item(shell, content, status))
     return response_object(shell, status, output, completion["usage"])
 
 
@@ -175,7 +176,11 @@ class EventStream:
         if self._finish is None or self._usage is None:
             return self._fail(500, "the generation ended without finishing")
         status = status_of(self._finish)
-        events = [] if self._open == "message" else self._delta("message", "")  # an empty answer is still a message
+        events = []
+        if self._open == "reasoning" and status != "completed":  # cut off at the cap while it reasoned
+            events += self._close(status)
+        if self._open != "message":  # an empty answer is still a message
+            events += self._delta("message", "")
         events += self._close(status)
         self._ended = True
         kind = "response.completed" if status == "completed" else "response.incomplete"

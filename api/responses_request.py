@@ -42,6 +42,9 @@ MAX_METADATA_KEYS = 16
 cannot make each answer (and each streamed event that carries the response) arbitrarily big."""
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+MAX_USER_CHARS = 256
+"""``user`` is echoed in every answer and in three events of a stream: a 20 MB one streamed
+60 MB back (a review, 2026-12-07). OpenAI's own ids for it (``safety_identifier``) are 64."""
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -118,8 +121,12 @@ def _echoed(body: Mapping[str, Any]) -> None:
             if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
                 raise BadRequest(f"metadata keys must be at most {MAX_METADATA_KEY_CHARS} characters and its "
                                  f"values strings of at most {MAX_METADATA_VALUE_CHARS}")  # fmt: skip
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("user must be a string")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise BadRequest(f"user must be a string of at most {MAX_USER_CHARS} characters")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be true or false")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise BadRequest("store must be true or false")
 
@@ -149,7 +156,17 @@ def _input(value: Any) -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise BadRequest("input must be a string or a non-empty list of message items")
-    return [_message(item, f"input[{i}]") for i, item in enumerate(value)]
+    # A reasoning item is an earlier answer's reasoning, sent back by the SDK's usual
+    # conversation loop (``input += response.output``): dropped, as chat templates drop
+    # earlier turns' reasoning (it was refused as needing tools: a review, 2026-12-07).
+    messages = [_message(item, f"input[{i}]") for i, item in enumerate(value) if not _is_reasoning(item)]
+    if not messages:
+        raise BadRequest("input must hold at least one message item")
+    return messages
+
+
+def _is_reasoning(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "reasoning"
 
 
 def _message(item: Any, name: str) -> dict[str, Any]:

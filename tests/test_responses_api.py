@@ -19,7 +19,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from swarm import PeerProcess, Swarm, request_json
 
 from api.errors import BadRequest
-from api.responses_output import EventStream, Shell, response_object
+from api.responses_output import EventStream, Shell, from_completion, response_object
 from api.responses_request import chat_body, echoed
 
 MODEL = "smollm2:135m"
@@ -77,6 +77,9 @@ def test_a_body_becomes_the_chat_body_it_means() -> None:
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
         ({"metadata": {"k": 1}}, "metadata"),
         ({"user": 7}, "user"),
+        ({"user": "u" * 257}, "user"),  # echoed three times a stream: 20 MB went out as 60 (a review)
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # nothing but reasoning
         ({"store": "yes"}, "store"),
     ],
 )
@@ -84,6 +87,29 @@ def test_what_is_not_served_is_refused_by_name(extra: dict, named: str) -> None:
     with pytest.raises(BadRequest) as refused:
         chat_body({"model": MODEL, "input": "Hi", **extra})
     assert refused.value.message.startswith(named + " "), refused.value.message
+
+
+def test_an_answer_sent_back_with_its_reasoning_is_taken_without_it() -> None:
+    """The SDK's conversation loop sends ``response.output`` back as input, a reasoning model's
+    reasoning item with it: it was a 400 saying such items need tools (a review, 2026-12-07)."""
+    earlier = [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]}]  # fmt: skip
+    body = chat_body({"model": MODEL, "input": [{"role": "user", "content": "Capital?"}, *earlier,
+                                                 {"role": "user", "content": "Of Italy?"}]})  # fmt: skip
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+
+
+def test_an_answer_cut_off_while_it_reasoned_has_its_reasoning_incomplete() -> None:
+    stream = EventStream(_SHELL)
+    events = stream.start() + stream.feed(_chunk({"reasoning_content": "hmm"})) + stream.feed(_chunk(finish="length"))
+    events += stream.feed(_USAGE) + stream.end()
+    final = Response.model_validate(events[-1]["response"])
+    assert final.status == "incomplete" and [(i.type, i.status) for i in final.output] == [("reasoning", "incomplete"),
+                                                                                            ("message", "incomplete")]  # fmt: skip
+    _types(events)
+    body = from_completion(_SHELL, {"choices": [{"finish_reason": "length", "message": {"reasoning_content": "hmm", "content": ""}}],
+                                    "usage": _USAGE["usage"]})  # fmt: skip
+    assert [o["status"] for o in body["output"]] == ["incomplete", "incomplete"]
 
 
 def _chunk(delta: dict | None = None, finish: str | None = None, **extra: object) -> dict:
