@@ -34,7 +34,6 @@ import trio
 
 from inclavate.types import ModelId, NodeId, PeerId
 from inclavate.untrusted import DropCounter, Malformed, Reason, as_str, parse_json, read_bool, read_list
-from p2p.coverage import ModelCoverage, model_coverage
 from p2p.errors import P2PError
 from p2p.framing import FramedStream
 from p2p.host import P2PHost
@@ -138,9 +137,6 @@ class RegistryService:
     def view(self, node_id: NodeId) -> NodeView | None:
         """One node's view: what a hot path asks instead of listing the whole registry."""
         return self.table.view(node_id, self.clock(), self.liveness)
-
-    def coverage(self) -> dict[str, ModelCoverage]:
-        return model_coverage(self.views())
 
     def heal_key(self, model_id: ModelId) -> tuple[int | None, int]:
         """Changes whenever ``model_id``'s views may read differently to the healer
