@@ -18,18 +18,24 @@ the event loop's CPU per batched step, 8 sessions streaming, by about an eighth
 It also counts connections (:mod:`api.connection_table`): past the bound a connection of
 the source holding the most is ended, and a connection that sends no whole request within
 :data:`FIRST_REQUEST_S` is closed (hypercorn gave it its keep-alive, 30 s).
+
+And it keeps reading a connection while a request runs (:meth:`ConfinedTCPServer._read_data`),
+so that a client's close is seen whatever it sent before it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+from collections.abc import Callable
 
+import h11
 import hypercorn.trio.run as hypercorn_run
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 from api.connection_table import ConnectionTable, capacity, source_of
 
@@ -69,6 +75,67 @@ class ConfinedTCPServer(TCPServer):
             return source_of(sock.getpeername()[0])
         except (AttributeError, OSError, IndexError, TypeError):
             return "?"
+
+    async def _read_data(self) -> None:
+        """hypercorn's read loop, reading on while the protocol holds what it read.
+
+        hypercorn hands each read to the HTTP/1.1 protocol in its read loop, and the protocol
+        holds it (h11's ``PAUSED``) when bytes of a next request follow a whole one, until
+        the response is done: nothing more was read, so a client that sent one byte more and
+        left was never seen to go, and a non-streamed chat ran to ``max_tokens``, a speech
+        job completed and stored its audio for nobody (20 such requests kept a 3-peer chain
+        busy 129 s; an audit, 2026-12-07). Reads now go to the protocol through a task of
+        their own. Past :data:`PIPELINED_BYTES` waiting for it, reading pauses while the
+        request's own body is still being taken (the application's pace, as before), and the
+        connection ends when the protocol holds a whole request (the bytes are a next one's).
+        The end of the stream stops that task, then closes the protocol, as hypercorn does:
+        whatever the client sent and the protocol has not taken goes unanswered, as the
+        client has gone."""
+        send, receive = trio.open_memory_channel[bytes](math.inf)  # bounded in bytes below
+        waiting = 0
+        taken = trio.Event()
+
+        async def feed() -> None:
+            nonlocal waiting, taken
+            async for data in receive:
+                waiting -= len(data)
+                taken.set()
+                taken = trio.Event()
+                await self.protocol.handle(RawData(data))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            while await self._room(lambda: waiting, lambda: taken):
+                try:
+                    with trio.fail_after(self.config.read_timeout or math.inf):
+                        data = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                    break
+                if not data:
+                    break
+                waiting += len(data)
+                send.send_nowait(bytes(data))
+            nursery.cancel_scope.cancel()
+        await self.protocol.handle(Closed())
+
+    async def _room(self, waiting: Callable[[], int], taken: Callable[[], trio.Event]) -> bool:
+        """Whether to read on: at once while under :data:`PIPELINED_BYTES` wait for the
+        protocol; past it, once it took some (its request's body, at the application's
+        pace), or False when it holds a whole request (what waits is a next request's)."""
+        while waiting() > PIPELINED_BYTES:
+            if self._holds_a_whole_request():
+                log.info("an HTTP client sent %d bytes of next requests while one ran: its connection is closed",
+                         waiting())  # fmt: skip
+                return False
+            with trio.move_on_after(0.5):  # and look again: the request may end meanwhile
+                await taken().wait()
+        return True
+
+    def _holds_a_whole_request(self) -> bool:
+        """The HTTP/1.1 protocol has read a whole request and holds what follows (h11's
+        ``PAUSED``): true only of an h11 connection whose client's side is done."""
+        connection = getattr(getattr(self.protocol, "protocol", None), "connection", None)
+        return isinstance(connection, h11.Connection) and connection.their_state in (h11.DONE, h11.MUST_CLOSE)
 
     async def _idle_timeout(self) -> None:
         """Before its first request a connection has :data:`FIRST_REQUEST_S` to send it
@@ -139,6 +206,10 @@ FIRST_REQUEST_S = 10.0
 
 CONNECTIONS = ConnectionTable(capacity)
 """Every HTTP connection of the process: descriptors are the process's, whatever the server."""
+
+PIPELINED_BYTES = 64 * 1024
+"""Bytes of a connection read and not yet taken by the HTTP protocol (a next request sent
+before the current one is answered, which HTTP/1.1 allows) past which the connection ends."""
 
 WRITE_STALL_S = 60.0
 """Seconds one write of a response (at most a download's read chunk) may wait for its client."""

@@ -693,6 +693,67 @@ async def test_frames_sent_while_a_chat_websocket_answers_are_refused_and_a_clos
                 await trio.sleep(0.05)
 
 
+@pytest.mark.parametrize("after", [b"G", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"G" * 200_000],
+                         ids=["a byte", "a request", "past the bound"])
+async def test_a_client_that_sent_a_byte_more_and_left_is_seen_to_go(smollm2, slice_cache, after: bytes) -> None:
+    """hypercorn's HTTP/1.1 protocol holds a read when bytes of a next request follow a
+    whole one, and read nothing more until the response was done: a client that sent one
+    byte more and left was never seen to go, so a non-streamed chat ran to ``max_tokens``
+    (or its wait for a turn to 120 s), a speech job completed and stored its audio, for
+    nobody (20 such requests kept a 3-peer chain busy 129 s: an audit, 2026-12-07). The
+    connection is now read on, and its close seen at once."""
+    body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
+    with trio.fail_after(30):
+        async with _held_turn(smollm2, slice_cache) as (port, sessions):
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            all_sent = trio.Event()
+
+            async def send() -> None:  # past the bound the peer closes on us: the rest may not go
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await client.send_all(request + after)
+                all_sent.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                while len(sessions) < 2 and not (len(after) > 64 * 1024 and all_sent.is_set()):
+                    await trio.sleep(0.05)
+            await client.aclose()
+            with trio.fail_after(5):  # it waited 120 s for a turn before
+                while len(sessions) > 1:
+                    await trio.sleep(0.05)
+
+
+async def test_pipelined_requests_are_still_answered_in_order() -> None:
+    """Reading on while a request runs (above) must not break HTTP/1.1 pipelining."""
+    from quart_trio import QuartTrio
+
+    from api.app import serve_api
+
+    app = QuartTrio("pipelining")
+    arrived: list[int] = []
+
+    @app.get("/slow/<int:n>")
+    async def slow(n: int):  # type: ignore[no-untyped-def]
+        arrived.append(n)
+        await trio.sleep(0.1)
+        return f"answer {n}"
+
+    port = free_port()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, app, "127.0.0.1", port)
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.send_all(b"".join(b"GET /slow/%d HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % n for n in range(3)))
+            got = b""
+            while not got.endswith(b"answer 2"):
+                got += await client.receive_some(65536)
+            assert got.count(b"HTTP/1.1 200") == 3 and got.index(b"answer 0") < got.index(b"answer 1") and arrived == [0, 1, 2]
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_chat_websocket_serves_the_next_request_after_refusing_one(local_chat) -> None:
     """The refusal is for frames sent before ``"[DONE]"``; the next request is served."""
     from trio_websocket import open_websocket_url
