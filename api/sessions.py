@@ -85,6 +85,19 @@ class ActiveSessions:
     @asynccontextmanager
     async def track(self, session_id: SessionId) -> AsyncIterator[trio.CancelScope]:
         """Wait for a turn (429 past ``wait_s``), then hold it while the generation runs."""
+        try:
+            async with self._scoped(session_id) as scope:
+                yield scope
+        finally:
+            # Forgotten however the block ends: a DELETE landing as the client left (the
+            # outer cancel) left its id here for good, one per round (an audit, 2026-12-07).
+            closed = session_id in self._closed
+            self._closed.discard(session_id)
+        if closed:
+            raise SessionClosed(f"session {session_id} was closed by DELETE /sessions/{session_id}")
+
+    @asynccontextmanager
+    async def _scoped(self, session_id: SessionId) -> AsyncIterator[trio.CancelScope]:
         with trio.CancelScope() as scope:
             self._scopes[session_id] = scope
             try:
@@ -102,9 +115,6 @@ class ActiveSessions:
                     self._turn_s += _TURN_WEIGHT * (held - self._turn_s)
             finally:
                 del self._scopes[session_id]
-        if session_id in self._closed:
-            self._closed.discard(session_id)
-            raise SessionClosed(f"session {session_id} was closed by DELETE /sessions/{session_id}")
 
     def retry_after_s(self) -> int:
         """Whole seconds until the generations running, waiting and being prepared now should

@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from api.errors import error_headers
-from api.sessions import MAX_RETRY_AFTER_S, TURN_S_PRIOR, ActiveSessions, Busy
+from api.sessions import MAX_RETRY_AFTER_S, TURN_S_PRIOR, ActiveSessions, Busy, SessionClosed
 from inclavate.types import SessionId
 
 
@@ -57,3 +57,22 @@ async def test_the_retry_after_is_never_past_what_the_sdk_reads(autojump_clock: 
         await trio.sleep(0.1)
         assert (await _refusal(sessions)).retry_after_s == MAX_RETRY_AFTER_S
         nursery.cancel_scope.cancel()
+
+
+async def test_a_close_that_lands_as_the_client_leaves_leaves_nothing_behind() -> None:
+    """``DELETE /sessions/:id`` as its streaming client left: the client's cancel ended the
+    generation's block before its close was read, and the id stayed in the table of closed
+    sessions for good, one per round (an audit, 2026-12-07)."""
+    sessions = ActiveSessions()
+    for i in range(50):
+        session_id = SessionId(f"s{i}")
+        with trio.CancelScope() as client:
+            async with sessions.track(session_id):
+                assert sessions.close(session_id)
+                client.cancel()  # the client leaves just then
+                await trio.sleep(0)
+    assert not sessions._closed and len(sessions) == 0  # noqa: SLF001 - the table a stranger could grow
+    with pytest.raises(SessionClosed):  # a close on its own still says so
+        async with sessions.track(SessionId("alone")):
+            assert sessions.close(SessionId("alone"))
+            await trio.sleep(0)
