@@ -98,6 +98,9 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--min-step-deadline", type=float, default=FailoverPolicy.min_step_s, metavar="SECONDS",
                    help="floor of the adaptive deadline after which a silent chain is failed over (default 5; "
                         "a hung peer then stalls its streams ~7.5 s: the deadline, a ping, the replay)")  # fmt: skip
+    p.add_argument("--trial-share", type=float, default=FailoverPolicy.trial_share, metavar="SHARE",
+                   help="share of new sessions that may go through peers that never served this entry while a "
+                        "route through peers that have exists (default 0.125; 1: the cheapest route always)")  # fmt: skip
     p.add_argument("--failover-replay", choices=("span", "whole"), default="span",
                    help="after a failover, rebuild only the replaced span (default) or replay the whole new route")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -156,7 +159,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
                               max_sessions=args.max_sessions, exact_steps=args.exact_steps,
                               step_threads=args.step_threads)  # fmt: skip
         failover = FailoverPolicy(max_failovers=args.max_failovers, min_step_s=args.min_step_deadline,
-                                  span_replay=args.failover_replay == "span")  # fmt: skip
+                                  span_replay=args.failover_replay == "span", trial_share=args.trial_share)  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return PeerConfig(

@@ -270,7 +270,7 @@ class SwarmPipeline:
 
     def check_route(self) -> list[Hop]:
         """A route a new session would take now; raises ``NoRoute`` naming missing layers."""
-        return self._reroute((), frozenset(), exclude_load=None)
+        return self._reroute((), frozenset(), exclude_load=None, proven_first=False)
 
     @property
     def open_sessions(self) -> list[SessionId]:
@@ -288,7 +288,7 @@ class SwarmPipeline:
         session = self._sessions.get(session_id)
         if session is None:
             session = _Session(session_id, pace=Pace(self.policy))
-            route = self._reroute((), frozenset(), exclude_load=session)
+            route = self._first_route(session)
             # One lane per stage of the route (up to ``lanes``): every stage can then compute
             # while the others do. A route of one hop (a whole peer) has one lane.
             session.lane = least_used_lane((s.lane for s in self._sessions.values()), min(self.lanes, len(route)))
@@ -650,8 +650,24 @@ class SwarmPipeline:
         self._open_leg(session, route)
         await self._close_leg(old, broken)
 
+    def _proven(self) -> frozenset[str]:
+        """Peers (relayed nodes by id) that served this entry, and the entry itself."""
+        return self.health.proven() | {self.service.me}
+
+    def _first_route(self, session: _Session) -> list[Hop]:
+        """A new session's route, on probation: the cheapest one, unless it goes through a
+        peer that never served this entry and a route through proven peers exists; then
+        that one, but for ``policy.trial_share`` of the sessions (a newcomer must get some
+        to prove itself). A fresh swarm, where no route is proven yet, routes as before."""
+        route = self._reroute((), frozenset(), exclude_load=session, proven_first=False)
+        proven = self._proven()
+        if all(hop.blame_id in proven for hop in route) or self.rng.random() < self.policy.trial_share:
+            return route
+        return self._reroute((), frozenset(), exclude_load=session)
+
     def _reroute(self, old: Sequence[Hop], failed: frozenset[PeerId], exclude_load: _Session | None,
-                 certain: bool = True, views: Sequence[NodeView] | None = None, voluntary: bool = False) -> list[Hop]:  # fmt: skip
+                 certain: bool = True, views: Sequence[NodeView] | None = None, voluntary: bool = False,
+                 proven_first: bool = True) -> list[Hop]:  # fmt: skip
         """A new route without ``failed``: the old hops before the first failed one, then the
         cheapest way on from that boundary (a replacement may be split differently); failing
         that, the cheapest route from layer 0. Peers this entry avoids are left out when a
@@ -659,7 +675,14 @@ class SwarmPipeline:
         peers it saw gone for certain a moment ago (``PeerHealth.gone``) always are: they
         may still be Ready in the registry, and a failover that went back to them bounced
         between dead holders until its failovers were spent. A ``voluntary`` move (off a hop
-        that still serves) never goes through avoided peers either."""
+        that still serves) never goes through avoided peers either.
+
+        ``proven_first``: a route on through proven peers only (:meth:`_proven`), if one
+        exists with the first pass's exclusions, comes before all that: each fresh identity
+        of a stranger is unknown to the avoidance, and four of them claiming the whole model
+        (the cheapest route) took every failover of a request, a 503 after 20 s, again and
+        again (an audit, 2026-12-07). Now a stranger costs a request at most its first
+        route; an honest newcomer gets failovers only where proven peers cannot serve."""
         index = next((i for i, h in enumerate(old) if h.blamed_in(failed)), None)
         keep = list(old[:index]) if index is not None else []
         start = old[index].layers.start if index is not None else 0
@@ -678,6 +701,11 @@ class SwarmPipeline:
         # Peers a pass may let back in when no route exists without them: neither one seen
         # gone nor one failed for certain, and none on a voluntary move.
         spare = avoided if voluntary else gone | (failed if certain else frozenset())
+        if proven_first:
+            try:
+                return self._route_without(views, costs, keep, start, passes[0] | gone, self._proven())
+            except NoRoute:
+                pass
         for exclude in passes:
             try:
                 return self._route_without(views, costs, keep, start, exclude | gone)
@@ -697,15 +725,16 @@ class SwarmPipeline:
         raise last
 
     def _route_without(self, views: Sequence[NodeView], costs: CostModel, keep: list[Hop], start: int,
-                       exclude: frozenset[PeerId]) -> list[Hop]:  # fmt: skip
-        """The cheapest route through no peer of ``exclude``: ``keep`` then on from boundary
-        ``start``; failing that, from layer 0 (whose ``NoRoute`` says most: it is raised)."""
+                       exclude: frozenset[PeerId], proven: frozenset[str] | None = None) -> list[Hop]:  # fmt: skip
+        """The cheapest route through no peer of ``exclude`` (and only ``proven`` ones, when
+        given): ``keep`` then on from boundary ``start``; failing that, from layer 0 (whose
+        ``NoRoute`` says most: it is raised)."""
         attempts = [(keep, start), ([], 0)] if keep else [([], 0)]
         for prefix, boundary in attempts:
             try:
                 return prefix + choose_route(views, self.model_id, self.service.me, costs, self.rng, start=boundary,
                                              exclude=exclude, n_layers=self.n_layers, d_model=self.d_model,
-                                             min_context=self.context_length)  # fmt: skip
+                                             min_context=self.context_length, proven=proven)  # fmt: skip
             except NoRoute:
                 if boundary == 0:
                     raise
@@ -717,7 +746,8 @@ class SwarmPipeline:
         where they ended, so that the hops around them keep their caches; None when the
         policy says no, nothing around would be kept, a kept hop is itself in trouble, or no
         replacement ends at that boundary (through no avoided peer, for a ``voluntary`` move,
-        and never through one seen gone: see :meth:`_reroute`)."""
+        and never through one seen gone: see :meth:`_reroute`). Through proven peers first,
+        as :meth:`_reroute`."""
         index = [i for i, hop in enumerate(old) if hop.blamed_in(failed)]
         if not self.policy.span_replay or not index:
             return None
@@ -734,11 +764,12 @@ class SwarmPipeline:
         now = trio.current_time()
         gone = self.health.gone(now, _started_ms(views))
         strict = self.health.avoided(now) | failed | kept | gone
-        for exclude in (strict,) if voluntary else (strict, failed | kept | gone):
+        passes = [(strict, self._proven()), (strict, None)] + ([] if voluntary else [(failed | kept | gone, None)])
+        for exclude, proven in passes:
             try:
                 middle = choose_route(views, self.model_id, self.service.me, costs, self.rng, start=start, end=end,
                                       exclude=exclude, n_layers=self.n_layers, d_model=self.d_model,
-                                      min_context=self.context_length)  # fmt: skip
+                                      min_context=self.context_length, proven=proven)  # fmt: skip
             except NoRoute:
                 continue
             return _Span(prefix + middle + suffix, len(prefix), len(prefix) + len(middle))

@@ -9,7 +9,8 @@
 - :class:`PeerHealth`: peers that failed this entry's sessions are avoided for a while
   (capped exponential backoff, like Petals' ``on_request_failure``) and their measured
   reliability divides their routing weight; peers seen gone for certain are left out of
-  every route for a short while.
+  every route for a short while; peers that served a session of this entry to its end are
+  *proven* (:meth:`PeerHealth.proven`), which routing prefers (``p2p.chain``: probation).
 - :func:`hop_trouble`: what the registry says about one hop of a live route.
 
 Everything here takes the time as an argument, so the rules are unit-tested without sleeping.
@@ -86,6 +87,14 @@ class FailoverPolicy:
     slow_window: int = 8
     slow_moves: int = 2
     """...at most this many times (not failovers: a route that is merely slow still serves)."""
+    trial_share: float = 1 / 8
+    """Probation: while a route through peers that have served this entry exists, a new
+    session goes through a peer that has not (a volunteer new to this entry, or a stranger's
+    fresh identity) only this share of the time. Not 0: an honest newcomer must still get
+    sessions to prove itself (one session it serves to the end does), and replicas share
+    load only once proven. Not 1: a record of a fresh identity claiming the whole model is
+    always the cheapest route (one hop), and drew every chat of the entry (an audit,
+    2026-12-07). A failover always tries proven peers first (:meth:`PeerHealth.proven`)."""
 
     def __post_init__(self) -> None:
         if self.max_failovers < 0:
@@ -96,6 +105,8 @@ class FailoverPolicy:
             raise ValueError("need 0 < slow_steps <= slow_window")
         if self.slow_settle_steps < 0 or self.slow_settle_floor_s < self.slow_floor_s:
             raise ValueError("need slow_settle_steps >= 0 and slow_settle_floor_s >= slow_floor_s")
+        if not 0 <= self.trial_share <= 1:
+            raise ValueError("trial_share must be between 0 and 1")
 
 
 DECODE_TOKENS = 4
@@ -136,6 +147,10 @@ def _ema(previous: float | None, sample: float) -> float:
 
 _MAX_TRACKED = 4096
 """Peers remembered; beyond that, the ones fully recovered are forgotten first."""
+_MAX_PROVEN = 4096
+"""Proven peers remembered; beyond that, the one that served longest ago is forgotten (it
+is on probation again, no worse). Only a peer this entry routed a whole session through
+gets in, so a stranger grows the set no faster than sessions end through its identities."""
 
 
 @dataclass
@@ -160,6 +175,8 @@ class PeerHealth:
     def __init__(self, policy: FailoverPolicy = FailoverPolicy()) -> None:
         self.policy = policy
         self._peers: dict[PeerId, _Record] = {}
+        self._proven: dict[PeerId, None] = {}
+        """Peers that served a session to its end, the latest last (an ordered set)."""
 
     def failed(self, peer: PeerId, now: float, *, gone: bool = False, started_ms: int | None = None) -> None:
         """``peer`` failed a session; ``gone``: it was seen gone for certain (see :meth:`gone`),
@@ -175,13 +192,26 @@ class PeerHealth:
         self._bound(now)
 
     def served(self, peers: Iterable[PeerId]) -> None:
-        """A session ended normally through these peers: trust them a little more."""
+        """A session ended normally through these peers: trust them a little more, and
+        count them proven (:meth:`proven`)."""
         for peer in peers:
+            self._proven.pop(peer, None)
+            self._proven[peer] = None
+            if len(self._proven) > _MAX_PROVEN:
+                del self._proven[next(iter(self._proven))]
             rec = self._peers.get(peer)
             if rec is not None:
                 rec.strikes = 0
                 rec.gone_until = 0.0
                 rec.reliability += _ALPHA * (1 - rec.reliability)
+
+    def proven(self) -> frozenset[PeerId]:
+        """Peers (relayed nodes by their ids, :attr:`p2p.routing.Hop.blame_id`) that served
+        a session of this entry to its end at least once. A fresh identity costs nothing
+        and starts trusted in every other respect (reliability 1, never avoided); having
+        served is what it cannot fake without carrying sessions, so routing prefers these
+        (probation, ``p2p.chain``). A proven peer that later fails is avoided as before."""
+        return frozenset(self._proven)
 
     def avoided(self, now: float) -> frozenset[PeerId]:
         """Peers to route around while a route exists without them."""

@@ -25,7 +25,9 @@ of replicas on similar machines differ by noise, which must not decide where eve
 goes.
 
 A route may start at a boundary other than 0 (failover re-routes from the failed boundary,
-keeping the hops before it), and may exclude peers (the failed one, and those avoided).
+keeping the hops before it), may exclude peers (the failed one, and those avoided), and may
+be held to ``proven`` peers (probation: those that served the entry before; the caller
+decides when, ``p2p.chain``).
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ def choose_route(
     n_layers: int | None = None,
     d_model: int | None = None,
     min_context: int = 0,
+    proven: Collection[str] | None = None,
 ) -> list[Hop]:
     """The cheapest chain of routable nodes from boundary ``start`` to boundary ``end`` (the
     model's last layer when None: a failover may replace only a span in the middle), through
@@ -189,14 +192,17 @@ def choose_route(
     a 503, one claiming a layer more and holding all of them drew every route (an audit,
     2026-12-07). ``d_model``: the model's width as the caller's catalog has it; a node stating
     another holds some other model (None: any). ``min_context``: nodes stating a shorter
-    context are left out."""
+    context are left out. ``proven``: when given, only nodes whose :attr:`Hop.blame_id` it
+    names (a peer's own nodes by the peer, a relayed node by its id) are routed through
+    (``NoRoute`` if they form no chain)."""
     candidates = [v.record for v in views if v.record.model_id == model_id and v.routable]
     n_layers = n_layers or agreed(candidates, lambda r: r.n_layers)
     if not candidates or n_layers is None:
         raise NoRoute(model_id, 0, [])
     candidates = [r for r in candidates if r.n_layers == n_layers and d_model in (None, r.d_model)
                   and r.peer_id not in exclude and r.node_id not in exclude
-                  and (not r.context_length or r.context_length >= min_context)]  # fmt: skip
+                  and (not r.context_length or r.context_length >= min_context)
+                  and (proven is None or (r.node_id if r.relayed else r.peer_id) in proven)]  # fmt: skip
     edges: dict[int, list[tuple[float, Hop]]] = {}
     reference = reference_step_ms(_claim_per_peer(candidates), costs.measured_step_ms)
     for r in candidates:
