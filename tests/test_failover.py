@@ -321,10 +321,26 @@ def set_state(peer: PeerProcess, state: str) -> None:
     assert status == 200, body
 
 
+def serve_once_each(s: Swarm, entry: PeerProcess, holders: list[PeerProcess], prove: list[PeerProcess]) -> None:
+    """Each of ``prove`` serves the entry a session, the other ``holders`` of its span idle
+    meanwhile: proven to the entry, so a failover may spread over them (a failover goes
+    through peers that served the entry first: docs/ARCHITECTURE.md, "Probation")."""
+    for peer in prove:
+        others = [p for p in holders if p is not peer]
+        for other in others:
+            set_state(other, "idle")
+        s.wait(lambda: sum(n["idle"] for n in entry.get("/nodes")) == len(others), 20, "the other holders to be idle")
+        warm_up(s, entry, 1)
+        for other in others:
+            set_state(other, "ready")
+        s.wait(lambda: not any(n["idle"] for n in entry.get("/nodes")), 20, "the holders to be active")
+
+
 def test_eight_sessions_failing_over_at_once_spread_over_the_survivors(tmp_path: Path) -> None:
-    """A 0-10 (entry), B/C1/C2 10-20, D 20-30. The replicas C1 and C2 are idle while 8 greedy
-    streams start, so all 8 go through B; they are active again, then B is killed: all 8
-    move at once, and both survivors take some of them. Every text is the undisturbed one."""
+    """A 0-10 (entry), B/C1/C2 10-20, D 20-30. C1 and C2 each serve the entry once (proven);
+    they are idle while 8 greedy streams start, so all 8 go through B; they are active
+    again, then B is killed: all 8 move at once, and both survivors take some of them.
+    Every text is the undisturbed one."""
     with Swarm(tmp_path, extra_args=["--wire-dtype", "f32", *SHARED]) as s:
         a = s.start("a", "--layers", "0-10")
         b, c1, c2, d = (s.start(n, "--layers", r, bootstrap=a) for n, r in
@@ -334,6 +350,7 @@ def test_eight_sessions_failing_over_at_once_spread_over_the_survivors(tmp_path:
             s.wait_ready(peer, timeout=120)
         s.wait(lambda: a.get("/api/models")[0]["chain_complete"] and len(a.get("/nodes")) == 5, 30, "the whole swarm")
         warm_up(s, a, 3)
+        serve_once_each(s, a, [b, c1, c2], prove=[c1, c2])
         body = ask(QUESTION, 64)
         status, reply = request_json("POST", a.url + "/v1/chat/completions", body, timeout=120)
         assert status == 200, reply

@@ -26,7 +26,10 @@ QUIET_PEER = Path(__file__).parent / "quiet_peer"
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, PeerProcess]]:
     with Swarm(tmp_path_factory.mktemp("quiet-peers"), extra_args=["--wire-dtype", "f32"]) as s:
-        a = s.start("a", "--layers", "0-10")
+        # Every new session may try the cheapest route (``--trial-share 1``): these tests are
+        # about a misbehaving peer that routing picks, and on probation (the default 1/8) a
+        # quiet peer new to the entry would get only a share of its sessions.
+        a = s.start("a", "--layers", "0-10", "--trial-share", "1")
         others = [s.start(name, "--layers", layers, bootstrap=a) for name, layers in (("c", "10-15"), ("f", "15-20"), ("b", "20-30"))]
         for peer in (a, *others):
             s.wait_ready(peer, timeout=120)
