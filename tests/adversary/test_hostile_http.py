@@ -52,7 +52,10 @@ RELAY = "X-Inclavate-Relay-Token"
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, list[PeerProcess]]]:
-    with three_peers(tmp_path_factory.mktemp("hostile-http"), per_peer={1: ["--join-token", JOIN_TOKEN]}) as (s, peers):
+    # ``a`` tries the cheapest route for every new session (``--trial-share 1``): the tests of
+    # a stranger's legacy node need chats routed through it, new to ``a`` (on probation).
+    entry = ["--trial-share", "1"]
+    with three_peers(tmp_path_factory.mktemp("hostile-http"), per_peer={0: entry, 1: ["--join-token", JOIN_TOKEN]}) as (s, peers):
         yield s, peers
 
 
