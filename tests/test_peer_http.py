@@ -32,15 +32,9 @@ from inclavate.peer_http import (
 )
 
 
-async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarded_request() -> None:
-    """``GET /v1/generations/:id/events`` of a job on another peer holds an HTTP connection
-    to that peer while the job runs, and the forwarded requests shared one pool of 100:
-    110 watchers (one client) on a 3-peer swarm made every other forwarded request of the
-    peer (a poll, a cancel, a submission, the listing's rows from the owner) wait 60 s for a
-    connection and fail with 503 PoolTimeout, and watchers past 100 waited for ever. The
-    relayed event streams now have connections of their own, at most MAX_EVENT_STREAMS, of
-    which one owner's jobs hold at most MAX_EVENT_STREAMS_PER_OWNER (watchers of 64 silent
-    jobs of one peer held them all: an audit, 2026-12-07); one more is refused at once."""
+def _silent_owner() -> tuple[QuartTrio, list[int]]:
+    """An owner whose ``/events`` send one event and then nothing, for ever; and how many
+    of them are open."""
     owner = QuartTrio("owner")
     watching = [0]
 
@@ -54,6 +48,20 @@ async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarde
         response = Response(body(), mimetype="text/event-stream")
         response.timeout = None
         return response
+
+    return owner, watching
+
+
+async def test_watchers_of_another_peers_job_leave_room_for_every_other_forwarded_request() -> None:
+    """``GET /v1/generations/:id/events`` of a job on another peer holds an HTTP connection
+    to that peer while the job runs, and the forwarded requests shared one pool of 100:
+    110 watchers (one client) on a 3-peer swarm made every other forwarded request of the
+    peer (a poll, a cancel, a submission, the listing's rows from the owner) wait 60 s for a
+    connection and fail with 503 PoolTimeout, and watchers past 100 waited for ever. The
+    relayed event streams now have connections of their own, at most MAX_EVENT_STREAMS, of
+    which one owner's jobs hold at most MAX_EVENT_STREAMS_PER_OWNER (watchers of 64 silent
+    jobs of one peer held them all: an audit, 2026-12-07); one more is refused at once."""
+    owner, watching = _silent_owner()
 
     @owner.get("/job")
     async def job():  # type: ignore[no-untyped-def]
@@ -104,19 +112,7 @@ async def test_one_client_watching_jobs_on_several_owners_leaves_the_others_room
     client watching 16 jobs on each of four owners held every relayed stream of the peer,
     and every other client's watch was a 429 (a review, 2026-12-07). A client's source now
     holds at most MAX_EVENT_STREAMS_PER_SOURCE of them, whatever owners they are on."""
-    owner = QuartTrio("owner")
-    watching = [0]
-
-    @owner.get("/events")
-    async def events():  # type: ignore[no-untyped-def]
-        async def body() -> AsyncIterator[bytes]:
-            watching[0] += 1
-            yield b"data: {}\n\n"
-            await trio.sleep_forever()
-
-        response = Response(body(), mimetype="text/event-stream")
-        response.timeout = None
-        return response
+    owner, watching = _silent_owner()
 
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     http = PeerHttp()
