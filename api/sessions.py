@@ -84,10 +84,26 @@ class ActiveSessions:
 
     @asynccontextmanager
     async def track(self, session_id: SessionId) -> AsyncIterator[trio.CancelScope]:
-        """Wait for a turn (429 past ``wait_s``), then hold it while the generation runs."""
+        """Wait for a turn (429 past ``wait_s``), then hold it while the generation runs;
+        :class:`SessionClosed` when ``DELETE /sessions/:id`` ended it, waiting or running."""
         try:
-            async with self._scoped(session_id) as scope:
-                yield scope
+            with trio.CancelScope() as scope:
+                self._scopes[session_id] = scope
+                try:
+                    with trio.move_on_after(self._wait_s) as waited:
+                        await self._turns.acquire()
+                    if waited.cancelled_caught:
+                        raise Busy(f"no turn to generate came free on this peer within {self._wait_s:g} s; retry",
+                                   self.retry_after_s())  # fmt: skip
+                    taken = trio.current_time()
+                    try:
+                        yield scope
+                    finally:
+                        self._turns.release()
+                        held = trio.current_time() - taken
+                        self._turn_s += _TURN_WEIGHT * (held - self._turn_s)
+                finally:
+                    del self._scopes[session_id]
         finally:
             # Forgotten however the block ends: a DELETE landing as the client left (the
             # outer cancel) left its id here for good, one per round (an audit, 2026-12-07).
@@ -95,26 +111,6 @@ class ActiveSessions:
             self._closed.discard(session_id)
         if closed:
             raise SessionClosed(f"session {session_id} was closed by DELETE /sessions/{session_id}")
-
-    @asynccontextmanager
-    async def _scoped(self, session_id: SessionId) -> AsyncIterator[trio.CancelScope]:
-        with trio.CancelScope() as scope:
-            self._scopes[session_id] = scope
-            try:
-                with trio.move_on_after(self._wait_s) as waited:
-                    await self._turns.acquire()
-                if waited.cancelled_caught:
-                    raise Busy(f"no turn to generate came free on this peer within {self._wait_s:g} s; retry",
-                               self.retry_after_s())  # fmt: skip
-                taken = trio.current_time()
-                try:
-                    yield scope
-                finally:
-                    self._turns.release()
-                    held = trio.current_time() - taken
-                    self._turn_s += _TURN_WEIGHT * (held - self._turn_s)
-            finally:
-                del self._scopes[session_id]
 
     def retry_after_s(self) -> int:
         """Whole seconds until the generations running, waiting and being prepared now should

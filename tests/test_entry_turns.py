@@ -76,3 +76,23 @@ async def test_a_close_that_lands_as_the_client_leaves_leaves_nothing_behind() -
         async with sessions.track(SessionId("alone")):
             assert sessions.close(SessionId("alone"))
             await trio.sleep(0)
+
+
+async def test_a_close_of_a_session_waiting_for_its_turn_says_it_was_closed() -> None:
+    """A session closed while it waits for a turn ends with SessionClosed (a 409), not a
+    failure of the turn's bookkeeping (a review, 2026-12-07: a 500 for a while)."""
+    sessions = ActiveSessions(max_running=1)
+    outcome: list[BaseException] = []
+
+    async def waiting() -> None:
+        try:
+            async with sessions.track(SessionId("queued")):
+                raise AssertionError("it never had a turn")
+        except BaseException as exc:  # noqa: BLE001 - what the route would see
+            outcome.append(exc)
+
+    async with sessions.track(SessionId("running")), trio.open_nursery() as nursery:
+        nursery.start_soon(waiting)
+        await trio.sleep(0.05)
+        assert sessions.close(SessionId("queued"))
+    assert [type(e) for e in outcome] == [SessionClosed] and not sessions._closed  # noqa: SLF001
