@@ -133,9 +133,12 @@ class ConfinedTCPServer(TCPServer):
 
     def _holds_a_whole_request(self) -> bool:
         """The HTTP/1.1 protocol has read a whole request and holds what follows (h11's
-        ``PAUSED``): true only of an h11 connection whose client's side is done."""
+        ``PAUSED``): true of an h11 connection whose client has sent a whole request, one
+        asking for an upgrade (``MIGHT_SWITCH_PROTOCOL``) included: an ``Upgrade:`` header
+        on a POST made its junk wait for ever (a review, 2026-12-07). Not of a websocket's
+        (``SWITCHED_PROTOCOL``), whose frames go at the application's pace."""
         connection = getattr(getattr(self.protocol, "protocol", None), "connection", None)
-        return isinstance(connection, h11.Connection) and connection.their_state in (h11.DONE, h11.MUST_CLOSE)
+        return isinstance(connection, h11.Connection) and connection.their_state in _WHOLE_REQUEST
 
     async def _idle_timeout(self) -> None:
         """Before its first request a connection has :data:`FIRST_REQUEST_S` to send it
@@ -207,9 +210,13 @@ FIRST_REQUEST_S = 10.0
 CONNECTIONS = ConnectionTable(capacity)
 """Every HTTP connection of the process: descriptors are the process's, whatever the server."""
 
-PIPELINED_BYTES = 64 * 1024
+PIPELINED_BYTES = 16 * 1024
 """Bytes of a connection read and not yet taken by the HTTP protocol (a next request sent
-before the current one is answered, which HTTP/1.1 allows) past which the connection ends."""
+before the current one is answered, which HTTP/1.1 allows) past which the connection ends.
+Honest pipelined requests are a few hundred bytes; each running request may hold this (and
+one read, 64 KiB) beside h11's own buffer, and one client may run thousands."""
+
+_WHOLE_REQUEST = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.MIGHT_SWITCH_PROTOCOL)
 
 WRITE_STALL_S = 60.0
 """Seconds one write of a response (at most a download's read chunk) may wait for its client."""

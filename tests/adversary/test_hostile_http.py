@@ -696,9 +696,11 @@ async def test_frames_sent_while_a_chat_websocket_answers_are_refused_and_a_clos
                 await trio.sleep(0.05)
 
 
-@pytest.mark.parametrize("after", [b"G", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"G" * 200_000],
-                         ids=["a byte", "a request", "past the bound"])
-async def test_a_client_that_sent_a_byte_more_and_left_is_seen_to_go(smollm2, slice_cache, after: bytes) -> None:
+@pytest.mark.parametrize("after, upgrade", [(b"G", b""), (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b""),
+                                            (b"G" * 200_000, b""), (b"G" * 200_000, b"Upgrade: x\r\n")],
+                         ids=["a byte", "a request", "past the bound", "past the bound, asking an upgrade"])  # fmt: skip
+async def test_a_client_that_sent_a_byte_more_and_left_is_seen_to_go(smollm2, slice_cache, after: bytes,
+                                                                      upgrade: bytes) -> None:  # fmt: skip
     """hypercorn's HTTP/1.1 protocol holds a read when bytes of a next request follow a
     whole one, and read nothing more until the response was done: a client that sent one
     byte more and left was never seen to go, so a non-streamed chat ran to ``max_tokens``
@@ -707,7 +709,7 @@ async def test_a_client_that_sent_a_byte_more_and_left_is_seen_to_go(smollm2, sl
     connection is now read on, and its close seen at once."""
     body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}).encode()
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n" % len(body)) + body  # fmt: skip
+               b"%sContent-Length: %d\r\n\r\n" % (upgrade, len(body))) + body  # fmt: skip
     with trio.fail_after(30):
         async with _held_turn(smollm2, slice_cache) as (port, sessions):
             client = await trio.open_tcp_stream("127.0.0.1", port)
