@@ -887,7 +887,7 @@ class ForwardService:
             hidden = result.output.hidden
             assert hidden is not None
             route, row = msg.route[1:], self._onward.get(msg.session_id)
-            if self._sent_as or (row is not None and row[0] != route):  # rare: no coroutine for every step
+            if msg.session_id in self._sent_as or (row is not None and row[0] != route):  # rare: no coroutine a step
                 await self._going_on(msg.session_id, route, msg.reply_to)  # its closes go ahead of its frames
             else:
                 self._note_onward(msg.session_id, route, msg.reply_to)
@@ -1005,6 +1005,8 @@ class ForwardService:
         them (2026-12-07, an audit). Its entry, asking itself, is told at once, and closes
         each hop directly (it waited out its close timeout, 5 s, before: a review)."""
         self.admission.closed(msg.session_id)
+        if held:  # the id the next hops still hold it under, if it was adopted here since
+            await self._close_sent_as(msg.session_id)
         onward = self._onward.get(msg.session_id)
         along = onward is not None and onward[0] == msg.route[1:]
         if along or not held:
