@@ -117,6 +117,10 @@ class ConfinedTCPServer(TCPServer):
                 send.send_nowait(bytes(data))
             nursery.cancel_scope.cancel()
         await self.protocol.handle(Closed())
+        # The client has gone: nothing is idle to time out. A feed cut short inside the
+        # protocol's ``Updated(idle=False)`` left the idle timer running, and the connection's
+        # task and descriptor waited it out, 10-30 s (a review, 2026-12-07).
+        await self.idle_task.stop()
 
     async def _room(self, waiting: Callable[[], int], taken: Callable[[], trio.Event]) -> bool:
         """Whether to read on: at once while under :data:`PIPELINED_BYTES` wait for the
@@ -133,12 +137,17 @@ class ConfinedTCPServer(TCPServer):
 
     def _holds_a_whole_request(self) -> bool:
         """The HTTP/1.1 protocol has read a whole request and holds what follows (h11's
-        ``PAUSED``): true of an h11 connection whose client has sent a whole request, one
-        asking for an upgrade (``MIGHT_SWITCH_PROTOCOL``) included: an ``Upgrade:`` header
-        on a POST made its junk wait for ever (a review, 2026-12-07). Not of a websocket's
-        (``SWITCHED_PROTOCOL``), whose frames go at the application's pace."""
+        ``PAUSED``) while its answer is under way: true of an h11 connection whose client has
+        sent a whole request, one asking for an upgrade (``MIGHT_SWITCH_PROTOCOL``) included
+        (an ``Upgrade:`` header on a POST made its junk wait for ever: a review, 2026-12-07),
+        and whose answer is not done. Between an answer's end and the next cycle (a few
+        turns) both sides read DONE: a keep-alive client's next request of over 16 KiB, sent
+        as soon as it read the answer, was taken for junk and its connection closed (a
+        second review). Not of a websocket's (``SWITCHED_PROTOCOL``), whose frames go at the
+        application's pace."""
         connection = getattr(getattr(self.protocol, "protocol", None), "connection", None)
-        return isinstance(connection, h11.Connection) and connection.their_state in _WHOLE_REQUEST
+        return (isinstance(connection, h11.Connection) and connection.their_state in _WHOLE_REQUEST
+                and connection.our_state in (h11.SEND_RESPONSE, h11.SEND_BODY))  # fmt: skip
 
     async def _idle_timeout(self) -> None:
         """Before its first request a connection has :data:`FIRST_REQUEST_S` to send it
@@ -212,7 +221,9 @@ CONNECTIONS = ConnectionTable(capacity)
 
 PIPELINED_BYTES = 16 * 1024
 """Bytes of a connection read and not yet taken by the HTTP protocol (a next request sent
-before the current one is answered, which HTTP/1.1 allows) past which the connection ends.
+before the current one is answered, which HTTP/1.1 allows) past which the connection ends,
+and the request it sent them behind with it (checked before each read, so up to one read
+more waits).
 Honest pipelined requests are a few hundred bytes; each running request may hold this (and
 one read, 64 KiB) beside h11's own buffer, and one client may run thousands."""
 

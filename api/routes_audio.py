@@ -121,15 +121,16 @@ class _TimedOut(GatewayTimeout):
 
 class _JobDidNotComplete(ApiError):
     """The job ended without output: failed (with its error_code), cancelled or expired. The
-    answer names the job and why; an SDK's retry would submit the same job again."""
+    answer names the job and why; an SDK's retry would submit the same job again, which only
+    an expired one (it waited too long for a worker) may do better."""
 
     status = 500
-    should_retry = False
 
     def __init__(self, job: dict[str, Any]) -> None:
         code = job.get("error_code") or job["state"]
         super().__init__(f"generation job {job['id']} {job['state']} ({code}): {job.get('error_message') or ''}".strip())
         self.job = job
+        self.should_retry = job["state"] == "expired"
 
     def body(self) -> dict[str, Any]:
         return {"error": self.message, "job_id": self.job["id"], "error_code": self.job.get("error_code")}

@@ -98,10 +98,12 @@ class ActiveSessions:
                     taken = trio.current_time()
                     try:
                         yield scope
+                        # Turns that ran to their end only: cut short (the client left, a
+                        # DELETE, an error), cheap connect-and-leave chats pulled the mean,
+                        # and the Retry-After with it, down to 1 s (a review, 2026-12-07).
+                        self._turn_s += _TURN_WEIGHT * (trio.current_time() - taken - self._turn_s)
                     finally:
                         self._turns.release()
-                        held = trio.current_time() - taken
-                        self._turn_s += _TURN_WEIGHT * (held - self._turn_s)
                 finally:
                     del self._scopes[session_id]
         finally:

@@ -30,13 +30,13 @@ MAX_REPLAYS = 16
 a few times a request (three failovers at most, and moves off leaving or slow hops); anyone
 who may adopt a session (its stranger opener among them) got one re-sending of everything
 kept per adopt, a ~300-byte frame each (2026-12-07, an audit)."""
-STRANGER_REPLAYS = 4
+STRANGER_REPLAYS = 6
 """Replays of a session a peer outside the registry opened here: its own moves, which it
 can make as often as it likes (adopt, close and open again), and each replay recomputes
 everything kept at the next stage. With 16 of 500 positions a session, an honest chat
-through that stage took 28 s against 6 (2026-12-07, a fix's own measurement). Four cover
-an unregistered entry's honest failovers of one request (three) and one move off a slow
-hop (a review: two did not)."""
+through that stage took 28 s against 6 (2026-12-07, a fix's own measurement). Six cover
+an unregistered entry's honest moves of one request: three failovers, two moves off a slow
+hop (``FailoverPolicy.slow_moves``) and one off a leaving hop (reviews: two and four did not)."""
 
 
 @dataclass

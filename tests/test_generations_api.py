@@ -183,6 +183,7 @@ async def test_the_sdk_does_not_retry_a_wait_that_ran_out_nor_a_failed_job(tmp_p
     failed = {"id": "j", "state": "failed", "error_code": "engine_error", "error_message": "boom"}
     for exc in (_JobDidNotComplete(failed), QuotaExceeded("the store is full")):
         assert error_headers(exc)["x-should-retry"] == "false"
+    assert "x-should-retry" not in error_headers(_JobDidNotComplete({**failed, "state": "expired"}))  # a retry may run
     assert "x-should-retry" not in error_headers(RuntimeError("a bug: a retry may meet a fixed peer"))
 
 

@@ -759,6 +759,48 @@ async def test_pipelined_requests_are_still_answered_in_order() -> None:
             nursery.cancel_scope.cancel()
 
 
+async def test_a_keep_alive_clients_large_next_request_is_answered() -> None:
+    """A next request sent as soon as the answer before it was read lands while the
+    connection's protocol still reads both sides done: one of over 16 KiB was taken for junk
+    pipelined behind a running request, and the connection closed unanswered (20 of 20 on a
+    raw socket, 8 of 30 with httpx: a review, 2026-12-07)."""
+    from quart import request
+    from quart_trio import QuartTrio
+
+    from api.app import serve_api
+
+    app = QuartTrio("keep-alive")
+
+    @app.post("/echo")
+    async def echo():  # type: ignore[no-untyped-def]
+        return str(len(await request.get_data()))
+
+    def post(size: int) -> bytes:
+        return b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % size + b"x" * size
+
+    async def answer(client: trio.SocketStream) -> bytes:
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < int(
+                got.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):  # fmt: skip
+            data = await client.receive_some(65536)
+            assert data, f"the connection closed after {got[:80]!r}"
+            got += data
+        return got.split(b"\r\n\r\n", 1)[1]
+
+    port = free_port()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_api, app, "127.0.0.1", port)
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            for _ in range(20):
+                await client.send_all(post(10))
+                assert await answer(client) == b"10"
+                await client.send_all(post(20_000))  # at once, on the same connection
+                assert await answer(client) == b"20000"
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_chat_websocket_serves_the_next_request_after_refusing_one(local_chat) -> None:
     """The refusal is for frames sent before ``"[DONE]"``; the next request is served."""
     from trio_websocket import open_websocket_url
