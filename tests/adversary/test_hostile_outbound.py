@@ -47,10 +47,14 @@ async def _attack(s: Swarm, a: PeerProcess, target: str) -> None:
         assert statuses == [200] * _LISTINGS, statuses
         assert len(listeners.asked) > _OUTBOUND, f"only {len(listeners.asked)} identities were asked"
         ports = listeners.ports()
-        with trio.move_on_after(15):
-            while sockets_to(a.process.pid, ports) > _OUTBOUND:
-                await trio.sleep(0.2)
+        # Back under the bound within a few of the guard's checks. The count that ended the
+        # wait is the verdict: one read again after it could catch a stranger dialled since
+        # by the latency round, busy for a moment (33 once in a CI run).
         held = sockets_to(a.process.pid, ports)
+        with trio.move_on_after(15):
+            while held > _OUTBOUND:
+                await trio.sleep(0.2)
+                held = sockets_to(a.process.pid, ports)
         assert held <= _OUTBOUND, f"a holds {held} outbound connections to strangers (bound {_OUTBOUND})"
         statuses = await _listings(a, listeners)  # and listings go on answering over the churn
         assert statuses == [200] * _LISTINGS, statuses
