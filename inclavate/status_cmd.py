@@ -8,7 +8,7 @@ import time
 
 from inclavate.errors import ConfigError
 from inclavate.peer_api import DEFAULT_API, PeerApi, PeerRefused, PeerUnreachable
-from inclavate.swarm_view import render_status
+from inclavate.swarm_view import render_status, shapes_of
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -27,7 +27,12 @@ def add_status_command(subparsers: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def snapshot(api: PeerApi, *, color: bool) -> str:
-    return render_status(api.get("/nodes"), api.base, color=color)
+    nodes = api.get("/nodes")
+    try:
+        shapes = shapes_of(api.get("/api/models"))
+    except PeerRefused:  # drawn from the records alone, as before the models' shapes were asked
+        shapes = {}
+    return render_status(nodes, api.base, color=color, shapes=shapes)
 
 
 def _status(args: argparse.Namespace) -> int:

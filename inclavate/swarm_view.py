@@ -41,23 +41,54 @@ class ModelView:
     model_id: str
     n_layers: int
     nodes: tuple[Node, ...]
+    holders: tuple[Node, ...] | None = None
+    """The nodes that count towards coverage (None: all of them): with the model's shape
+    known, those whose records state it, as routes take only those."""
 
     @property
     def counts(self) -> list[int]:
-        return layer_counts(self.nodes, self.n_layers)
+        return layer_counts(self.serving_nodes, self.n_layers)
+
+    @property
+    def serving_nodes(self) -> tuple[Node, ...]:
+        return self.nodes if self.holders is None else self.holders
 
 
-def models_of(nodes: Sequence[Node]) -> list[ModelView]:
-    """Models in ``/nodes`` order by id, each with its nodes sorted by range."""
+def models_of(nodes: Sequence[Node], shapes: Mapping[str, int] | None = None) -> list[ModelView]:
+    """Models in ``/nodes`` order by id, each with its nodes sorted by range.
+
+    ``shapes``: each model's layer count as the peer's ``/api/models`` states it (the
+    catalog's for a catalog model, :func:`shapes_of`), and only the nodes whose records
+    state that shape count towards its coverage, as only they carry routes. Without one,
+    the largest any record states: a single stranger's record saying ``n_layers: 100000``
+    drew the whole swarm's model as 100,000 layers with one long gap, while every chat was
+    served."""
     grouped: dict[str, list[Node]] = {}
     for node in nodes:
         grouped.setdefault(str(node.get("model_id", "?")), []).append(node)
     out = []
     for model_id in sorted(grouped):
         members = sorted(grouped[model_id], key=lambda n: (n.get("start_layer", 0), n.get("end_layer", 0), str(n.get("node_id"))))
-        n_layers = max(int(n.get("n_layers") or n.get("end_layer") or 0) for n in members)
-        out.append(ModelView(model_id, n_layers, tuple(members)))
+        shape = (shapes or {}).get(model_id)
+        if shape:
+            holders = tuple(n for n in members if n.get("n_layers") in (None, shape))
+            out.append(ModelView(model_id, shape, tuple(members), holders))
+        else:
+            out.append(ModelView(model_id, max(int(n.get("n_layers") or n.get("end_layer") or 0) for n in members), tuple(members)))
     return out
+
+
+def shapes_of(models: object) -> dict[str, int]:
+    """Each model's layer count from a peer's ``/api/models`` answer; what is not a model
+    entry with a positive integer ``n_layers`` is left out (a peer's word, checked)."""
+    shapes: dict[str, int] = {}
+    for entry in models if isinstance(models, list) else ():
+        if not isinstance(entry, dict):
+            continue
+        model_id, n_layers = entry.get("id"), entry.get("n_layers")
+        if isinstance(model_id, str) and isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0:
+            shapes[model_id] = n_layers
+    return shapes
 
 
 def layer_counts(nodes: Sequence[Node], n_layers: int) -> list[int]:
@@ -112,12 +143,14 @@ def coverage_strip(counts: Sequence[int], *, color: bool = False, max_cells: int
     return "".join(out)
 
 
-def render_status(nodes: Sequence[Node], api: str, *, color: bool = False) -> str:
-    """The whole ``inclavate status`` screen. Every string of ``nodes`` is any peer's word
-    (a model id, a node id): it is printed without the characters a terminal acts on."""
+def render_status(nodes: Sequence[Node], api: str, *, color: bool = False, shapes: Mapping[str, int] | None = None) -> str:
+    """The whole ``inclavate status`` screen (``shapes``: see :func:`models_of`). Every
+    string of ``nodes`` is any peer's word (a model id, a node id): it is printed without
+    the characters a terminal acts on."""
+    shapes = {printable(model_id): n for model_id, n in (shapes or {}).items()}
     nodes = [printable_tree(node) for node in nodes]
     lines = [_paint(f"Inclavate swarm at {printable(api)}", BOLD, color)]
-    models = models_of(nodes)
+    models = models_of(nodes, shapes)
     if not nodes:
         return "\n".join([*lines, "", "No node is registered yet."])
     peers = len({n.get("peer_id") for n in nodes})
@@ -134,7 +167,7 @@ def _model_lines(model: ModelView, color: bool) -> list[str]:
     gaps = [(s, e) for s, e, c in runs(counts) if c == 0]
     if gaps:
         health = _paint("gap at layers " + ", ".join(f"{s}-{e}" for s, e in gaps), RED, color)
-    elif not has_chain(model.nodes, model.n_layers):
+    elif not has_chain(model.serving_nodes, model.n_layers):
         health = _paint("no chain: held ranges do not meet end to start", RED, color)
     else:
         health = _paint("chain complete", GREEN, color)

@@ -12,7 +12,7 @@ from inclavate.chat_cmd import Turn, stats_line
 from inclavate.cli import main
 from inclavate.local_swarm import free_port
 from inclavate.peer_api import PeerApi, PeerUnreachable, api_base, error_text, sse_events
-from inclavate.swarm_view import coverage_strip, layer_counts, models_of, render_status, runs
+from inclavate.swarm_view import coverage_strip, layer_counts, models_of, render_status, runs, shapes_of
 from inclavate.terminal import printable
 
 
@@ -117,6 +117,25 @@ def test_models_group_and_sort_nodes() -> None:
     assert [m.model_id for m in models] == ["a:1", "m:1"]
     assert [n["node_id"] for n in models[1].nodes] == ["a", "b"]
     assert models[1].n_layers == 30
+
+
+def test_a_record_stating_another_shape_does_not_stretch_the_model() -> None:
+    """A stranger's record saying ``n_layers: 100000`` drew the model as 100,000 layers, one
+    long gap and "no chain", while every chat was served. The peer's ``/api/models`` states
+    the shape (the catalog's for a catalog model); the records only place the nodes."""
+    liar = node("liar", 0, 30, n_layers=100000)
+    screen = render_status([*SWARM, liar], "u", shapes=shapes_of([{"id": "m:1", "n_layers": 30}]))
+    assert "m:1  30 layers  chain complete" in screen, screen
+    assert "  replicas 0-20 x1, 20-30 x2" in screen, screen  # listed, but holding nothing of this shape
+    assert any(line.startswith("liar ") for line in screen.splitlines()), screen
+    assert "m:1  100000 layers" in render_status([*SWARM, liar], "u")  # the records alone: before
+
+
+def test_model_shapes_keep_only_well_formed_entries() -> None:
+    answer = [{"id": "a:1", "n_layers": 30}, {"id": "b:1", "n_layers": "30"}, {"id": "c:1", "n_layers": True},
+              {"id": "d:1", "n_layers": 0}, {"n_layers": 4}, "junk", {"id": 7, "n_layers": 4}]  # fmt: skip
+    assert shapes_of(answer) == {"a:1": 30}
+    assert shapes_of({"error": "no"}) == {} and shapes_of(None) == {}
 
 
 def test_a_turn_separates_reasoning_from_the_answer() -> None:

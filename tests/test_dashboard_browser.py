@@ -151,6 +151,20 @@ def test_ranges_that_hold_every_layer_but_do_not_meet_are_no_chain(swarm, page) 
     assert console.errors() == []
 
 
+def test_a_record_stating_another_shape_does_not_stretch_the_model(swarm, page) -> None:
+    """A stranger's record saying ``n_layers: 100000`` drew the model as 100,000 layers with
+    one long gap, while every chat was served. The page takes the shape from the peer's
+    ``/api/models`` (the catalog's) and counts only the records that state it."""
+    _, peers, _ = swarm
+    tab, console = page
+    liar = {**_node("12D3KooWdddd", 0, 30), "n_layers": 100000}
+    card, tiles = _swarm_page_with(tab, peers["a"].url, [_node("12D3KooWaaaa", 0, 10), _node("12D3KooWbbbb", 10, 20),
+                                                          _node("12D3KooWcccc", 20, 30), liar])  # fmt: skip
+    assert "30 layers" in card and "chain complete" in card and "fewest replicas 1" in card, card
+    assert "100000" not in card, card
+    assert console.errors() == []
+
+
 def test_a_draining_sole_holder_is_shown_draining_and_no_chain(swarm, page) -> None:
     """The only holder of 10-20 stopping politely (Ctrl-C) serves its sessions but takes no
     new chat, which gets a 503. Before, the Swarm page counted it Ready and said "chain

@@ -6,8 +6,14 @@ export function serving(node) {
   return node.state === "Ready" && !node.idle && !node.draining;
 }
 
-/** Models seen in /nodes, each with its layer count and its nodes sorted by range. */
-export function modelsOf(nodes) {
+/**
+ * Models seen in /nodes, each with its layer count and its nodes sorted by range.
+ * `shapes` (from shapesOf): a model's layer count as the peer's /api/models states it (the
+ * catalog's for a catalog model); then only the nodes whose records state that shape are its
+ * `holders` (what coverage counts, as only they carry routes). Without it, the largest count
+ * any record states: one stranger's record saying 100000 drew the model as 100,000 layers.
+ */
+export function modelsOf(nodes, shapes = new Map()) {
   const byModel = new Map();
   for (const node of nodes) {
     const model = byModel.get(node.model_id) || { id: node.model_id, nLayers: 0, nodes: [] };
@@ -18,8 +24,22 @@ export function modelsOf(nodes) {
   const models = [...byModel.values()].sort((a, b) => a.id.localeCompare(b.id));
   for (const m of models) {
     m.nodes.sort((a, b) => a.start_layer - b.start_layer || a.end_layer - b.end_layer || a.node_id.localeCompare(b.node_id));
+    const shape = shapes.get(m.id);
+    if (shape) m.nLayers = shape;
+    m.holders = shape ? m.nodes.filter((n) => n.n_layers == null || n.n_layers === shape) : m.nodes;
   }
   return models;
+}
+
+/** Each model's layer count from a peer's /api/models answer: well-formed entries only. */
+export function shapesOf(live) {
+  const shapes = new Map();
+  for (const entry of Array.isArray(live) ? live : []) {
+    if (entry && typeof entry.id === "string" && Number.isInteger(entry.n_layers) && entry.n_layers > 0) {
+      shapes.set(entry.id, entry.n_layers);
+    }
+  }
+  return shapes;
 }
 
 /** How many serving nodes hold each layer 0..nLayers-1. */

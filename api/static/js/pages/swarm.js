@@ -4,7 +4,7 @@
 
 import { get } from "../api.js";
 import { fill, fmtNumber, h, loading, message, s, shortId, stateBadge } from "../dom.js";
-import { gaps, hasChain, lanes, layerCounts, modelsOf, runs, serving } from "../coverage.js";
+import { gaps, hasChain, lanes, layerCounts, modelsOf, runs, serving, shapesOf } from "../coverage.js";
 
 const POLL_MS = 2000;
 const STATES = ["Ready", "Joining", "Degraded", "Dead", "Idle", "Draining"];
@@ -20,7 +20,7 @@ function legend() {
 
 function summary(nodes, models) {
   const ready = nodes.filter(serving).length;
-  const complete = models.filter((m) => hasChain(m.nodes, m.nLayers)).length;
+  const complete = models.filter((m) => hasChain(m.holders, m.nLayers)).length;
   const peers = new Set(nodes.map((n) => n.peer_id)).size;
   return h("div", { class: "tiles" },
     tile("Peers", peers), tile("Nodes ready", `${ready} / ${nodes.length}`),
@@ -88,7 +88,7 @@ function networkGraph(models, selfPeer) {
 /** The coverage bar (per-layer Ready holders) over lanes of node ranges, one model. */
 function coverageChart(model) {
   const W = 900, BAR = 30, LANE = 30, TOP = 4, AXIS = 20;
-  const counts = layerCounts(model.nodes, model.nLayers);
+  const counts = layerCounts(model.holders, model.nLayers);
   const placed = lanes(model.nodes);
   const nLanes = Math.max(1, ...placed.map((p) => p.lane + 1));
   const height = TOP + BAR + AXIS + nLanes * LANE + 6;
@@ -135,11 +135,11 @@ function laneLabel(node, state, width) {
 }
 
 function modelCard(model) {
-  const counts = layerCounts(model.nodes, model.nLayers);
+  const counts = layerCounts(model.holders, model.nLayers);
   const missing = gaps(counts);
   const status = missing.length > 0
     ? h("span", { class: "badge bad" }, `gap: layers ${missing.map((g) => `${g.start}–${g.end}`).join(", ")}`)
-    : hasChain(model.nodes, model.nLayers)
+    : hasChain(model.holders, model.nLayers)
       ? h("span", { class: "badge ok" }, "chain complete")
       : h("span", { class: "badge bad" }, "no chain: held ranges do not meet end to start");
   const minReplicas = counts.length ? Math.min(...counts) : 0;
@@ -160,8 +160,11 @@ export function mount(root, page) {
   let selfPeer = "";
   get("/health", { signal: page.signal }).then((health) => { selfPeer = health.peer_id; }, () => {});
   page.poll(async () => {
-    const nodes = await get("/nodes", { signal: page.signal });
-    const models = modelsOf(nodes);
+    const [nodes, live] = await Promise.all([
+      get("/nodes", { signal: page.signal }),
+      get("/api/models", { signal: page.signal }).catch(() => []), // drawn from the records alone
+    ]);
+    const models = modelsOf(nodes, shapesOf(live));
     if (!nodes.length) {
       fill(body, message("info", "No node is registered yet: start a peer with `inclavate peer --model ID`."));
       return;
