@@ -51,6 +51,9 @@ class ChatJob:
     created: int = field(default_factory=lambda: int(time.time()))
     generation_tools: tuple[GenerationTool, ...] = ()
     """Generators offered as tools because the request set ``tool_choice``."""
+    answer_id: str | None = None
+    """The id the client was given for this turn, when the route answers in another shape
+    than a chat completion (``resp_...``): what ``GET /sessions/:id`` says back."""
 
     @property
     def completion_id(self) -> str:

@@ -102,12 +102,14 @@ def _text_config(value: Any) -> None:
     if not isinstance(value, dict):
         raise BadRequest("text must be an object")
     fmt = value.get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise BadRequest(f"text.format {kind!r} is not supported: output cannot be constrained to JSON here; "
+    if fmt is not None and not isinstance(fmt, dict):
+        raise BadRequest("text.format must be an object, such as {\"type\": \"text\"}")
+    if fmt is not None and fmt.get("type") != "text":
+        raise BadRequest(f"text.format {fmt.get('type')!r} is not supported: output cannot be constrained to JSON here; "
                          "leave it out (or {\"type\": \"text\"}), ask for JSON in the input and parse the reply")  # fmt: skip
-    if value.get("verbosity") is not None:
-        raise BadRequest("text.verbosity is not supported: say how long an answer you want in the instructions")
+    if value.get("verbosity") not in (None, "medium"):  # OpenAI's default, which SDKs may always send
+        raise BadRequest("text.verbosity is not supported but as \"medium\": say how long an answer you want "
+                         "in the instructions")  # fmt: skip
 
 
 def _echoed(body: Mapping[str, Any]) -> None:
@@ -184,10 +186,13 @@ def _message(item: Any, name: str) -> dict[str, Any]:
         return {"role": role, "content": content}
     if not isinstance(content, list):
         raise BadRequest(f"{name}.content must be a string or a list of content parts")
-    return {"role": role, "content": [_text_part(p, f"{name}.content[{j}]") for j, p in enumerate(content)]}
+    # One string, as the chat template would join the parts anyway: as parts, each counted
+    # against the chat route's budget of 64 media parts a request, and the SDK's usual loop
+    # (``input += response.output``) was refused at its 33rd turn (an audit, 2026-12-08).
+    return {"role": role, "content": "".join(_text_part(p, f"{name}.content[{j}]") for j, p in enumerate(content))}
 
 
-def _text_part(part: Any, name: str) -> dict[str, Any]:
+def _text_part(part: Any, name: str) -> str:
     if not isinstance(part, dict):
         raise BadRequest(f"{name} must be an object")
     if part.get("type") not in _TEXT_PARTS:
@@ -197,4 +202,4 @@ def _text_part(part: Any, name: str) -> dict[str, Any]:
     text = part.get("text")
     if not isinstance(text, str):
         raise BadRequest(f"{name}.text must be a string")
-    return {"type": "text", "text": text}
+    return text

@@ -9,6 +9,8 @@ streaming) for ``POST /v1/responses`` too, which only translates (``api.routes_r
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -66,6 +68,7 @@ class _Tracking:
 
 async def _run(job: ChatJob, tracking: _Tracking, emit: Any) -> GenerationResult:
     sid, model = job.session_id, job.request.model
+    note = functools.partial(tracking.routes.note, sid, model, answer_id=job.answer_id)
 
     noted: list[object] = [None]
 
@@ -75,16 +78,16 @@ async def _run(job: ChatJob, tracking: _Tracking, emit: Any) -> GenerationResult
         # not at every token (comparing routes hop by hop is work on a token's path).
         route = tracking.ctx.session_route(sid)
         if route is not noted[0]:
-            tracking.routes.note(sid, model, route)
+            note(route)
             noted[0] = route
         await emit(delta)
 
-    tracking.routes.note(sid, model, None)
+    note(None)
     async with tracking.sessions.track(sid):
         try:
             return await job.generation.run(noting_route)
         finally:
-            tracking.routes.note(sid, model, None, active=False)
+            note(None, active=False)
 
 
 def _events(app: QuartTrio, job: ChatJob, tracking: _Tracking) -> AsyncIterator[dict[str, Any]]:

@@ -47,6 +47,7 @@ def install(app: QuartTrio, ctx: PeerContext) -> None:
 
         job = await runner.prepare(translate)
         shell = Shell.of(job, seen[0])
+        job.answer_id = shell.id
         if job.request.stream:
 
             async def body() -> AsyncIterator[bytes]:

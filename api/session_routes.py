@@ -26,10 +26,12 @@ class SessionRoute:
     model_id: str
     hops: tuple[Hop, ...]
     active: bool
+    answer_id: str | None = None
+    """The id the client was given (None: the chat completion's, ``chatcmpl-``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "id": f"chatcmpl-{self.session_id}",
+            "id": self.answer_id or f"chatcmpl-{self.session_id}",
             "session_id": self.session_id,
             "model": self.model_id,
             "active": self.active,
@@ -47,13 +49,14 @@ class RouteBook:
         self._capacity = capacity
         self._entries: OrderedDict[SessionId, SessionRoute] = OrderedDict()
 
-    def note(self, session_id: SessionId, model_id: str, hops: Sequence[Hop] | None, *, active: bool = True) -> None:
+    def note(self, session_id: SessionId, model_id: str, hops: Sequence[Hop] | None, *, active: bool = True,
+             answer_id: str | None = None) -> None:  # fmt: skip
         """Record (or update) a session; ``hops`` None keeps what was known."""
         known = self._entries.get(session_id)
         route = tuple(hops) if hops is not None else (known.hops if known else ())
         if known is not None and known.hops == route and known.active == active:
             return
-        self._entries[session_id] = SessionRoute(session_id, model_id, route, active)
+        self._entries[session_id] = SessionRoute(session_id, model_id, route, active, answer_id)
         self._entries.move_to_end(session_id)
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)

@@ -42,8 +42,7 @@ def test_a_body_becomes_the_chat_body_it_means() -> None:
     assert chat_body(body) == {
         "model": MODEL,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in French."},
-                     {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
-                     {"role": "assistant", "content": [{"type": "text", "text": "Salut"}]}],  # fmt: skip
+                     {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Salut"}],  # fmt: skip
         "max_tokens": 9, "temperature": 0, "top_p": 0.5, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     assert chat_body({"model": MODEL, "input": "Hi"}) == {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
@@ -64,6 +63,7 @@ def test_a_body_becomes_the_chat_body_it_means() -> None:
         ({"background": True}, "background"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"text": {"format": "text"}}, "text.format"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[0].content[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
@@ -87,6 +87,23 @@ def test_what_is_not_served_is_refused_by_name(extra: dict, named: str) -> None:
     with pytest.raises(BadRequest) as refused:
         chat_body({"model": MODEL, "input": "Hi", **extra})
     assert refused.value.message.startswith(named + " "), refused.value.message
+
+
+def test_a_long_conversation_of_text_parts_is_one_string_a_message() -> None:
+    """The SDK's loop (``input += response.output``) sends every turn back as content parts:
+    counted against the chat route's 64 media parts a request, its 33rd turn was a 400
+    ``too_many_parts`` that named ``messages[64]`` (an audit from outside, 2026-12-08)."""
+    turns = [item for i in range(40) for item in (
+        {"role": "user", "content": [{"type": "input_text", "text": f"Q{i} "}, {"type": "input_text", "text": "more"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"A{i}"}]})]  # fmt: skip
+    messages = chat_body({"model": MODEL, "input": turns})["messages"]
+    assert len(messages) == 80 and messages[0] == {"role": "user", "content": "Q0 more"}
+    assert messages[1] == {"role": "assistant", "content": "A0"}
+
+
+def test_openai_defaults_sent_as_values_are_taken() -> None:
+    """An SDK that always sends its defaults: ``text.verbosity`` ``"medium"`` was a 400."""
+    chat_body({"model": MODEL, "input": "Hi", "text": {"verbosity": "medium", "format": {"type": "text"}}})
 
 
 def test_an_answer_sent_back_with_its_reasoning_is_taken_without_it() -> None:
@@ -276,7 +293,11 @@ def test_a_stream_cut_short_frees_the_session_and_a_deleted_one_fails(peer: Peer
     with httpx.stream("POST", peer.url + "/v1/responses", json=body, timeout=60) as response:
         lines = response.iter_lines()
         created = json.loads(next(l for l in lines if l.startswith("data: "))[6:])
-        deleted = httpx.delete(f"{peer.url}/sessions/{created['response']['id']}")
+        answer_id = created["response"]["id"]
+        # The route of the response is told under the id the client was given (it said
+        # ``chatcmpl-``, an id the client never saw: an audit, 2026-12-08).
+        assert peer.get(f"/sessions/{answer_id}")["id"] == answer_id
+        deleted = httpx.delete(f"{peer.url}/sessions/{answer_id}")
         assert deleted.status_code == 204
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert events[-1]["type"] == "response.failed" and "closed" in events[-1]["response"]["error"]["message"]
