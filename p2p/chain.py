@@ -75,6 +75,11 @@ not awaited)."""
 _NO_TOKENS = np.zeros(0, np.int32)
 """The input of a frame made only to learn its step context."""
 
+OWN_PAUSE_S = 1.0
+"""A token's wait that woke this much later than it asked was this peer not running (stopped,
+swapped out, its event loop blocked): the step's deadline and its pace move past that time.
+An entry stopped for 8 s had missed every deadline when it woke, and failed its sessions over
+blaming hops whose answers sat unread in its own sockets (an audit, 2026-12-08)."""
 CLIENT_ERRORS = frozenset({"context_full", "invalid_batch"})
 """Error codes that refuse a hop's input: the request's fault (another route would fail the
 same way) only where that input is the request itself (:meth:`SwarmPipeline._refused_input`)."""
@@ -370,7 +375,12 @@ class SwarmPipeline:
         while True:
             # The route's health is looked at every ``poll_s`` while the token is out; the
             # wait needs no cancel scope of its own (``p2p.inbox``: a token's hand-over).
-            reply = await leg.inbox.receive_by(min(trio.current_time() + self.policy.poll_s, deadline_at))
+            wake_at = min(trio.current_time() + self.policy.poll_s, deadline_at)
+            reply = await leg.inbox.receive_by(wake_at)
+            late = trio.current_time() - wake_at
+            if late > OWN_PAUSE_S:  # this peer did not run: that time is no hop's
+                deadline_at += late
+                session.flight_since += late
             if reply is not None:
                 outcome = self._on_reply(leg, reply, req)
                 if isinstance(outcome, int):

@@ -73,6 +73,13 @@ _DETAILS_ASK_S = 30.0
 _RESYNC_ON_CONNECT_S = 30.0
 """A neighbour that connects again within this long is not synced with again: a sync answer
 costs us ~1 ms of decoding per record, and reconnecting is free for the neighbour."""
+AGE_PERIOD_S = 1.0
+"""How often the table is aged (and the clock read for it, at the least)."""
+PAUSE_MS = 2_000
+"""Time between two of the ageing loop's readings beyond its period that is this peer's own
+pause, not its neighbours' silence: the process stopped or swapped out, its event loop
+blocked, or the wall clock stepped forward. Shorter hiccups (a loaded machine's late turns)
+age records as they come; a node is Degraded only after 6 s of silence anyway."""
 
 
 class RegistryService:
@@ -105,6 +112,8 @@ class RegistryService:
         swarm that lost none before, learned within 2 minutes instead of ~30 s."""
         self._sync_period = sync_interval
         self.clock = clock
+        self._last_read: int | None = None
+        """The clock's last reading for ageing (:meth:`_now`), once the ageing loop runs."""
         self.table = Table()
         self._own: dict[NodeId, NodeRecord] = {}
         """Records this peer publishes: its own, and legacy nodes it vouches for."""
@@ -132,16 +141,19 @@ class RegistryService:
     # --------------------------------------------------------------- reading
 
     def views(self) -> list[NodeView]:
-        return list(self.table.views(self.clock(), self.liveness))
+        now = self._now()  # first: it may move the table on (a pause)
+        return list(self.table.views(now, self.liveness))
 
     def view(self, node_id: NodeId) -> NodeView | None:
         """One node's view: what a hot path asks instead of listing the whole registry."""
-        return self.table.view(node_id, self.clock(), self.liveness)
+        now = self._now()
+        return self.table.view(node_id, now, self.liveness)
 
     def heal_key(self, model_id: ModelId) -> tuple[int | None, int]:
         """Changes whenever ``model_id``'s views may read differently to the healer
         (:meth:`p2p.registry.Table.heal_key`): while it stands, the healer's last look holds."""
-        return self.table.heal_key(model_id, self.clock(), self.liveness)
+        now = self._now()
+        return self.table.heal_key(model_id, now, self.liveness)
 
     def own(self, node_id: NodeId) -> NodeRecord | None:
         """The latest version of a record this peer publishes."""
@@ -289,9 +301,28 @@ class RegistryService:
                     log.exception("the heartbeat of %s failed; retrying next beat", node_id)
 
     async def _age(self) -> None:
+        self._last_read = self.clock()  # read every second from now on: a longer gap is a pause
         while True:
-            await sleep_to_tick(1.0)
-            self._set_table(expire(self.table, self.clock(), self.liveness), notify=True)
+            await sleep_to_tick(AGE_PERIOD_S)
+            now = self._now()
+            self._set_table(expire(self.table, now, self.liveness), notify=True)
+
+    def _now(self) -> int:
+        """The clock, for ageing records: first, if this peer did not run for a while
+        (:data:`PAUSE_MS`), every record's freshness moves past that time. An entry stopped
+        for 8 s (SIGSTOP, swapped out, a laptop's lid) found every hop Degraded when it
+        woke, heard nothing for 6 s by its own clock, and failed all its sessions over onto
+        other routes, blaming healthy peers (an audit, 2026-12-08)."""
+        now = self.clock()
+        last = self._last_read
+        if last is None:  # the ageing loop is not running (a registry read in a test)
+            return now
+        self._last_read = max(last, now)
+        missed = now - last - round(AGE_PERIOD_S * 1000)
+        if missed > PAUSE_MS:
+            log.info("this peer did not run for %.1f s: the registry's records age from now", missed / 1000)
+            self._set_table(self.table.resumed(missed, now), notify=True)
+        return now
 
     async def _sync_on_connect(self, events: trio.MemoryReceiveChannel[Any], nursery: trio.Nursery) -> None:
         async with events:
@@ -532,7 +563,8 @@ class RegistryService:
         if self._is_banned(header.node_id):
             verdict: Verdict | None = Verdict.BANNED
         else:
-            verdict = admit(self.table, header, self.clock(), self.liveness, self.limits)
+            now = self._now()
+            verdict = admit(self.table, header, now, self.liveness, self.limits)
         if verdict is not None and verdict.rejected:
             self.drops.count(verdict)
         return verdict
@@ -552,7 +584,8 @@ class RegistryService:
         except InvalidRecord as exc:
             self.drops.count(exc.reason)
             return False
-        _, verdict = apply(self.table, signed, self.clock(), self.liveness, limits=self.limits)
+        now = self._now()
+        _, verdict = apply(self.table, signed, now, self.liveness, limits=self.limits)
         if verdict.rejected:
             self.drops.count(verdict)
             log.debug("rejected a record from %s: %s", origin, verdict.value)
@@ -563,7 +596,8 @@ class RegistryService:
     def _accept(self, signed: SignedRecord, via: str, *, notify: bool = True) -> Verdict:
         if self._is_banned(signed.record.node_id):
             return Verdict.BANNED
-        table, verdict = apply(self.table, signed, self.clock(), self.liveness, via, self.limits)  # type: ignore[arg-type]
+        now = self._now()
+        table, verdict = apply(self.table, signed, now, self.liveness, via, self.limits)  # type: ignore[arg-type]
         if verdict is Verdict.ACCEPTED:
             if len(table) == len(self.table) and self.table.get(signed.record.node_id) is None:
                 self.drops.count(Eviction.FAIR_SHARE)  # a new node, and no more rows: one made room

@@ -218,6 +218,14 @@ class Table:
     def signed_by(self, peer_id: PeerId) -> int:
         return len(self._by_signer.get(peer_id, ()))
 
+    def resumed(self, missed_ms: int, now_ms: int) -> Table:
+        """This table with every node's freshness ``missed_ms`` later (never past ``now_ms``):
+        the time this peer did not run, which is no node's silence (``GossipRegistry``'s
+        pause check)."""
+        entries = {node: dataclasses.replace(entry, fresh_ms=min(now_ms, entry.fresh_ms + missed_ms))
+                   for node, entry in self.entries.items()}  # fmt: skip
+        return Table(MappingProxyType(entries), self.evicted)
+
     def largest_signer(self) -> tuple[int, PeerId] | None:
         """``(records, signer)`` of the signer holding the most, or None if the table is empty."""
         return self._largest

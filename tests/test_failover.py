@@ -230,6 +230,29 @@ def test_the_last_stage_killed_during_prefill(greedy_swarm) -> None:
     wait_no_sessions(s, list(peers.values()))
 
 
+def test_an_entry_that_did_not_run_for_8_s_blames_no_hop(greedy_swarm, greedy_text: str) -> None:
+    """The entry stopped (SIGSTOP: swapped out, a laptop's lid) for longer than the step
+    deadline and the registry's 6 s of silence: when it runs again, its hops' answers and
+    heartbeats are in its sockets. Before, it had every hop Degraded and every deadline
+    missed, and failed both streams over blaming healthy peers (an audit, 2026-12-08)."""
+    s, peers = greedy_swarm
+    entry = peers["a"]
+    since = len(entry.log_path.read_text(errors="replace"))
+
+    def pause_the_entry(_: list[StreamedChat]) -> None:
+        entry.process.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(8)
+        finally:
+            entry.process.send_signal(signal.SIGCONT)
+
+    chats = run_streams(entry, [ask(QUESTION, STREAM_TOKENS)] * 2, pause_the_entry)
+    assert [(c.error, c.text) for c in chats] == [(None, greedy_text)] * 2
+    failovers = [line for line in entry.log_path.read_text(errors="replace")[since:].splitlines() if "failover" in line]
+    assert failovers == [], failovers
+    wait_no_sessions(s, list(peers.values()))
+
+
 def test_no_live_holder_left_is_a_503_naming_the_layers(greedy_swarm) -> None:
     s, peers = greedy_swarm
     entry = peers["a"]

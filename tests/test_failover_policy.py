@@ -249,6 +249,45 @@ def test_what_the_registry_says_about_a_hop() -> None:
     assert hop_trouble(hop, view("b", 10, 20, idle=True)) == "leaving"
 
 
+def test_an_entry_that_did_not_run_past_the_deadline_waits_on_for_the_token() -> None:
+    """The entry stopped (SIGSTOP, swapped out) for 20 s while a token was out: when it runs
+    again its wait wakes 20 s late, every deadline behind it, the answer maybe unread in its
+    own socket. That time is no hop's: the deadline moves past it and the token comes.
+    Before, the session failed over at once, blaming every hop (an audit, 2026-12-08)."""
+    from p2p.chain import SwarmPipeline, _Session
+
+    views = [view("a", 0, 10), view("b", 10, 30)]
+    service = _Service("a", held=None)
+    policy = FailoverPolicy()
+    pipeline = SwarmPipeline(service, MODEL, lambda: views, 512, {v.record.node_id: v for v in views}.get,  # type: ignore[arg-type]
+                             policy=policy, health=PeerHealth(policy), rng=random.Random(1))  # fmt: skip
+    clock = MockClock()
+
+    async def main() -> None:
+        session = _Session(SessionId("s"))
+        pipeline._sessions[session.session_id] = session
+        pipeline._open_leg(session, choose_route(views, MODEL, PeerId("a")))
+        leg = session.leg
+        assert leg is not None
+        pipeline.deadline.observe(1, 0.05)  # steps measured: the deadline is its floor, 5 s
+        session.flight_since, session.flight_tokens = trio.current_time(), 1
+        outcome: list[object] = []
+
+        async def wait() -> None:
+            outcome.append(await pipeline._await_token(session, 7))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(20.0)  # the whole process stopped: the waiting task wakes late
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcome == [], outcome  # no Broken: still waiting
+            leg.inbox.send_nowait(wire.Result(7, leg.wire_id, 42))
+        assert outcome == [42]
+
+    trio.run(main, clock=clock)
+
+
 def test_a_legs_health_asks_the_registry_only_about_its_own_hops() -> None:
     """Every session polls its route every ``poll_s``: the answer must come from lookups of
     the route's nodes, not from listing a registry that may hold thousands."""

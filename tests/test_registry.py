@@ -286,6 +286,23 @@ async def test_heartbeats_are_slim_and_details_go_out_on_change_no_faster_than_t
     assert service.own(ALICE.peer_id).samples == moved
 
 
+def test_a_pause_of_this_peer_is_no_nodes_silence() -> None:
+    """The ageing loop reads the clock every second: a longer gap is time this peer did not
+    run (stopped, swapped out), and its records age from when it runs again. Before, an
+    entry stopped for 8 s found every hop Degraded and failed its sessions over (an audit,
+    2026-12-08). A silence this peer was awake for ages the records as before."""
+    clock = [NOW]
+    service = RegistryService(_Wire(), ALICE, LIVE, clock=lambda: clock[0])  # type: ignore[arg-type]
+    assert service._accept(signed(MALLORY, 0, 30, ts_ms=NOW, seq=NOW), "gossip") is Verdict.ACCEPTED
+    service._last_read = clock[0]  # as the ageing loop does when it starts
+    clock[0] += 8_000  # no reading for 8 s: this peer was stopped
+    assert service.view(MALLORY.peer_id).state == "Ready"
+    for _ in range(8):  # awake, a reading each second, and the node silent
+        clock[0] += 1_000
+        service.view(MALLORY.peer_id)
+    assert service.view(MALLORY.peer_id).state == "Degraded"
+
+
 class _Connected(_Wire):
     def __init__(self, connected: set[str]) -> None:
         super().__init__()
