@@ -171,7 +171,12 @@ class LocalSwarm:
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1" if self.colocated else "0",
                      **self.env, **(env or {})}  # fmt: skip
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            # A session of its own: a terminal's Ctrl-C reaches whoever started the swarm, which
+            # asks each peer once (``stop_all``). In the terminal's process group each peer had
+            # the Ctrl-C, then stop_all's SIGTERM as a second signal: "leave now", no drain
+            # (an audit from outside, 2026-12-08).
+            process = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                       start_new_session=True)  # fmt: skip
         peer = PeerProcess(name, port, process, log_path, data_dir)
         self.peers.append(peer)
         return peer

@@ -113,6 +113,8 @@ class Peer:
         self.stage: Stage | None = None
         self.api_urls: list[str] = []
         self.shutting_down = False
+        self.leaving_now = False
+        """A second Ctrl-C: what is left of the peer answers nothing more (no close waits)."""
         self._started = time.time()
         self._spec: ModelSpec | None = None
         self._model_path: Path | None = None
@@ -315,6 +317,7 @@ class Peer:
 
     async def leave_now(self) -> None:
         """Announce Dead (bounded: a second Ctrl-C must not wait on the network)."""
+        self.leaving_now = True
         if self.registry is None or self._own_record() is None:
             return  # never announced anything
         log.info("announcing departure")
@@ -836,6 +839,7 @@ class Peer:
                 is_connected=self.host.is_connected,
                 probe=self.latency.responds if self.latency else None,
                 policy=self.config.failover, health=self._peer_health, lanes=self.config.decode_lanes,
+                left=lambda: self.leaving_now,
             )  # fmt: skip
         facts, shape = self._model_facts(model_id), self._catalog_shape(model_id)
         pipeline.n_layers = facts[0] if facts else None

@@ -28,6 +28,10 @@ from inclavate.store import ModelStore
 from inclavate.tensors import WIRE_DTYPES
 from p2p.identity import load_or_create_identity
 
+PEERS_DRAIN_S = 30.0
+"""How long a peer of the swarm drains its sessions when stopped: ``peer --drain-timeout``'s
+default, which the swarm does not change."""
+
 log = logging.getLogger(__name__)
 
 
@@ -175,7 +179,17 @@ def _serve_until_interrupted(swarm: LocalSwarm, *, stop_on_exit: bool) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
-    # The peers got the same Ctrl-C and are leaving; a second one must not abandon them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print("\nstopping the swarm...", file=sys.stderr)
+    _stop_politely(swarm)
     return 0
+
+
+def _stop_politely(swarm: LocalSwarm) -> None:
+    """Each peer told once: it drains its sessions (up to its ``--drain-timeout``) and
+    leaves; a second Ctrl-C tells them again, and they leave at once."""
+    print("\nstopping the swarm: the peers finish their chats (Ctrl-C again to stop at once)...", file=sys.stderr)
+    try:
+        swarm.stop_all(timeout=PEERS_DRAIN_S + 10)
+    except KeyboardInterrupt:
+        print("stopping at once...", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the second signal is sent: a third must not abandon them
+        swarm.stop_all()

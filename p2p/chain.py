@@ -75,6 +75,12 @@ not awaited)."""
 _NO_TOKENS = np.zeros(0, np.int32)
 """The input of a frame made only to learn its step context."""
 
+LEFT_CLOSE_S = 0.5
+"""How long a session's close may take once this peer leaves at once: a close goes to each
+other hop directly, no answer is awaited (the chained close would start at the peer's own
+stage, gone). Each session's close waited
+its 5 s twice, and a second Ctrl-C took 11 s with a chat streaming (an audit, 2026-12-08);
+hops a close missed free the session at their idle timeout."""
 OWN_PAUSE_S = 1.0
 """A token's wait that woke this much later than it asked was this peer not running (stopped,
 swapped out, its event loop blocked): the step's deadline and its pace move past that time.
@@ -257,6 +263,9 @@ class SwarmPipeline:
     policy: FailoverPolicy = field(default_factory=FailoverPolicy)
     health: PeerHealth = field(default_factory=PeerHealth)
     close_timeout: float = 5.0
+    left: Callable[[], bool] = lambda: False
+    """Whether this peer is leaving at once (a second Ctrl-C): its own stage and forward
+    service answer nothing more, so a close waits for no answer (:data:`LEFT_CLOSE_S`)."""
     lanes: int = 4
     """Most lanes new sessions are spread over (one per stage of their route, up to this),
     the least used first; 1: one lane for all."""
@@ -929,6 +938,12 @@ class SwarmPipeline:
             return
         leg = session.leg
         try:
+            if self.left():  # the chained close would start at this peer's own, gone, stage
+                with trio.move_on_after(LEFT_CLOSE_S):
+                    for hop in leg.route:
+                        if hop.peer_id != self.service.me:
+                            await self.service.ask(hop.peer_id, wire.Close(new_request_id(), leg.wire_id, (hop,), self.service.me))
+                return
             req = new_request_id()
             await self.service.ask(leg.route[0].peer_id, wire.Close(req, leg.wire_id, leg.route, self.service.me))
             if await self._await_closed(leg.inbox, {req}):

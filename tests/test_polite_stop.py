@@ -110,6 +110,31 @@ def test_a_second_signal_leaves_at_once(ends) -> None:
     s.wait(lambda: a.get("/health")["sessions"] == {"stage": 0, "entry": 0}, 15, "a frees the session")
 
 
+def test_a_second_signal_leaves_at_once_an_entry_driving_a_stream(ends) -> None:
+    """The peer a chat came in through, told twice: its generation's close waited for
+    answers its own cancelled stage never sent (5 s, twice), and it took 11 s to exit (an
+    audit from outside, 2026-12-08)."""
+    s, a, c = ends
+    b, _ = _middle(s, a, "b4", "--drain-timeout", "20")
+    e = s.start("e", "--layers", "0-10", bootstrap=a)
+    s.wait_ready(e, timeout=90)
+    s.wait(lambda: e.get("/api/models")[0]["chain_complete"], 20, "a complete chain at e")
+    stream = BackgroundStream(e, STORY, 400)
+    stream.start()
+    stream.wait_chunks(3)
+    s.signal(e, signal.SIGINT)
+    time.sleep(0.5)
+    s.signal(e, signal.SIGINT)
+    again = time.monotonic()
+    assert _exit_code(e, 20) == 0, e.log_tail()
+    assert time.monotonic() - again < 6, f"left {time.monotonic() - again:.1f} s after the second signal"  # 11 s before
+    stream.join(30)
+    # Its hops were told directly: they free the session, and b stops without waiting for it.
+    s.wait(lambda: b.get("/health")["sessions"]["stage"] == 0 and c.get("/health")["sessions"]["stage"] == 0, 10,
+           "the hops to free the session")  # fmt: skip
+    s.stop(b, timeout=20)
+
+
 def _streams(a: PeerProcess, n: int) -> list[BackgroundStream]:
     streams = [BackgroundStream(a, STORY, TOKENS) for _ in range(n)]
     for stream in streams:

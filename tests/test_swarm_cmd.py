@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from conftest import DEFAULT_MODEL, TEST_HOME
 
@@ -72,8 +73,10 @@ def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
     seen: list[str] = []
     try:
         deadline = time.monotonic() + 240
+        logs = Path(_until(lines, r"\(logs in (.+)\)", deadline, seen)[1])
         ready = [_until(lines, READY.pattern, deadline, seen) for _ in range(4)]
         peers = {m[1]: (m[2], m[3], int(m[4])) for m in ready}
+        logged = {name: (logs / f"{name}.log").stat().st_size for name in ("peer-1", "peer-2")}  # this run's end from here
         assert [layers for layers, _, _ in peers.values()] == ["0-15", "0-15", "15-30", "15-30"]
         entry = peers["peer-1"][1]
         before = _chat(entry)
@@ -92,8 +95,15 @@ def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
         _until(lines, r"peer-3 exited", time.monotonic() + 30, seen)
         assert _chat(entry, within_s=120) == before  # peer-2 moved there
         assert swarm.poll() is None
-        os.killpg(swarm.pid, signal.SIGINT)
+        os.killpg(swarm.pid, signal.SIGINT)  # a terminal's Ctrl-C
         assert swarm.wait(timeout=60) == 0
+        # Each peer was told once, and drained: in the terminal's process group it had the
+        # Ctrl-C, then the swarm's SIGTERM as a second signal, "leaving now" (an audit, 2026-12-08).
+        for name, size in logged.items():
+            with open(logs / f"{name}.log", "rb") as log:
+                log.seek(size)
+                end = log.read().decode(errors="replace")
+            assert "received: stopping" in end and "leaving now" not in end, end
     except (queue.Empty, AssertionError):
         print("".join(seen), file=sys.stderr)
         raise
