@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,8 +87,10 @@ class PeerConfig:
             raise ConfigError(f"--decode-lanes must be between 1 and {MAX_LANE + 1}")
         if self.memory_mb is not None and self.memory_mb < 1:
             raise ConfigError("--memory-mb must be positive")
-        if self.drain_s < 0:
-            raise ConfigError("--drain-timeout must not be negative")
+        # ``not >= 0``, not ``< 0``: NaN compares False both ways, and a NaN (or inf) drain
+        # reached trio.move_on_after on Ctrl-C as a traceback, before the departure was announced.
+        if not 0 <= self.drain_s < math.inf:
+            raise ConfigError("--drain-timeout must be a number of seconds >= 0")
 
 
 def _int(value: object, default: int) -> int:
@@ -95,15 +98,23 @@ def _int(value: object, default: int) -> int:
     return int(value) if isinstance(value, (int, float)) and value > 0 else default
 
 
+def kv_bytes_per_layer(meta: GgufMetadata, engine: EngineConfig, kv_value_bytes: int = 2) -> int:
+    """One layer's share of the KV cache: ``--context`` x ``--max-sessions`` positions of K and V."""
+    heads = _int(meta.arch_value("attention.head_count"), 1)
+    heads_kv = _int(meta.arch_value("attention.head_count_kv"), heads)
+    head_dim = _int(meta.arch_value("attention.key_length"), meta.d_model // heads)
+    return engine.context_length * engine.max_sessions * 2 * heads_kv * head_dim * kv_value_bytes
+
+
 def layer_cost_bytes(meta: GgufMetadata, engine: EngineConfig, kv_value_bytes: int = 2) -> int:
     """Memory one layer needs: its weights plus its share of the KV cache (llama.cpp keeps
     K and V in float16; the MLX engine in float32, ``kv_value_bytes=4``)."""
     weights = max(meta.layer_bytes(i) for i in range(meta.n_layers))
-    heads = _int(meta.arch_value("attention.head_count"), 1)
-    heads_kv = _int(meta.arch_value("attention.head_count_kv"), heads)
-    head_dim = _int(meta.arch_value("attention.key_length"), meta.d_model // heads)
-    kv = engine.context_length * engine.max_sessions * 2 * heads_kv * head_dim * kv_value_bytes
-    return weights + kv
+    return weights + kv_bytes_per_layer(meta, engine, kv_value_bytes)
+
+
+def _mb(n_bytes: int) -> int:
+    return n_bytes // (1024 * 1024) + 1
 
 
 def capacity(config: PeerConfig, meta: GgufMetadata) -> int:
@@ -112,11 +123,18 @@ def capacity(config: PeerConfig, meta: GgufMetadata) -> int:
         return min(config.max_layers, meta.n_layers)
     budget_mb = config.memory_mb if config.memory_mb is not None else int(available_memory_mb() * MEMORY_SHARE)
     fixed = meta.tensor_bytes.get("token_embd.weight", 0) + meta.tensor_bytes.get("output.weight", 0)
-    per_layer = max(1, layer_cost_bytes(meta, config.engine, 4 if config.engine_kind == "mlx" else 2))
+    kv_value_bytes = 4 if config.engine_kind == "mlx" else 2
+    per_layer = max(1, layer_cost_bytes(meta, config.engine, kv_value_bytes))
     fits = (budget_mb * 1024 * 1024 - fixed) // per_layer
     if fits < 1:
+        kv = kv_bytes_per_layer(meta, config.engine, kv_value_bytes)
+        # Where the KV cache is most of a layer's cost, a bigger budget is rarely the fix (an
+        # audit's --context 100000000000 was told to "raise --memory-mb" to 585937503 MB).
+        fix = (f"the KV cache of --context {config.engine.context_length} x --max-sessions "
+               f"{config.engine.max_sessions} is {_mb(kv)} MB of that: lower --context or --max-sessions"
+               if 2 * kv > per_layer else "raise --memory-mb")  # fmt: skip
         raise ConfigError(
             f"a memory budget of {budget_mb} MB cannot hold one layer of {config.model_id} "
-            f"({per_layer // (1024 * 1024) + 1} MB each); raise --memory-mb"
+            f"({_mb(per_layer)} MB each); {fix}"
         )
     return int(min(fits, meta.n_layers))
