@@ -2,6 +2,9 @@
 
 Start-up order, and why:
 
+0. pre-flight (:func:`preflight`): the model and ``--layers`` against the catalog, then the
+   data dir's lock and the API port, so a typo leaves no data dir and no port was opened;
+   a data dir this run made is removed again if start-up fails before the p2p host opens;
 1. identity (so the PeerID survives restarts) and the model file (pulled if missing);
 2. the libp2p host, the registry gossip, discovery, the forward protocol and the REST API,
    so the peer is reachable and can answer ``/health`` and ``/nodes`` while it loads;
@@ -20,9 +23,11 @@ left with a clear error (freeing its KV cache), and leave.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import time
 from functools import partial
@@ -151,15 +156,24 @@ class Peer:
 
     async def run(self, *, task_status: trio.TaskStatus[Peer] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
+        # Before the data dir: what the catalog alone can judge (an unknown --model, --layers past
+        # the model's end) must leave nothing behind; before, a typo created a peer-<port> dir.
+        preflight(cfg, self._catalog())
+        created = not cfg.data_dir.exists()
         # Before the API port: the same command run again while the last run still drains
         # must say so, not send the user to another --api-port (another default data dir).
         lock = hold_data_dir(cfg.data_dir)
         try:
             busy = port_in_use(cfg.api_host, cfg.api_port)
             if busy is not None:
-                fix = "check --api-host" if isinstance(busy, socket.gaierror) else "choose another --api-port"
-                raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} ({fix})")
+                raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} ({_api_bind_fix(busy)})")
             await self._run(task_status)
+        except BaseException:
+            if created and self.host is None:
+                # Nothing was served: no one knows this identity, so a failed first start (a bad
+                # --p2p-host, a too-small --memory-mb) leaves no directory to wonder about.
+                shutil.rmtree(cfg.data_dir, ignore_errors=True)
+            raise
         finally:
             lock.close()
 
@@ -217,6 +231,7 @@ class Peer:
         cfg = self.config
         assert self.identity is not None and self._spec is not None
         spec = self._spec
+        cap = capacity(cfg, meta)  # a budget too small is refused before anything is served
         async with open_host(self.identity, listen_port=cfg.p2p_port or self._port_of_last_run(), listen_host=cfg.p2p_host,
                              enable_mdns=cfg.mdns) as host:  # fmt: skip
             self.host = host
@@ -265,7 +280,7 @@ class Peer:
                     log.info("API on %s; p2p on %s", ", ".join(self.api_urls), ", ".join(host.multiaddrs()))
 
                     await self._learn_swarm()
-                    layers = await self._place(meta.n_layers, capacity(cfg, meta), meta.d_model)
+                    layers = await self._place(meta.n_layers, cap, meta.d_model)
                     await self._start_stage(layers)
                     await self._announce("Ready", layers)
                     log.info("ready: %s layers %s", spec.model_id, layers)
@@ -865,6 +880,24 @@ class Peer:
         return chain_context(views, ModelId(model_id), PeerId(self.peer_id), cap, n_layers=n_layers, d_model=d_model)
 
 DATA_DIR_LOCK = "peer.lock"
+
+
+def preflight(config: PeerConfig, catalog: Catalog) -> ModelSpec:
+    """What can be refused from the catalog alone, before the data dir is made or any port is
+    opened: the model (:class:`~inclavate.catalog.ModelNotFound`) and ``--layers`` against its
+    layer count (checked again against the GGUF in :meth:`Peer._place`)."""
+    spec = catalog.get(config.model_id)
+    if config.layers is not None and config.layers.end > spec.n_layers:
+        raise ConfigError(f"--layers {config.layers} exceeds the model's {spec.n_layers} layers")
+    return spec
+
+
+def _api_bind_fix(busy: OSError) -> str:
+    """What the user should change when the API's address cannot be bound: a name that does
+    not resolve or an address this machine does not have is the host's fault, not the port's."""
+    if isinstance(busy, socket.gaierror) or busy.errno == errno.EADDRNOTAVAIL:
+        return "check --api-host"
+    return "choose another --api-port"
 
 
 def hold_data_dir(data_dir: Path) -> IO[str]:

@@ -128,11 +128,12 @@ def capacity(config: PeerConfig, meta: GgufMetadata) -> int:
     fits = (budget_mb * 1024 * 1024 - fixed) // per_layer
     if fits < 1:
         kv = kv_bytes_per_layer(meta, config.engine, kv_value_bytes)
-        # Where the KV cache is most of a layer's cost, a bigger budget is rarely the fix (an
-        # audit's --context 100000000000 was told to "raise --memory-mb" to 585937503 MB).
+        # Where one layer's weights fit and its KV cache is what does not, a bigger budget is
+        # rarely the fix (an audit's --context 100000000000 was told to "raise --memory-mb" to
+        # 585937503 MB).
         fix = (f"the KV cache of --context {config.engine.context_length} x --max-sessions "
                f"{config.engine.max_sessions} is {_mb(kv)} MB of that: lower --context or --max-sessions"
-               if 2 * kv > per_layer else "raise --memory-mb")  # fmt: skip
+               if fixed + per_layer - kv < budget_mb * 1024 * 1024 else "raise --memory-mb")  # fmt: skip
         raise ConfigError(
             f"a memory budget of {budget_mb} MB cannot hold one layer of {config.model_id} "
             f"({_mb(per_layer)} MB each); {fix}"

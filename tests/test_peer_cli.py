@@ -49,6 +49,49 @@ def test_an_unknown_model_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_what_the_catalog_can_judge_is_refused_before_the_data_dir_or_any_port(tmp_path: Path) -> None:
+    """An audit from outside: ``--layers 0-99`` (a 30-layer model) was refused only after the
+    API and p2p were up (and a 10 s join wait with --bootstrap), and an unknown ``--model``
+    left a data dir with an identity behind (with the default one, $INCLAVATE_HOME/peer-8001)."""
+    result = peer("--model", "smollm2:135m", "--layers", "0-99", "--api-port", "0", tmp_path=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: --layers 0-99 exceeds the model's 30 layers"
+    assert "API on" not in result.stderr and not (tmp_path / "d").exists()
+    result = peer("--model", "no:such", "--api-port", "0", tmp_path=tmp_path)
+    assert result.returncode == 1 and "error: unknown model 'no:such'" in result.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_failed_first_start_leaves_no_data_dir_and_a_kept_one_stays(tmp_path: Path) -> None:
+    """A --p2p-host this machine does not have fails after the identity and stores were made:
+    a data dir this run created goes, one that was there before stays (with its identity)."""
+    result = peer("--model", "smollm2:135m", "--api-port", "0", "--p2p-host", "192.0.2.1", tmp_path=tmp_path)
+    assert result.returncode == 1 and "error: could not listen on" in result.stderr, result.stderr
+    assert not (tmp_path / "d").exists()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "identity.key").write_bytes(b"kept")
+    result = peer("--model", "smollm2:135m", "--api-port", "0", "--p2p-host", "192.0.2.1", tmp_path=tmp_path)
+    assert result.returncode == 1 and (tmp_path / "d" / "identity.key").read_bytes() == b"kept"
+
+
+def test_an_api_host_this_machine_does_not_have_points_at_the_host() -> None:
+    """Before: ``--api-host 8.8.8.8`` said "(choose another --api-port)"."""
+    from inclavate.peer import _api_bind_fix
+
+    with socket.socket() as probe:
+        with pytest.raises(OSError) as err:
+            probe.bind(("192.0.2.1", 0))
+    assert _api_bind_fix(err.value) == "check --api-host"
+    assert _api_bind_fix(socket.gaierror(-2, "Name or service not known")) == "check --api-host"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with socket.socket() as probe:
+            with pytest.raises(OSError) as err:
+                probe.bind(busy.getsockname())
+    assert _api_bind_fix(err.value) == "choose another --api-port"
+
+
 def test_bad_flags_are_usage_errors(tmp_path: Path) -> None:
     for args in (["--model", "smollm2:135m", "--layers", "5-2"], ["--model", "smollm2:135m", "--legacy"]):
         result = peer(*args, tmp_path=tmp_path)
