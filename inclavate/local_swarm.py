@@ -27,6 +27,10 @@ from node.engine import default_threads
 
 T = TypeVar("T")
 
+RUN_MARKER = "--- run started"
+"""Written to a peer's log before each start: its log is appended to, and a tail shown when it
+fails must not mix in earlier runs' lines (a killed peer showed the last run's polite stop)."""
+
 
 class SwarmError(InclavateError):
     """A child peer exited, or did not become ready in time."""
@@ -133,10 +137,14 @@ class PeerProcess:
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` of this run's log: the file is appended to across runs (a crash's
+        story stays), so the tail starts at this run's :data:`RUN_MARKER` line."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        starts = [i for i, line in enumerate(text) if line.startswith(RUN_MARKER)]
+        return "\n".join(text[starts[-1] if starts else 0:][-lines:])
 
 
 @dataclass
@@ -171,6 +179,8 @@ class LocalSwarm:
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", COLOCATED_ENV: "1" if self.colocated else "0",
                      **self.env, **(env or {})}  # fmt: skip
         with open(log_path, "ab") as log:
+            log.write(f"{RUN_MARKER} {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
+            log.flush()
             # A session of its own: a terminal's Ctrl-C reaches whoever started the swarm, which
             # asks each peer once (``stop_all``). In the terminal's process group each peer had
             # the Ctrl-C, then stop_all's SIGTERM as a second signal: "leave now", no drain

@@ -67,6 +67,12 @@ def add_swarm_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _swarm(args: argparse.Namespace) -> int:
+    home = inclavate_home()
+    spec = Catalog.load(home).get(args.model)
+    # Before anything is printed or computed from it: before, --peers 0 printed "starting 0
+    # peers", then blamed --ranges (a flag of `generate`), and --peers 1000000 a negative --api-port.
+    if not 1 <= args.peers <= spec.n_layers:
+        raise ConfigError(f"--peers must be between 1 and {spec.n_layers} (the layers of {spec.model_id})")
     count = args.peers * args.replicas
     if args.api_port + count - 1 > MAX_PORT:
         raise ConfigError(f"{count} peers need API ports {args.api_port}..{args.api_port + count - 1}: "
@@ -74,13 +80,11 @@ def _swarm(args: argparse.Namespace) -> int:
     cores = split_cores(count).threads
     if args.step_threads is not None and not 1 <= args.step_threads <= cores:
         raise ConfigError(f"--step-threads must be between 1 and the {cores} cores each peer gets")
-    home = inclavate_home()
-    spec = Catalog.load(home).get(args.model)
     ModelStore(home).pull(spec, Progress(sys.stderr))  # once, before the peers race for it
     # The children read the token from their environment: on their command line every local
     # user could read it in `ps`.
     env = {ADMIN_TOKEN_ENV: args.admin_token} if args.admin_token else {}
-    workdir = home / "swarm"
+    workdir = swarm_workdir(home, args.api_port)
     print(f"starting {count} peers for {spec.model_id} (logs in {workdir})", file=sys.stderr)
     with open_swarm(workdir, count, args.wire_dtype, env, exact_steps=args.exact_steps,
                     step_threads=args.step_threads) as swarm:  # fmt: skip
@@ -91,6 +95,14 @@ def _swarm(args: argparse.Namespace) -> int:
             raise ConfigError(f"the local swarm did not start: {exc}") from exc
         _print_usage(peers[0].url, spec.model_id)
         return _serve_until_interrupted(swarm, stop_on_exit=args.replicas == 1)
+
+
+def swarm_workdir(home: Path, api_port: int) -> Path:
+    """The peers' data dirs and logs, one per first API port: two swarms of one
+    ``$INCLAVATE_HOME`` on other ports each run (before, both used ``swarm/``, and the second
+    failed on the first's data-dir locks with 40 lines of old logs and advice to pass a
+    ``--data-dir`` that swarm does not have). The same port twice is refused by the port check."""
+    return home / f"swarm-{api_port}"
 
 
 def open_swarm(workdir: Path, peers: int, wire_dtype: str, env: dict[str, str], cores: int | None = None,

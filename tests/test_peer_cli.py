@@ -108,7 +108,7 @@ def test_a_swarms_step_threads_past_its_cores_are_refused_before_any_work(tmp_pa
     cmd = [sys.executable, "-m", "inclavate", "swarm", "--step-threads", str(len(os.sched_getaffinity(0)) + 1)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 1 and "error: --step-threads must be between 1 and the" in result.stderr, result.stderr
-    assert not (tmp_path / "home" / "swarm").exists()
+    assert not (tmp_path / "home").exists()
 
 
 def test_a_port_out_of_range_is_a_usage_error_naming_its_flag(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -118,6 +119,7 @@ def test_a_swarm_with_replicas_outlives_its_peers_and_heals() -> None:
         reader.join(timeout=10)  # the pipe's end: the swarm and its peers are gone
         assert swarm.stderr is not None
         swarm.stderr.close()
+        shutil.rmtree(TEST_HOME / f"swarm-{port}", ignore_errors=True)  # one per port: not left to pile up
 
 
 def test_a_taken_api_port_is_refused_before_any_peer_starts() -> None:
@@ -133,3 +135,73 @@ def test_a_taken_api_port_is_refused_before_any_peer_starts() -> None:
     assert done.returncode != 0
     assert f"API port {port} is taken" in done.stderr
     assert not READY.search(done.stderr)
+
+
+def test_peers_outside_one_to_the_models_layers_are_refused_naming_peers(tmp_path, monkeypatch, capsys) -> None:
+    """An audit from outside: ``--peers 0|-2|31`` printed "starting 0 peers", then an error
+    about ``--ranges`` (a flag of `generate`); ``--peers 1000000`` asked for a negative --api-port."""
+    from inclavate import cli
+
+    monkeypatch.setenv("INCLAVATE_HOME", str(tmp_path / "home"))
+    for peers in ("0", "-2", "31", "1000000"):
+        assert cli.main(["swarm", "--peers", peers]) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == "error: --peers must be between 1 and 30 (the layers of smollm2:135m)", err
+    assert not (tmp_path / "home").exists()
+
+
+def test_swarms_on_other_api_ports_keep_their_own_work_dirs(tmp_path, monkeypatch, capsys) -> None:
+    """Before: every swarm of one $INCLAVATE_HOME used ``swarm/``, so a second one on another
+    --api-port failed on the first's data-dir locks, with 40 lines of old logs and advice to
+    give a --data-dir (swarm has none)."""
+    from inclavate import cli, swarm_cmd
+
+    class Started(Exception):
+        pass
+
+    workdirs = []
+
+    def open_swarm(workdir, *args, **kw):
+        workdirs.append(workdir)
+        raise Started
+
+    class Store:
+        def __init__(self, home) -> None:
+            pass
+
+        def pull(self, spec, progress) -> None:
+            pass
+
+    monkeypatch.setenv("INCLAVATE_HOME", str(tmp_path))
+    monkeypatch.setattr(swarm_cmd, "open_swarm", open_swarm)
+    monkeypatch.setattr(swarm_cmd, "ModelStore", Store)
+    for port in (18501, 18511):
+        try:
+            cli.main(["swarm", "--api-port", str(port)])
+        except Started:
+            pass
+    assert workdirs == [tmp_path / "swarm-18501", tmp_path / "swarm-18511"]
+    assert f"(logs in {tmp_path / 'swarm-18511'})" in capsys.readouterr().err
+
+
+def test_a_peers_log_tail_shows_only_this_run(tmp_path, monkeypatch) -> None:
+    """A peer's log is appended to across runs: before, a peer killed with -9 was shown with the
+    last run's "SIGINT received: stopping ... leaving now" lines, as if it had stopped politely."""
+    from inclavate import local_swarm
+
+    class Child:
+        returncode = None
+
+        def __init__(self, cmd, *, stdout, **kw) -> None:
+            stdout.write(b"this run's line\n")
+
+        def poll(self) -> None:
+            return None
+
+    monkeypatch.setattr(local_swarm.subprocess, "Popen", Child)
+    swarm = local_swarm.LocalSwarm(tmp_path)
+    (tmp_path / "peer-1.log").write_text("an earlier run's line\nSIGINT received: stopping\n")
+    peer = swarm.start("peer-1", DEFAULT_MODEL, api_port=18501)
+    tail = peer.log_tail().splitlines()
+    assert tail[0].startswith(local_swarm.RUN_MARKER) and tail[1:] == ["this run's line"], tail
+    assert "an earlier run's line" in peer.log_path.read_text()  # kept, for the story of a crash
