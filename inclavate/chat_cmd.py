@@ -8,6 +8,7 @@ when the connection closes); Ctrl-C or Ctrl-D at the prompt leaves.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -15,11 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inclavate.errors import ConfigError, InclavateError
-from inclavate.peer_api import DEFAULT_API, PeerApi, PeerRefused
+from inclavate.peer_api import DEFAULT_API, PeerApi, PeerRefused, malformed
 from inclavate.swarm_view import DIM, RESET
 from inclavate.terminal import printable
 
 SESSION_HEADER = "x-dppan-session-id"
+MAX_TEMPERATURE = 2.0
+"""The API's range is [0, 2]: ``--temperature nan``, ``-1`` or ``5`` started a chat whose
+every turn was a 400 (an audit from outside, 2026-12-08); refused at start now."""
 
 
 def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,13 +37,18 @@ def add_chat_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parser.add_argument("--model", help="model id (default: the first model the swarm serves)")
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-tokens", type=int, default=512, help="longest answer in tokens (default 512)")
-    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7; 0 is greedy)")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature, 0 to 2 (default 0.7; 0 is greedy)")  # fmt: skip
     parser.set_defaults(handler=_chat)
 
 
 @dataclass
 class Turn:
-    """One streamed answer: turns SSE events into text to print, and remembers the answer."""
+    """One streamed answer: turns SSE events into text to print, and remembers the answer.
+
+    Events are a peer's word: ``choices`` that is no list, a choice or ``delta`` that is no
+    object, text that is no string are skipped (each was a traceback that ended the chat and
+    its history; an audit from outside, 2026-12-08)."""
 
     color: bool = False
     content: str = ""
@@ -48,6 +57,9 @@ class Turn:
     completion_tokens: int | None = None
     error: str | None = None
     chunks: int = 0
+    cut_off: bool = False
+    """The stream ended with neither ``[DONE]``, a finish reason nor an error: the answer is
+    partial, and stays out of the history."""
     _in_reasoning: bool = field(default=False, repr=False)
 
     def feed(self, event: dict[str, Any]) -> str:
@@ -57,12 +69,18 @@ class Turn:
             self.error = str(err.get("message") if isinstance(err, dict) else err)
             return self._close_reasoning()
         usage = event.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.completion_tokens = usage["completion_tokens"]
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+            self.completion_tokens = tokens
         out = ""
-        for choice in event.get("choices") or []:
-            delta = choice.get("delta") or {}
+        choices = event.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            delta = delta if isinstance(delta, dict) else {}
             thought, text = delta.get("reasoning_content"), delta.get("content")
+            thought, text = (v if isinstance(v, str) else None for v in (thought, text))
             if thought:
                 self.chunks += 1
                 self.reasoning += thought
@@ -76,7 +94,7 @@ class Turn:
                 self.content += text
                 out += printable(str(text))
             if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+                self.finish_reason = str(choice["finish_reason"])
         return out
 
     @property
@@ -107,7 +125,12 @@ def stats_line(turn: Turn, seconds: float, route: Iterable[dict[str, Any]] | Non
 
 
 def pick_model(api: PeerApi, wanted: str | None) -> str:
-    served = [m.get("id") for m in api.get("/v1/models").get("data", []) if isinstance(m, dict)]
+    """``wanted``, or the first model the peer serves; an answer that is no OpenAI model list
+    (a list, ``{"data": 5}``: a traceback before) is a :class:`PeerRefused`."""
+    answer = api.get("/v1/models")
+    if not isinstance(answer, dict) or not isinstance(answer.get("data"), list):
+        raise malformed(f"{api.base}/v1/models", "a model list")
+    served = [m["id"] for m in answer["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
     if wanted:
         if wanted not in served:
             served_text = printable(", ".join(str(m) for m in served)) or "nothing"
@@ -122,9 +145,11 @@ def _route(api: PeerApi, session_id: str | None) -> list[dict[str, Any]] | None:
     if not session_id:
         return None
     try:
-        return list(api.get(f"/sessions/{session_id}").get("route") or [])
+        answer = api.get(f"/sessions/{session_id}")
     except InclavateError:
         return None  # an older peer without GET /sessions/:id: no route to show
+    route = answer.get("route") if isinstance(answer, dict) else None
+    return [hop for hop in route if isinstance(hop, dict)] if isinstance(route, list) else None
 
 
 def _answer(api: PeerApi, body: dict[str, Any], color: bool) -> Turn:
@@ -140,6 +165,9 @@ def _answer(api: PeerApi, body: dict[str, Any], color: bool) -> Turn:
                 if text:
                     first = first or time.monotonic()
                     print(text, end="", flush=True)  # made printable by ``Turn.feed``
+            if not (events.done or turn.finish_reason or turn.error):
+                turn.cut_off = True
+                turn.error = f"the answer was cut off (the connection to {api.base} ended before the stream's end)"
     except KeyboardInterrupt:
         turn.finish_reason = "stopped"  # leaving the block closed the stream: the peer stops
     print()
@@ -154,6 +182,8 @@ def _answer(api: PeerApi, body: dict[str, Any], color: bool) -> Turn:
 def _chat(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ConfigError("--max-tokens must be at least 1")
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= MAX_TEMPERATURE):
+        raise ConfigError(f"--temperature must be a number from 0 to {MAX_TEMPERATURE:g}")
     api = PeerApi(args.api)
     model = pick_model(api, args.model)
     color = sys.stdout.isatty()
@@ -176,7 +206,7 @@ def _chat(args: argparse.Namespace) -> int:
             history.pop()  # the peer refused the turn: it never happened
             print(f"error: {printable(str(exc))}", file=sys.stderr)
             continue
-        if turn.content:
+        if turn.content and not turn.cut_off:
             history.append({"role": "assistant", "content": turn.content})
         elif turn.error:
-            history.pop()
+            history.pop()  # no answer, or a cut-off one: the turn did not happen

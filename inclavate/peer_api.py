@@ -2,8 +2,9 @@
 
 Standard library only (these commands must start fast and need nothing the peer does not).
 Every failure becomes a :class:`PeerUnreachable` (nothing answered) or a :class:`PeerRefused`
-(an HTTP error, with the peer's own message), each a whole sentence, so the CLI prints one
-``error: ...`` line and no traceback.
+(an HTTP error, with the peer's own message, or an answer of the wrong shape), each a whole
+sentence, so the CLI prints one ``error: ...`` line and no traceback. A malformed ``--api``
+is a :class:`~inclavate.errors.ConfigError` before anything is asked.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import http.client
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from inclavate.errors import InclavateError
+from inclavate.errors import ConfigError, InclavateError
 
 DEFAULT_API = "http://127.0.0.1:8001"
 DONE = "[DONE]"
@@ -35,11 +37,27 @@ class PeerRefused(InclavateError):
 
 
 def api_base(url: str) -> str:
-    """``localhost:8001``, ``http://host:8001/`` and ``http://host:8001/v1`` all mean the peer."""
+    """``localhost:8001``, ``http://host:8001/`` and ``http://host:8001/v1`` all mean the peer.
+
+    Checked once here (scheme http or https, a host, a valid port): ``http://[::1`` raised
+    urllib's ``ValueError`` outside every handler, a traceback (an audit from outside, 2026-12-08)."""
     base = url.strip().rstrip("/")
     if "://" not in base:
         base = "http://" + base
-    return base.removesuffix("/v1")
+    base = base.removesuffix("/v1")
+    try:
+        parts = urllib.parse.urlsplit(base)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--api {url!r} is not a URL like {DEFAULT_API}")
+    return base
+
+
+def malformed(url: str, what: str) -> PeerRefused:
+    """A peer answered JSON of the wrong shape: one sentence, as an HTTP error would be."""
+    return PeerRefused(200, f"{url} answered something that is not {what}: is this an Inclavate peer?")
 
 
 def error_text(raw: bytes) -> str:
@@ -54,21 +72,32 @@ def error_text(raw: bytes) -> str:
     return str(error) if error else json.dumps(body)[:200]
 
 
-def sse_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
-    """The JSON events of a ``text/event-stream`` body, until ``data: [DONE]``."""
-    for raw in lines:
-        line = raw.decode("utf-8", errors="replace").strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == DONE:
-            return
-        try:
-            event = json.loads(data)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            yield event
+class sse_events:  # noqa: N801 - used as the function it was
+    """The JSON events of a ``text/event-stream`` body, until ``data: [DONE]``.
+
+    ``done`` says whether ``[DONE]`` arrived: a body that simply ends (the connection closed
+    mid-answer) is not a finished stream, and ``inclavate chat`` showed such a cut-off answer
+    as a whole one (an audit from outside, 2026-12-08)."""
+
+    def __init__(self, lines: Iterable[bytes]) -> None:
+        self._lines = lines
+        self.done = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for raw in self._lines:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == DONE:
+                self.done = True
+                return
+            try:
+                event = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                yield event
 
 
 class PeerApi:
@@ -86,7 +115,7 @@ class PeerApi:
             raise PeerRefused(response.status, f"{self.base}{path} did not answer JSON: is this an Inclavate peer?") from None
 
     @contextmanager
-    def stream(self, path: str, body: Any) -> Iterator[tuple[dict[str, str], Iterator[dict[str, Any]]]]:
+    def stream(self, path: str, body: Any) -> Iterator[tuple[dict[str, str], sse_events]]:
         """POST ``body`` and yield the response headers and its server-sent events."""
         request = urllib.request.Request(
             self.base + path,

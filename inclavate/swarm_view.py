@@ -4,12 +4,18 @@ The dashboard's Swarm page draws the same picture in the browser
 (``api/static/js/coverage.js``): per model, how many serving nodes hold each layer, and
 which node holds which range. A node *serves* when it is Ready, not set idle and not
 draining, the same rule routing uses, so a layer showing 0 is one no new chat can get through.
+
+Every value is a peer's word, checked here (an audit from outside, 2026-12-08, drew
+tracebacks from well-formed JSON of other shapes): a row that is not an object is left
+out, a layer number that is not an integer holds nothing (shown as ``?``), a model's layer
+count is clamped to :data:`MAX_LAYERS`, and a non-finite number is shown as ``-``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from math import isfinite
 from typing import Any
 
 from inclavate.terminal import printable, printable_tree
@@ -22,6 +28,26 @@ RED, GREEN, YELLOW, BLUE, GREY, BOLD, DIM, RESET = (
 STATE_COLOURS = {"Ready": GREEN, "Joining": BLUE, "Degraded": YELLOW, "Dead": RED, "Idle": GREY, "Draining": GREY}
 MAX_CELLS = 60
 """Widest coverage strip: beyond this many layers one character stands for several."""
+MAX_LAYERS = 100_000
+"""A model's most layers: ``p2p.record_schema.MAX_LAYERS``, which real peers' records keep
+to (not imported: that module pulls libp2p in, and these commands must start fast). A fake
+peer's ``n_layers: 10**12`` was a ``MemoryError`` in :func:`layer_counts`."""
+
+
+def layer_of(value: object) -> int | None:
+    """A layer number as a peer stated it, or None when it is no integer (``"zero"``, null,
+    a float, a bool)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _span(node: Node) -> tuple[int, int] | None:
+    start, end = layer_of(node.get("start_layer")), layer_of(node.get("end_layer"))
+    return None if start is None or end is None else (start, end)
+
+
+def _sort_key(node: Node) -> tuple[int, int, str]:
+    start, end = layer_of(node.get("start_layer")), layer_of(node.get("end_layer"))
+    return (-1 if start is None else start, -1 if end is None else end, str(node.get("node_id")))
 
 
 def serving(node: Node) -> bool:
@@ -68,13 +94,14 @@ def models_of(nodes: Sequence[Node], shapes: Mapping[str, int] | None = None) ->
         grouped.setdefault(str(node.get("model_id", "?")), []).append(node)
     out = []
     for model_id in sorted(grouped):
-        members = sorted(grouped[model_id], key=lambda n: (n.get("start_layer", 0), n.get("end_layer", 0), str(n.get("node_id"))))
+        members = sorted(grouped[model_id], key=_sort_key)
         shape = (shapes or {}).get(model_id)
         if shape:
             holders = tuple(n for n in members if n.get("n_layers") in (None, shape))
-            out.append(ModelView(model_id, shape, tuple(members), holders))
+            out.append(ModelView(model_id, min(shape, MAX_LAYERS), tuple(members), holders))
         else:
-            out.append(ModelView(model_id, max(int(n.get("n_layers") or n.get("end_layer") or 0) for n in members), tuple(members)))
+            stated = (layer_of(n.get("n_layers")) or layer_of(n.get("end_layer")) or 0 for n in members)
+            out.append(ModelView(model_id, min(max(0, *stated), MAX_LAYERS), tuple(members)))
     return out
 
 
@@ -87,16 +114,17 @@ def shapes_of(models: object) -> dict[str, int]:
             continue
         model_id, n_layers = entry.get("id"), entry.get("n_layers")
         if isinstance(model_id, str) and isinstance(n_layers, int) and not isinstance(n_layers, bool) and n_layers > 0:
-            shapes[model_id] = n_layers
+            shapes[model_id] = min(n_layers, MAX_LAYERS)
     return shapes
 
 
 def layer_counts(nodes: Sequence[Node], n_layers: int) -> list[int]:
     """How many serving nodes hold each layer ``0..n_layers-1``."""
-    counts = [0] * n_layers
+    counts = [0] * max(0, min(n_layers, MAX_LAYERS))
     for node in nodes:
-        if serving(node):
-            for layer in range(max(0, int(node["start_layer"])), min(n_layers, int(node["end_layer"]))):
+        span = _span(node)
+        if serving(node) and span:
+            for layer in range(max(0, span[0]), min(len(counts), span[1])):
                 counts[layer] += 1
     return counts
 
@@ -107,8 +135,9 @@ def has_chain(nodes: Sequence[Node], n_layers: int) -> bool:
     15-30 cannot start at 20."""
     ends: dict[int, set[int]] = {}
     for node in nodes:
-        if serving(node):
-            ends.setdefault(int(node["start_layer"]), set()).add(int(node["end_layer"]))
+        span = _span(node)
+        if serving(node) and span:
+            ends.setdefault(span[0], set()).add(span[1])
     reached, frontier = {0}, [0]
     while frontier:
         for end in ends.get(frontier.pop(), ()):
@@ -148,12 +177,12 @@ def render_status(nodes: Sequence[Node], api: str, *, color: bool = False, shape
     string of ``nodes`` is any peer's word (a model id, a node id): it is printed without
     the characters a terminal acts on."""
     shapes = {printable(model_id): n for model_id, n in (shapes or {}).items()}
-    nodes = [printable_tree(node) for node in nodes]
+    nodes = [printable_tree(node) for node in nodes if isinstance(node, Mapping)]
     lines = [_paint(f"Inclavate swarm at {printable(api)}", BOLD, color)]
     models = models_of(nodes, shapes)
     if not nodes:
         return "\n".join([*lines, "", "No node is registered yet."])
-    peers = len({n.get("peer_id") for n in nodes})
+    peers = len({repr(n.get("peer_id")) for n in nodes})  # any JSON value, a list included
     ready = sum(serving(n) for n in nodes)
     lines.append(f"{peers} peer{'s' * (peers != 1)}, {ready}/{len(nodes)} nodes serving, {len(models)} model{'s' * (len(models) != 1)}")
     for model in models:
@@ -191,7 +220,7 @@ def _node_table(models: Sequence[ModelView], color: bool) -> list[str]:
             rows.append((
                 _short(str(n.get("node_id", ""))) + (" (legacy)" if n.get("legacy") else ""),
                 model.model_id,
-                f"{n.get('start_layer')}-{n.get('end_layer')}",
+                "-".join("?" if layer_of(v) is None else str(v) for v in (n.get("start_layer"), n.get("end_layer"))),
                 state_label(n),
                 _number(n.get("throughput_tps"), 1),
                 _number(n.get("avg_latency_ms"), 1),
@@ -211,16 +240,25 @@ def _short(node_id: str) -> str:
     return "…" + node_id[-8:] if len(node_id) > 12 else node_id
 
 
-def _number(value: object, digits: int) -> str:
+def _finite(value: object) -> float | int | None:
+    """A number a peer stated, or None (a bool, a string, NaN, Infinity: JSON as Python reads it)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return "-"
-    return f"{value:,.{digits}f}"
+        return None
+    if isinstance(value, int):
+        return value if abs(value) < 2**63 else None  # a float's format of 10**400 overflows
+    return value if isfinite(value) else None
+
+
+def _number(value: object, digits: int) -> str:
+    number = _finite(value)
+    return "-" if number is None else f"{number:,.{digits}f}"
 
 
 def _duration(value: object) -> str:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    number = _finite(value)
+    if number is None or number < 0:
         return "-"
-    s = int(value)
+    s = int(number)
     if s < 60:
         return f"{s}s"
     if s < 3600:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fixed_answer import answering
 
-from inclavate.chat_cmd import Turn, stats_line
+from inclavate.chat_cmd import Turn, pick_model, stats_line
 from inclavate.cli import main
+from inclavate.errors import ConfigError
 from inclavate.local_swarm import free_port
-from inclavate.peer_api import PeerApi, PeerUnreachable, api_base, error_text, sse_events
-from inclavate.swarm_view import coverage_strip, layer_counts, models_of, render_status, runs, shapes_of
+from inclavate.peer_api import PeerApi, PeerRefused, PeerUnreachable, api_base, error_text, sse_events
+from inclavate.swarm_view import MAX_LAYERS, coverage_strip, layer_counts, models_of, render_status, runs, shapes_of
 from inclavate.terminal import printable
 
 
@@ -224,3 +229,172 @@ def test_chat_names_a_hostile_model_id_without_its_control_characters(capsys: py
         assert main(["chat", "--api", url]) == 0
     err = capsys.readouterr().err
     assert "chatting with evil\ufffd]52;c;eA==\ufffd through" in err and "\x1b" not in err
+
+
+# An audit from outside, 2026-12-08: well-formed JSON of another shape, and flags of no
+# sensible value, were tracebacks; each is one ``error:`` line now, or a row left out.
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    assert main(argv) == 1, argv
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err and "Traceback" not in err, (argv, err)
+
+
+@pytest.mark.parametrize("answer", [{"nodes": [node("a", 0, 30)]}, 42, ["a", "b"], None])
+def test_status_refuses_a_node_list_of_another_shape(capsys: pytest.CaptureFixture[str], answer: object) -> None:
+    with answering(answer) as url:
+        one_error_line(capsys, ["status", "--api", url], "/nodes answered something that is not an Inclavate node list")
+
+
+def test_status_draws_rows_whose_values_are_of_other_shapes() -> None:
+    """NaN or Infinity uptime, a layer "zero" or null, a list as peer id, a number no float
+    holds: each was a traceback. The row is listed; what it holds counts for nothing."""
+    rows = [node("a", 0, 30), {**node("b", 0, 30), "uptime_s": float("nan")}, {**node("c", 0, 30), "uptime_s": float("inf")},
+            {**node("d", 0, 30), "start_layer": "zero"}, {**node("e", 0, 30), "end_layer": None},
+            {**node("f", 0, 30), "peer_id": ["x"], "requests_served": 10**400, "throughput_tps": float("-inf")},
+            "junk", 7]  # fmt: skip
+    screen = render_status(rows, "u")
+    assert "6 peers, 6/6 nodes serving, 1 model" in screen, screen
+    assert "m:1  30 layers  chain complete" in screen and "  replicas 0-30 x4" in screen, screen
+    table = {line.split()[0]: line for line in screen.splitlines()[-6:]}
+    assert table["b"].endswith(" -") and table["c"].endswith(" -") and table["a"].endswith("1h02m")
+    assert " ?-30 " in table["d"] and " 0-? " in table["e"]
+    assert table["f"].split()[3:6] == ["Ready", "-", "3.2"] and table["f"].split()[6] == "-"
+
+
+def test_a_model_of_a_huge_stated_shape_is_clamped() -> None:
+    """A model ``/api/models`` does not know, its record saying ``n_layers: 10**12``: a
+    ``MemoryError`` building the counts. Clamped to the records' own bound."""
+    from p2p.record_schema import MAX_LAYERS as RECORD_MAX_LAYERS
+
+    assert MAX_LAYERS == RECORD_MAX_LAYERS
+    huge = {**node("h", 0, 10**12, model="x:1"), "n_layers": 10**12}
+    assert f"x:1  {MAX_LAYERS} layers" in render_status([huge], "u")
+    assert len(layer_counts([huge], 10**12)) == MAX_LAYERS
+    assert shapes_of([{"id": "x:1", "n_layers": 10**12}]) == {"x:1": MAX_LAYERS}
+    assert models_of([huge], {"x:1": 10**12})[0].n_layers == MAX_LAYERS
+
+
+def test_a_turn_skips_events_of_other_shapes() -> None:
+    turn = Turn()
+    said = "".join(turn.feed(event) for event in [
+        {"choices": 5}, {"choices": ["x"]}, {"choices": [{"delta": "hi"}]}, {"choices": [{"delta": {"content": 5}}]},
+        {"choices": [{"delta": {"reasoning_content": ["x"]}}]}, {"choices": {"0": {}}},
+        {"choices": [{"delta": {"content": "ok"}, "finish_reason": 1}]},
+        {"choices": [], "usage": {"completion_tokens": True}}, {"usage": {"completion_tokens": -3}},
+    ])  # fmt: skip
+    assert (said, turn.content, turn.reasoning, turn.finish_reason, turn.completion_tokens) == ("ok", "ok", "", "1", None)
+    assert stats_line(turn, 0.0, None) == "[1 tokens, finish 1]"
+
+
+@pytest.mark.parametrize("answer", [[{"id": "m:1"}], {"data": 5}, {"data": None}, "m:1"])
+def test_chat_refuses_a_model_list_of_another_shape(capsys: pytest.CaptureFixture[str], answer: object) -> None:
+    with answering(answer) as url:
+        with pytest.raises(PeerRefused, match="/v1/models answered something that is not a model list"):
+            pick_model(PeerApi(url), None)
+        one_error_line(capsys, ["chat", "--api", url], "/v1/models answered something that is not a model list")
+
+
+def test_chat_takes_only_string_model_ids() -> None:
+    with answering({"data": [{"id": 5}, {"id": None}, "x", {"id": "m:1"}]}) as url:
+        assert pick_model(PeerApi(url), None) == "m:1"
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf", "1e-300", "0.05", "0", "-1"])
+def test_status_watch_interval_must_be_finite_and_at_least_a_tenth(capsys: pytest.CaptureFixture[str], interval: str) -> None:
+    """``nan``/``inf`` were a traceback from ``time.sleep`` after the first screen; ``1e-300``
+    polled the peer without pause. Refused before any request (no peer needed here)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    one_error_line(capsys, ["status", "--watch", "--interval", interval, "--api", url], "--interval must be")
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://h:99999", "http://h:port", "ftp://h:21", "http://:8001"])
+def test_a_malformed_api_url_is_one_error_line(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    """``http://[::1`` raised urllib's ValueError outside every handler: a traceback."""
+    with pytest.raises(ConfigError, match="is not a URL like http://127.0.0.1:8001"):
+        api_base(url)
+    for command in ("status", "chat"):
+        one_error_line(capsys, [command, "--api", url], "is not a URL like")
+
+
+def test_good_api_urls_still_pass() -> None:
+    assert api_base("[::1]:8001") == "http://[::1]:8001"
+    assert api_base("https://peer.example/v1/") == "https://peer.example"
+
+
+@pytest.mark.parametrize("temperature", ["nan", "-1", "5", "inf", "2.01"])
+def test_chat_refuses_a_temperature_outside_the_apis_range(capsys: pytest.CaptureFixture[str], temperature: str) -> None:
+    """Each was accepted, and every turn of the chat was then a 400."""
+    url = f"http://127.0.0.1:{free_port()}"
+    one_error_line(capsys, ["chat", "--temperature", temperature, "--api", url], "--temperature must be a number from 0 to 2")
+
+
+@contextmanager
+def streaming(chunks: list[bytes]) -> Iterator[tuple[str, list[dict]]]:
+    """A peer whose chat streams ``chunks`` then closes the connection (``[DONE]`` only when
+    a chunk says it); yields the URL and the chat bodies it was sent."""
+    bodies: list[dict] = []
+
+    class Peer(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = json.dumps({"object": "list", "data": [{"id": "m:1"}]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802
+            bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", "100000")  # more than comes: the peer died mid-answer
+            self.end_headers()
+            self.wfile.write(b"".join(chunks))
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def chat_through(monkeypatch: pytest.MonkeyPatch, url: str, prompts: list[str]) -> int:
+    said = iter(prompts)
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(said, None) or (_ for _ in ()).throw(EOFError))
+    return main(["chat", "--api", url])
+
+
+def test_an_answer_cut_off_mid_stream_is_said_and_kept_out_of_the_history(capsys: pytest.CaptureFixture[str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The connection ended after one chunk, no ``[DONE]``, no finish reason: the partial
+    answer was shown as a whole one and sent back as the assistant's turn."""
+    with streaming([b'data: {"choices":[{"delta":{"content":"par"}}]}\n\n']) as (url, bodies):
+        assert chat_through(monkeypatch, url, ["first", "second"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("error: the answer was cut off (the connection to http://127.0.0.1:") == 2, err
+    assert [m["content"] for m in bodies[1]["messages"]] == ["second"]
+
+
+def test_an_answer_ending_with_done_or_a_finish_reason_is_whole(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    for chunks in ([b'data: {"choices":[{"delta":{"content":"all"}}]}\n\n', b"data: [DONE]\n\n"],
+                   [b'data: {"choices":[{"delta":{"content":"all"},"finish_reason":"stop"}]}\n\n']):
+        with streaming(chunks) as (url, bodies):
+            assert chat_through(monkeypatch, url, ["first", "second"]) == 0
+        assert "error" not in capsys.readouterr().err
+        assert [m["content"] for m in bodies[1]["messages"]] == ["first", "all", "second"]
+    events = sse_events([b"data: {}\n", b"data: [DONE]\n"])
+    assert (list(events), events.done) == ([{}], True)
+    events = sse_events([b"data: {}\n"])
+    assert (list(events), events.done) == ([{}], False)
