@@ -3,8 +3,8 @@
 Start-up order, and why:
 
 0. pre-flight (:func:`preflight`): the model and ``--layers`` against the catalog, then the
-   data dir's lock and the API port, so a typo leaves no data dir and no port was opened;
-   a data dir this run made is removed again if start-up fails before the p2p host opens;
+   data dir's lock and the API port, so a typo leaves no data dir and no port was opened
+   (nothing is removed after a later failure: a data dir may hold the model store);
 1. identity (so the PeerID survives restarts) and the model file (pulled if missing);
 2. the libp2p host, the registry gossip, discovery, the forward protocol and the REST API,
    so the peer is reachable and can answer ``/health`` and ``/nodes`` while it loads;
@@ -27,7 +27,6 @@ import errno
 import fcntl
 import logging
 import os
-import shutil
 import socket
 import time
 from functools import partial
@@ -159,7 +158,6 @@ class Peer:
         # Before the data dir: what the catalog alone can judge (an unknown --model, --layers past
         # the model's end) must leave nothing behind; before, a typo created a peer-<port> dir.
         preflight(cfg, self._catalog())
-        created = not cfg.data_dir.exists()
         # Before the API port: the same command run again while the last run still drains
         # must say so, not send the user to another --api-port (another default data dir).
         lock = hold_data_dir(cfg.data_dir)
@@ -168,12 +166,6 @@ class Peer:
             if busy is not None:
                 raise ConfigError(f"cannot serve the API on {cfg.api_host}:{cfg.api_port}: {busy} ({_api_bind_fix(busy)})")
             await self._run(task_status)
-        except BaseException:
-            if created and self.host is None:
-                # Nothing was served: no one knows this identity, so a failed first start (a bad
-                # --p2p-host, a too-small --memory-mb) leaves no directory to wonder about.
-                shutil.rmtree(cfg.data_dir, ignore_errors=True)
-            raise
         finally:
             lock.close()
 

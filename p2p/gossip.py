@@ -80,6 +80,10 @@ PAUSE_MS = 2_000
 pause, not its neighbours' silence: the process stopped or swapped out, its event loop
 blocked, or the wall clock stepped forward. Shorter hiccups (a loaded machine's late turns)
 age records as they come; a node is Degraded only after 6 s of silence anyway."""
+MAX_PAUSE_MS = 60_000
+"""The most a pause moves records' freshness: after a laptop slept for hours, a node that
+died meanwhile would read Ready for as long again as its liveness allows (900 s at a 300 s
+heartbeat) had the whole pause been forgiven (a review, 2026-12-08)."""
 
 
 class RegistryService:
@@ -317,11 +321,11 @@ class RegistryService:
         last = self._last_read
         if last is None:  # the ageing loop is not running (a registry read in a test)
             return now
-        self._last_read = max(last, now)
+        self._last_read = now  # a clock set back: pauses are seen again from here
         missed = now - last - round(AGE_PERIOD_S * 1000)
         if missed > PAUSE_MS:
             log.info("this peer did not run for %.1f s: the registry's records age from now", missed / 1000)
-            self._set_table(self.table.resumed(missed, now), notify=True)
+            self._set_table(self.table.resumed(min(missed, MAX_PAUSE_MS), now), notify=True)
         return now
 
     async def _sync_on_connect(self, events: trio.MemoryReceiveChannel[Any], nursery: trio.Nursery) -> None:

@@ -301,6 +301,18 @@ def test_a_pause_of_this_peer_is_no_nodes_silence() -> None:
         clock[0] += 1_000
         service.view(MALLORY.peer_id)
     assert service.view(MALLORY.peer_id).state == "Degraded"
+    # A pause forgives at most a minute: after hours asleep, a node silent all along is
+    # Dead, not Ready for as long again (a review).
+    assert service._accept(signed(MALLORY, 0, 30, ts_ms=clock[0], seq=clock[0]), "gossip") is Verdict.ACCEPTED
+    clock[0] += 2 * 3600 * 1000
+    assert service.view(MALLORY.peer_id).state == "Dead"
+    # A clock set back: pauses are seen again from the new reading.
+    clock[0] -= 3600 * 1000
+    service.view(MALLORY.peer_id)
+    other = Identity.generate()
+    assert service._accept(signed(other, 0, 30, ts_ms=clock[0], seq=clock[0]), "gossip") is Verdict.ACCEPTED
+    clock[0] += 8_000
+    assert service.view(other.peer_id).state == "Ready"
 
 
 class _Connected(_Wire):

@@ -37,11 +37,11 @@ STRANGERS_PER_ROUND = 4
 """One more than the failovers a request may use (``FailoverPolicy.max_failovers``)."""
 CHATS_PER_ROUND = 2
 CHAT_S_EXPECTED = 15.0
+"""A chat may meet one stranger (a trial share of sessions): one step deadline (5 s), a
+ping round, the replay. Before, each chat that met them took 20 s and was a 503."""
 READY_S = 90.0
 """Longest the entry may take to list a round's strangers as Ready: 30 s ran out once in a
 full CI run on 2 loaded cores (four handshakes, records and pings)."""
-"""A chat may meet one stranger (a trial share of sessions): one step deadline (5 s), a
-ping round, the replay. Before, each chat that met them took 20 s and was a 503."""
 
 
 @pytest.fixture(scope="module", params=["default", "1"], ids=["trial-share-default", "trial-share-1"])
