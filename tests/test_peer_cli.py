@@ -66,11 +66,13 @@ def test_a_failed_start_keeps_the_data_dir_it_found(tmp_path: Path) -> None:
     """A --p2p-host this machine does not have fails after the identity and stores were
     opened: one line, and the data dir keeps what it held. (Nothing is removed after a failed
     start: a data dir may hold the model store, $INCLAVATE_HOME itself; a review, 2026-12-08.)"""
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "identity.key").write_bytes(b"kept")
-    result = peer("--model", "smollm2:135m", "--api-port", "0", "--p2p-host", "192.0.2.1", tmp_path=tmp_path)
-    assert result.returncode == 1 and "error: could not listen on" in result.stderr, result.stderr
-    assert (tmp_path / "d" / "identity.key").read_bytes() == b"kept"
+    keys = []
+    for _ in range(2):
+        result = peer("--model", "smollm2:135m", "--api-port", "0", "--p2p-host", "192.0.2.1", tmp_path=tmp_path)
+        assert result.returncode == 1 and "error: could not listen on" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        keys.append((tmp_path / "d" / "identity.key").read_bytes())
+    assert keys[0] == keys[1]  # the identity the first start made is the second's
 
 
 def test_an_api_host_this_machine_does_not_have_points_at_the_host() -> None:
