@@ -158,11 +158,18 @@ class _Link:
         queue's buffer empty, and a write in place must not overtake it."""
         self._partial: wire.Message | None = None
         """The message written in place in part (its rest is in the stream, a flush queued)."""
+        self._retired = False
 
     def retire(self) -> None:
-        """No more messages: what is queued is written (or answered with errors) and the
-        task ends; nothing is written in place any more (its peer is gone or unreachable)."""
+        """No more messages: what is queued is written on the stream it has (or answered
+        with errors) and the task ends; nothing is written in place any more, and no new
+        stream is opened (its peer is gone or unreachable). A retired link that opened a
+        stream for what was queued behind a failed write raced the link that replaced it:
+        a session's first frame arrived after its close, sent later on the new link, and
+        opened the session at the next hops for good (until their idle timeout; an audit,
+        2026-12-08)."""
         self._parked = False
+        self._retired = True
         self.send_channel.close()
 
     async def queue(self, msg: wire.Message) -> None:
@@ -253,6 +260,8 @@ class _Link:
             payloads = [wire.encode(m) for m in burst if fresh or m is not partial]
             try:
                 if self._stream is None:
+                    if self._retired:
+                        raise P2PError(f"the link to {self.peer} was given up")
                     self._stream = await self._service.open_stream(self.peer)
                     self.watch(self._service.nursery, self._stream)
                 await self._stream.send_many(payloads, timeout=self._service.timeouts.send(sum(map(len, payloads))))

@@ -229,6 +229,74 @@ async def test_a_link_to_a_peer_that_is_gone_is_retired_and_its_task_ends() -> N
             n.cancel_scope.cancel()
 
 
+class _Recorded:
+    """A stream to a peer that wakes late: records what is written on it, in order."""
+
+    def __init__(self, n: int, written: list[tuple[int, str]]) -> None:
+        self.n, self.written, self.has_unsent, self.max_receive_size = n, written, False, 0
+
+    def send_nowait(self, payload: bytes) -> bool:
+        self.written.append((self.n, wire.decode(payload).TYPE))
+        return True
+
+    async def send_many(self, payloads, timeout) -> None:  # type: ignore[no-untyped-def]
+        for payload in payloads:
+            self.send_nowait(payload)
+
+    async def receive(self, timeout: float) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def reset(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _FrozenThenWoken(ForwardService):
+    """Opening a stream to the peer fails once (it is frozen), then waits until it wakes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.opens, self.woke, self.written = 0, trio.Event(), []
+
+    async def open_stream(self, peer):  # type: ignore[no-untyped-def]
+        self.opens += 1
+        n = self.opens
+        if n == 1:
+            await trio.sleep(0.3)
+            raise P2PError("opening /inclavate/forward/2 timed out")
+        await self.woke.wait()
+        if n == 2:
+            await trio.sleep(0.05)
+        return _Recorded(n, self.written)
+
+
+async def test_a_frame_queued_behind_a_failed_write_never_follows_a_later_close() -> None:
+    """A link whose stream would not open was retired, and its task opened another stream for
+    the session frame queued behind: the entry's close of that session, sent after its
+    failover on the link that replaced it, reached the peer first, and the late frame opened
+    the session there and at the hops after it until their idle timeout (an audit from
+    outside, 2026-12-08: KV slots held after a chaos run). The frame is undeliverable now."""
+    with trio.fail_after(20):
+        async with open_host(Identity.generate()) as a, trio.open_nursery() as n:
+            sender = _FrozenThenWoken(a, node_id=NodeId(a.peer_id), stage=None, direct_port=None,
+                                      timeouts=Timeouts(close_retry=()))  # fmt: skip
+            await n.start(sender.run)
+            frozen = PeerId(Identity.generate().peer_id)
+            route = (Hop(NodeId(frozen), frozen, LayerRange(10, 20)),)
+            inbox = sender.open_inbox(SessionId("X"))
+            await sender.send(frozen, wire.Close(1, SessionId("older"), route, a.peer_id))  # opens the link
+            await trio.sleep(0.05)
+            await sender.send(frozen, _forward(frozen, a.peer_id, 4096))  # queued behind, session "s"
+            await trio.sleep(0.5)  # the open failed: the link is retired
+            await sender.send(frozen, wire.Close(3, SessionId("s"), route, a.peer_id))  # the close, on a new link
+            await trio.sleep(0.1)
+            sender.woke.set()
+            await trio.sleep(0.5)
+            assert [kind for _, kind in sender.written] == ["close"], sender.written
+            n.cancel_scope.cancel()
+
+
 async def test_the_end_of_a_link_tells_the_sessions_through_that_peer_at_once() -> None:
     """A peer that dies (here: its service and host stop) closes the other end of our link:
     every session this peer drives through it is told at once with an ``unreachable`` error
