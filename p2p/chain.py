@@ -384,9 +384,12 @@ class SwarmPipeline:
         while True:
             # The route's health is looked at every ``poll_s`` while the token is out; the
             # wait needs no cancel scope of its own (``p2p.inbox``: a token's hand-over).
-            wake_at = min(trio.current_time() + self.policy.poll_s, deadline_at)
+            asked_at = trio.current_time()
+            wake_at = min(asked_at + self.policy.poll_s, deadline_at)
             reply = await leg.inbox.receive_by(wake_at)
-            late = trio.current_time() - wake_at
+            # Late past a wake still ahead when asked: a deadline already behind us (a send
+            # that waited for room: the route's own backpressure) is no pause of ours.
+            late = trio.current_time() - max(wake_at, asked_at)
             if late > OWN_PAUSE_S:  # this peer did not run: that time is no hop's
                 deadline_at += late
                 session.flight_since += late
