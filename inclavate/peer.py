@@ -323,8 +323,14 @@ class Peer:
             self._cancel.cancel()
 
     async def leave_now(self) -> None:
-        """Announce Dead (bounded: a second Ctrl-C must not wait on the network)."""
+        """Tell the hops of the sessions this peer drives, then announce Dead (each bounded:
+        a second Ctrl-C must not wait on the network)."""
         self.leaving_now = True
+        # While the links still run: once the peer's tasks are cancelled, a generation's own
+        # close raced its link's cancelled task, and the hops kept the session (a CI run).
+        with trio.move_on_after(1.0):
+            for pipeline in list(self._pipelines.values()):
+                await pipeline.leave()
         if self.registry is None or self._own_record() is None:
             return  # never announced anything
         log.info("announcing departure")

@@ -927,6 +927,12 @@ class SwarmPipeline:
 
     # -------------------------------------------------------------- closing
 
+    async def leave(self) -> None:
+        """This peer leaves at once (:attr:`left`): every session's hops are told now, each
+        directly, and its generation's own close later finds nothing to do."""
+        for session_id in list(self._sessions):
+            await self.close_session(session_id)
+
     async def close_session(self, session_id: SessionId) -> None:
         """Free the session on every hop.
 
