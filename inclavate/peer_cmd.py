@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 JOIN_TOKEN_ENV = "INCLAVATE_JOIN_TOKEN"
 
 
+DEFAULT_DRAIN_S = 30.0
+"""How long a stopped peer drains its sessions (``--drain-timeout``'s default)."""
+
 def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "peer",
@@ -103,7 +106,7 @@ def add_peer_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                         "route through peers that have exists (default 0.125; 1: the cheapest route always)")  # fmt: skip
     p.add_argument("--failover-replay", choices=("span", "whole"), default="span",
                    help="after a failover, rebuild only the replaced span (default) or replay the whole new route")  # fmt: skip
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S, metavar="SECONDS",
                    help="on Ctrl-C/SIGTERM, wait at most this long for sessions to move away or finish (default 30)")  # fmt: skip
     p.add_argument("--legacy", action="store_true",
                    help="run without libp2p: register with --orchestrator over HTTP and serve forwards")  # fmt: skip

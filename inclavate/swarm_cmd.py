@@ -22,15 +22,12 @@ from inclavate.config import ADMIN_TOKEN_ENV, inclavate_home
 from inclavate.errors import ConfigError
 from inclavate.generate_cmd import split_evenly
 from inclavate.local_swarm import LocalSwarm, PeerProcess, SwarmError, split_cores
+from inclavate.peer_cmd import DEFAULT_DRAIN_S
 from inclavate.ports import MAX_PORT, port_arg, port_in_use
 from inclavate.progress import Progress
 from inclavate.store import ModelStore
 from inclavate.tensors import WIRE_DTYPES
 from p2p.identity import load_or_create_identity
-
-PEERS_DRAIN_S = 30.0
-"""How long a peer of the swarm drains its sessions when stopped: ``peer --drain-timeout``'s
-default, which the swarm does not change."""
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +197,7 @@ def _stop_politely(swarm: LocalSwarm) -> None:
     leaves; a second Ctrl-C tells them again, and they leave at once."""
     print("\nstopping the swarm: the peers finish their chats (Ctrl-C again to stop at once)...", file=sys.stderr)
     try:
-        swarm.stop_all(timeout=PEERS_DRAIN_S + 10)
+        swarm.stop_all(timeout=DEFAULT_DRAIN_S + 10)  # the peers drain at their default
     except KeyboardInterrupt:
         print("stopping at once...", file=sys.stderr)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the second signal is sent: a third must not abandon them
